@@ -1,0 +1,42 @@
+"""fp8compile: a torch.compile backend that runs bf16 models in FP8.
+
+    model = torch.compile(model, backend="fp8")
+    model = torch.compile(model, backend=fp8compile.backend(e8m0=True, batch_invariant=True))
+    print(fp8compile.explain(model, x))
+
+Importing this package registers the torch.ops.fp8compile ops; it does not initialise CUDA
+or import any vendor kernel library.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import ops  # noqa: F401  (registers torch.ops.fp8compile.*)
+from .backend import Fp8Backend, fp8_backend, last_report
+from .config import Fp8Config, make_config
+from .numerics import calc_diff
+from .report import Report
+
+__version__ = "0.1.0"
+
+
+def backend(config: Fp8Config | dict | None = None, **options: Any) -> Fp8Backend:
+    """A backend for torch.compile(model, backend=...), from a config and/or keyword options."""
+    return Fp8Backend(config, **options)
+
+
+def explain(model: torch.nn.Module, *example_args: Any, config: Fp8Config | dict | None = None,
+            **options: Any) -> Report:
+    """Compile `model` with the fp8 backend, run it once on example_args (under no_grad), and
+    return the report: what was rewritten (kind, module, shape, kernel per M range) and what
+    was left in bf16 and why. The model itself is not modified."""
+    fp8 = Fp8Backend(config, **options)
+    with torch.no_grad():
+        torch.compile(model, backend=fp8)(*example_args)
+    return fp8.report
+
+
+__all__ = ["Fp8Backend", "Fp8Config", "Report", "backend", "calc_diff", "explain", "fp8_backend",
+           "last_report", "make_config"]

@@ -1,0 +1,43 @@
+"""Command line: `python -m fp8compile demo | backends`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _backends(args) -> int:
+    import torch
+
+    from . import registry
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    request = registry.Request("linear", device, n=args.n, k=args.k, m_min=args.m, m_max=args.m)
+    print(f"backends for linear N={args.n} K={args.k} M={args.m} on {device} (preference order):")
+    for name in registry.DEFAULT_ORDER:
+        why = registry.why_not(name, request)
+        print(f"  {name:<12} {'usable' if why is None else 'not used: ' + why}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fp8compile")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="compile a small Llama with backend='fp8' and print the report")
+    demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    demo.add_argument("--e8m0", action="store_true", help="power-of-two scales")
+    demo.add_argument("--batch-invariant", action="store_true")
+    backends = sub.add_parser("backends", help="which kernel backend serves a linear here, and why not the others")
+    backends.add_argument("--device", default=None)
+    backends.add_argument("-m", type=int, default=1)
+    backends.add_argument("-n", type=int, default=4096)
+    backends.add_argument("-k", type=int, default=4096)
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(args.device, e8m0=args.e8m0, batch_invariant=args.batch_invariant)
+    return _backends(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

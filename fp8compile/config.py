@@ -1,0 +1,112 @@
+"""The one configuration object, and the one place that turns user options into it."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from . import registry
+
+RECIPES = ("block",)  # "rowwise" and "tensor" join when their ops land
+
+# Small/large-M threshold for the torch.cond dispatch: M <= SMALL_M takes the decode path.
+# 32 is where the anchors' decode kernels stop streaming weights and start being compute-bound
+# (../shared/device/README.md: DeepGEMM/FlashInfer/cuBLAS times are flat from M=1 to M=16).
+SMALL_M = 32
+
+DEBUG_DIR_ENV = "FP8COMPILE_DEBUG_DIR"
+
+
+def _debug_dir_from_env() -> str | None:
+    return os.environ.get(DEBUG_DIR_ENV) or None
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """What the fp8 backend rewrites and how.
+
+    recipe:          scaling recipe; "block" = DeepSeek-V3 (activations 1x128, weights 128x128).
+    e8m0:            round every scale up to a power of two (UE8M0 checkpoints, Blackwell).
+    batch_invariant: one kernel and one reduction order for every M, so row i of the output
+                     does not depend on the other rows of the batch.
+    small_m:         rows M <= small_m take the small-M (decode) kernel, chosen by torch.cond.
+    backends:        kernel backends in preference order; None = the measured default order.
+    skip:            module-name globs left in bf16, e.g. ("lm_head", "*.mlp.down_proj").
+    debug_dir:       write graphs before/after our passes and depyf-decompiled code here
+                     (default: $FP8COMPILE_DEBUG_DIR).
+    """
+
+    recipe: str = "block"
+    e8m0: bool = False
+    batch_invariant: bool = False
+    small_m: int = SMALL_M
+    backends: tuple[str, ...] | None = None
+    skip: tuple[str, ...] = ()
+    debug_dir: str | None = dataclasses.field(default_factory=_debug_dir_from_env)
+
+    def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe={self.recipe!r} is not supported; valid recipes: {', '.join(RECIPES)}")
+        for name in ("e8m0", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.small_m, bool) or not isinstance(self.small_m, int) or self.small_m < 0:
+            raise ValueError(f"small_m must be an int >= 0 (0 = never take the small-M path), got {self.small_m!r}")
+        object.__setattr__(self, "skip", _str_tuple("skip", self.skip))
+        if self.backends is not None:
+            backends = _str_tuple("backends", self.backends)
+            valid = registry.names()
+            unknown = [b for b in backends if b not in valid]
+            if unknown:
+                raise ValueError(f"unknown backend(s) {unknown}; valid backends: {', '.join(valid)}")
+            if len(set(backends)) != len(backends):
+                raise ValueError(f"backends lists a backend twice: {backends}")
+            if not backends:
+                raise ValueError(f"backends must name at least one of: {', '.join(registry.names())}")
+            object.__setattr__(self, "backends", backends)
+        if self.debug_dir is not None and not isinstance(self.debug_dir, (str, os.PathLike)):
+            raise TypeError(f"debug_dir must be a path or None, got {self.debug_dir!r}")
+        if self.debug_dir is not None:
+            object.__setattr__(self, "debug_dir", os.fspath(self.debug_dir))
+
+    def replace(self, **changes: Any) -> Fp8Config:
+        return make_config(self, **changes)
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Fp8Config))
+
+
+def _str_tuple(name: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a string or a sequence of strings, got {value!r}") from None
+    if not all(isinstance(v, str) for v in items):
+        raise TypeError(f"{name} must contain strings only, got {items!r}")
+    return items
+
+
+def make_config(config: Fp8Config | Mapping[str, Any] | None = None, **options: Any) -> Fp8Config:
+    """Fp8Config from a config, a dict of options, keyword options, or a mix (keywords win).
+
+    Unknown option names are an error that lists the valid ones.
+    """
+    if config is None:
+        base: dict[str, Any] = {}
+    elif isinstance(config, Fp8Config):
+        base = {f: getattr(config, f) for f in FIELDS}
+    elif isinstance(config, Mapping):
+        base = dict(config)
+    else:
+        raise TypeError(f"expected an Fp8Config, a dict of options or None, got {type(config).__name__}")
+    merged = {**base, **options}
+    unknown = [k for k in merged if k not in FIELDS]
+    if unknown:
+        hints = [difflib.get_close_matches(k, FIELDS, n=1) for k in unknown]
+        hint = "".join(f" (did you mean {h[0]!r} for {k!r}?)" for k, h in zip(unknown, hints) if h)
+        raise TypeError(f"unknown fp8compile option(s) {unknown}{hint}; valid options: {', '.join(FIELDS)}")
+    return Fp8Config(**merged)

@@ -1,0 +1,80 @@
+"""The registered FP8 ops (torch.library), each with its fake (meta) implementation below it.
+
+The real implementation of each op is the kernel of the backend the registry names in the
+op's `backend` argument; the pass fixes that choice at compile time, so the graph says which
+kernel runs. Weight quantization runs once, at compile time, and has only the reference.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import registry
+from ..numerics import BLOCK, FP8_DTYPE, ceil_div
+from . import reference
+
+
+def _check_linear_shapes(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None) -> None:
+    n, k = w_fp8.shape
+    torch._check(x.shape[-1] == k, lambda: f"x has K={x.shape[-1]} but the weight has K={k}")
+    torch._check(
+        tuple(w_scale.shape) == (ceil_div(n, BLOCK), k // BLOCK),
+        lambda: f"w_scale shape {tuple(w_scale.shape)} does not match a ({n}, {k}) weight in 128x128 blocks",
+    )
+    if bias is not None:
+        torch._check(tuple(bias.shape) == (n,), lambda: f"bias shape {tuple(bias.shape)} is not ({n},)")
+
+
+@torch.library.custom_op("fp8compile::quant_act", mutates_args=())
+def quant_act(x: Tensor, e8m0: bool = False, backend: str = "reference") -> tuple[Tensor, Tensor]:
+    """x (M, K) -> x_fp8 (M, K) e4m3fn, x_scale (M, K/128) fp32 row-major; 1x128 groups."""
+    return registry.implementation("quant_act", backend)(x, e8m0)
+
+
+@quant_act.register_fake
+def _(x: Tensor, e8m0: bool = False, backend: str = "reference") -> tuple[Tensor, Tensor]:
+    m, k = x.shape
+    return x.new_empty(m, k, dtype=FP8_DTYPE), x.new_empty(m, k // BLOCK, dtype=torch.float32)
+
+
+@torch.library.custom_op("fp8compile::quant_weight", mutates_args=())
+def quant_weight(w: Tensor, e8m0: bool = False) -> tuple[Tensor, Tensor]:
+    """w (N, K) -> w_fp8 (N, K) e4m3fn, w_scale (ceil(N/128), K/128) fp32; 128x128 blocks."""
+    return reference.quant_weight_block(w, e8m0)
+
+
+@quant_weight.register_fake
+def _(w: Tensor, e8m0: bool = False) -> tuple[Tensor, Tensor]:
+    n, k = w.shape
+    return w.new_empty(n, k, dtype=FP8_DTYPE), w.new_empty(ceil_div(n, BLOCK), k // BLOCK, dtype=torch.float32)
+
+
+@torch.library.custom_op("fp8compile::gemm", mutates_args=())
+def gemm(
+    x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None = None, backend: str = "reference"
+) -> Tensor:
+    """Block-scaled x_fp8 (M, K) @ w_fp8 (N, K).T (+ bias) -> (M, N) bf16."""
+    return registry.implementation("gemm", backend)(x_fp8, x_scale, w_fp8, w_scale, bias)
+
+
+@gemm.register_fake
+def _(x_fp8, x_scale, w_fp8, w_scale, bias=None, backend="reference"):
+    _check_linear_shapes(x_fp8, w_fp8, w_scale, bias)
+    return x_fp8.new_empty(x_fp8.shape[0], w_fp8.shape[0], dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("fp8compile::linear", mutates_args=())
+def linear(
+    x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None = None, e8m0: bool = False, backend: str = "reference"
+) -> Tensor:
+    """FP8 linear: bf16 x (..., K), pre-quantized block weight (N, K) -> bf16 (..., N).
+
+    Quantizes x per token in 1x128 groups (fused into the GEMM where the kernel can).
+    """
+    return registry.implementation("linear", backend)(x, w_fp8, w_scale, bias, e8m0)
+
+
+@linear.register_fake
+def _(x, w_fp8, w_scale, bias=None, e8m0=False, backend="reference"):
+    _check_linear_shapes(x, w_fp8, w_scale, bias)
+    return x.new_empty(*x.shape[:-1], w_fp8.shape[0])

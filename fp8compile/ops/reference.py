@@ -1,0 +1,101 @@
+"""Pure-PyTorch definitions of the block-recipe FP8 ops. Every fast kernel is tested against these.
+
+Layouts (M tokens, N output features, K input features, G = K / 128 groups):
+  x (M, K) bf16        -> x_fp8 (M, K) e4m3fn, x_scale (M, G) fp32, row-major
+  w (N, K) bf16        -> w_fp8 (N, K) e4m3fn, w_scale (ceil(N/128), G) fp32
+  out[m, n] = sum_g (x_fp8[m, g] . w_fp8[n, g]) * x_scale[m, g] * w_scale[n // 128, g]
+"""
+from __future__ import annotations
+
+import torch
+
+from ..numerics import BLOCK, FP8_DTYPE, FP8_MAX, ceil_div, scale_from_amax
+
+
+def _check_k(k: int) -> None:
+    if k % BLOCK:
+        raise ValueError(f"K={k} is not a multiple of {BLOCK}: the block recipe scales K in groups of {BLOCK}")
+
+
+def quant_act_block(x: torch.Tensor, e8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token, per-128-group quantization of x (M, K) -> (x_fp8 (M, K), x_scale (M, K/128))."""
+    m, k = x.shape
+    _check_k(k)
+    groups = x.float().reshape(m, k // BLOCK, BLOCK)
+    scale = scale_from_amax(groups.abs().amax(dim=-1), e8m0) if m else groups.new_empty(0, k // BLOCK)
+    x_fp8 = (groups / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x_fp8.reshape(m, k), scale
+
+
+def quant_weight_block(w: torch.Tensor, e8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128-block quantization of w (N, K) -> (w_fp8 (N, K), w_scale (ceil(N/128), K/128)).
+
+    N need not be a multiple of 128: the last block row is padded with zeros for its amax.
+    """
+    n, k = w.shape
+    _check_k(k)
+    nb = ceil_div(n, BLOCK)
+    padded = w.new_zeros(nb * BLOCK, k, dtype=torch.float32)
+    padded[:n] = w.float()
+    blocks = padded.reshape(nb, BLOCK, k // BLOCK, BLOCK)
+    scale = scale_from_amax(blocks.abs().amax(dim=(1, 3)), e8m0)
+    w_fp8 = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return w_fp8.reshape(nb * BLOCK, k)[:n].contiguous(), scale
+
+
+def gemm_block(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """out (M, N) = block-scaled x_fp8 @ w_fp8.T (+ bias), written in out_dtype.
+
+    Each 128-long group dot product is computed in float64, where it is exact: e4m3 products
+    are multiples of 2**-18 below 2**18, so a sum of 128 of them needs at most 43 of float64's
+    53 bits, whatever the summation order. Groups are then scaled and summed in a fixed order.
+    Hence the result is the same for a row whatever M is (batch-invariant by construction) and
+    is a higher-precision baseline than any fp32-accumulating kernel.
+    """
+    m, k = x_fp8.shape
+    n = w_fp8.shape[0]
+    _check_k(k)
+    groups = k // BLOCK
+    xq = x_fp8.double().reshape(m, groups, BLOCK)
+    wq = w_fp8.double().reshape(n, groups, BLOCK)
+    w_scale_rows = w_scale.double().repeat_interleave(BLOCK, dim=0)[:n]  # (N, G)
+    x_scale = x_scale.double()
+    out = torch.zeros(m, n, dtype=torch.float64, device=x_fp8.device)
+    for g in range(groups):
+        exact = xq[:, g] @ wq[:, g].T
+        out += exact * x_scale[:, g, None] * w_scale_rows[None, :, g]
+    if bias is not None:
+        out += bias.double()
+    return out.to(out_dtype)
+
+
+def linear_block(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    e8m0: bool = False,
+) -> torch.Tensor:
+    """FP8 linear on a bf16 activation x (..., K): quantize 1x128, block GEMM, bf16 (..., N) out."""
+    x2 = x.reshape(-1, x.shape[-1])
+    x_fp8, x_scale = quant_act_block(x2, e8m0)
+    out = gemm_block(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype)
+    return out.reshape(*x.shape[:-1], w_fp8.shape[0])
+
+
+def dequant_weight_block(w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """fp32 weight that w_fp8 and its block scales stand for (for tests and error analysis)."""
+    n, _ = w_fp8.shape
+    full = w_scale.repeat_interleave(BLOCK, dim=0)[:n].repeat_interleave(BLOCK, dim=1)
+    return w_fp8.float() * full
+
+
+def dequant_act_block(x_fp8: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    return x_fp8.float() * x_scale.repeat_interleave(BLOCK, dim=1)

@@ -1,0 +1,20 @@
+"""FX passes over the ATen inference graph. Each pass matches, checks and rewrites in place,
+recording every rewrite and every candidate it leaves in bf16 on the context's report."""
+from __future__ import annotations
+
+from .context import GraphInputs, PassContext
+from .linear import linear_pass
+
+# Order matters once fusions land: a fused pass must claim its linears before linear_pass.
+PASSES = (linear_pass,)
+
+
+def run_passes(ctx: PassContext) -> None:
+    for fp8_pass in PASSES:
+        fp8_pass(ctx)
+    ctx.gm.graph.eliminate_dead_code()
+    ctx.gm.graph.lint()
+    ctx.gm.recompile()
+
+
+__all__ = ["GraphInputs", "PassContext", "run_passes", "PASSES"]

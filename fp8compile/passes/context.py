@@ -1,0 +1,116 @@
+"""What a pass knows about the ATen graph it rewrites: the real tensor and the model name
+behind each placeholder, the config, the report, and how to add compile-time constants.
+
+Invariants every pass keeps: each node it adds carries meta["val"] (a FakeTensor / SymInt of
+the graph's fake mode); constants are get_attr nodes on the graph module; no new aliasing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..config import Fp8Config
+from ..report import Report, Rewrite, Skip
+
+
+def qualified_name(source_name: str) -> str:
+    """"L['self']._modules['mlp']._parameters['weight']" -> "mlp.weight" (Dynamo source names)."""
+    keys = re.findall(r"\[['\"]?([^'\"\]]+)['\"]?\]", source_name)
+    if keys and keys[0] == "self":  # the compiled module itself
+        keys = keys[1:]
+    return ".".join(keys) or source_name
+
+
+def dynamo_input_names(gm: fx.GraphModule) -> list[str | None]:
+    """Model-side name of each placeholder of a Dynamo graph, from its grapharg source."""
+    names: list[str | None] = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        grapharg = node.meta.get("grapharg")
+        source = getattr(grapharg, "source", None)
+        name = getattr(source, "name", None)
+        if callable(name):  # a method in older torch, a property in newer
+            name = name()
+        names.append(qualified_name(name) if isinstance(name, str) else None)
+    return names
+
+
+@dataclasses.dataclass
+class GraphInputs:
+    """The real values behind an ATen graph's placeholders, in AOTAutograd's flat order:
+    the Dynamo graph's own parameters and buffers (lifted by AOTAutograd) then its inputs."""
+
+    values: list[Any]
+    names: list[str | None]
+
+    @classmethod
+    def from_dynamo(cls, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> GraphInputs:
+        lifted = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+        values = [t for _, t in lifted] + list(example_inputs)
+        names = [qualified_name(n) for n, _ in lifted] + dynamo_input_names(gm)
+        return cls(values, names)
+
+    def bind(self, aten_gm: fx.GraphModule) -> dict[fx.Node, tuple[Any, str | None]] | str:
+        """Map the ATen graph's placeholders to (real value, name), or say why that is not possible."""
+        placeholders = list(aten_gm.graph.find_nodes(op="placeholder"))
+        if len(placeholders) != len(self.values):
+            return f"graph has {len(placeholders)} inputs but Dynamo passed {len(self.values)}"
+        for node, value in zip(placeholders, self.values):
+            fake = node.meta.get("val")
+            if isinstance(value, torch.Tensor) != isinstance(fake, torch.Tensor):
+                return f"input {node.name} is a {type(fake).__name__} in the graph but {type(value).__name__} from Dynamo"
+            if isinstance(value, torch.Tensor) and value.dtype != fake.dtype:
+                return f"input {node.name} has dtype {fake.dtype} in the graph but {value.dtype} from Dynamo"
+        return {node: (value, name) for node, value, name in zip(placeholders, self.values, self.names)}
+
+
+class PassContext:
+    def __init__(self, gm: fx.GraphModule, inputs: dict[fx.Node, tuple[Any, str | None]], config: Fp8Config,
+                 report: Report, graph_index: int, fake_mode):
+        self.gm = gm
+        self.inputs = inputs
+        self.config = config
+        self.report = report
+        self.graph_index = graph_index
+        self.fake_mode = fake_mode
+        self.quantized_params: list[tuple[str, torch.nn.Parameter]] = []  # (name, param) read by this graph
+
+    def parameter(self, node: fx.Node) -> tuple[torch.nn.Parameter, str] | None:
+        """The model parameter a placeholder stands for, with its name; None if not a parameter."""
+        value, name = self.inputs.get(node, (None, None))
+        if isinstance(value, torch.nn.Parameter):
+            return value, name or node.name
+        return None
+
+    def attr_name(self, hint: str) -> str:
+        """A fresh attribute name on the graph module, readable: _fp8_<hint>[_<i>]."""
+        base = "_fp8_" + re.sub(r"[^0-9a-zA-Z_]", "_", hint)
+        name, i = base, 1
+        while hasattr(self.gm, name):
+            name, i = f"{base}_{i}", i + 1
+        return name
+
+    def add_constant(self, hint: str, tensor: torch.Tensor) -> fx.Node:
+        """A get_attr node, at the graph's current insertion point, for a compile-time tensor."""
+        name = self.attr_name(hint)
+        self.gm.register_buffer(name, tensor, persistent=False)
+        node = self.gm.graph.get_attr(name)
+        node.meta["val"] = self.fake_mode.from_tensor(tensor, static_shapes=True)
+        return node
+
+    def fake(self, fn, *args, **kwargs):
+        """Run fn on the meta["val"] of node arguments, under the graph's fake mode."""
+        args, kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with self.fake_mode:
+            return fn(*args, **kwargs)
+
+    def rewrote(self, kind: str, name: str, m: Any, n: int, k: int, kernels) -> None:
+        m_desc = str(m) if isinstance(m, int) else "dynamic"
+        self.report.rewrites.append(Rewrite(kind, name, m_desc, n, k, tuple(kernels), self.graph_index))
+
+    def skipped(self, kind: str, name: str, reason: str, shape: str = "") -> None:
+        self.report.skips.append(Skip(kind, name, reason, self.graph_index, shape))

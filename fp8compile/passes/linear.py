@@ -1,0 +1,154 @@
+"""linear pass: a bf16 matmul whose weight is a model parameter -> fp8compile::linear.
+
+After AOTAutograd every linear form (nn.Linear, F.linear, x @ w.t(), torch.matmul, 2-D or
+3-D activations) is one of
+    mm(x, permute(w, [1, 0]))          addmm(bias, x, permute(w, [1, 0]))      w stored (N, K)
+    mm(x, w)                           addmm(bias, x, w)                       w stored (K, N)
+with 3-D activations flattened by a view before and after. The transpose may also appear as
+aten.t or aten.transpose. The weight is quantized once here, at compile time, into graph
+constants; the op that replaces the matmul quantizes only the activation at run time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+
+import torch
+import torch.fx as fx
+
+from ..numerics import BLOCK
+from . import dispatch
+from .context import PassContext
+from .weights import quantized_weight
+
+aten = torch.ops.aten
+_MATMULS = (aten.mm.default, aten.addmm.default)
+
+
+@dataclasses.dataclass
+class LinearMatch:
+    node: fx.Node  # the mm / addmm
+    x: fx.Node  # (M, K) activation
+    weight: fx.Node  # placeholder of the stored weight
+    transposed: bool  # stored as (K, N), i.e. used as x @ w
+    bias: fx.Node | None
+
+
+def _is_2d_transpose(node: fx.Node) -> bool:
+    if node.target == aten.t.default:
+        return True
+    if node.target == aten.permute.default:
+        return list(node.args[1]) == [1, 0]
+    if node.target == aten.transpose.int:
+        return {d % 2 for d in node.args[1:3]} == {0, 1}
+    return False
+
+
+def _derives_from_placeholder(node: fx.Node, depth: int = 4) -> fx.Node | None:
+    """The placeholder a weight operand is computed from through single-input ops, if any."""
+    for _ in range(depth):
+        if node.op == "placeholder":
+            return node
+        tensor_inputs = [a for a in node.all_input_nodes]
+        if node.op != "call_function" or len(tensor_inputs) != 1:
+            return None
+        node = tensor_inputs[0]
+    return node if node.op == "placeholder" else None
+
+
+def linear_pattern(node: fx.Node) -> LinearMatch | fx.Node | None:
+    """A LinearMatch; else the placeholder an unsupported weight operand derives from; else None."""
+    if node.target == aten.mm.default:
+        bias, (x, w) = None, node.args[:2]
+    else:
+        bias, x, w = node.args[:3]
+    if w.op == "call_function" and _is_2d_transpose(w) and w.args[0].op == "placeholder":
+        return LinearMatch(node, x, w.args[0], False, bias)
+    if w.op == "placeholder":
+        return LinearMatch(node, x, w, True, bias)
+    return _derives_from_placeholder(w)
+
+
+def _module_name(param_name: str) -> str:
+    return param_name[: -len(".weight")] if param_name.endswith(".weight") else param_name
+
+
+def _skip_pattern(name: str, patterns: tuple[str, ...]) -> str | None:
+    for pattern in patterns:
+        if fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern):
+            return pattern
+    return None
+
+
+def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str | None:
+    """Why this linear must stay bf16, or None. Dtype: FP8 replaces bf16 math only (an fp32 or
+    fp16 model asked for its precision); shape: the block recipe needs whole 128-wide groups
+    along K and whole 128-row weight blocks along N; skip: the user asked for bf16."""
+    x_val, w_val, out_val = match.x.meta["val"], match.weight.meta["val"], match.node.meta["val"]
+    dtypes = {x_val.dtype, w_val.dtype, out_val.dtype}
+    if dtypes != {torch.bfloat16}:
+        return f"dtype {'/'.join(sorted(str(d).replace('torch.', '') for d in dtypes))}: only bfloat16 linears are rewritten"
+    if (pattern := _skip_pattern(name, ctx.config.skip)) is not None:
+        return f"matches skip pattern {pattern!r}"
+    k, n = w_val.shape if match.transposed else reversed(w_val.shape)
+    for dim, size in (("K", k), ("N", n)):
+        if size % BLOCK:
+            return f"{dim}={size} is not a multiple of {BLOCK} (block recipe: 1x{BLOCK} activation groups, {BLOCK}x{BLOCK} weight blocks)"
+    if match.bias is not None:
+        alpha, beta = match.node.kwargs.get("alpha", 1), match.node.kwargs.get("beta", 1)
+        if alpha != 1 or beta != 1:
+            return f"addmm with alpha={alpha}, beta={beta}"
+        if tuple(match.bias.meta["val"].shape) != (n,) or match.bias.meta["val"].dtype != torch.bfloat16:
+            return f"addmm adds a {tuple(match.bias.meta['val'].shape)} tensor, not a ({n},) bf16 bias"
+    return None
+
+
+def linear_replacement(ctx: PassContext, match: LinearMatch, param: torch.nn.Parameter, param_name: str) -> None:
+    name = _module_name(param_name)
+    graph = ctx.gm.graph
+    w_fp8, w_scale = quantized_weight(param, match.transposed, ctx.config.e8m0)
+    n, k = w_fp8.shape
+    m = match.x.meta["val"].shape[0]
+    sides = dispatch.plan(ctx, "linear", param.device, n, k, m)
+    with graph.inserting_before(match.node):
+        w_node = ctx.add_constant(f"{name}_w_fp8", w_fp8)
+        s_node = ctx.add_constant(f"{name}_w_scale", w_scale)
+        out = dispatch.emit(
+            ctx, torch.ops.fp8compile.linear.default, (match.x, w_node, s_node, match.bias),
+            {"e8m0": ctx.config.e8m0}, m_source=match.x, sides=sides, name=name,
+        )
+    match.node.replace_all_uses_with(out)
+    graph.erase_node(match.node)
+    ctx.quantized_params.append((param_name, param))
+    ctx.rewrote("linear", name, m, n, k, [(s.label, s.kernel) for s in sides])
+
+
+def linear_pass(ctx: PassContext) -> None:
+    for node in [n for n in ctx.gm.graph.nodes if n.op == "call_function" and n.target in _MATMULS]:
+        found = linear_pattern(node)
+        if found is None or (not isinstance(found, LinearMatch) and ctx.parameter(found) is None):
+            continue  # activation x activation: not a linear
+        if isinstance(found, LinearMatch) and _derives_from_placeholder(found.x) is found.weight:
+            continue  # x @ x.t(): both sides are the same activation
+        weight = found.weight if isinstance(found, LinearMatch) else found
+        param = ctx.parameter(weight)
+        value, input_name = ctx.inputs.get(weight, (None, weight.name))
+        name = _module_name(param[1] if param else (input_name or weight.name))
+        shape = "x".join(map(str, weight.meta["val"].shape))
+        if not isinstance(found, LinearMatch):
+            ctx.skipped("linear", name, f"weight reaches the matmul through {_path(node, weight)}; only a plain transpose is supported", shape)
+        elif param is None:
+            kind = "buffer or input" if isinstance(value, torch.Tensor) else "graph input"
+            ctx.skipped("linear", name, f"weight is a {kind}, not a parameter: it may change between calls, so it is not quantized at compile time", shape)
+        elif (reason := linear_extra_check(ctx, found, name)) is not None:
+            ctx.skipped("linear", name, reason, shape)
+        else:
+            linear_replacement(ctx, found, *param)
+
+
+def _path(node: fx.Node, placeholder: fx.Node) -> str:
+    ops, cur = [], node.args[-1] if node.target == aten.mm.default else node.args[2]
+    while cur is not placeholder and cur.op == "call_function":
+        ops.append(getattr(cur.target, "__name__", str(cur.target)))
+        cur = cur.all_input_nodes[0]
+    return " -> ".join(reversed(ops)) or "an unsupported form"

@@ -1,0 +1,74 @@
+"""What the backend did: every rewrite (with the kernel chosen for each side of the M dispatch)
+and every candidate left in bf16, with the reason."""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+KINDS = ("linear", "silu_mul", "moe")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewrite:
+    kind: str  # one of KINDS
+    name: str  # module path, e.g. "model.layers.0.mlp.gate_proj"
+    m: str  # "dynamic" or the static row count
+    n: int
+    k: int
+    kernels: tuple[tuple[str, str], ...]  # (("M <= 32", "triton"), ("M > 32", "deep_gemm")) or (("all M", ...),)
+    graph: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Skip:
+    kind: str  # one of KINDS, or "graph" for a whole graph left alone
+    name: str
+    reason: str
+    graph: int
+    shape: str = ""
+
+
+class Report:
+    """Collects Rewrite and Skip records over every graph a backend compiles.
+
+    print(report) renders a table; report.counts() gives {"linear": 14, ...}.
+    """
+
+    def __init__(self, config=None):
+        self.config = config
+        self.rewrites: list[Rewrite] = []
+        self.skips: list[Skip] = []
+        self.graphs = 0
+
+    def counts(self) -> dict[str, int]:
+        """Rewrites per kind; every kind in KINDS is present, 0 where nothing matched."""
+        found = Counter(r.kind for r in self.rewrites)
+        return {kind: found.get(kind, 0) for kind in KINDS}
+
+    def skipped(self, kind: str | None = None) -> list[Skip]:
+        return [s for s in self.skips if kind is None or s.kind == kind]
+
+    def __str__(self) -> str:
+        head = f"fp8compile report: {len(self.rewrites)} rewritten, {len(self.skips)} left in bf16, {self.graphs} graph(s)"
+        if self.config is not None:
+            c = self.config
+            head += f"\nconfig: recipe={c.recipe} e8m0={c.e8m0} batch_invariant={c.batch_invariant} small_m={c.small_m}"
+        lines = [head]
+        if self.rewrites:
+            rows = [
+                (r.kind, r.name, r.m, f"{r.k} -> {r.n}", "; ".join(f"{side}: {k}" for side, k in r.kernels))
+                for r in self.rewrites
+            ]
+            lines += ["", "rewritten:", *_table(("kind", "module", "M", "K -> N", "kernel"), rows)]
+        if self.skips:
+            rows = [(s.kind, s.name, s.shape, s.reason) for s in self.skips]
+            lines += ["", "left in bf16:", *_table(("kind", "module", "shape", "reason"), rows)]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths[:-1]) + "  {}"
+    return [fmt.format(*header), fmt.format(*("-" * w for w in widths)), *(fmt.format(*map(str, r)) for r in rows)]

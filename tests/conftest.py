@@ -1,0 +1,95 @@
+"""Shared fixtures. Shape letters: M tokens, N output features, K input features."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import fp8compile
+import fp8compile.passes
+from fp8compile import registry
+from fp8compile.debug import graph_listing
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test starts with an empty Dynamo cache, so compile counts are the test's own."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    yield
+    torch._dynamo.reset()
+
+
+def randn(*shape, scale: float = 1.0, dtype=BF16) -> torch.Tensor:
+    return (torch.randn(*shape) * scale).to(dtype)
+
+
+@dataclasses.dataclass
+class Captured:
+    before: list[str]  # graph_listing of the ATen graph before our passes
+    after: torch.fx.GraphModule
+
+    def count(self, target) -> int:
+        return len(self.after.graph.find_nodes(op="call_function", target=target))
+
+    def ops(self, target) -> list[torch.fx.Node]:
+        """Nodes calling target, in the graph and inside torch.cond branches."""
+        found = list(self.after.graph.find_nodes(op="call_function", target=target))
+        for _, sub in self.after.named_children():
+            found += sub.graph.find_nodes(op="call_function", target=target)
+        return found
+
+
+@pytest.fixture
+def captured(monkeypatch) -> list[Captured]:
+    """The ATen graphs our passes see (before) and produce (after), one per compiled graph."""
+    graphs: list[Captured] = []
+    real = fp8compile.passes.run_passes
+
+    def spy(ctx):
+        before = graph_listing(ctx.gm)
+        real(ctx)
+        graphs.append(Captured(before, ctx.gm))
+
+    monkeypatch.setattr(fp8compile.passes, "run_passes", spy)
+    return graphs
+
+
+@pytest.fixture
+def probe_backend(monkeypatch):
+    """A registry backend "probe" that serves M <= 32 only and records (op, M) per call, then
+    runs the reference: shows which side of the M dispatch ran."""
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
+    monkeypatch.setattr(registry, "DEFAULT_ORDER", registry.DEFAULT_ORDER)
+
+    def linear(x, w_fp8, w_scale, bias, e8m0):
+        calls.append(("linear", x.reshape(-1, x.shape[-1]).shape[0]))
+        return registry.implementation("linear", "reference")(x, w_fp8, w_scale, bias, e8m0)
+
+    def why_not(request):
+        if request.m_max is None or request.m_max > 32:
+            return "probe serves M <= 32 only"
+        return None
+
+    registry.register(registry.Backend("probe", {"linear": linear}, why_not), first=True)
+    return calls
+
+
+class CountingBackend:
+    """Wraps an fp8 backend and counts how often Dynamo compiles a graph."""
+
+    def __init__(self, **options):
+        self.fp8 = fp8compile.backend(**options)
+        self.compiles = 0
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        self.compiles += 1
+        return self.fp8(gm, example_inputs, **kwargs)
+
+    @property
+    def report(self):
+        return self.fp8.report

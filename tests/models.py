@@ -1,0 +1,92 @@
+"""Toy models for the pass tests, each written the way real model code writes it."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BF16 = torch.bfloat16
+
+
+class GatedMLP(nn.Module):
+    """Llama / gpt-fast feed-forward: down(silu(gate(x)) * up(x)), bias-free."""
+
+    def __init__(self, hidden=256, intermediate=512):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections around scaled_dot_product_attention; x is (B, S, H)."""
+
+    def __init__(self, hidden=256, heads=4, bias=True):
+        super().__init__()
+        self.heads = heads
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, hidden, bias=bias) for _ in range(3))
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, h))
+
+
+class TinyLM(nn.Module):
+    """Embedding -> gated MLP -> lm_head over a 32000-token vocabulary."""
+
+    def __init__(self, vocab=32000, hidden=256):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.mlp = GatedMLP(hidden, 512)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):
+        return self.lm_head(self.mlp(self.embed(ids)))
+
+
+class OddDims(nn.Module):
+    """One linear that fits the block recipe, one with N=100, one with K=200."""
+
+    def __init__(self):
+        super().__init__()
+        self.fits = nn.Linear(256, 256)
+        self.odd_n = nn.Linear(256, 100)
+        self.odd_k = nn.Linear(200, 128)
+
+    def forward(self, x, y):
+        return self.odd_n(self.fits(x)), self.odd_k(y)
+
+
+class LinearForms(nn.Module):
+    """The same kind of linear written six ways."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(256, 256) * 0.05)  # (N, K)
+        self.b = nn.Parameter(torch.randn(256) * 0.05)
+        self.w_kn = nn.Parameter(torch.randn(256, 384) * 0.05)  # (K, N), used as x @ w_kn
+        self.lin = nn.Linear(256, 256)
+
+    def forward(self, x):
+        a = F.linear(x, self.w, self.b)
+        b = a @ self.w.t()
+        c = torch.matmul(b, self.w.T) + self.b
+        d = self.lin(c)
+        e = d @ self.w.transpose(0, 1)
+        return e @ self.w_kn
+
+
+class TwoLayer(nn.Module):
+    """The model of the golden graph diff: linear(+bias) -> relu -> linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(256, 256)
+        self.fc2 = nn.Linear(256, 128, bias=False)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))

@@ -1,0 +1,129 @@
+"""The backend as a user meets it: backend="fp8" by entry point, options, explain, debug_dir,
+and the promises about the eager model and its weights."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fp8compile
+from fp8compile.passes import weights
+from tests.conftest import BF16, randn
+from tests.models import GatedMLP, OddDims
+
+
+def test_backend_name_fp8_works_in_a_fresh_process_without_importing_fp8compile():
+    script = textwrap.dedent("""
+        import sys, torch
+        model = torch.nn.Linear(256, 256).to(torch.bfloat16)
+        x = torch.randn(8, 256, dtype=torch.bfloat16)
+        with torch.no_grad():
+            out = torch.compile(model, backend="fp8")(x)
+            assert "fp8compile" in sys.modules  # loaded by torch through the entry point
+            import fp8compile
+            print(fp8compile.last_report().counts()["linear"], fp8compile.calc_diff(out, model(x)) < 1e-3)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["1", "True"]
+
+
+def test_options_reach_the_config():
+    model = torch.nn.Linear(256, 256).to(BF16)
+    with torch.no_grad():
+        torch.compile(model, backend="fp8", options={"e8m0": True, "small_m": 16})(randn(8, 256))
+    config = fp8compile.last_report().config
+    assert (config.e8m0, config.small_m) == (True, 16)
+
+
+def test_bad_option_fails_compilation_with_the_valid_choices():
+    model = torch.nn.Linear(256, 256).to(BF16)
+    with pytest.raises(Exception, match="valid options: recipe, e8m0, batch_invariant, small_m"):
+        torch.compile(model, backend="fp8", options={"e8m": True})(randn(8, 256))
+
+
+def test_backend_accepts_a_config_object():
+    fp8 = fp8compile.backend(fp8compile.Fp8Config(e8m0=True), small_m=4)
+    assert (fp8.config.e8m0, fp8.config.small_m) == (True, 4)
+
+
+def test_eager_model_is_bitwise_untouched_by_compiling_and_running():
+    model = GatedMLP().to(BF16)
+    x = randn(10, 256)
+    before = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        eager_before = model(x)
+        compiled = torch.compile(model, backend="fp8")
+        compiled(x)
+        compiled(randn(50, 256))
+        eager_after = model(x)
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for k, (ptr, value) in before.items():
+        assert after[k].data_ptr() == ptr and after[k].dtype == BF16
+        assert torch.equal(after[k].view(torch.int16), value.view(torch.int16))
+    assert torch.equal(eager_before, eager_after)
+
+
+def test_weights_are_quantized_once_at_compile_time_not_per_call(monkeypatch, captured):
+    calls = []
+    real = weights._quantize
+    monkeypatch.setattr(weights, "_quantize", lambda w, e8m0: calls.append(1) or real(w, e8m0))
+    compiled = torch.compile(GatedMLP().to(BF16), backend="fp8")
+    with torch.no_grad():
+        for m in (40, 8, 300, 1):  # 1 recompiles (Dynamo specializes size 1): the cache serves it
+            x = randn(m, 256)
+            torch._dynamo.mark_dynamic(x, 0) if m > 1 else None
+            compiled(x)
+    assert len(calls) == 3
+    assert len(captured) == 2
+    for g in captured:  # the run-time graph holds FP8 constants and quantizes no weight
+        assert g.ops(torch.ops.fp8compile.quant_weight.default) == []
+        fp8_constants = [b for name, b in g.after.named_buffers() if b.dtype == torch.float8_e4m3fn]
+        assert len(fp8_constants) == 3
+
+
+def test_changing_a_weight_after_compiling_is_an_error_not_silently_stale():
+    model = GatedMLP().to(BF16)
+    compiled = torch.compile(model, backend="fp8")
+    with torch.no_grad():
+        compiled(randn(8, 256))
+        model.up_proj.weight.mul_(2)
+        with pytest.raises(RuntimeError, match="parameter up_proj.weight was modified in place after"):
+            compiled(randn(8, 256))
+
+
+def test_explain_reports_rewrites_and_skips_with_reasons():
+    report = fp8compile.explain(OddDims().to(BF16), randn(8, 256), randn(8, 200), skip=["nothing"])
+    assert report.counts() == {"linear": 1, "silu_mul": 0, "moe": 0}
+    text = str(report)
+    assert "1 rewritten, 2 left in bf16" in text
+    assert "fits" in text and "M = 8: reference" in text
+    assert "odd_n" in text and "N=100 is not a multiple of 128" in text
+    assert "odd_k" in text and "K=200 is not a multiple of 128" in text
+
+
+def test_debug_dir_gets_graphs_before_and_after_and_decompiled_code(tmp_path):
+    model = GatedMLP().to(BF16)
+    with torch.no_grad():
+        torch.compile(model, backend=fp8compile.backend(debug_dir=str(tmp_path)))(randn(8, 256))
+    files = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("graph_"))
+    assert files == ["graph_000_aten_after.py", "graph_000_aten_before.py", "graph_000_diff.txt", "graph_000_dynamo.py"]
+    assert "torch.ops.fp8compile.linear" in (tmp_path / "graph_000_aten_after.py").read_text()
+    assert "-mm = aten.mm" in (tmp_path / "graph_000_diff.txt").read_text()
+    (code,) = [p for p in tmp_path.iterdir() if p.name.startswith("__transformed_code_")]
+    assert "def " in code.read_text() and "could not decompile" not in code.read_text()
+
+
+def test_debug_dir_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP8COMPILE_DEBUG_DIR", str(tmp_path / "dumps"))
+    with torch.no_grad():
+        torch.compile(torch.nn.Linear(256, 256).to(BF16), backend=fp8compile.backend())(randn(8, 256))
+    assert (tmp_path / "dumps" / "graph_000_diff.txt").exists()
+
+
+def test_import_does_not_touch_cuda_or_vendor_libraries():
+    script = "import sys, torch, fp8compile; print(torch.cuda.is_initialized(), [m for m in ('deep_gemm', 'flashinfer', 'triton') if m in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "False []", result.stderr[-2000:]

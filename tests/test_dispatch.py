@@ -1,0 +1,86 @@
+"""Small/large-M dispatch: one graph, compiled with dynamic M, serves both sides of small_m
+through torch.cond, without recompiling; batch-invariant mode uses one kernel for every M."""
+import pytest
+import torch
+from torch import nn
+
+import fp8compile
+from tests.conftest import BF16, CountingBackend, randn
+
+FP8_LINEAR = torch.ops.fp8compile.linear.default
+
+
+def run(model, backend, ms, dynamic=True):
+    outs = {}
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for m in ms:
+            x = randn(m, 256)
+            if dynamic:
+                torch._dynamo.mark_dynamic(x, 0)
+            outs[m] = (x, compiled(x))
+    return outs
+
+
+def test_one_graph_serves_m_on_both_sides_of_the_threshold_without_recompiling(probe_backend, captured):
+    model = nn.Linear(256, 384).to(BF16)
+    backend = CountingBackend(backends=["probe", "reference"])
+    run(model, backend, [45, 3, 32, 33, 200, 17, 300])
+    assert backend.compiles == 1
+    # the probe backend serves only M <= 32: it ran exactly for the small-M calls
+    assert probe_backend == [("linear", m) for m in (3, 32, 17)]
+    (rewrite,) = backend.report.rewrites
+    assert rewrite.kernels == (("M <= 32", "probe"), ("M > 32", "reference"))
+    (g,) = captured
+    assert g.count(torch.ops.higher_order.cond) == 1
+    assert sorted(n.kwargs["backend"] for n in g.ops(FP8_LINEAR)) == ["probe", "reference"]
+
+
+def test_m_of_one_works_on_a_dynamic_graph(probe_backend):
+    # Dynamo specializes size-1 dimensions, so M = 1 gets its own graph; it must still be right.
+    model = nn.Linear(256, 256, bias=False).to(BF16)
+    outs = run(model, fp8compile.backend(backends=["probe", "reference"]), [1, 40])
+    x, y = outs[1]
+    assert y.shape == (1, 256) and ("linear", 1) in probe_backend
+    assert fp8compile.calc_diff(y, model(x)) < 1e-3
+
+
+def test_static_m_compiles_one_kernel_without_cond(probe_backend, captured):
+    backend = fp8compile.backend(backends=["probe", "reference"])
+    run(nn.Linear(256, 256).to(BF16), backend, [8], dynamic=False)
+    assert captured[0].count(torch.ops.higher_order.cond) == 0
+    assert backend.report.rewrites[0].kernels == (("M = 8", "probe"),)
+
+
+def test_small_m_zero_means_one_large_m_kernel(probe_backend, captured):
+    backend = fp8compile.backend(backends=["probe", "reference"], small_m=0)
+    run(nn.Linear(256, 256).to(BF16), backend, [8, 40])
+    assert captured[0].count(torch.ops.higher_order.cond) == 0
+    assert backend.report.rewrites[0].kernels == (("all M", "reference"),)
+    assert probe_backend == []
+
+
+def test_batch_invariant_mode_uses_one_kernel_and_rows_do_not_depend_on_the_batch(captured):
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).to(BF16)
+    backend = CountingBackend(batch_invariant=True)
+    compiled = torch.compile(model, backend=backend)
+    x = randn(300, 256)
+    with torch.no_grad():
+        outs = {}
+        for m in (300, 77, 33, 32, 5, 2):
+            xs = x[:m].clone()
+            torch._dynamo.mark_dynamic(xs, 0)
+            outs[m] = compiled(xs)
+        alone = [compiled(x[i:i + 1].clone()) for i in (0, 1, 4, 31)]
+    assert captured[0].count(torch.ops.higher_order.cond) == 0
+    assert all(r.kernels == (("all M", "reference"),) for r in backend.report.rewrites)
+    for m, out in outs.items():
+        assert torch.equal(out, outs[300][:m]), f"rows of the M={m} batch differ from the M=300 batch"
+    for i, row in zip((0, 1, 4, 31), alone):
+        assert torch.equal(row[0], outs[300][i])
+
+
+def test_explicit_backends_that_cannot_serve_are_a_clear_error(probe_backend):
+    # "probe" alone cannot serve M > 32, and the user asked for nothing else
+    with pytest.raises(Exception, match=r"no backend in \['probe'\] can run linear .*probe serves M <= 32 only"):
+        run(nn.Linear(256, 256).to(BF16), fp8compile.backend(backends=["probe"]), [40])
