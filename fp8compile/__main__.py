@@ -13,9 +13,11 @@ def _backends(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     request = registry.Request("linear", device, n=args.n, k=args.k, m_min=args.m, m_max=args.m)
     print(f"backends for linear N={args.n} K={args.k} M={args.m} on {device} (preference order):")
+    chosen = registry.choose(request).backend
     for name in registry.DEFAULT_ORDER:
         why = registry.why_not(name, request)
-        print(f"  {name:<12} {'usable' if why is None else 'not used: ' + why}")
+        state = "CHOSEN" if name == chosen else "usable" if why is None else "not used: " + why
+        print(f"  {name:<15} {state}")
     return 0
 
 

@@ -14,7 +14,6 @@ import logging
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
-from unittest import mock
 
 import torch
 import torch.fx as fx
@@ -58,7 +57,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8
 
     from .debug import DebugDump
     from .passes import GraphInputs, PassContext, run_passes
-    from .passes.weights import WeightGuard
 
     graph_index = report.graphs
     report.graphs += 1
@@ -66,7 +64,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8
     dump = DebugDump(config.debug_dir) if config.debug_dir else None
     if dump:
         dump.dynamo(gm)
-    guards: list[WeightGuard] = []
 
     def fp8_inner_compile(aten_gm: fx.GraphModule, aten_inputs: Sequence[Any], **kwargs: Any):
         def skip_graph(reason: str):
@@ -92,35 +89,16 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8
         run_passes(ctx)
         if dump:
             dump.after(aten_gm)
-        guards.append(WeightGuard(ctx.quantized_params))
-        # Our weights are real tensors held as graph constants; Inductor's own freezing
-        # compiles its constant-folded graphs under the same patch.
-        with mock.patch.object(fake_mode, "allow_non_fake_inputs", True):
-            return compile_fx_inner(aten_gm, aten_inputs, **kwargs)
+        return compile_fx_inner(aten_gm, aten_inputs, **kwargs)
 
     patches = dict(list_mode_options(mode)) if mode else {}
-    # Inductor's FX-graph and AOTAutograd caches would key a graph holding our FP8 constants
-    # either by hashing every weight value or not at all; neither is acceptable, so they are off
-    # for graphs we compile (weights are quantized once per parameter per process instead).
-    patches["fx_graph_cache"] = False
+    # AOTAutograd's cache would skip our inner compiler on a hit, and with it the report (and
+    # the compile-time weight quantization): it is off for graphs we compile. Inductor's FX
+    # graph cache stays on; it keys the graph after our passes, which holds no weight values.
     with torch._functorch.config.patch(enable_autograd_cache=False):
         compiled = compile_fx(gm, example_inputs, inner_compile=fp8_inner_compile, config_patches=patches)
     log.info("fp8compile graph %d: %s", graph_index, report.counts())
-    return _guarded(compiled, guards)
-
-
-def _guarded(compiled: Callable, guards: list) -> Callable:
-    guards = [g for g in guards if g]
-    if not guards:
-        return compiled
-
-    def run(*args):
-        for guard in guards:
-            guard()
-        return compiled(*args)
-
-    run._boxed_call = getattr(compiled, "_boxed_call", False)  # keep Dynamo's calling convention
-    return run
+    return compiled
 
 
 def fp8_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None,

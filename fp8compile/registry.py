@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
+import os
 from collections.abc import Callable
 
 import torch
@@ -54,7 +56,88 @@ def _reference_why_not(request: Request) -> str | None:
     return None  # pure PyTorch: any device, any M, any shape the recipe allows
 
 
+def _cuda_why_not(request: Request, min_capability: tuple[int, int], exact_major: int | None = None) -> str | None:
+    if request.device.type != "cuda":
+        return f"needs a CUDA GPU (device is {request.device.type})"
+    cap = torch.cuda.get_device_capability(request.device)
+    if cap < min_capability or (exact_major is not None and cap[0] != exact_major):
+        return f"needs compute capability {'sm_%d0 exactly' % exact_major if exact_major else '>= %d.%d' % min_capability}, device has {cap[0]}.{cap[1]}"
+    return None
+
+
+def _triton_device_why_not(request: Request) -> str | None:
+    if request.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return None  # Triton's CPU interpreter: correctness tests at small sizes
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    return _cuda_why_not(request, (8, 9))  # FP8 tensor-core dot: Ada / Hopper and newer
+
+
+def _triton_why_not(request: Request) -> str | None:
+    return _triton_device_why_not(request)
+
+
+def _triton_small_m_why_not(request: Request) -> str | None:
+    from .ops.triton_gemm import SMALL_M_MAX
+
+    if request.batch_invariant:
+        return "split-K sums partials in whatever order the SMs finish: not batch-invariant"
+    if request.m_max is None or request.m_max > SMALL_M_MAX:
+        return f"decode kernel: serves M <= {SMALL_M_MAX} ({request.m_range} asked)"
+    return _triton_device_why_not(request)
+
+
+def _vendor_why_not(module: str, request: Request, min_capability, exact_major=None) -> str | None:
+    if request.batch_invariant:
+        return "picks its kernel by M: not batch-invariant"
+    why = _cuda_why_not(request, min_capability, exact_major)
+    if why is None:
+        from .ops.vendors import import_error
+
+        why = import_error(module)
+    return why
+
+
+def _deep_gemm_why_not(request: Request) -> str | None:
+    if request.n % 64:
+        return f"N={request.n} is not a multiple of 64"
+    return _vendor_why_not("deep_gemm", request, (9, 0))
+
+
+def _flashinfer_why_not(request: Request) -> str | None:
+    if request.e8m0:
+        return "quantizes activations itself, without E8M0 scale rounding"
+    if request.n % 64:
+        return f"N={request.n} is not a multiple of 64"
+    return _vendor_why_not("flashinfer", request, (9, 0), exact_major=9)
+
+
+def _cublas_why_not(request: Request) -> str | None:
+    if request.m_min < CUBLAS_MIN_M:
+        return f"cuBLAS block scaling fails below M = {CUBLAS_MIN_M} (CUBLAS_STATUS_NOT_SUPPORTED at M = 1)"
+    if request.n % 128:
+        return f"N={request.n} is not a multiple of 128"
+    if request.batch_invariant:
+        return "picks its kernel by M: not batch-invariant"
+    return _cuda_why_not(request, (9, 0))
+
+
+# Measured on an H200 (../shared/device/README.md): torch._scaled_mm block scaling works at
+# M >= 8 and fails at M = 1.
+CUBLAS_MIN_M = 8
+
+
 _BACKENDS: dict[str, Backend] = {
+    "triton_small_m": Backend("triton_small_m", {"linear": ".ops.triton_gemm:linear_small_m"}, _triton_small_m_why_not),
+    "deep_gemm": Backend("deep_gemm", {"linear": ".ops.vendors:linear_deep_gemm"}, _deep_gemm_why_not),
+    "triton": Backend(
+        "triton",
+        {"linear": ".ops.triton_gemm:linear_large_m", "gemm": ".ops.triton_gemm:gemm_large_m",
+         "quant_act": ".ops.triton_quant:quant_act_row"},
+        _triton_why_not,
+    ),
+    "cublas": Backend("cublas", {"linear": ".ops.vendors:linear_cublas"}, _cublas_why_not),
+    "flashinfer": Backend("flashinfer", {"linear": ".ops.vendors:linear_flashinfer"}, _flashinfer_why_not),
     "reference": Backend(
         name="reference",
         ops={
@@ -65,7 +148,6 @@ _BACKENDS: dict[str, Backend] = {
         why_not=_reference_why_not,
     ),
 }
-
 
 def register(backend: Backend, *, first: bool = False) -> None:
     """Add a backend (replacing one of the same name); `first` puts it at the front of the
@@ -81,9 +163,9 @@ def names() -> tuple[str, ...]:
     return tuple(_BACKENDS)
 
 
-# Preference order when Fp8Config.backends is None. Faster backends go in front of
-# "reference" as the kernels land, in the order the benchmarks rank them.
-DEFAULT_ORDER = ("reference",)
+# Preference order when Fp8Config.backends is None: per M range, the first that serves wins.
+# Ranked by `python -m fp8compile bench gemm` (BENCHMARKS.md); reference is the last resort.
+DEFAULT_ORDER = ("triton_small_m", "deep_gemm", "triton", "cublas", "flashinfer", "reference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +189,9 @@ def why_not(backend: str, request: Request) -> str | None:
 
 def choose(request: Request, order: tuple[str, ...] | None = None) -> Choice:
     """First backend in `order` that serves `request`; RuntimeError naming every reason if none."""
-    order = DEFAULT_ORDER if order is None else order
+    if order is None:
+        # On the CPU the reference is the product; Triton's interpreter runs only when asked for.
+        order = DEFAULT_ORDER if request.device.type != "cpu" else ("reference",)
     rejected = []
     for name in order:
         reason = why_not(name, request)

@@ -74,33 +74,48 @@ def test_linear_matches_the_fp32_product_of_unquantized_inputs(m, n, k):
     # One block-FP8 GEMM on unit-normal data lands at calc_diff ~7e-4 against fp32 (DeepGEMM's
     # measurement, ../shared/design.md); 1e-3 leaves room for sampling noise at small sizes only.
     x, w = randn(m, k), randn(n, k, scale=0.02)
-    w_fp8, w_scale = fp8.quant_weight(w)
-    out = fp8.linear(x, w_fp8, w_scale)
-    assert calc_diff(out, x.float() @ w.float().T) < 1e-3
+    assert calc_diff(fp8.linear(x, w), x.float() @ w.float().T) < 1e-3
+
+
+def test_linear_with_a_k_by_n_weight_is_the_same_linear():
+    x, w = randn(9, 256), randn(384, 256)
+    w_kn = w.t().contiguous()
+    assert torch.equal(fp8.linear(x, w_kn, w_kn=True), fp8.linear(x, w))
 
 
 def test_linear_rows_do_not_depend_on_the_batch():
-    x = randn(300, 256)
-    w_fp8, w_scale = fp8.quant_weight(randn(256, 256, scale=0.02))
-    full = fp8.linear(x, w_fp8, w_scale)
+    x, w = randn(300, 256), randn(256, 256, scale=0.02)
+    full = fp8.linear(x, w)
     for i in (0, 17, 299):
-        assert torch.equal(full[i], fp8.linear(x[i:i + 1], w_fp8, w_scale)[0])
+        assert torch.equal(full[i], fp8.linear(x[i:i + 1], w)[0])
 
 
 def test_linear_accepts_3d_activations():
-    x = randn(2, 5, 256)
-    w_fp8, w_scale = fp8.quant_weight(randn(128, 256))
-    out = fp8.linear(x, w_fp8, w_scale)
+    x, w = randn(2, 5, 256), randn(128, 256)
+    out = fp8.linear(x, w)
     assert out.shape == (2, 5, 128)
-    assert torch.equal(out.reshape(10, 128), fp8.linear(x.reshape(10, 256), w_fp8, w_scale))
+    assert torch.equal(out.reshape(10, 128), fp8.linear(x.reshape(10, 256), w))
+
+
+def test_linear_quantizes_each_weight_once_and_again_only_after_it_changes(monkeypatch):
+    from fp8compile.passes import weights
+
+    calls = []
+    real = weights._quantize
+    monkeypatch.setattr(weights, "_quantize", lambda w, e8m0: calls.append(1) or real(w, e8m0))
+    x, w = randn(4, 256), torch.nn.Parameter(randn(128, 256), requires_grad=False)
+    first = fp8.linear(x, w)
+    fp8.linear(x, w)
+    assert len(calls) == 1
+    with torch.no_grad():
+        w.mul_(-1)  # in place: the version counter moves, the FP8 copy is made again
+    assert torch.equal(fp8.linear(x, w), -first) and len(calls) == 2
 
 
 def test_mismatched_k_is_a_clear_error():
-    w_fp8, w_scale = fp8.quant_weight(randn(128, 256))
     with pytest.raises(RuntimeError, match="x has K=384 but the weight has K=256"):
         with torch._subclasses.FakeTensorMode():
-            fp8.linear(torch.empty(4, 384, dtype=torch.bfloat16), torch.empty(128, 256, dtype=torch.float8_e4m3fn),
-                       torch.empty(1, 2))
+            fp8.linear(torch.empty(4, 384, dtype=torch.bfloat16), torch.empty(128, 256, dtype=torch.bfloat16))
 
 
 def test_k_not_multiple_of_128_is_a_clear_error():
@@ -130,8 +145,8 @@ def _op_samples():
         (fp8.quant_weight.default, (randn(200, 256), False)),
         (fp8.gemm.default, (x_fp8, x_scale, w_fp8, w_scale, None)),
         (fp8.gemm.default, (x_fp8, x_scale, w_fp8, w_scale, bias)),
-        (fp8.linear.default, (x, w_fp8, w_scale, bias, False)),
-        (fp8.linear.default, (randn(2, 3, 256), w_fp8, w_scale, None, True)),
+        (fp8.linear.default, (x, randn(256, 256), bias, False)),
+        (fp8.linear.default, (randn(2, 3, 256), randn(256, 384), None, True, "reference", True)),
     ]
 
 

@@ -65,16 +65,24 @@ def _(x_fp8, x_scale, w_fp8, w_scale, bias=None, backend="reference"):
 
 @torch.library.custom_op("fp8compile::linear", mutates_args=())
 def linear(
-    x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None = None, e8m0: bool = False, backend: str = "reference"
+    x: Tensor, w: Tensor, bias: Tensor | None = None, e8m0: bool = False, backend: str = "reference", w_kn: bool = False
 ) -> Tensor:
-    """FP8 linear: bf16 x (..., K), pre-quantized block weight (N, K) -> bf16 (..., N).
+    """FP8 linear: bf16 x (..., K) times the bf16 weight w (N, K), or (K, N) if w_kn -> bf16 (..., N).
 
-    Quantizes x per token in 1x128 groups (fused into the GEMM where the kernel can).
+    w's FP8 copy (128x128 blocks) comes from the per-parameter memo the compiler filled
+    (passes/weights.py): no weight is quantized per call. x is quantized per token in 1x128
+    groups (fused into the GEMM where the kernel can).
     """
+    from ..passes.weights import fp8_weight
+
+    w_fp8, w_scale = fp8_weight(w, w_kn, e8m0)
     return registry.implementation("linear", backend)(x, w_fp8, w_scale, bias, e8m0)
 
 
 @linear.register_fake
-def _(x, w_fp8, w_scale, bias=None, e8m0=False, backend="reference"):
-    _check_linear_shapes(x, w_fp8, w_scale, bias)
-    return x.new_empty(*x.shape[:-1], w_fp8.shape[0])
+def _(x, w, bias=None, e8m0=False, backend="reference", w_kn=False):
+    k, n = w.shape if w_kn else reversed(w.shape)
+    torch._check(x.shape[-1] == k, lambda: f"x has K={x.shape[-1]} but the weight has K={k}")
+    if bias is not None:
+        torch._check(tuple(bias.shape) == (n,), lambda: f"bias shape {tuple(bias.shape)} is not ({n},)")
+    return x.new_empty(*x.shape[:-1], n)

@@ -2,7 +2,8 @@
 behind each placeholder, the config, the report, and how to add compile-time constants.
 
 Invariants every pass keeps: each node it adds carries meta["val"] (a FakeTensor / SymInt of
-the graph's fake mode); constants are get_attr nodes on the graph module; no new aliasing.
+the graph's fake mode); no weight values enter the graph (weights stay inputs; their FP8
+copies live in passes/weights.py); no new aliasing.
 """
 from __future__ import annotations
 
@@ -77,7 +78,6 @@ class PassContext:
         self.report = report
         self.graph_index = graph_index
         self.fake_mode = fake_mode
-        self.quantized_params: list[tuple[str, torch.nn.Parameter]] = []  # (name, param) read by this graph
 
     def parameter(self, node: fx.Node) -> tuple[torch.nn.Parameter, str] | None:
         """The model parameter a placeholder stands for, with its name; None if not a parameter."""
@@ -87,20 +87,12 @@ class PassContext:
         return None
 
     def attr_name(self, hint: str) -> str:
-        """A fresh attribute name on the graph module, readable: _fp8_<hint>[_<i>]."""
+        """A fresh attribute name on the graph module (for subgraphs), readable: _fp8_<hint>[_<i>]."""
         base = "_fp8_" + re.sub(r"[^0-9a-zA-Z_]", "_", hint)
         name, i = base, 1
         while hasattr(self.gm, name):
             name, i = f"{base}_{i}", i + 1
         return name
-
-    def add_constant(self, hint: str, tensor: torch.Tensor) -> fx.Node:
-        """A get_attr node, at the graph's current insertion point, for a compile-time tensor."""
-        name = self.attr_name(hint)
-        self.gm.register_buffer(name, tensor, persistent=False)
-        node = self.gm.graph.get_attr(name)
-        node.meta["val"] = self.fake_mode.from_tensor(tensor, static_shapes=True)
-        return node
 
     def fake(self, fn, *args, **kwargs):
         """Run fn on the meta["val"] of node arguments, under the graph's fake mode."""

@@ -5,8 +5,8 @@ After AOTAutograd every linear form (nn.Linear, F.linear, x @ w.t(), torch.matmu
     mm(x, permute(w, [1, 0]))          addmm(bias, x, permute(w, [1, 0]))      w stored (N, K)
     mm(x, w)                           addmm(bias, x, w)                       w stored (K, N)
 with 3-D activations flattened by a view before and after. The transpose may also appear as
-aten.t or aten.transpose. The weight is quantized once here, at compile time, into graph
-constants; the op that replaces the matmul quantizes only the activation at run time.
+aten.t or aten.transpose. The weight is quantized once here, at compile time, into the
+per-parameter memo the op reads; the op quantizes only the activation at run time.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch.fx as fx
 from ..numerics import BLOCK
 from . import dispatch
 from .context import PassContext
-from .weights import quantized_weight
+from .weights import fp8_weight
 
 aten = torch.ops.aten
 _MATMULS = (aten.mm.default, aten.addmm.default)
@@ -104,22 +104,21 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
 
 
 def linear_replacement(ctx: PassContext, match: LinearMatch, param: torch.nn.Parameter, param_name: str) -> None:
+    """mm/addmm -> fp8compile::linear(x, w, bias) on the weight as stored; its FP8 copy is made
+    here, at compile time, into the per-parameter memo the op reads."""
     name = _module_name(param_name)
-    graph = ctx.gm.graph
-    w_fp8, w_scale = quantized_weight(param, match.transposed, ctx.config.e8m0)
+    e8m0 = ctx.config.e8m0
+    w_fp8, _ = fp8_weight(param, match.transposed, e8m0)
     n, k = w_fp8.shape
     m = match.x.meta["val"].shape[0]
     sides = dispatch.plan(ctx, "linear", param.device, n, k, m)
-    with graph.inserting_before(match.node):
-        w_node = ctx.add_constant(f"{name}_w_fp8", w_fp8)
-        s_node = ctx.add_constant(f"{name}_w_scale", w_scale)
+    with ctx.gm.graph.inserting_before(match.node):
         out = dispatch.emit(
-            ctx, torch.ops.fp8compile.linear.default, (match.x, w_node, s_node, match.bias),
-            {"e8m0": ctx.config.e8m0}, m_source=match.x, sides=sides, name=name,
+            ctx, torch.ops.fp8compile.linear.default, (match.x, match.weight, match.bias),
+            {"e8m0": e8m0, "w_kn": match.transposed}, m_source=match.x, sides=sides, name=name,
         )
     match.node.replace_all_uses_with(out)
-    graph.erase_node(match.node)
-    ctx.quantized_params.append((param_name, param))
+    ctx.gm.graph.erase_node(match.node)
     ctx.rewrote("linear", name, m, n, k, [(s.label, s.kernel) for s in sides])
 
 

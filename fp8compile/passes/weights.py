@@ -1,61 +1,58 @@
-"""Compile-time weight quantization, once per (parameter, layout, recipe), and the guard that
-keeps a compiled graph from silently using FP8 weights of a parameter changed since.
+"""FP8 copies of model weights, made once per parameter and looked up by the FP8 ops.
 
-The eager module's parameters are only read: quantization makes new tensors.
+The compiled graph takes each weight as the bf16 parameter Dynamo passes in, and the FP8 op
+fetches that parameter's FP8 copy here. The pass fills this memo at compile time, so the
+normal run never quantizes a weight. Keying by the parameter actually passed at run time
+(not by what was seen at compile time) keeps two cases correct that graph constants would
+get silently wrong:
+  - Dynamo reusing one compiled graph for another module instance of the same class
+    (inline_inbuilt_nn_modules; regional compilation of repeated layers does exactly this);
+  - a parameter modified in place after compiling (its version counter moves).
+Either way the new weight is quantized once, at its first use. The eager module's
+parameters are only read.
 """
 from __future__ import annotations
 
+import logging
+import weakref
+
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.utils.weak import WeakIdKeyDictionary
 
-_CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> {(transposed, e8m0): (version, w_fp8, w_scale)}
+log = logging.getLogger("fp8compile")
+
+# key -> (weak ref to the weight, its version when quantized, w_fp8 (N, K), w_scale)
+_MEMO: dict[tuple, tuple] = {}
 
 
 def _quantize(w: torch.Tensor, e8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.fp8compile.quant_weight(w, e8m0)
 
 
-def _version(param: torch.Tensor) -> int | None:
+def _version(w: torch.Tensor) -> int | None:
     try:
-        return param._version
+        return w._version
     except RuntimeError:  # inference tensors carry no version counter
         return None
 
 
-def quantized_weight(param: torch.nn.Parameter, transposed: bool, e8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w_fp8 (N, K), w_scale) for a weight stored as (N, K), or as (K, N) when transposed.
+def _key(w: torch.Tensor, kn: bool, e8m0: bool) -> tuple:
+    return (w.device, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, kn, e8m0)
 
-    Cached per parameter: a recompile (new M specialization, a graph break) reuses the same
-    FP8 tensors instead of quantizing and storing the weight again.
-    """
-    entries = _CACHE.setdefault(param, {})
-    key = (transposed, e8m0)
-    version = _version(param)
-    if key in entries and entries[key][0] == version:
-        return entries[key][1:]
+
+def fp8_weight(w: torch.Tensor, kn: bool = False, e8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_fp8 (N, K), w_scale (ceil(N/128), K/128)) for a weight stored (N, K), or (K, N) if kn."""
+    key = _key(w, kn, e8m0)
+    entry = _MEMO.get(key)
+    version = _version(w)
+    if entry is not None and entry[0]() is not None and entry[1] == version:
+        return entry[2], entry[3]
+    if entry is not None:
+        log.info("fp8compile: quantizing a weight %s at first use (%s)", tuple(w.shape),
+                 "modified in place" if entry[0]() is not None else "new weight in a reused graph")
     with unset_fake_temporarily(), torch.no_grad():
-        w = param.detach()
-        w = w.t() if transposed else w
-        w_fp8, w_scale = _quantize(w.contiguous(), e8m0)
-    entries[key] = (version, w_fp8, w_scale)
+        w_nk = w.detach().t() if kn else w.detach()
+        w_fp8, w_scale = _quantize(w_nk.contiguous(), e8m0)
+    ref = weakref.ref(w, lambda _, key=key: _MEMO.pop(key, None))
+    _MEMO[key] = (ref, version, w_fp8, w_scale)
     return w_fp8, w_scale
-
-
-class WeightGuard:
-    """Raises at call time if a parameter was modified in place after its FP8 copy was made."""
-
-    def __init__(self, params: list[tuple[str, torch.nn.Parameter]]):
-        self._checks = [(name, p, _version(p)) for name, p in params if _version(p) is not None]
-
-    def __bool__(self) -> bool:
-        return bool(self._checks)
-
-    def __call__(self) -> None:
-        for name, param, version in self._checks:
-            if param._version != version:
-                raise RuntimeError(
-                    f"parameter {name} was modified in place after torch.compile(backend='fp8') quantized it; "
-                    "the compiled graph holds FP8 copies made at compile time. Recompile after changing "
-                    "weights (torch._dynamo.reset(), then torch.compile again)."
-                )

@@ -1,0 +1,205 @@
+"""Triton block-scaled FP8 GEMMs, twins of reference.gemm_block / reference.linear_block.
+
+Two kernels, because decode and prefill are different problems:
+- gemm_large_m: a tiled GEMM (BLOCK_M x BLOCK_N tiles, one 128-wide K group per step).
+  Each group's tensor-core dot is promoted to fp32 registers and scaled there, as DeepGEMM
+  does, so the hardware's limited FP8 accumulation precision never spans more than 128 K.
+  With a fixed config every output element sees the same instruction sequence whatever M is:
+  this is the batch-invariant kernel.
+- linear_small_m: decode (M <= 64) is a stream over the FP8 weight. swapAB: the weight tile is
+  the MMA's M side (BLOCK_N rows), the few tokens its N side (padded to 16/32/64), and the
+  activation is quantized 1x128 inside the kernel, group by group, as the weight streams by:
+  one launch, no bf16 or FP8 activation round trip through memory. Split-K spreads a short N
+  over the SMs; partial sums meet in an fp32 buffer (atomics), then one pass adds bias -> bf16.
+
+Shape letters: M tokens, N output features, K input features, G = K / 128.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..numerics import AMAX_EPS, BLOCK, FP8_MAX
+from .triton_quant import quant_act, quant_group
+
+
+@triton.jit
+def _gemm_large_m_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, bias_ptr, c_ptr, M, N, K,
+                         stride_am, stride_asm, stride_asg, stride_bn, stride_bsn, stride_bsg, stride_cm,
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped launch order: GROUP_M row-tiles share each weight column-tile while it is in L2.
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    safe_m = offs_m % M  # wrapped rows load real data and are never stored: loads need no mask
+    safe_n = offs_n % N
+    a_ptrs = a_ptr + safe_m[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + safe_n[None, :] * stride_bn + offs_k[:, None]
+    a_s_ptrs = a_s_ptr + safe_m * stride_asm
+    b_s_ptrs = b_s_ptr + (safe_n // BLOCK_K) * stride_bsn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g in range(0, K // BLOCK_K):
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+        a_s = tl.load(a_s_ptrs + g * stride_asg)
+        b_s = tl.load(b_s_ptrs + g * stride_bsg)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _linear_small_m_kernel(x_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K,
+                           stride_xm, stride_wn, stride_wsn, stride_wsg, stride_om, eps, fp8_max,
+                           E8M0: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    groups = K // GROUP
+    per_split = tl.cdiv(groups, SPLIT_K)
+    g0 = pid_k * per_split
+    g1 = min(g0 + per_split, groups)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, GROUP)
+    safe_n = offs_n % N
+    w_ptrs = w_ptr + safe_n[:, None] * stride_wn + (g0 * GROUP + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (g0 * GROUP + offs_k)[None, :]
+    w_s_ptrs = w_s_ptr + (safe_n // GROUP) * stride_wsn
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # swapAB: out^T tile
+    for g in range(g0, g1):
+        x = tl.load(x_ptrs, mask=offs_m[:, None] < M, other=0.0).to(tl.float32)
+        x_fp8, x_s = quant_group(x, eps, fp8_max, E8M0)  # padding rows: zeros, finite scale
+        w = tl.load(w_ptrs)
+        w_s = tl.load(w_s_ptrs + g * stride_wsg)
+        acc += tl.dot(w, tl.trans(x_fp8)) * w_s[:, None] * x_s[None, :]
+        w_ptrs += GROUP
+        x_ptrs += GROUP
+
+    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + safe_n).to(tl.float32)[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _bias_cast_kernel(acc_ptr, bias_ptr, out_ptr, numel, N, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    v = tl.load(acc_ptr + offs, mask=mask)
+    if HAS_BIAS:
+        v += tl.load(bias_ptr + offs % N, mask=mask).to(tl.float32)
+    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# Large-M tile config. BLOCK_K is the 128-wide scale group. The GPU values are the best of
+# the sweep in BENCHMARKS.md (`python -m fp8compile bench tune`); under the CPU interpreter a
+# small tile keeps tests fast.
+LARGE_M_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
+INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=4)
+
+# Small-M: rows of the weight per program, and the number of programs the launcher aims for
+# (split-K fills in when N / BLOCK_N alone gives fewer). See BENCHMARKS.md, small-M sweep.
+SMALL_M_BLOCK_N = 64
+SMALL_M_PROGRAMS_PER_SM = 4
+SMALL_M_NUM_STAGES = 4
+SMALL_M_MAX = 64  # the kernel pads M to 16, 32 or 64 rows
+
+
+def _interpreting(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bfloat16, config=None):
+    """Block-scaled x_fp8 (M, K) @ w_fp8 (N, K).T (+ bias) -> (M, N) out_dtype.
+
+    x_scale (M, G) and w_scale (ceil(N/128), G) may have any strides (row- or MN-major)."""
+    m, k = x_fp8.shape
+    n = w_fp8.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
+    if m == 0:
+        return out
+    cfg = dict(config or (INTERPRETER_CONFIG if _interpreting(x_fp8) else LARGE_M_CONFIG))
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _gemm_large_m_kernel[grid](
+        x_fp8, x_scale, w_fp8, w_scale, bias if bias is not None else w_scale, out, m, n, k,
+        x_fp8.stride(0), x_scale.stride(0), x_scale.stride(1), w_fp8.stride(0), w_scale.stride(0), w_scale.stride(1),
+        out.stride(0), HAS_BIAS=bias is not None, BLOCK_K=BLOCK, **cfg,
+    )
+    return out
+
+
+def linear_large_m(x, w_fp8, w_scale, bias=None, e8m0=False):
+    """Triton quantization (row-major scales) then gemm_large_m."""
+    x2 = x.reshape(-1, x.shape[-1])
+    x_fp8, x_scale = quant_act(x2, e8m0)
+    return gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype).reshape(*x.shape[:-1], w_fp8.shape[0])
+
+
+def small_m_split(n: int, k: int, device: torch.device, block_n: int = SMALL_M_BLOCK_N) -> int:
+    """Split-K factor: enough programs to keep every SM streaming, never more splits than groups."""
+    if device.type != "cuda":
+        return 2  # exercise the split path under the interpreter
+    n_blocks = triton.cdiv(n, block_n)
+    target = SMALL_M_PROGRAMS_PER_SM * _num_sms(device.index or 0)
+    return max(1, min(k // BLOCK, round(target / n_blocks)))
+
+
+def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block_n=None, num_stages=None):
+    """Fused 1x128 activation quantization + block-scaled GEMM for M <= 64: bf16 x (..., K) -> (..., N)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    m, k = x2.shape
+    n = w_fp8.shape[0]
+    if m > SMALL_M_MAX:
+        raise ValueError(f"linear_small_m serves M <= {SMALL_M_MAX}, got M={m}")
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    interp = _interpreting(x2)
+    block_n = block_n or (32 if interp else SMALL_M_BLOCK_N)
+    split = split_k or small_m_split(n, k, x2.device, block_n)
+    acc = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    launch = {} if interp else dict(num_warps=4, num_stages=num_stages or SMALL_M_NUM_STAGES)
+    _linear_small_m_kernel[(triton.cdiv(n, block_n), split)](
+        x2, w_fp8, w_scale, bias if bias is not None else w_scale, acc, m, n, k,
+        x2.stride(0), w_fp8.stride(0), w_scale.stride(0), w_scale.stride(1), acc.stride(0), AMAX_EPS, FP8_MAX,
+        E8M0=e8m0, HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=BLOCK, **launch,
+    )
+    if split > 1:
+        cast_block = 1024
+        _bias_cast_kernel[(triton.cdiv(m * n, cast_block),)](
+            acc, bias if bias is not None else acc, out, m * n, n, HAS_BIAS=bias is not None, BLOCK=cast_block,
+        )
+    return out.reshape(*x.shape[:-1], n)

@@ -1,0 +1,81 @@
+"""Triton per-token-group activation quantization (1x128, fp32 scales), twin of
+reference.quant_act_block, bit-exact with it on the GPU.
+
+Scale layouts:
+  "row"      (M, G) row-major: the fp8compile::quant_act contract.
+  "mn_major" (M, G) with strides (1, align(M, 4)): column-major, each column 16-byte (TMA)
+             aligned; what DeepGEMM and cuBLAS block scaling read without a transpose.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..numerics import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX
+
+TMA_ALIGN = 4  # fp32 elements per 16 bytes
+
+
+@triton.jit
+def round_up_pow2(scale):
+    """Smallest power of two >= scale, for positive normal fp32: bump the exponent if any
+    mantissa bit is set, then clear the mantissa. Bit-exact twin of numerics.round_scale_e8m0."""
+    bits = scale.to(tl.int32, bitcast=True)
+    bits = tl.where((bits & 0x7FFFFF) != 0, bits + 0x800000, bits) & 0x7F800000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def quant_group(x, eps, fp8_max, E8M0: tl.constexpr):
+    """x (R, 128) fp32 -> (x_fp8 (R, 128), scale (R,)) for one 128-wide group per row."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), eps) / fp8_max
+    if E8M0:
+        scale = round_up_pow2(scale)
+    x_fp8 = tl.clamp(x / scale[:, None], -fp8_max, fp8_max).to(tl.float8e4nv)
+    return x_fp8, scale
+
+
+@triton.jit
+def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, stride_sg, eps, fp8_max,
+                      E8M0: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, GROUP)
+    mask = rows[:, None] < M
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_fp8, scale = quant_group(x, eps, fp8_max, E8M0)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], x_fp8, mask=mask)
+    tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale, mask=rows < M)
+
+
+def empty_scales(m: int, groups: int, layout: str, device) -> torch.Tensor:
+    if layout == "row":
+        return torch.empty(m, groups, dtype=torch.float32, device=device)
+    if layout == "mn_major":
+        m_aligned = triton.cdiv(max(m, 1), TMA_ALIGN) * TMA_ALIGN
+        return torch.empty(groups, m_aligned, dtype=torch.float32, device=device).t()[:m]
+    raise ValueError(f"scale layout {layout!r}: valid layouts are 'row' and 'mn_major'")
+
+
+def quant_act(x: torch.Tensor, e8m0: bool = False, layout: str = "row") -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) bf16, K a multiple of 128, last dim contiguous -> (x_fp8 (M, K), x_scale (M, K/128))."""
+    m, k = x.shape
+    if k % BLOCK:
+        raise ValueError(f"K={k} is not a multiple of {BLOCK}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    x_fp8 = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scale = empty_scales(m, k // BLOCK, layout, x.device)
+    if m:
+        rows = 4
+        _quant_act_kernel[(triton.cdiv(m, rows), k // BLOCK)](
+            x, x_fp8, scale, m, x.stride(0), x_fp8.stride(0), scale.stride(0), scale.stride(1), AMAX_EPS, FP8_MAX,
+            E8M0=e8m0, ROWS=rows, GROUP=BLOCK, num_warps=4,
+        )
+    return x_fp8, scale
+
+
+def quant_act_row(x: torch.Tensor, e8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8compile::quant_act contract (row-major scales), for the registry."""
+    return quant_act(x, e8m0, "row")

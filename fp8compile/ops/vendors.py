@@ -1,0 +1,78 @@
+"""Adapters for the optional kernel libraries: DeepGEMM, FlashInfer, cuBLAS (torch._scaled_mm).
+
+Nothing here is imported by `import fp8compile`; the registry imports this module when a
+vendor backend is asked about, and the libraries themselves are imported on first use.
+Each adapter has the fp8compile::linear contract: bf16 x (..., K), w_fp8 (N, K), w_scale
+(ceil(N/128), K/128), optional bias (N,) -> bf16 (..., N).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+from .triton_quant import quant_act
+
+INSTALL = {
+    "deep_gemm": "pip install 'fp8compile[deep_gemm]' (sgl-deep-gemm; 0.1.5.post1 loads on torch 2.11)",
+    "flashinfer": "pip install 'fp8compile[flashinfer]' (flashinfer-python)",
+}
+
+
+@functools.cache
+def import_error(module: str) -> str | None:
+    """None if `module` imports, else why not (with what to install)."""
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # ImportError, or a library that fails while loading its kernels
+        return f"cannot import {module} ({type(e).__name__}: {str(e)[:200]}); {INSTALL[module]}"
+    return None
+
+
+def require(module: str):
+    why = import_error(module)
+    if why is not None:
+        raise RuntimeError(why)
+    return importlib.import_module(module)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def linear_deep_gemm(x, w_fp8, w_scale, bias=None, e8m0=False):
+    """Triton 1x128 quantization straight into the MN-major TMA-aligned scale layout DeepGEMM
+    reads (no transpose kernel), then deep_gemm.fp8_gemm_nt with the fp32 scales as given."""
+    deep_gemm = require("deep_gemm")
+    x2 = _flat(x)
+    out = torch.empty(x2.shape[0], w_fp8.shape[0], dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        x_fp8, x_scale = quant_act(x2, e8m0, layout="mn_major")
+        deep_gemm.fp8_gemm_nt((x_fp8, x_scale), (w_fp8, w_scale), out, disable_ue8m0_cast=True)
+    return _finish(out, x, bias)
+
+
+def linear_cublas(x, w_fp8, w_scale, bias=None, e8m0=False):
+    """cuBLAS block scaling through torch._scaled_mm: scale_a (M, K/128) MN-major, scale_b
+    w_scale.t() (K/128, N/128). cuBLAS rejects M < 8 with block scaling (the registry never
+    routes those here)."""
+    x2 = _flat(x)
+    x_fp8, x_scale = quant_act(x2, e8m0, layout="mn_major")
+    out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)
+    return _finish(out, x, bias)
+
+
+def linear_flashinfer(x, w_fp8, w_scale, bias=None, e8m0=False):
+    """FlashInfer's fp8_blockscale_gemm_sm90: takes bf16 x and quantizes it itself (1x128,
+    no E8M0), swapAB kernel below M = 32."""
+    gemm = require("flashinfer").gemm.fp8_blockscale_gemm_sm90
+    x2 = _flat(x).contiguous()
+    out = gemm(x2, w_fp8, None, w_scale, out_dtype=x.dtype)
+    return _finish(out, x, bias)
