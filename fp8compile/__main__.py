@@ -33,7 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     backends.add_argument("-m", type=int, default=1)
     backends.add_argument("-n", type=int, default=4096)
     backends.add_argument("-k", type=int, default=4096)
+    bench = sub.add_parser("bench", help="GPU benchmarks against bf16 cuBLAS, cuBLAS FP8, DeepGEMM, FlashInfer")
+    bench.add_argument("what", choices=["gemm", "tune"])
+    bench.add_argument("--out", default=None, help="folder for JSON and PNG (default: $OUT or ./bench_out)")
+    bench.add_argument("-m", type=int, action="append", help="M values (default: 1 16 32 128 1024 4096)")
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(args)
     if args.command == "demo":
         from .demo import main as demo_main
 

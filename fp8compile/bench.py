@@ -1,0 +1,214 @@
+"""GPU benchmarks: `python -m fp8compile bench gemm | tune`.
+
+Timing: each variant is captured in a CUDA graph and replayed (triton.testing.do_bench_cudagraph,
+median), so launch overhead does not hide the kernels, as in a decode loop under CUDA graphs.
+Each graph runs the variant over R copies of the weights whose total is >= 4x the L2 cache:
+every call streams its weights from HBM, as in a real model. Times are per call, in us.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = [(4096, 7168), (14336, 4096), (4096, 14336), (24576, 1536), (7168, 2048)]  # (N, K)
+MS = [1, 16, 32, 128, 1024, 4096]
+ANCHORS = ("deep_gemm", "flashinfer", "cublas_fp8")
+
+
+def _copies(bytes_each: int) -> int:
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(1, min(16, math.ceil(4 * l2 / bytes_each)))
+
+
+def _time_us(fns) -> float | None:
+    """Median us per call of one of `fns` (a list of zero-arg callables run back to back)."""
+    import triton.testing
+
+    try:
+        for fn in fns:  # warm up: JIT, autotune, allocator
+            fn()
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench_cudagraph(lambda: [fn() for fn in fns], rep=30, return_mode="median")
+    except Exception as e:  # a backend that cannot run this shape: report, keep going
+        print(f"    failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        torch.cuda.synchronize()
+        return None
+    return ms * 1000 / len(fns)
+
+
+def _variants(n: int, k: int, m: int):
+    """name -> list of zero-arg callables, one per weight copy."""
+    from fp8compile.ops import reference, triton_gemm, triton_quant, vendors
+
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    r8, r16 = _copies(n * k), _copies(2 * n * k)
+    w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(max(r8, r16))]
+    w8 = [reference.quant_weight_block(w) for w in w16[:r8]]
+    x_fp8_row, x_scale_row = triton_quant.quant_act(x)
+    x_fp8, x_scale_mn = triton_quant.quant_act(x, layout="mn_major")
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    v = {"bf16": [lambda w=w: torch.nn.functional.linear(x, w) for w in w16[:r16]]}
+    v["cublas_fp8"] = [lambda q=q: torch._scaled_mm(x_fp8, q[0].t(), scale_a=x_scale_mn, scale_b=q[1].t(),
+                                                     out_dtype=torch.bfloat16) for q in w8]
+    if vendors.import_error("deep_gemm") is None:
+        import deep_gemm
+
+        v["deep_gemm"] = [lambda q=q: deep_gemm.fp8_gemm_nt((x_fp8, x_scale_mn), q, out, disable_ue8m0_cast=True)
+                          for q in w8]
+    if vendors.import_error("flashinfer") is None:
+        from flashinfer.gemm import fp8_blockscale_gemm_sm90
+
+        v["flashinfer"] = [lambda q=q: fp8_blockscale_gemm_sm90(x, q[0], None, q[1], out_dtype=torch.bfloat16) for q in w8]
+    if m <= triton_gemm.SMALL_M_MAX:
+        v["triton_small_m"] = [lambda q=q: triton_gemm.linear_small_m(x, *q) for q in w8]
+    if m >= 128:
+        v["triton_gemm"] = [lambda q=q: triton_gemm.gemm_large_m(x_fp8_row, x_scale_row, *q) for q in w8]
+    # what a user pays: nn.Linear compiled with backend="fp8", activation quantization included.
+    # One compiled graph serves every copy (same class, same shapes); each copy's FP8 weights
+    # are made on its first call.
+    linears = []
+    for w in w16[:r8]:
+        lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        lin.weight.data.copy_(w)
+        linears.append(torch.compile(lin, backend="fp8", dynamic=False))
+    v["fp8compile"] = [lambda f=f: f(x) for f in linears]
+    return v
+
+
+def bench_gemm(out_dir: Path, shapes=SHAPES, ms=MS) -> list[dict]:
+    from tqdm import tqdm
+
+    rows = []
+    device = torch.cuda.get_device_name(0)
+    with torch.no_grad():
+        for (n, k), m in tqdm(list(itertools.product(shapes, ms)), desc="bench gemm"):
+            torch._dynamo.reset()  # one static-M graph per point; keeps Dynamo under its recompile limit
+            variants = _variants(n, k, m)
+            for name, fns in variants.items():
+                us = _time_us(fns)
+                rows.append(dict(device=device, n=n, k=k, m=m, variant=name, us=us,
+                                 tflops=None if us is None else 2 * m * n * k / us / 1e6,
+                                 weight_tbps=None if us is None else n * k * (2 if name == "bf16" else 1) / us / 1e6))
+            del variants
+            torch.cuda.empty_cache()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_gemm.json").write_text(json.dumps(rows, indent=1))
+    print(gemm_table(rows))
+    _plot(rows, out_dir / "bench_gemm.png")
+    return rows
+
+
+def gemm_table(rows: list[dict]) -> str:
+    by = {(r["n"], r["k"], r["m"], r["variant"]): r["us"] for r in rows}
+    names = ["bf16", "cublas_fp8", "deep_gemm", "flashinfer", "triton_small_m", "triton_gemm", "fp8compile"]
+    head = f"{'N':>6} {'K':>6} {'M':>5} " + " ".join(f"{n[:11]:>11}" for n in names) + "   ours/bf16 ours/best_anchor tri/dg"
+    lines = ["times in us (CUDA-graph replay, median); ratios are speedups (>1 = ours faster)", head]
+    for (n, k, m) in sorted({(r["n"], r["k"], r["m"]) for r in rows}):
+        t = {name: by.get((n, k, m, name)) for name in names}
+        cells = " ".join(f"{t[x]:>11.1f}" if t[x] else f"{'-':>11}" for x in names)
+        anchors = [t[a] for a in ANCHORS if t[a]]
+        ours = t["fp8compile"]
+        r1 = f"{t['bf16'] / ours:9.2f}" if ours and t["bf16"] else f"{'-':>9}"
+        r2 = f"{min(anchors) / ours:16.2f}" if ours and anchors else f"{'-':>16}"
+        r3 = f"{t['deep_gemm'] / t['triton_gemm']:7.2f}" if t["triton_gemm"] and t["deep_gemm"] else f"{'-':>7}"
+        lines.append(f"{n:>6} {k:>6} {m:>5} {cells}   {r1} {r2} {r3}")
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    shapes = sorted({(r["n"], r["k"]) for r in rows})
+    fig, axes = plt.subplots(2, len(shapes), figsize=(4 * len(shapes), 7), squeeze=False)
+    for col, (n, k) in enumerate(shapes):
+        for variant in sorted({r["variant"] for r in rows}):
+            pts = sorted((r["m"], r) for r in rows if (r["n"], r["k"], r["variant"]) == (n, k, variant) and r["us"])
+            if not pts:
+                continue
+            style = dict(marker="o", lw=2.5 if variant == "fp8compile" else 1, label=variant)
+            axes[0][col].plot([m for m, _ in pts], [r["tflops"] for _, r in pts], **style)
+            axes[1][col].plot([m for m, _ in pts], [r["weight_tbps"] for _, r in pts], **style)
+        axes[0][col].set_title(f"N={n} K={k}")
+        for row, label in ((0, "TFLOP/s"), (1, "weight TB/s")):
+            axes[row][col].set_xscale("log", base=2)
+            axes[row][col].set_xlabel("M")
+            axes[row][col].set_ylabel(label)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"fp8compile linear vs anchors, {rows[0]['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def tune(out_dir: Path, shapes=SHAPES) -> dict:
+    """Sweep the Triton kernels' tile constants; print the best fixed choice by geometric mean."""
+    from fp8compile.ops import reference, triton_gemm, triton_quant
+
+    from tqdm import tqdm
+
+    results = {"small_m": [], "large_m": []}
+    with torch.no_grad():
+        for n, k in tqdm(shapes, desc="tune"):
+            r8 = _copies(n * k)
+            w8 = [reference.quant_weight_block(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+                  for _ in range(r8)]
+            for m in (1, 16, 32):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                for block_n, ppsm, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (3, 4)):
+                    n_blocks = math.ceil(n / block_n)
+                    split = max(1, min(k // 128, round(ppsm * torch.cuda.get_device_properties(0).multi_processor_count / n_blocks)))
+                    us = _time_us([lambda q=q: triton_gemm.linear_small_m(x, *q, split_k=split, block_n=block_n,
+                                                                          num_stages=stages) for q in w8])
+                    results["small_m"].append(dict(n=n, k=k, m=m, block_n=block_n, ppsm=ppsm, stages=stages,
+                                                   split=split, us=us, weight_tbps=us and n * k / us / 1e6))
+            for m in (1024, 4096):
+                x_fp8, x_scale = triton_quant.quant_act(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+                for bm, bn, warps, stages in ((128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4),
+                                              (128, 256, 8, 3), (256, 128, 8, 3)):
+                    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages)
+                    us = _time_us([lambda q=q: triton_gemm.gemm_large_m(x_fp8, x_scale, *q, config=cfg) for q in w8[:2]])
+                    results["large_m"].append(dict(n=n, k=k, m=m, **cfg, us=us, tflops=us and 2 * m * n * k / us / 1e6))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "tune.json").write_text(json.dumps(results, indent=1))
+    for kind, keys in (("small_m", ("block_n", "ppsm", "stages")), ("large_m", ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))):
+        groups: dict[tuple, list] = {}
+        for r in results[kind]:
+            groups.setdefault(tuple(r[key] for key in keys), []).append(r["us"])
+        scored = sorted((math.exp(sum(map(math.log, ts)) / len(ts)), cfg) for cfg, ts in groups.items() if all(ts))
+        print(f"{kind}: best fixed configs by geometric-mean time over shapes x M ({', '.join(keys)}):")
+        for score, cfg in scored[:5]:
+            print(f"   {cfg}: {score:.1f} us")
+        best_each = {}
+        for r in results[kind]:
+            key = (r["n"], r["k"], r["m"])
+            if r["us"] and (key not in best_each or r["us"] < best_each[key]["us"]):
+                best_each[key] = r
+        for key, r in sorted(best_each.items()):
+            print(f"   best for N={key[0]} K={key[1]} M={key[2]}: {tuple(r[x] for x in keys)} {r['us']:.1f} us"
+                  + (f" ({r['weight_tbps']:.2f} TB/s)" if kind == "small_m" else f" ({r['tflops']:.0f} TFLOP/s)"))
+    return results
+
+
+def main(args) -> int:
+    if not torch.cuda.is_available():
+        raise SystemExit("the benchmarks need a CUDA GPU")
+    out = Path(args.out or os.environ.get("OUT", "bench_out"))
+    start = time.time()
+    if args.what == "gemm":
+        bench_gemm(out, ms=args.m or MS)
+    else:
+        tune(out)
+    print(f"[{time.time() - start:.0f} s] results in {out}")
+    return 0

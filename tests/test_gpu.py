@@ -1,0 +1,119 @@
+"""Every importable GPU backend against the fp32 product of the unquantized inputs, plus the
+GPU-only promises: batch invariance, FlashInfer's scale layout, M = 1 on every shape.
+Run with `pytest -m gpu` on the device (skipped without CUDA)."""
+import pytest
+import torch
+
+import fp8compile
+from fp8compile import calc_diff, registry
+from fp8compile.ops import reference
+from tests.conftest import BF16, gpu, randn
+
+pytestmark = [pytest.mark.gpu, gpu]
+
+MS = [1, 7, 16, 31, 32, 33, 128, 1000, 4096]
+SHAPES = [(2112, 7168), (4096, 1024), (320, 512)]  # 2112 = 16.5 x 128, 320 = 2.5 x 128
+BACKENDS = [b for b in registry.names() if b != "reference"]
+BENCH_SHAPES = [(4096, 7168), (14336, 4096), (4096, 14336), (24576, 1536), (7168, 2048)]
+
+
+def weight(n, k):
+    return randn(n, k, scale=0.02, device="cuda")
+
+
+def run_backend(backend, x, w, bias=None, e8m0=False):
+    n, k = w.shape
+    m = x.shape[0]
+    why = registry.why_not(backend, registry.Request("linear", x.device, n, k, m, m, e8m0=e8m0))
+    if why is not None:
+        pytest.skip(f"{backend}: {why}")
+    w_fp8, w_scale = reference.quant_weight_block(w, e8m0)
+    return registry.implementation("linear", backend)(x, w_fp8, w_scale, bias, e8m0)
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_matches_fp32_product(backend, m, n, k):
+    # calc_diff < 1e-3: one block-FP8 GEMM lands at ~7e-4 on unit-normal data (design.md)
+    x, w = randn(m, k, device="cuda"), weight(n, k)
+    out = run_backend(backend, x, w)
+    assert out.shape == (m, n) and out.dtype == BF16
+    assert calc_diff(out, x.float() @ w.float().T) < 1e-3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m", [5, 300])
+def test_backend_with_bias_and_e8m0(backend, m):
+    x, w, b = randn(m, 1024, device="cuda"), weight(2048, 1024), randn(2048, device="cuda")
+    out = run_backend(backend, x, w, b, e8m0=True)
+    assert calc_diff(out, x.float() @ w.float().T + b.float()) < 1e-3
+
+
+def test_flashinfer_reads_block_scales_in_our_layout():
+    """Weight blocks that differ in magnitude by up to 2**12: a kernel that read the scale
+    grid transposed or shifted would be off by orders of magnitude in some blocks, which
+    calc_diff sees (cosine similarity can miss a per-block scale error)."""
+    n, k = 512, 1024
+    block_gain = torch.exp2(torch.randint(-6, 7, (n // 128, k // 128), device="cuda").float())
+    w = (torch.randn(n, k, device="cuda") * block_gain.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(BF16)
+    x = randn(16, k, device="cuda")
+    out = run_backend("flashinfer", x, w)
+    expected = x.float() @ w.float().T
+    assert calc_diff(out, expected) < 1e-3
+    w_fp8, w_scale = reference.quant_weight_block(w)
+    scrambled = registry.implementation("linear", "flashinfer")(x, w_fp8, w_scale.flip(0).contiguous())
+    assert calc_diff(scrambled, expected) > 0.1  # the check above would have caught a layout mix-up
+
+
+def test_batch_invariant_rows_are_bitwise_independent_of_m_from_1_to_300():
+    model = torch.nn.Linear(2048, 4096).to(BF16).cuda()
+    fp8 = fp8compile.backend(batch_invariant=True)
+    compiled = torch.compile(model, backend=fp8)
+    x = randn(300, 2048, device="cuda")
+    with torch.no_grad():
+        full = compiled(x)
+        for m in range(1, 300):
+            xs = x[:m].clone()
+            if m > 1:
+                torch._dynamo.mark_dynamic(xs, 0)
+            assert torch.equal(compiled(xs), full[:m]), f"M={m}"
+    assert all(kernels == (("all M", "triton"),) for kernels in {r.kernels for r in fp8.report.rewrites})
+
+
+@pytest.mark.parametrize("n, k", BENCH_SHAPES)
+def test_m_equal_1_works_on_every_benchmark_shape_with_the_default_backends(n, k):
+    model = torch.nn.Linear(k, n, bias=False).to(BF16).cuda()
+    x = randn(1, k, device="cuda")
+    with torch.no_grad():
+        out = torch.compile(model, backend="fp8")(x)
+        assert calc_diff(out, model(x)) < 1e-3
+
+
+def test_default_dispatch_uses_the_decode_kernel_below_small_m_and_a_gemm_above():
+    model = torch.nn.Linear(4096, 4096, bias=False).to(BF16).cuda()
+    fp8 = fp8compile.backend()
+    compiled = torch.compile(model, backend=fp8)
+    with torch.no_grad():
+        for m in (64, 3, 500):
+            x = randn(m, 4096, device="cuda")
+            torch._dynamo.mark_dynamic(x, 0)
+            assert calc_diff(compiled(x), model(x)) < 1e-3
+    (rewrite,) = fp8.report.rewrites
+    small, large = rewrite.kernels
+    assert small == ("M <= 32", "triton_small_m")
+    assert large[1] == registry.choose(registry.Request("linear", torch.device("cuda"), 4096, 4096, 33, None)).backend
+
+
+def test_deep_gemm_missing_is_a_clear_error(monkeypatch):
+    from fp8compile.ops import vendors
+
+    vendors.import_error.cache_clear()
+    monkeypatch.setitem(__import__("sys").modules, "deep_gemm", None)
+    try:
+        with pytest.raises(Exception, match=r"no backend in \['deep_gemm'\].*cannot import deep_gemm.*pip install"):
+            with torch.no_grad():
+                torch.compile(torch.nn.Linear(256, 256).to(BF16).cuda(), backend=fp8compile.backend(
+                    backends=["deep_gemm"]))(randn(64, 256, device="cuda"))
+    finally:
+        vendors.import_error.cache_clear()
