@@ -1,0 +1,44 @@
+"""Device diagnostics used while developing the Triton kernels (kept for the record):
+error statistics of the small-M kernel against the fp64 reference, and large-M variants."""
+import math
+
+import torch
+import triton.testing
+
+from fp8compile.ops import reference, triton_gemm, triton_quant
+
+torch.manual_seed(0)
+print("small-M kernel vs reference: max|err|, max|err|/rms(ref), calc_diff, elements beyond bf16 rtol")
+for e8m0 in (False, True):
+    for split in (1, 2):
+        for m in (1, 5, 16, 17, 33, 64):
+            x = torch.randn(m, 256, device="cuda").bfloat16()
+            w_fp8, w_scale = reference.quant_weight_block((torch.randn(200, 256, device="cuda") * 0.02).bfloat16(), e8m0)
+            b = torch.randn(200, device="cuda").bfloat16()
+            out = triton_gemm.linear_small_m(x, w_fp8, w_scale, b, e8m0, split_k=split).float()
+            ref = reference.linear_block(x, w_fp8, w_scale, b, e8m0).float()
+            err = (out - ref).abs()
+            rms = ref.square().mean().sqrt()
+            beyond = (err > 2**-7 * ref.abs() + 1e-6 * ref.abs().max()).sum().item()
+            d = 1 - 2 * (out.double() * ref.double()).sum() / (out.double() ** 2 + ref.double() ** 2).sum()
+            xq, xs = reference.quant_act_block(x, e8m0)
+            tq, ts = triton_quant.quant_act(x, e8m0)
+            print(f"e8m0={e8m0} split={split} m={m:3d}: {err.max():.2e} {err.max() / rms:.2e} {d:.2e} {beyond:4d}"
+                  f"  quant bit-exact={torch.equal(xq.view(torch.uint8), tq.view(torch.uint8)) and torch.equal(xs, ts)}")
+
+print("large-M variants (us, TFLOP/s)")
+for n, k in ((4096, 7168), (14336, 4096)):
+    w = [reference.quant_weight_block((torch.randn(n, k, device="cuda") * 0.02).bfloat16()) for _ in range(2)]
+    for m in (1024, 4096):
+        xq, xs = triton_quant.quant_act(torch.randn(m, k, device="cuda").bfloat16())
+        ref = triton_gemm.gemm_large_m(xq, xs, *w[0], config=dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4))
+        for bm, bn, warps, stages, overlap in ((64, 128, 4, 4, False), (64, 128, 4, 4, True), (128, 128, 8, 3, True),
+                                               (128, 128, 8, 4, True), (128, 256, 8, 3, True), (64, 256, 4, 3, True)):
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages, OVERLAP=overlap)
+            try:
+                out = triton_gemm.gemm_large_m(xq, xs, *w[0], config=cfg)
+                same = torch.equal(out, ref)
+                ms = triton.testing.do_bench_cudagraph(lambda: [triton_gemm.gemm_large_m(xq, xs, *q, config=cfg) for q in w], rep=30) / 2
+                print(f"  N={n} K={k} M={m} {cfg}: {ms * 1000:.1f} us {2 * m * n * k / ms / 1e9:.0f} TFLOP/s equal={same}")
+            except Exception as e:
+                print(f"  {cfg}: failed {type(e).__name__}: {str(e)[:150]}")
