@@ -4,6 +4,8 @@ Timing: each variant is captured in a CUDA graph and replayed (triton.testing.do
 median), so launch overhead does not hide the kernels, as in a decode loop under CUDA graphs.
 Each graph runs the variant over R copies of the weights whose total is >= 4x the L2 cache:
 every call streams its weights from HBM, as in a real model. Times are per call, in us.
+Inputs are pre-quantized for cuBLAS FP8, DeepGEMM and our Triton GEMM (GEMM alone); FlashInfer,
+triton_small_m and fp8compile (the compiled nn.Linear) take bf16 and quantize themselves.
 """
 from __future__ import annotations
 
@@ -42,44 +44,55 @@ def _time_us(fns) -> float | None:
     return ms * 1000 / len(fns)
 
 
-def _variants(n: int, k: int, m: int):
-    """name -> list of zero-arg callables, one per weight copy."""
-    from fp8compile.ops import reference, triton_gemm, triton_quant, vendors
+class _Shape:
+    """Everything that depends on (N, K) only: R weight copies (bf16 and FP8) and R nn.Linear
+    modules compiled with backend="fp8" and dynamic M. One compiled graph serves every copy
+    (same class, same shapes) and every M >= 2; Dynamo specializes M = 1 into a second graph."""
 
-    torch.manual_seed(0)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    r8, r16 = _copies(n * k), _copies(2 * n * k)
-    w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(max(r8, r16))]
-    w8 = [reference.quant_weight_block(w) for w in w16[:r8]]
-    x_fp8_row, x_scale_row = triton_quant.quant_act(x)
-    x_fp8, x_scale_mn = triton_quant.quant_act(x, layout="mn_major")
-    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    v = {"bf16": [lambda w=w: torch.nn.functional.linear(x, w) for w in w16[:r16]]}
-    v["cublas_fp8"] = [lambda q=q: torch._scaled_mm(x_fp8, q[0].t(), scale_a=x_scale_mn, scale_b=q[1].t(),
-                                                     out_dtype=torch.bfloat16) for q in w8]
-    if vendors.import_error("deep_gemm") is None:
-        import deep_gemm
+    def __init__(self, n: int, k: int):
+        from fp8compile.ops import reference
 
-        v["deep_gemm"] = [lambda q=q: deep_gemm.fp8_gemm_nt((x_fp8, x_scale_mn), q, out, disable_ue8m0_cast=True)
-                          for q in w8]
-    if vendors.import_error("flashinfer") is None:
-        from flashinfer.gemm import fp8_blockscale_gemm_sm90
+        torch._dynamo.reset()
+        self.n, self.k = n, k
+        r8, r16 = _copies(n * k), _copies(2 * n * k)
+        self.w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(max(r8, r16))][:max(r8, r16)]
+        self.r16 = r16
+        self.w8 = [reference.quant_weight_block(w) for w in self.w16[:r8]]
+        self.linears = []
+        for w in self.w16[:r8]:
+            lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+            lin.weight.data.copy_(w)
+            self.linears.append(torch.compile(lin, backend="fp8", dynamic=True))
 
-        v["flashinfer"] = [lambda q=q: fp8_blockscale_gemm_sm90(x, q[0], None, q[1], out_dtype=torch.bfloat16) for q in w8]
-    if m <= triton_gemm.SMALL_M_MAX:
-        v["triton_small_m"] = [lambda q=q: triton_gemm.linear_small_m(x, *q) for q in w8]
-    if m >= 128:
-        v["triton_gemm"] = [lambda q=q: triton_gemm.gemm_large_m(x_fp8_row, x_scale_row, *q) for q in w8]
-    # what a user pays: nn.Linear compiled with backend="fp8", activation quantization included.
-    # One compiled graph serves every copy (same class, same shapes); each copy's FP8 weights
-    # are made on its first call.
-    linears = []
-    for w in w16[:r8]:
-        lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-        lin.weight.data.copy_(w)
-        linears.append(torch.compile(lin, backend="fp8", dynamic=False))
-    v["fp8compile"] = [lambda f=f: f(x) for f in linears]
-    return v
+    def variants(self, m: int) -> dict:
+        """name -> list of zero-arg callables, one per weight copy."""
+        from fp8compile.ops import triton_gemm, triton_quant, vendors
+
+        x = torch.randn(m, self.k, device="cuda", dtype=torch.bfloat16)
+        x_fp8_row, x_scale_row = triton_quant.quant_act(x)
+        x_fp8, x_scale_tma = triton_quant.quant_act(x, layout="mn_major")
+        _, x_scale_col = triton_quant.quant_act(x, layout="col")
+        out = torch.empty(m, self.n, device="cuda", dtype=torch.bfloat16)
+        v = {"bf16": [lambda w=w: torch.nn.functional.linear(x, w) for w in self.w16[:self.r16]]}
+        v["cublas_fp8"] = [lambda q=q: torch._scaled_mm(x_fp8, q[0].t(), scale_a=x_scale_col, scale_b=q[1].t(),
+                                                         out_dtype=torch.bfloat16) for q in self.w8]
+        if vendors.import_error("deep_gemm") is None:
+            import deep_gemm
+
+            v["deep_gemm"] = [lambda q=q: deep_gemm.fp8_gemm_nt((x_fp8, x_scale_tma), q, out, disable_ue8m0_cast=True)
+                              for q in self.w8]
+        if vendors.import_error("flashinfer") is None:
+            from flashinfer.gemm import fp8_blockscale_gemm_sm90
+
+            v["flashinfer"] = [lambda q=q: fp8_blockscale_gemm_sm90(x, q[0], None, q[1], out_dtype=torch.bfloat16)
+                               for q in self.w8]
+        if m <= triton_gemm.SMALL_M_MAX:
+            v["triton_small_m"] = [lambda q=q: triton_gemm.linear_small_m(x, *q) for q in self.w8]
+        if m >= 128:
+            v["triton_gemm"] = [lambda q=q: triton_gemm.gemm_large_m(x_fp8_row, x_scale_row, *q) for q in self.w8]
+        # what a user pays: the compiled nn.Linear, activation quantization and M dispatch included
+        v["fp8compile"] = [lambda f=f: f(x) for f in self.linears]
+        return v
 
 
 def bench_gemm(out_dir: Path, shapes=SHAPES, ms=MS) -> list[dict]:
@@ -87,16 +100,17 @@ def bench_gemm(out_dir: Path, shapes=SHAPES, ms=MS) -> list[dict]:
 
     rows = []
     device = torch.cuda.get_device_name(0)
-    with torch.no_grad():
-        for (n, k), m in tqdm(list(itertools.product(shapes, ms)), desc="bench gemm"):
-            torch._dynamo.reset()  # one static-M graph per point; keeps Dynamo under its recompile limit
-            variants = _variants(n, k, m)
-            for name, fns in variants.items():
-                us = _time_us(fns)
-                rows.append(dict(device=device, n=n, k=k, m=m, variant=name, us=us,
-                                 tflops=None if us is None else 2 * m * n * k / us / 1e6,
-                                 weight_tbps=None if us is None else n * k * (2 if name == "bf16" else 1) / us / 1e6))
-            del variants
+    with torch.no_grad(), tqdm(total=len(shapes) * len(ms), desc="bench gemm") as progress:
+        for n, k in shapes:
+            shape = _Shape(n, k)
+            for m in ms:
+                for name, fns in shape.variants(m).items():
+                    us = _time_us(fns)
+                    rows.append(dict(device=device, n=n, k=k, m=m, variant=name, us=us,
+                                     tflops=None if us is None else 2 * m * n * k / us / 1e6,
+                                     weight_tbps=None if us is None else n * k * (2 if name == "bf16" else 1) / us / 1e6))
+                progress.update()
+            del shape
             torch.cuda.empty_cache()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_gemm.json").write_text(json.dumps(rows, indent=1))

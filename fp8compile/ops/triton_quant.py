@@ -4,7 +4,9 @@ reference.quant_act_block, bit-exact with it on the GPU.
 Scale layouts:
   "row"      (M, G) row-major: the fp8compile::quant_act contract.
   "mn_major" (M, G) with strides (1, align(M, 4)): column-major, each column 16-byte (TMA)
-             aligned; what DeepGEMM and cuBLAS block scaling read without a transpose.
+             aligned; what DeepGEMM reads without a transpose.
+  "col"      (M, G) with strides (1, M): column-major, unpadded; what torch._scaled_mm's
+             1x128 block scaling accepts (it rejects padded columns).
 """
 from __future__ import annotations
 
@@ -52,10 +54,10 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, s
 def empty_scales(m: int, groups: int, layout: str, device) -> torch.Tensor:
     if layout == "row":
         return torch.empty(m, groups, dtype=torch.float32, device=device)
-    if layout == "mn_major":
-        m_aligned = triton.cdiv(max(m, 1), TMA_ALIGN) * TMA_ALIGN
+    if layout in ("mn_major", "col"):
+        m_aligned = triton.cdiv(max(m, 1), TMA_ALIGN) * TMA_ALIGN if layout == "mn_major" else m
         return torch.empty(groups, m_aligned, dtype=torch.float32, device=device).t()[:m]
-    raise ValueError(f"scale layout {layout!r}: valid layouts are 'row' and 'mn_major'")
+    raise ValueError(f"scale layout {layout!r}: valid layouts are 'row', 'mn_major' and 'col'")
 
 
 def quant_act(x: torch.Tensor, e8m0: bool = False, layout: str = "row") -> tuple[torch.Tensor, torch.Tensor]:

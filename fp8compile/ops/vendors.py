@@ -60,11 +60,11 @@ def linear_deep_gemm(x, w_fp8, w_scale, bias=None, e8m0=False):
 
 
 def linear_cublas(x, w_fp8, w_scale, bias=None, e8m0=False):
-    """cuBLAS block scaling through torch._scaled_mm: scale_a (M, K/128) MN-major, scale_b
-    w_scale.t() (K/128, N/128). cuBLAS rejects M < 8 with block scaling (the registry never
-    routes those here)."""
+    """cuBLAS block scaling through torch._scaled_mm: scale_a (M, K/128) column-major with
+    strides exactly (1, M), scale_b w_scale.t() (K/128, N/128). cuBLAS rejects M < 8 with
+    block scaling (the registry never routes those here)."""
     x2 = _flat(x)
-    x_fp8, x_scale = quant_act(x2, e8m0, layout="mn_major")
+    x_fp8, x_scale = quant_act(x2, e8m0, layout="col")
     out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)
     return _finish(out, x, bias)
 
