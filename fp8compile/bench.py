@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+import fp8compile
+
 SHAPES = [(4096, 7168), (14336, 4096), (4096, 14336), (24576, 1536), (7168, 2048)]  # (N, K)
 MS = [1, 16, 32, 128, 1024, 4096]
 ANCHORS = ("deep_gemm", "flashinfer", "cublas_fp8")
@@ -59,10 +61,11 @@ class _Shape:
         self.r16 = r16
         self.w8 = [reference.quant_weight_block(w) for w in self.w16[:r8]]
         self.linears = []
+        fp8 = fp8compile.backend()  # the object, not the entry point: runs from a source tree too
         for w in self.w16[:r8]:
             lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
             lin.weight.data.copy_(w)
-            self.linears.append(torch.compile(lin, backend="fp8", dynamic=True))
+            self.linears.append(torch.compile(lin, backend=fp8, dynamic=True))
 
     def variants(self, m: int) -> dict:
         """name -> list of zero-arg callables, one per weight copy."""
