@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("what", choices=["gemm", "tune"])
     bench.add_argument("--out", default=None, help="folder for JSON and PNG (default: $OUT or ./bench_out)")
     bench.add_argument("-m", type=int, action="append", help="M values (default: 1 16 32 128 1024 4096)")
+    bench.add_argument("--kernels", nargs="+", default=["small_m", "large_m"], choices=["small_m", "large_m"],
+                       help="which Triton kernels `tune` sweeps")
     args = parser.parse_args(argv)
     if args.command == "bench":
         from .bench import main as bench_main

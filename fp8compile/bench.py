@@ -169,7 +169,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=90)
 
 
-def tune(out_dir: Path, shapes=SHAPES) -> dict:
+def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
     """Sweep the Triton kernels' tile constants; print the best fixed choice by geometric mean."""
     from fp8compile.ops import reference, triton_gemm, triton_quant
 
@@ -181,7 +181,7 @@ def tune(out_dir: Path, shapes=SHAPES) -> dict:
             r8 = _copies(n * k)
             w8 = [reference.quant_weight_block(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
                   for _ in range(r8)]
-            for m in (1, 16, 32):
+            for m in (1, 16, 32) if "small_m" in kernels else ():
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 for block_n, ppsm, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (3, 4)):
                     n_blocks = math.ceil(n / block_n)
@@ -190,7 +190,7 @@ def tune(out_dir: Path, shapes=SHAPES) -> dict:
                                                                           num_stages=stages) for q in w8])
                     results["small_m"].append(dict(n=n, k=k, m=m, block_n=block_n, ppsm=ppsm, stages=stages,
                                                    split=split, us=us, weight_tbps=us and n * k / us / 1e6))
-            for m in (1024, 4096):
+            for m in (1024, 4096) if "large_m" in kernels else ():
                 x_fp8, x_scale = triton_quant.quant_act(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
                 for bm, bn, warps, stages in ((128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4),
                                               (128, 256, 8, 3), (256, 128, 8, 3)):
@@ -200,6 +200,8 @@ def tune(out_dir: Path, shapes=SHAPES) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "tune.json").write_text(json.dumps(results, indent=1))
     for kind, keys in (("small_m", ("block_n", "ppsm", "stages")), ("large_m", ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))):
+        if not results[kind]:
+            continue
         groups: dict[tuple, list] = {}
         for r in results[kind]:
             groups.setdefault(tuple(r[key] for key in keys), []).append(r["us"])
@@ -226,6 +228,6 @@ def main(args) -> int:
     if args.what == "gemm":
         bench_gemm(out, ms=args.m or MS)
     else:
-        tune(out)
+        tune(out, kernels=args.kernels)
     print(f"[{time.time() - start:.0f} s] results in {out}")
     return 0

@@ -164,8 +164,10 @@ def names() -> tuple[str, ...]:
 
 
 # Preference order when Fp8Config.backends is None: per M range, the first that serves wins.
-# Ranked by `python -m fp8compile bench gemm` (BENCHMARKS.md); reference is the last resort.
-DEFAULT_ORDER = ("triton_small_m", "deep_gemm", "triton", "cublas", "flashinfer", "reference")
+# From `python -m fp8compile bench gemm` on an H200 (BENCHMARKS.md): below small_m our fused
+# decode kernel; above it cuBLAS, because DeepGEMM (about 10% faster at M = 4096) was 2.2-2.6x
+# slower than cuBLAS at M = 1024 for N = 4096 and at M = 128 for N = 24576. reference last.
+DEFAULT_ORDER = ("triton_small_m", "cublas", "deep_gemm", "triton", "flashinfer", "reference")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,6 +104,15 @@ def test_interpreter_rounding():
     assert not torch.equal(y, x.to(torch.bfloat16))
 
 
+def test_split_k_reduction_is_deterministic_and_leaves_its_counters_at_zero():
+    x = activation(9, 512)
+    w_fp8, w_scale = reference.quant_weight_block(randn(256, 512, scale=0.02, device=DEVICE))
+    runs = [triton_gemm.linear_small_m(x, w_fp8, w_scale, split_k=4) for _ in range(3)]
+    assert all(torch.equal(r, runs[0]) for r in runs)
+    assert_bf16_close(runs[0], reference_linear(x, w_fp8, w_scale, None))
+    assert int(triton_gemm._ARRIVALS[x.device].abs().sum()) == 0
+
+
 def test_small_m_kernel_refuses_large_m():
     w_fp8, w_scale = reference.quant_weight_block(randn(128, 128, device=DEVICE))
     with pytest.raises(ValueError, match="serves M <= 64"):

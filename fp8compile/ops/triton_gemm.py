@@ -10,7 +10,8 @@ Two kernels, because decode and prefill are different problems:
   the MMA's M side (BLOCK_N rows), the few tokens its N side (padded to 16/32/64), and the
   activation is quantized 1x128 inside the kernel, group by group, as the weight streams by:
   one launch, no bf16 or FP8 activation round trip through memory. Split-K spreads a short N
-  over the SMs; partial sums meet in an fp32 buffer (atomics), then one pass adds bias -> bf16.
+  over the SMs; each split writes fp32 partials and the last to arrive at an N tile (an atomic
+  counter) sums them in split order and writes bf16: still one launch, and deterministic.
 
 Shape letters: M tokens, N output features, K input features, G = K / 128.
 """
@@ -67,7 +68,7 @@ def _gemm_large_m_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, bias_ptr, c_ptr, M, N, 
 
 
 @triton.jit
-def _linear_small_m_kernel(x_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K,
+def _linear_small_m_kernel(x_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, M, N, K,
                            stride_xm, stride_wn, stride_wsn, stride_wsg, stride_om, eps, fp8_max,
                            E8M0: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
@@ -98,22 +99,25 @@ def _linear_small_m_kernel(x_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, M, N, K,
 
     mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    if SPLIT_K == 1:
+    if SPLIT_K > 1:
+        # Publish this split's partial sums; the last split to arrive at this N tile adds all
+        # of them in split order (deterministic), then resets the counter for the next call.
+        tile = offs_m[None, :] * N + offs_n[:, None]
+        tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in range(SPLIT_K):
+                acc += tl.load(partial_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + safe_n).to(tl.float32)[:, None]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(arrivals_ptr + pid_n, 0)
+    else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + safe_n).to(tl.float32)[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
-
-
-@triton.jit
-def _bias_cast_kernel(acc_ptr, bias_ptr, out_ptr, numel, N, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    v = tl.load(acc_ptr + offs, mask=mask)
-    if HAS_BIAS:
-        v += tl.load(bias_ptr + offs % N, mask=mask).to(tl.float32)
-    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # Large-M tile config. BLOCK_K is the 128-wide scale group. `bench tune` on an H200
@@ -178,8 +182,21 @@ def small_m_split(n: int, k: int, device: torch.device, block_n: int = SMALL_M_B
     return max(1, min(k // BLOCK, round(target / n_blocks)))
 
 
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, n_tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per N tile, reused across calls (the kernel leaves them at 0).
+    One buffer per device: split-K launches on one device must not overlap on two streams."""
+    buf = _ARRIVALS.get(device)
+    if buf is None or buf.numel() < n_tiles:
+        buf = _ARRIVALS[device] = torch.zeros(max(n_tiles, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
 def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block_n=None, num_stages=None):
-    """Fused 1x128 activation quantization + block-scaled GEMM for M <= 64: bf16 x (..., K) -> (..., N)."""
+    """Fused 1x128 activation quantization + block-scaled GEMM for M <= 64, in one launch:
+    bf16 x (..., K) -> bf16 (..., N)."""
     x2 = x.reshape(-1, x.shape[-1])
     m, k = x2.shape
     n = w_fp8.shape[0]
@@ -194,16 +211,13 @@ def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block
     interp = _interpreting(x2)
     block_n = block_n or (32 if interp else SMALL_M_BLOCK_N)
     split = split_k or small_m_split(n, k, x2.device, block_n)
-    acc = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    n_tiles = triton.cdiv(n, block_n)
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    arrivals = _arrival_counters(x.device, n_tiles) if split > 1 else out
     launch = {} if interp else dict(num_warps=4, num_stages=num_stages or SMALL_M_NUM_STAGES)
-    _linear_small_m_kernel[(triton.cdiv(n, block_n), split)](
-        x2, w_fp8, w_scale, bias if bias is not None else w_scale, acc, m, n, k,
-        x2.stride(0), w_fp8.stride(0), w_scale.stride(0), w_scale.stride(1), acc.stride(0), AMAX_EPS, FP8_MAX,
+    _linear_small_m_kernel[(n_tiles, split)](
+        x2, w_fp8, w_scale, bias if bias is not None else w_scale, out, partial, arrivals, m, n, k,
+        x2.stride(0), w_fp8.stride(0), w_scale.stride(0), w_scale.stride(1), out.stride(0), AMAX_EPS, FP8_MAX,
         E8M0=e8m0, HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=BLOCK, **launch,
     )
-    if split > 1:
-        cast_block = 1024
-        _bias_cast_kernel[(triton.cdiv(m * n, cast_block),)](
-            acc, bias if bias is not None else acc, out, m * n, n, HAS_BIAS=bias is not None, BLOCK=cast_block,
-        )
     return out.reshape(*x.shape[:-1], n)
