@@ -17,6 +17,7 @@ import triton.language as tl
 from ..numerics import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX
 
 TMA_ALIGN = 4  # fp32 elements per 16 bytes
+QUANT_ROWS = 16
 
 
 @triton.jit
@@ -70,7 +71,9 @@ def quant_act(x: torch.Tensor, e8m0: bool = False, layout: str = "row") -> tuple
     x_fp8 = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     scale = empty_scales(m, k // BLOCK, layout, x.device)
     if m:
-        rows = 4
+        # 16 rows x 128 per program: 4-row tiles ran at about half the copy bandwidth on an
+        # H200 (40 us for M=4096, K=7168 inside the compiled linear, BENCHMARKS.md).
+        rows = min(QUANT_ROWS, triton.next_power_of_2(m))
         _quant_act_kernel[(triton.cdiv(m, rows), k // BLOCK)](
             x, x_fp8, scale, m, x.stride(0), x_fp8.stride(0), scale.stride(0), scale.stride(1), AMAX_EPS, FP8_MAX,
             E8M0=e8m0, ROWS=rows, GROUP=BLOCK, num_warps=4,

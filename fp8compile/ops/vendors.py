@@ -61,12 +61,17 @@ def linear_deep_gemm(x, w_fp8, w_scale, bias=None, e8m0=False):
 
 def linear_cublas(x, w_fp8, w_scale, bias=None, e8m0=False):
     """cuBLAS block scaling through torch._scaled_mm: scale_a (M, K/128) column-major with
-    strides exactly (1, M), scale_b w_scale.t() (K/128, N/128). cuBLAS rejects M < 8 with
-    block scaling (the registry never routes those here)."""
+    strides exactly (1, M), scale_b w_scale.t() (K/128, N/128). cuBLAS also needs those scale
+    columns 16-byte aligned (M = 31 and 33 fail with CUBLAS_STATUS_NOT_SUPPORTED on an H200,
+    16 and 32 run), so M is padded to a multiple of 4 with zero rows. It rejects M < 8
+    outright; the registry never routes those here."""
     x2 = _flat(x)
+    m = x2.shape[0]
+    if m % 4:
+        x2 = torch.nn.functional.pad(x2, (0, 0, 0, 4 - m % 4))
     x_fp8, x_scale = quant_act(x2, e8m0, layout="col")
     out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)
-    return _finish(out, x, bias)
+    return _finish(out[:m], x, bias)
 
 
 def linear_flashinfer(x, w_fp8, w_scale, bias=None, e8m0=False):
