@@ -141,3 +141,35 @@ def test_import_does_not_touch_cuda_or_vendor_libraries():
     script = "import sys, torch, fp8compile; print(torch.cuda.is_initialized(), [m for m in ('deep_gemm', 'flashinfer', 'triton') if m in sys.modules])"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "False []", result.stderr[-2000:]
+
+
+def test_backends_command_names_the_chosen_backend_and_why_not_the_others():
+    result = subprocess.run([sys.executable, "-m", "fp8compile", "backends", "-m", "1", "-n", "4096", "-k", "7168"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("backends for linear N=4096 K=7168 M=1")
+    assert any("CHOSEN" in line for line in lines)
+    assert any("cublas" in line and "fails below M = 8" in line for line in lines)
+
+
+def test_missing_vendor_library_error_says_what_to_install(monkeypatch):
+    from fp8compile.ops import vendors
+
+    vendors.import_error.cache_clear()
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)  # as if not installed
+    try:
+        with pytest.raises(RuntimeError, match=r"cannot import deep_gemm.*pip install 'fp8compile\[deep_gemm\]'"):
+            vendors.require("deep_gemm")
+    finally:
+        vendors.import_error.cache_clear()
+
+
+def test_benchmark_table_reports_speedups_of_the_compiled_linear():
+    from fp8compile.bench import gemm_table
+
+    rows = [dict(n=4096, k=7168, m=1, variant=v, us=t) for v, t in
+            [("bf16", 40.0), ("deep_gemm", 28.0), ("flashinfer", 20.0), ("cublas_fp8", None), ("fp8compile", 10.0)]]
+    last = gemm_table(rows).splitlines()[-1].split()
+    assert last[:3] == ["4096", "7168", "1"]
+    assert last[-3:] == ["4.00", "2.00", "-"]  # vs bf16, vs the best anchor (FlashInfer), no Triton GEMM row
