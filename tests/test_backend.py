@@ -173,3 +173,34 @@ def test_benchmark_table_reports_speedups_of_the_compiled_linear():
     last = gemm_table(rows).splitlines()[-1].split()
     assert last[:3] == ["4096", "7168", "1"]
     assert last[-3:] == ["4.00", "2.00", "-"]  # vs bf16, vs the best anchor (FlashInfer), no Triton GEMM row
+
+
+def test_inference_mode_works_like_no_grad():
+    model = GatedMLP().to(BF16)
+    fp8 = fp8compile.backend()
+    x = randn(8, 256)
+    with torch.inference_mode():
+        out = torch.compile(model, backend=fp8)(x)
+        assert fp8compile.calc_diff(out, model(x)) < 2.5e-3
+    assert fp8.report.counts()["linear"] == 3
+
+
+def test_graph_breaks_give_several_graphs_in_one_report():
+    class TwoGraphs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
+
+        def forward(self, x):
+            h = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(h)
+
+    model = TwoGraphs().to(BF16)
+    fp8 = fp8compile.backend()
+    x = randn(8, 256)
+    with torch.no_grad():
+        out = torch.compile(model, backend=fp8)(x)
+        assert fp8compile.calc_diff(out, model(x)) < 2e-3
+    assert fp8.report.graphs == 2
+    assert [(r.name, r.graph) for r in fp8.report.rewrites] == [("a", 0), ("b", 1)]
