@@ -90,3 +90,49 @@ class TwoLayer(nn.Module):
 
     def forward(self, x):
         return self.fc2(torch.relu(self.fc1(x)))
+
+
+class SiLUModuleMLP(GatedMLP):
+    """The activation as a module (nn.SiLU), as transformers' ACT2FN["silu"] gives it."""
+
+    def __init__(self):
+        super().__init__()
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SigmoidMLP(GatedMLP):
+    """silu written by hand: x * sigmoid(x)."""
+
+    def forward(self, x):
+        g = self.gate_proj(x)
+        return self.down_proj(g * torch.sigmoid(g) * self.up_proj(x))
+
+
+class FusedGateUpMLP(nn.Module):
+    """Phi-3 style: one gate_up linear, halves split by `split` ("chunk"), `split` or slicing."""
+
+    def __init__(self, how="chunk"):
+        super().__init__()
+        self.how = how
+        self.gate_up_proj = nn.Linear(256, 1024, bias=False)
+        self.down_proj = nn.Linear(512, 256, bias=False)
+
+    def forward(self, x):
+        gate_up = self.gate_up_proj(x)
+        if self.how == "chunk":
+            gate, up = gate_up.chunk(2, dim=-1)
+        elif self.how == "split":
+            gate, up = torch.split(gate_up, 512, dim=-1)
+        else:
+            gate, up = gate_up[..., :512], gate_up[..., 512:]
+        return self.down_proj(up * F.silu(gate))
+
+
+class GeluGatedMLP(GatedMLP):
+    """A gated MLP with GELU: not fused (only silu is), and the report says so."""
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x)) * self.up_proj(x))

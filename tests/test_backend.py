@@ -182,7 +182,7 @@ def test_inference_mode_works_like_no_grad():
     with torch.inference_mode():
         out = torch.compile(model, backend=fp8)(x)
         assert fp8compile.calc_diff(out, model(x)) < 2.5e-3
-    assert fp8.report.counts()["linear"] == 3
+    assert fp8.report.counts() == {"linear": 2, "silu_mul": 1, "moe": 0}
 
 
 def test_graph_breaks_give_several_graphs_in_one_report():

@@ -117,3 +117,32 @@ def test_deep_gemm_missing_is_a_clear_error(monkeypatch):
                     backends=["deep_gemm"]))(randn(64, 256, device="cuda"))
     finally:
         vendors.import_error.cache_clear()
+
+
+@pytest.mark.parametrize("m", [1, 16, 33, 1000])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_silu_mul_backend_matches_fp32_product(backend, m):
+    k, n = 2048, 1024
+    why = registry.why_not(backend, registry.Request("silu_mul_linear", torch.device("cuda"), n, k, m, m))
+    if why is not None:
+        pytest.skip(f"{backend}: {why}")
+    a, b, w = randn(m, k, device="cuda"), randn(m, k, device="cuda"), weight(n, k)
+    w_fp8, w_scale = reference.quant_weight_block(w)
+    out = registry.implementation("silu_mul_linear", backend)(a, b, w_fp8, w_scale, None, False)
+    h = torch.nn.functional.silu(a.float()) * b.float()
+    assert calc_diff(out, h @ w.float().T) < 1e-3
+
+
+def test_gated_mlp_fuses_on_the_default_gpu_backends():
+    from tests.models import GatedMLP
+
+    model = GatedMLP(1024, 2048).to(BF16).cuda()
+    fp8 = fp8compile.backend()
+    compiled = torch.compile(model, backend=fp8)
+    with torch.no_grad():
+        for m in (5, 300):
+            x = randn(m, 1024, device="cuda")
+            torch._dynamo.mark_dynamic(x, 0)
+            assert calc_diff(compiled(x), model(x)) < 2.2e-3  # three FP8 GEMMs: see tests/test_silu_mul.py
+    (fused,) = [r for r in fp8.report.rewrites if r.kind == "silu_mul"]
+    assert fused.kernels[0] == ("M <= 32", "triton_small_m")

@@ -37,18 +37,18 @@ def bf16_matmuls(graph: torch.fx.GraphModule) -> int:
     return sum(len(graph.graph.find_nodes(op="call_function", target=t)) for t in BF16_MATMULS)
 
 
-def test_gated_mlp_linears_all_become_fp8(captured):
-    model = GatedMLP().to(BF16)
+def test_mlp_linears_all_become_fp8(captured):
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).to(BF16)
     x = randn(2, 45, 256)
     out, eager, report = compile_and_run(model, x, dynamic_dims=[(x, 1)])
     (g,) = captured
-    assert sum(line.startswith(("mm", "addmm")) or "aten.mm(" in line for line in g.before) == 3
+    assert sum(" = aten.mm(" in line or " = aten.addmm(" in line for line in g.before) == 2
     assert bf16_matmuls(g.after) == 0
-    assert len(g.ops(FP8_LINEAR)) == 3 * 2  # each linear: one call per side of the M dispatch
-    assert g.count(torch.ops.higher_order.cond) == 3
-    assert report.counts() == {"linear": 3, "silu_mul": 0, "moe": 0}
-    assert {r.name for r in report.rewrites} == {"gate_proj", "up_proj", "down_proj"}
-    assert calc_diff(out, eager) < 2.5e-3  # three FP8 GEMMs, two of them in series
+    assert len(g.ops(FP8_LINEAR)) == 2 * 2  # each linear: one call per side of the M dispatch
+    assert g.count(torch.ops.higher_order.cond) == 2
+    assert report.counts() == {"linear": 2, "silu_mul": 0, "moe": 0}
+    assert [r.name for r in report.rewrites] == ["0", "2"]
+    assert calc_diff(out, eager) < 2e-3  # two FP8 GEMMs in series
 
 
 def test_attention_projections_become_fp8_and_attention_itself_stays(captured):
@@ -70,7 +70,8 @@ def test_lm_head_of_32000_is_rewritten_and_skip_pattern_keeps_it_bf16(captured):
     assert any(r.name == "lm_head" and r.n == 32000 for r in report.rewrites)
     torch._dynamo.reset()
     _, _, report = compile_and_run(model, ids, skip=["lm_head"])
-    assert [r.name for r in report.rewrites] == ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    assert {(r.kind, r.name) for r in report.rewrites} == {
+        ("linear", "mlp.gate_proj"), ("linear", "mlp.up_proj"), ("silu_mul", "mlp.down_proj")}
     (skip,) = report.skipped("linear")
     assert (skip.name, skip.reason) == ("lm_head", "matches skip pattern 'lm_head'")
     assert bf16_matmuls(captured[-1].after) == 1

@@ -134,3 +134,42 @@ def test_compiled_model_can_run_on_triton_kernels_when_asked():
             expected = reference_linear(x, *fp8_weight(model.weight), model.bias)
             assert_bf16_close(compiled(x), expected)
     assert fp8.report.rewrites[0].kernels == (("M <= 32", "triton_small_m"), ("M > 32", "triton"))
+
+
+def gated_inputs(m, k):
+    a, b = randn(m, k, scale=2.0, device=DEVICE), randn(m, k, device=DEVICE)
+    return a, b, reference.silu_mul(a, b)  # the fp32 product the fused kernels must quantize
+
+
+@pytest.mark.parametrize("m", [1, 7, 33])
+@pytest.mark.parametrize("e8m0", [False, True])
+def test_fused_silu_mul_quantization_equals_quantizing_the_fp32_product(m, e8m0):
+    # Compared with the same Triton quantization of the fp32 product (computed by torch), so
+    # both sides share the device's float -> e4m3 conversion, the interpreter's included.
+    a, b, h = gated_inputs(m, 384)
+    fused_fp8, fused_scale = triton_quant.quant_act(a, e8m0, "row", b=b)
+    plain_fp8, plain_scale = triton_quant.quant_act(h, e8m0, "row")
+    torch.testing.assert_close(fused_scale, plain_scale, rtol=1e-6, atol=0)
+    assert calc_diff(reference.dequant_act_block(fused_fp8, fused_scale),
+                     reference.dequant_act_block(plain_fp8, plain_scale)) < 1e-6
+
+
+@pytest.mark.parametrize("m", [1, 16, 40])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_fused_silu_mul_decode_kernel_equals_the_plain_kernel_on_the_fp32_product(m, split_k):
+    a, b, h = gated_inputs(m, 256)
+    w_fp8, w_scale = reference.quant_weight_block(randn(200, 256, scale=0.02, device=DEVICE))
+    bias = randn(200, device=DEVICE)
+    fused = triton_gemm.linear_small_m(a, w_fp8, w_scale, bias, split_k=split_k, b=b)
+    plain = triton_gemm.linear_small_m(h, w_fp8, w_scale, bias, split_k=split_k)  # fp32 in, fp32 out
+    assert_bf16_close(fused, to_bf16_as_the_device_does(plain))
+    assert calc_diff(fused, (h @ reference.dequant_weight_block(w_fp8, w_scale).T + bias.float())) < 1e-3
+
+
+def test_fused_silu_mul_large_m_path_equals_the_plain_gemm_on_the_fp32_product():
+    a, b, h = gated_inputs(70, 256)
+    w_fp8, w_scale = reference.quant_weight_block(randn(384, 256, scale=0.02, device=DEVICE))
+    fused = triton_gemm.silu_mul_linear_large_m(a, b, w_fp8, w_scale)
+    h_fp8, h_scale = triton_quant.quant_act(h)
+    plain = triton_gemm.gemm_large_m(h_fp8, h_scale, w_fp8, w_scale, out_dtype=torch.float32)
+    assert_bf16_close(fused, to_bf16_as_the_device_does(plain))

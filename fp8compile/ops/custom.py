@@ -63,6 +63,15 @@ def _(x_fp8, x_scale, w_fp8, w_scale, bias=None, backend="reference"):
     return x_fp8.new_empty(x_fp8.shape[0], w_fp8.shape[0], dtype=torch.bfloat16)
 
 
+def _weight_out_features(x: Tensor, w: Tensor, bias: Tensor | None, w_kn: bool) -> int:
+    """N of x (..., K) times a bf16 weight stored (N, K), or (K, N) if w_kn; checks K and bias."""
+    k, n = w.shape if w_kn else reversed(w.shape)
+    torch._check(x.shape[-1] == k, lambda: f"x has K={x.shape[-1]} but the weight has K={k}")
+    if bias is not None:
+        torch._check(tuple(bias.shape) == (n,), lambda: f"bias shape {tuple(bias.shape)} is not ({n},)")
+    return n
+
+
 @torch.library.custom_op("fp8compile::linear", mutates_args=())
 def linear(
     x: Tensor, w: Tensor, bias: Tensor | None = None, e8m0: bool = False, backend: str = "reference", w_kn: bool = False
@@ -81,8 +90,26 @@ def linear(
 
 @linear.register_fake
 def _(x, w, bias=None, e8m0=False, backend="reference", w_kn=False):
-    k, n = w.shape if w_kn else reversed(w.shape)
-    torch._check(x.shape[-1] == k, lambda: f"x has K={x.shape[-1]} but the weight has K={k}")
-    if bias is not None:
-        torch._check(tuple(bias.shape) == (n,), lambda: f"bias shape {tuple(bias.shape)} is not ({n},)")
-    return x.new_empty(*x.shape[:-1], n)
+    return x.new_empty(*x.shape[:-1], _weight_out_features(x, w, bias, w_kn))
+
+
+@torch.library.custom_op("fp8compile::silu_mul_linear", mutates_args=())
+def silu_mul_linear(
+    a: Tensor, b: Tensor, w: Tensor, bias: Tensor | None = None, e8m0: bool = False, backend: str = "reference",
+    w_kn: bool = False,
+) -> Tensor:
+    """Gated-MLP down projection: linear(silu(a) * b, w, bias) in FP8, with a, b bf16 (..., K).
+
+    silu(a) * b is computed in fp32 and quantized 1x128 in the same pass (inside the GEMM for
+    the decode kernel): the bf16 product is never written, the activation never quantized twice.
+    """
+    from ..passes.weights import fp8_weight
+
+    w_fp8, w_scale = fp8_weight(w, w_kn, e8m0)
+    return registry.implementation("silu_mul_linear", backend)(a, b, w_fp8, w_scale, bias, e8m0)
+
+
+@silu_mul_linear.register_fake
+def _(a, b, w, bias=None, e8m0=False, backend="reference", w_kn=False):
+    torch._check(a.shape == b.shape, lambda: f"silu(a) * b needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
+    return a.new_empty(*a.shape[:-1], _weight_out_features(a, w, bias, w_kn))

@@ -90,6 +90,27 @@ def linear_block(
     return out.reshape(*x.shape[:-1], w_fp8.shape[0])
 
 
+def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """silu(a) * b in fp32, not rounded to bf16 in between: the fused op's intermediate."""
+    a = a.float()
+    return a * torch.sigmoid(a) * b.float()
+
+
+def silu_mul_linear_block(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    e8m0: bool = False,
+) -> torch.Tensor:
+    """Gated-MLP down projection: quantize silu(a) * b (fp32) 1x128, block GEMM, bf16 (..., N)."""
+    h = silu_mul(a, b).reshape(-1, a.shape[-1])
+    h_fp8, h_scale = quant_act_block(h, e8m0)
+    out = gemm_block(h_fp8, h_scale, w_fp8, w_scale, bias, a.dtype)
+    return out.reshape(*a.shape[:-1], w_fp8.shape[0])
+
+
 def dequant_weight_block(w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """fp32 weight that w_fp8 and its block scales stand for (for tests and error analysis)."""
     n, _ = w_fp8.shape

@@ -1,5 +1,6 @@
 """Triton per-token-group activation quantization (1x128, fp32 scales), twin of
-reference.quant_act_block, bit-exact with it on the GPU.
+reference.quant_act_block, bit-exact with it on the GPU; optionally of silu(a) * b, the gated
+MLP's product, computed in fp32 in the same pass (twin of reference.silu_mul + quantization).
 
 Scale layouts:
   "row"      (M, G) row-major: the fp8compile::quant_act contract.
@@ -40,13 +41,24 @@ def quant_group(x, eps, fp8_max, E8M0: tl.constexpr):
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, stride_sg, eps, fp8_max,
-                      E8M0: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):
+def load_activation(x_ptr, b_ptr, rows, cols, stride_xm, stride_bm, mask, SILU_MUL: tl.constexpr):
+    """The fp32 (rows, cols) tile to quantize: x itself, or silu(x) * b (the gated-MLP product,
+    never rounded to bf16). Masked rows load zeros, so they quantize to zeros."""
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        b = tl.load(b_ptr + rows[:, None] * stride_bm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = x * tl.sigmoid(x) * b
+    return x
+
+
+@triton.jit
+def _quant_act_kernel(x_ptr, b_ptr, q_ptr, s_ptr, M, stride_xm, stride_bm, stride_qm, stride_sm, stride_sg, eps,
+                      fp8_max, E8M0: tl.constexpr, SILU_MUL: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
     mask = rows[:, None] < M
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = load_activation(x_ptr, b_ptr, rows, cols, stride_xm, stride_bm, mask, SILU_MUL)
     x_fp8, scale = quant_group(x, eps, fp8_max, E8M0)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], x_fp8, mask=mask)
     tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale, mask=rows < M)
@@ -61,22 +73,28 @@ def empty_scales(m: int, groups: int, layout: str, device) -> torch.Tensor:
     raise ValueError(f"scale layout {layout!r}: valid layouts are 'row', 'mn_major' and 'col'")
 
 
-def quant_act(x: torch.Tensor, e8m0: bool = False, layout: str = "row") -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) bf16, K a multiple of 128, last dim contiguous -> (x_fp8 (M, K), x_scale (M, K/128))."""
+def quant_act(x: torch.Tensor, e8m0: bool = False, layout: str = "row", b: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) bf16, K a multiple of 128, last dim contiguous -> (x_fp8 (M, K), x_scale (M, K/128)).
+
+    With b (M, K): quantizes silu(x) * b instead, computed in fp32 in the same pass."""
     m, k = x.shape
     if k % BLOCK:
         raise ValueError(f"K={k} is not a multiple of {BLOCK}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if b is not None:
+        b = b if b.stride(-1) == 1 else b.contiguous()
     x_fp8 = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     scale = empty_scales(m, k // BLOCK, layout, x.device)
     if m:
-        # 16 rows x 128 per program: 4-row tiles ran at about half the copy bandwidth on an
-        # H200 (40 us for M=4096, K=7168 inside the compiled linear, BENCHMARKS.md).
+        # 16 rows x 128 per program. With 4-row tiles the compiled linear took 41 us more than
+        # cuBLAS alone at M=4096, K=7168 on an H200 (88 MB moved: ~2.2 TB/s); with 16 rows, 25 us
+        # (`bench gemm` runs of 2026-11-21, BENCHMARKS.md).
         rows = min(QUANT_ROWS, triton.next_power_of_2(m))
         _quant_act_kernel[(triton.cdiv(m, rows), k // BLOCK)](
-            x, x_fp8, scale, m, x.stride(0), x_fp8.stride(0), scale.stride(0), scale.stride(1), AMAX_EPS, FP8_MAX,
-            E8M0=e8m0, ROWS=rows, GROUP=BLOCK, num_warps=4,
+            x, b if b is not None else x, x_fp8, scale, m, x.stride(0), (b if b is not None else x).stride(0),
+            x_fp8.stride(0), scale.stride(0), scale.stride(1), AMAX_EPS, FP8_MAX,
+            E8M0=e8m0, SILU_MUL=b is not None, ROWS=rows, GROUP=BLOCK, num_warps=4,
         )
     return x_fp8, scale
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from .context import GraphInputs, PassContext
 from .linear import linear_pass
+from .silu_mul import silu_mul_pass
 
-# Order matters once fusions land: a fused pass must claim its linears before linear_pass.
-PASSES = (linear_pass,)
+# Order matters: a fusion claims its down projection before linear_pass sees it as a plain linear.
+PASSES = (silu_mul_pass, linear_pass)
 
 
 def run_passes(ctx: PassContext) -> None:

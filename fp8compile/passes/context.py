@@ -20,9 +20,11 @@ from ..report import Report, Rewrite, Skip
 
 
 def qualified_name(source_name: str) -> str:
-    """"L['self']._modules['mlp']._parameters['weight']" -> "mlp.weight" (Dynamo source names)."""
+    """Dynamo source name -> the name model.named_parameters() would give:
+    "L['self']._modules['mlp']._parameters['weight']" -> "mlp.weight". A local root (the compiled
+    module, whatever Dynamo calls it: self, fn, an argument) is dropped; a global's name is kept."""
     keys = re.findall(r"\[['\"]?([^'\"\]]+)['\"]?\]", source_name)
-    if keys and keys[0] == "self":  # the compiled module itself
+    if keys and source_name.startswith("L[") and len(keys) > 1:
         keys = keys[1:]
     return ".".join(keys) or source_name
 

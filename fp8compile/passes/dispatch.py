@@ -41,6 +41,41 @@ def plan(ctx: PassContext, op: str, device: torch.device, n: int, k: int, m: Any
     ]
 
 
+def rows_node(ctx: PassContext, node: fx.Node):
+    """M of a (..., K) tensor node viewed as (M, K): an int, or a node computing the SymInt."""
+    rows = None
+    for dim, size in enumerate(node.meta["val"].shape[:-1]):
+        if isinstance(size, torch.SymInt):
+            factor = ctx.gm.graph.call_function(torch.ops.aten.sym_size.int, (node, dim))
+            factor.meta["val"] = size
+        else:
+            factor = size
+        if rows is None:
+            rows = factor
+        elif isinstance(rows, int) and isinstance(factor, int):
+            rows *= factor
+        else:
+            product = ctx.gm.graph.call_function(operator.mul, (rows, factor))
+            product.meta["val"] = _val(rows) * _val(factor)
+            rows = product
+    return 1 if rows is None else rows
+
+
+def _val(x):
+    return x.meta["val"] if isinstance(x, fx.Node) else x
+
+
+def flatten(ctx: PassContext, node: fx.Node) -> fx.Node:
+    """node (..., K) as (M, K); the node itself when it is 2-D already."""
+    val = node.meta["val"]
+    if val.dim() == 2:
+        return node
+    rows = rows_node(ctx, node)
+    flat = ctx.gm.graph.call_function(torch.ops.aten.reshape.default, (node, [rows, val.shape[-1]]))
+    flat.meta["val"] = ctx.fake(torch.ops.aten.reshape.default, node, [_val(rows), val.shape[-1]])
+    return flat
+
+
 def _branch(ctx: PassContext, target, operands: list[fx.Node], args: tuple, kwargs: dict) -> fx.GraphModule:
     """GraphModule(*operands) -> (target(*args, **kwargs),) with operands as its placeholders."""
     graph = fx.Graph()
@@ -95,8 +130,7 @@ def emit(ctx: PassContext, target, args: tuple, kwargs: dict, m_source: fx.Node,
         ctx.gm.add_submodule(attr, gm)
         branches.append(graph.get_attr(attr))
 
-    m = graph.call_function(torch.ops.aten.sym_size.int, (m_source, 0))
-    m.meta["val"] = m_source.meta["val"].shape[0]
+    m = rows_node(ctx, m_source)
     small_m = graph.call_function(operator.le, (m, ctx.config.small_m))
     small_m.meta["val"] = m.meta["val"] <= ctx.config.small_m
     cond = graph.call_function(torch.ops.higher_order.cond, (small_m, *branches, tuple(operands)))

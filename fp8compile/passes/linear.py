@@ -22,7 +22,7 @@ from .context import PassContext
 from .weights import fp8_weight
 
 aten = torch.ops.aten
-_MATMULS = (aten.mm.default, aten.addmm.default)
+MATMULS = (aten.mm.default, aten.addmm.default)
 
 
 @dataclasses.dataclass
@@ -69,7 +69,7 @@ def linear_pattern(node: fx.Node) -> LinearMatch | fx.Node | None:
     return _derives_from_placeholder(w)
 
 
-def _module_name(param_name: str) -> str:
+def module_name(param_name: str) -> str:
     return param_name[: -len(".weight")] if param_name.endswith(".weight") else param_name
 
 
@@ -106,7 +106,7 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
 def linear_replacement(ctx: PassContext, match: LinearMatch, param: torch.nn.Parameter, param_name: str) -> None:
     """mm/addmm -> fp8compile::linear(x, w, bias) on the weight as stored; its FP8 copy is made
     here, at compile time, into the per-parameter memo the op reads."""
-    name = _module_name(param_name)
+    name = module_name(param_name)
     e8m0 = ctx.config.e8m0
     w_fp8, _ = fp8_weight(param, match.transposed, e8m0)
     n, k = w_fp8.shape
@@ -123,7 +123,7 @@ def linear_replacement(ctx: PassContext, match: LinearMatch, param: torch.nn.Par
 
 
 def linear_pass(ctx: PassContext) -> None:
-    for node in [n for n in ctx.gm.graph.nodes if n.op == "call_function" and n.target in _MATMULS]:
+    for node in [n for n in ctx.gm.graph.nodes if n.op == "call_function" and n.target in MATMULS]:
         found = linear_pattern(node)
         if found is None or (not isinstance(found, LinearMatch) and ctx.parameter(found) is None):
             continue  # activation x activation: not a linear
@@ -132,7 +132,7 @@ def linear_pass(ctx: PassContext) -> None:
         weight = found.weight if isinstance(found, LinearMatch) else found
         param = ctx.parameter(weight)
         value, input_name = ctx.inputs.get(weight, (None, weight.name))
-        name = _module_name(param[1] if param else (input_name or weight.name))
+        name = module_name(param[1] if param else (input_name or weight.name))
         shape = "x".join(map(str, weight.meta["val"].shape))
         if not isinstance(found, LinearMatch):
             ctx.skipped("linear", name, f"weight reaches the matmul through {_path(node, weight)}; only a plain transpose is supported", shape)
