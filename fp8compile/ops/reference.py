@@ -82,11 +82,13 @@ def linear_block(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     e8m0: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """FP8 linear on a bf16 activation x (..., K): quantize 1x128, block GEMM, bf16 (..., N) out."""
+    """FP8 linear on an activation x (..., K): quantize 1x128, block GEMM, (..., N) in out_dtype
+    (default x.dtype)."""
     x2 = x.reshape(-1, x.shape[-1])
     x_fp8, x_scale = quant_act_block(x2, e8m0)
-    out = gemm_block(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype)
+    out = gemm_block(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype or x.dtype)
     return out.reshape(*x.shape[:-1], w_fp8.shape[0])
 
 
@@ -104,11 +106,8 @@ def silu_mul_linear_block(
     bias: torch.Tensor | None = None,
     e8m0: bool = False,
 ) -> torch.Tensor:
-    """Gated-MLP down projection: quantize silu(a) * b (fp32) 1x128, block GEMM, bf16 (..., N)."""
-    h = silu_mul(a, b).reshape(-1, a.shape[-1])
-    h_fp8, h_scale = quant_act_block(h, e8m0)
-    out = gemm_block(h_fp8, h_scale, w_fp8, w_scale, bias, a.dtype)
-    return out.reshape(*a.shape[:-1], w_fp8.shape[0])
+    """Gated-MLP down projection: the FP8 linear of silu(a) * b (fp32), written in a.dtype."""
+    return linear_block(silu_mul(a, b), w_fp8, w_scale, bias, e8m0, a.dtype)
 
 
 def dequant_weight_block(w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

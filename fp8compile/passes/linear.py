@@ -103,23 +103,28 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
     return None
 
 
-def linear_replacement(ctx: PassContext, match: LinearMatch, param: torch.nn.Parameter, param_name: str) -> None:
-    """mm/addmm -> fp8compile::linear(x, w, bias) on the weight as stored; its FP8 copy is made
-    here, at compile time, into the per-parameter memo the op reads."""
+def replace_with_fp8(ctx: PassContext, match: LinearMatch, param: torch.nn.Parameter, param_name: str,
+                     kind: str, target, activations: tuple[fx.Node, ...]) -> None:
+    """match.node -> target(*activations, w, bias) with the activations viewed as the matmul's
+    (M, K), behind the M dispatch. The weight's FP8 copy is made here, at compile time, into
+    the per-parameter memo the op reads; the graph keeps w, the parameter, as its input."""
     name = module_name(param_name)
     e8m0 = ctx.config.e8m0
     w_fp8, _ = fp8_weight(param, match.transposed, e8m0)
     n, k = w_fp8.shape
     m = match.x.meta["val"].shape[0]
-    sides = dispatch.plan(ctx, "linear", param.device, n, k, m)
+    sides = dispatch.plan(ctx, target._schema.name.split("::")[1], param.device, n, k, m)
     with ctx.gm.graph.inserting_before(match.node):
-        out = dispatch.emit(
-            ctx, torch.ops.fp8compile.linear.default, (match.x, match.weight, match.bias),
-            {"e8m0": e8m0, "w_kn": match.transposed}, m_source=match.x, sides=sides, name=name,
-        )
+        flat = [dispatch.flatten(ctx, a) for a in activations]
+        out = dispatch.emit(ctx, target, (*flat, match.weight, match.bias), {"e8m0": e8m0, "w_kn": match.transposed},
+                            m_source=flat[0], sides=sides, name=name)
     match.node.replace_all_uses_with(out)
     ctx.gm.graph.erase_node(match.node)
-    ctx.rewrote("linear", name, m, n, k, [(s.label, s.kernel) for s in sides])
+    ctx.rewrote(kind, name, m, n, k, [(s.label, s.kernel) for s in sides])
+
+
+def linear_replacement(ctx: PassContext, match: LinearMatch, param: torch.nn.Parameter, param_name: str) -> None:
+    replace_with_fp8(ctx, match, param, param_name, "linear", torch.ops.fp8compile.linear.default, (match.x,))
 
 
 def linear_pass(ctx: PassContext) -> None:

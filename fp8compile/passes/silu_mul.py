@@ -17,10 +17,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from . import dispatch
 from .context import PassContext
-from .linear import MATMULS, LinearMatch, linear_extra_check, linear_pattern, module_name
-from .weights import fp8_weight
+from .linear import MATMULS, LinearMatch, linear_extra_check, linear_pattern, module_name, replace_with_fp8
 
 aten, prims = torch.ops.aten, torch.ops.prims
 _CASTS = (prims.convert_element_type.default, aten._to_copy.default)
@@ -120,22 +118,7 @@ def _chain(node, targets, depth: int = 12) -> bool:
 
 def silu_mul_replacement(ctx: PassContext, match: LinearMatch, a: fx.Node, b: fx.Node,
                          param: torch.nn.Parameter, param_name: str) -> None:
-    """down mm -> fp8compile::silu_mul_linear on a and b flattened to the mm's (M, K)."""
-    name = module_name(param_name)
-    e8m0 = ctx.config.e8m0
-    w_fp8, _ = fp8_weight(param, match.transposed, e8m0)
-    n, k = w_fp8.shape
-    m = match.x.meta["val"].shape[0]
-    sides = dispatch.plan(ctx, "silu_mul_linear", param.device, n, k, m)
-    with ctx.gm.graph.inserting_before(match.node):
-        a2, b2 = dispatch.flatten(ctx, a), dispatch.flatten(ctx, b)
-        out = dispatch.emit(
-            ctx, torch.ops.fp8compile.silu_mul_linear.default, (a2, b2, match.weight, match.bias),
-            {"e8m0": e8m0, "w_kn": match.transposed}, m_source=a2, sides=sides, name=name,
-        )
-    match.node.replace_all_uses_with(out)
-    ctx.gm.graph.erase_node(match.node)
-    ctx.rewrote("silu_mul", name, m, n, k, [(s.label, s.kernel) for s in sides])
+    replace_with_fp8(ctx, match, param, param_name, "silu_mul", torch.ops.fp8compile.silu_mul_linear.default, (a, b))
 
 
 def silu_mul_pass(ctx: PassContext) -> None:
