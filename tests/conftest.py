@@ -31,6 +31,15 @@ def fresh_dynamo():
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Accuracy bounds of compiled models against eager bf16, in calc_diff. Errors of FP8 GEMMs in
+# series add up; one block-FP8 GEMM measures 6.5e-4..7.2e-4 against fp32 (test_ops, test_e8m0),
+# so a bound is (GEMMs in series) x 7.2e-4. Measured over seeds 0-4 beside each.
+ONE_GEMM = 7.2e-4
+TWO_GEMMS = 2 * ONE_GEMM      # linear -> gelu -> linear, 256 -> 512 -> 256: 1.27e-3..1.34e-3
+ATTENTION = 2.2 * ONE_GEMM    # v -> o in series, q/k through softmax: 1.26e-3..1.41e-3
+GATED_MLP = 3 * ONE_GEMM      # gate, up, down: 1.83e-3..2.11e-3 (M = 8), 1.89e-3..2.01e-3 (M = 74)
+SIX_IN_SERIES = 6 * ONE_GEMM  # tests.models.LinearForms: 3.90e-3..4.06e-3
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
