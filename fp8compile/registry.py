@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-OPS = ("linear", "silu_mul_linear", "gemm", "quant_act")
+OPS = ("linear", "gated_linear", "gemm", "quant_act")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,23 +130,23 @@ CUBLAS_MIN_M = 8
 _BACKENDS: dict[str, Backend] = {
     "triton_small_m": Backend(
         "triton_small_m",
-        {"linear": ".ops.triton_gemm:linear_small_m", "silu_mul_linear": ".ops.triton_gemm:silu_mul_linear_small_m"},
+        {"linear": ".ops.triton_gemm:linear_small_m", "gated_linear": ".ops.triton_gemm:gated_linear_small_m"},
         _triton_small_m_why_not,
     ),
     "deep_gemm": Backend(
         "deep_gemm",
-        {"linear": ".ops.vendors:linear_deep_gemm", "silu_mul_linear": ".ops.vendors:silu_mul_linear_deep_gemm"},
+        {"linear": ".ops.vendors:linear_deep_gemm", "gated_linear": ".ops.vendors:gated_linear_deep_gemm"},
         _deep_gemm_why_not,
     ),
     "triton": Backend(
         "triton",
-        {"linear": ".ops.triton_gemm:linear_large_m", "silu_mul_linear": ".ops.triton_gemm:silu_mul_linear_large_m",
+        {"linear": ".ops.triton_gemm:linear_large_m", "gated_linear": ".ops.triton_gemm:gated_linear_large_m",
          "gemm": ".ops.triton_gemm:gemm_large_m", "quant_act": ".ops.triton_quant:quant_act_row"},
         _triton_why_not,
     ),
     "cublas": Backend(
         "cublas",
-        {"linear": ".ops.vendors:linear_cublas", "silu_mul_linear": ".ops.vendors:silu_mul_linear_cublas"},
+        {"linear": ".ops.vendors:linear_cublas", "gated_linear": ".ops.vendors:gated_linear_cublas"},
         _cublas_why_not,
     ),
     "flashinfer": Backend("flashinfer", {"linear": ".ops.vendors:linear_flashinfer"}, _flashinfer_why_not),
@@ -154,7 +154,7 @@ _BACKENDS: dict[str, Backend] = {
         name="reference",
         ops={
             "linear": ".ops.reference:linear_block",
-            "silu_mul_linear": ".ops.reference:silu_mul_linear_block",
+            "gated_linear": ".ops.reference:gated_linear_block",
             "gemm": ".ops.reference:gemm_block",
             "quant_act": ".ops.reference:quant_act_block",
         },

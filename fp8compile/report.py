@@ -17,6 +17,7 @@ class Rewrite:
     k: int
     kernels: tuple[tuple[str, str], ...]  # (("M <= 32", "triton"), ("M > 32", "deep_gemm")) or (("all M", ...),)
     graph: int
+    detail: str = ""  # e.g. the gated activation of a silu_mul rewrite: "silu", "swigluoai"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +57,8 @@ class Report:
         lines = [head]
         if self.rewrites:
             rows = [
-                (r.kind, r.name, r.m, f"{r.k} -> {r.n}", "; ".join(f"{side}: {k}" for side, k in r.kernels))
+                (f"{r.kind}[{r.detail}]" if r.detail else r.kind, r.name, r.m, f"{r.k} -> {r.n}",
+                 "; ".join(f"{side}: {k}" for side, k in r.kernels))
                 for r in self.rewrites
             ]
             lines += ["", "rewritten:", *_table(("kind", "module", "M", "K -> N", "kernel"), rows)]

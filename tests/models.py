@@ -136,3 +136,25 @@ class GeluGatedMLP(GatedMLP):
 
     def forward(self, x):
         return self.down_proj(F.gelu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GptOssStyleMLP(nn.Module):
+    """GPT-OSS's swigluoai activation (transformers' GptOssExperts._apply_gate) in a dense MLP,
+    gate/up interleaved (gate_up[..., ::2], [..., 1::2]) or concatenated (chunk)."""
+
+    def __init__(self, interleaved=True, alpha=1.702, limit=7.0):
+        super().__init__()
+        self.interleaved, self.alpha, self.limit = interleaved, alpha, limit
+        self.gate_up_proj = nn.Linear(256, 1024)
+        self.down_proj = nn.Linear(512, 256)
+
+    def forward(self, x):
+        gate_up = self.gate_up_proj(x)
+        if self.interleaved:
+            gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return self.down_proj((up + 1) * glu)

@@ -119,17 +119,19 @@ def test_deep_gemm_missing_is_a_clear_error(monkeypatch):
         vendors.import_error.cache_clear()
 
 
+@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
 @pytest.mark.parametrize("m", [1, 16, 33, 1000])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fused_silu_mul_backend_matches_fp32_product(backend, m):
+def test_fused_gated_backend_matches_fp32_product(backend, m, activation):
     k, n = 2048, 1024
-    why = registry.why_not(backend, registry.Request("silu_mul_linear", torch.device("cuda"), n, k, m, m))
+    why = registry.why_not(backend, registry.Request("gated_linear", torch.device("cuda"), n, k, m, m))
     if why is not None:
         pytest.skip(f"{backend}: {why}")
-    a, b, w = randn(m, k, device="cuda"), randn(m, k, device="cuda"), weight(n, k)
+    gate_up = randn(m, 2 * k, scale=4.0, device="cuda")
+    a, b, w = gate_up[:, ::2], gate_up[:, 1::2], weight(n, k)  # interleaved halves, as GPT-OSS has them
     w_fp8, w_scale = reference.quant_weight_block(w)
-    out = registry.implementation("silu_mul_linear", backend)(a, b, w_fp8, w_scale, None, False)
-    h = torch.nn.functional.silu(a.float()) * b.float()
+    out = registry.implementation("gated_linear", backend)(a, b, w_fp8, w_scale, None, False, activation, 1.702, 7.0)
+    h = reference.gated(a, b, activation, 1.702, 7.0)
     assert calc_diff(out, h @ w.float().T) < 1e-3
 
 

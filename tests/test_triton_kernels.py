@@ -138,7 +138,7 @@ def test_compiled_model_can_run_on_triton_kernels_when_asked():
 
 def gated_inputs(m, k):
     a, b = randn(m, k, scale=2.0, device=DEVICE), randn(m, k, device=DEVICE)
-    return a, b, reference.silu_mul(a, b)  # the fp32 product the fused kernels must quantize
+    return a, b, reference.gated(a, b)  # the fp32 product the fused kernels must quantize
 
 
 @pytest.mark.parametrize("m", [1, 7, 33])
@@ -169,7 +169,23 @@ def test_fused_silu_mul_decode_kernel_equals_the_plain_kernel_on_the_fp32_produc
 def test_fused_silu_mul_large_m_path_equals_the_plain_gemm_on_the_fp32_product():
     a, b, h = gated_inputs(70, 256)
     w_fp8, w_scale = reference.quant_weight_block(randn(384, 256, scale=0.02, device=DEVICE))
-    fused = triton_gemm.silu_mul_linear_large_m(a, b, w_fp8, w_scale)
+    fused = triton_gemm.gated_linear_large_m(a, b, w_fp8, w_scale)
     h_fp8, h_scale = triton_quant.quant_act(h)
     plain = triton_gemm.gemm_large_m(h_fp8, h_scale, w_fp8, w_scale, out_dtype=torch.float32)
+    assert_bf16_close(fused, to_bf16_as_the_device_does(plain))
+
+
+@pytest.mark.parametrize("m", [1, 20])
+def test_swigluoai_on_interleaved_halves_equals_the_plain_kernels_on_the_fp32_product(m):
+    gate_up = randn(m, 512, scale=5.0, device=DEVICE)  # clamps at +-7 engage
+    a, b = gate_up[:, ::2], gate_up[:, 1::2]  # strided views: no copy on the way into the kernels
+    h = reference.gated(a, b, "swigluoai", 1.702, 7.0)
+    fused_fp8, fused_scale = triton_quant.quant_act(a, b=b, activation="swigluoai")
+    plain_fp8, plain_scale = triton_quant.quant_act(h)
+    torch.testing.assert_close(fused_scale, plain_scale, rtol=1e-6, atol=0)
+    assert calc_diff(reference.dequant_act_block(fused_fp8, fused_scale),
+                     reference.dequant_act_block(plain_fp8, plain_scale)) < 1e-6
+    w_fp8, w_scale = reference.quant_weight_block(randn(128, 256, scale=0.02, device=DEVICE))
+    fused = triton_gemm.gated_linear_small_m(a, b, w_fp8, w_scale, activation="swigluoai")
+    plain = triton_gemm.linear_small_m(h, w_fp8, w_scale)
     assert_bf16_close(fused, to_bf16_as_the_device_does(plain))

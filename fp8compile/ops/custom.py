@@ -93,23 +93,26 @@ def _(x, w, bias=None, e8m0=False, backend="reference", w_kn=False):
     return x.new_empty(*x.shape[:-1], _weight_out_features(x, w, bias, w_kn))
 
 
-@torch.library.custom_op("fp8compile::silu_mul_linear", mutates_args=())
-def silu_mul_linear(
+@torch.library.custom_op("fp8compile::gated_linear", mutates_args=())
+def gated_linear(
     a: Tensor, b: Tensor, w: Tensor, bias: Tensor | None = None, e8m0: bool = False, backend: str = "reference",
-    w_kn: bool = False,
+    w_kn: bool = False, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
 ) -> Tensor:
-    """Gated-MLP down projection: linear(silu(a) * b, w, bias) in FP8, with a, b bf16 (..., K).
+    """Gated-MLP down projection: linear(act(a, b), w, bias) in FP8, a (gate) and b (up) bf16 (..., K).
 
-    silu(a) * b is computed in fp32 and quantized 1x128 in the same pass (inside the GEMM for
-    the decode kernel): the bf16 product is never written, the activation never quantized twice.
+    act is "silu" (silu(a) * b) or "swigluoai" (GPT-OSS: clamped, alpha, (b + 1); see
+    reference.gated). It is computed in fp32 and quantized 1x128 in the same pass (inside the
+    GEMM for the decode kernel): the bf16 product is never written, never quantized twice.
     """
     from ..passes.weights import fp8_weight
 
     w_fp8, w_scale = fp8_weight(w, w_kn, e8m0)
-    return registry.implementation("silu_mul_linear", backend)(a, b, w_fp8, w_scale, bias, e8m0)
+    return registry.implementation("gated_linear", backend)(a, b, w_fp8, w_scale, bias, e8m0, activation, alpha, limit)
 
 
-@silu_mul_linear.register_fake
-def _(a, b, w, bias=None, e8m0=False, backend="reference", w_kn=False):
-    torch._check(a.shape == b.shape, lambda: f"silu(a) * b needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
+@gated_linear.register_fake
+def _(a, b, w, bias=None, e8m0=False, backend="reference", w_kn=False, activation="silu", alpha=1.702, limit=7.0):
+    torch._check(a.shape == b.shape, lambda: f"act(a, b) needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
+    torch._check(activation in reference.GATED_ACTIVATIONS,
+                 lambda: f"activation {activation!r}: valid gated activations are {reference.GATED_ACTIVATIONS}")
     return a.new_empty(*a.shape[:-1], _weight_out_features(a, w, bias, w_kn))

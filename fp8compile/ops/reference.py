@@ -92,22 +92,38 @@ def linear_block(
     return out.reshape(*x.shape[:-1], w_fp8.shape[0])
 
 
-def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """silu(a) * b in fp32, not rounded to bf16 in between: the fused op's intermediate."""
-    a = a.float()
-    return a * torch.sigmoid(a) * b.float()
+# Activations of a gated MLP, act(a, b) with a the gate and b the up projection:
+#   silu       silu(a) * b                                          Llama, Qwen, Mistral, ...
+#   swigluoai  a' * sigmoid(alpha * a') * (b' + 1), a' = min(a, limit), b' = clamp(b, -limit, limit)
+#              GPT-OSS (alpha 1.702, limit 7.0 there)
+GATED_ACTIVATIONS = ("silu", "swigluoai")
 
 
-def silu_mul_linear_block(
+def gated(a: torch.Tensor, b: torch.Tensor, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0
+          ) -> torch.Tensor:
+    """act(a, b) in fp32, not rounded to bf16 in between: the fused op's intermediate."""
+    a, b = a.float(), b.float()
+    if activation == "silu":
+        return a * torch.sigmoid(a) * b
+    if activation == "swigluoai":
+        a, b = a.clamp(max=limit), b.clamp(-limit, limit)
+        return a * torch.sigmoid(a * alpha) * (b + 1)
+    raise ValueError(f"activation {activation!r}: valid gated activations are {', '.join(GATED_ACTIVATIONS)}")
+
+
+def gated_linear_block(
     a: torch.Tensor,
     b: torch.Tensor,
     w_fp8: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     e8m0: bool = False,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
-    """Gated-MLP down projection: the FP8 linear of silu(a) * b (fp32), written in a.dtype."""
-    return linear_block(silu_mul(a, b), w_fp8, w_scale, bias, e8m0, a.dtype)
+    """Gated-MLP down projection: the FP8 linear of act(a, b) (fp32), written in a.dtype."""
+    return linear_block(gated(a, b, activation, alpha, limit), w_fp8, w_scale, bias, e8m0, a.dtype)
 
 
 def dequant_weight_block(w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

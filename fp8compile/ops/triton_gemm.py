@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..numerics import AMAX_EPS, BLOCK, FP8_MAX
-from .triton_quant import load_activation, quant_act, quant_group
+from .triton_quant import activation_code, load_activation, quant_act, quant_group
 
 
 @triton.jit
@@ -69,8 +69,8 @@ def _gemm_large_m_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, bias_ptr, c_ptr, M, N, 
 
 @triton.jit
 def _linear_small_m_kernel(x_ptr, b_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, M, N, K,
-                           stride_xm, stride_bm, stride_wn, stride_wsn, stride_wsg, stride_om, eps, fp8_max,
-                           E8M0: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           stride_xm, stride_xk, stride_bm, stride_bk, stride_wn, stride_wsn, stride_wsg, stride_om,
+                           eps, fp8_max, alpha, limit, E8M0: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                            SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -88,8 +88,8 @@ def _linear_small_m_kernel(x_ptr, b_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, part
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # swapAB: out^T tile
     for g in range(g0, g1):
-        x = load_activation(x_ptr, b_ptr, offs_m, g * GROUP + offs_k, stride_xm, stride_bm, offs_m[:, None] < M,
-                            SILU_MUL)
+        x = load_activation(x_ptr, b_ptr, offs_m, g * GROUP + offs_k, stride_xm, stride_xk, stride_bm, stride_bk,
+                            offs_m[:, None] < M, alpha, limit, ACT)
         x_fp8, x_s = quant_group(x, eps, fp8_max, E8M0)  # padding rows: zeros, finite scale
         w = tl.load(w_ptrs)
         w_s = tl.load(w_s_ptrs + g * stride_wsg)
@@ -193,17 +193,16 @@ def _arrival_counters(device: torch.device, n_tiles: int) -> torch.Tensor:
     return buf
 
 
-def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block_n=None, num_stages=None, b=None):
+def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block_n=None, num_stages=None,
+                   b=None, activation="silu", alpha=1.702, limit=7.0):
     """Fused 1x128 activation quantization + block-scaled GEMM for M <= 64, in one launch:
-    bf16 x (..., K) -> bf16 (..., N). With b (same shape as x) the activation is silu(x) * b."""
+    bf16 x (..., K) -> bf16 (..., N). With b (same shape as x) the activation is act(x, b)."""
     x2 = x.reshape(-1, x.shape[-1])
     m, k = x2.shape
     n = w_fp8.shape[0]
     if m > SMALL_M_MAX:
         raise ValueError(f"linear_small_m serves M <= {SMALL_M_MAX}, got M={m}")
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     b2 = x2 if b is None else b.reshape(-1, k)
-    b2 = b2 if b2.stride(-1) == 1 else b2.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
@@ -217,20 +216,20 @@ def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block
     launch = {} if interp else dict(num_warps=4, num_stages=num_stages or SMALL_M_NUM_STAGES)
     _linear_small_m_kernel[(n_tiles, split)](
         x2, b2, w_fp8, w_scale, bias if bias is not None else w_scale, out, partial, arrivals, m, n, k,
-        x2.stride(0), b2.stride(0), w_fp8.stride(0), w_scale.stride(0), w_scale.stride(1), out.stride(0),
-        AMAX_EPS, FP8_MAX, E8M0=e8m0, SILU_MUL=b is not None, HAS_BIAS=bias is not None, SPLIT_K=split,
-        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=BLOCK, **launch,
+        x2.stride(0), x2.stride(1), b2.stride(0), b2.stride(1), w_fp8.stride(0), w_scale.stride(0), w_scale.stride(1),
+        out.stride(0), AMAX_EPS, FP8_MAX, alpha, limit, E8M0=e8m0, ACT=activation_code(b, activation),
+        HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=BLOCK, **launch,
     )
     return out.reshape(*x.shape[:-1], n)
 
 
-def silu_mul_linear_small_m(a, b, w_fp8, w_scale, bias=None, e8m0=False):
-    """Gated-MLP down projection for M <= 64: silu(a) * b, quantization and GEMM in one launch."""
-    return linear_small_m(a, w_fp8, w_scale, bias, e8m0, b=b)
+def gated_linear_small_m(a, b, w_fp8, w_scale, bias=None, e8m0=False, activation="silu", alpha=1.702, limit=7.0):
+    """Gated-MLP down projection for M <= 64: act(a, b), quantization and GEMM in one launch."""
+    return linear_small_m(a, w_fp8, w_scale, bias, e8m0, b=b, activation=activation, alpha=alpha, limit=limit)
 
 
-def silu_mul_linear_large_m(a, b, w_fp8, w_scale, bias=None, e8m0=False):
-    """Triton silu(a) * b + 1x128 quantization in one pass, then gemm_large_m."""
+def gated_linear_large_m(a, b, w_fp8, w_scale, bias=None, e8m0=False, activation="silu", alpha=1.702, limit=7.0):
+    """Triton act(a, b) + 1x128 quantization in one pass, then gemm_large_m."""
     a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
-    h_fp8, h_scale = quant_act(a2, e8m0, b=b2)
+    h_fp8, h_scale = quant_act(a2, e8m0, b=b2, activation=activation, alpha=alpha, limit=limit)
     return gemm_large_m(h_fp8, h_scale, w_fp8, w_scale, bias, a.dtype).reshape(*a.shape[:-1], w_fp8.shape[0])

@@ -1,6 +1,6 @@
 """Triton per-token-group activation quantization (1x128, fp32 scales), twin of
-reference.quant_act_block, bit-exact with it on the GPU; optionally of silu(a) * b, the gated
-MLP's product, computed in fp32 in the same pass (twin of reference.silu_mul + quantization).
+reference.quant_act_block, bit-exact with it on the GPU; optionally of a gated MLP's act(a, b),
+computed in fp32 in the same pass (twin of reference.gated + quantization).
 
 Scale layouts:
   "row"      (M, G) row-major: the fp8compile::quant_act contract.
@@ -40,25 +40,36 @@ def quant_group(x, eps, fp8_max, E8M0: tl.constexpr):
     return x_fp8, scale
 
 
+# Prologue of the quantization: 0 = x itself, else a gated MLP's act(x, b) (reference.gated).
+ACT_CODES = {"silu": 1, "swigluoai": 2}
+
+
 @triton.jit
-def load_activation(x_ptr, b_ptr, rows, cols, stride_xm, stride_bm, mask, SILU_MUL: tl.constexpr):
-    """The fp32 (rows, cols) tile to quantize: x itself, or silu(x) * b (the gated-MLP product,
-    never rounded to bf16). Masked rows load zeros, so they quantize to zeros."""
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if SILU_MUL:
-        b = tl.load(b_ptr + rows[:, None] * stride_bm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = x * tl.sigmoid(x) * b
+def load_activation(x_ptr, b_ptr, rows, cols, stride_xm, stride_xk, stride_bm, stride_bk, mask, alpha, limit,
+                    ACT: tl.constexpr):
+    """The fp32 (rows, cols) tile to quantize: x itself, or act(x, b) of a gated MLP, never
+    rounded to bf16. Masked rows load zeros, so they quantize to zeros. Strided last dims serve
+    interleaved gate/up halves (gate_up[..., ::2]) without a copy."""
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    if ACT != 0:
+        b = tl.load(b_ptr + rows[:, None] * stride_bm + cols[None, :] * stride_bk, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 1:
+            x = x * tl.sigmoid(x) * b
+        else:
+            x = tl.minimum(x, limit)
+            x = x * tl.sigmoid(x * alpha) * (tl.clamp(b, -limit, limit) + 1.0)
     return x
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, b_ptr, q_ptr, s_ptr, M, stride_xm, stride_bm, stride_qm, stride_sm, stride_sg, eps,
-                      fp8_max, E8M0: tl.constexpr, SILU_MUL: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):
+def _quant_act_kernel(x_ptr, b_ptr, q_ptr, s_ptr, M, stride_xm, stride_xk, stride_bm, stride_bk, stride_qm,
+                      stride_sm, stride_sg, eps, fp8_max, alpha, limit,
+                      E8M0: tl.constexpr, ACT: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
     mask = rows[:, None] < M
-    x = load_activation(x_ptr, b_ptr, rows, cols, stride_xm, stride_bm, mask, SILU_MUL)
+    x = load_activation(x_ptr, b_ptr, rows, cols, stride_xm, stride_xk, stride_bm, stride_bk, mask, alpha, limit, ACT)
     x_fp8, scale = quant_group(x, eps, fp8_max, E8M0)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], x_fp8, mask=mask)
     tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale, mask=rows < M)
@@ -73,28 +84,35 @@ def empty_scales(m: int, groups: int, layout: str, device) -> torch.Tensor:
     raise ValueError(f"scale layout {layout!r}: valid layouts are 'row', 'mn_major' and 'col'")
 
 
-def quant_act(x: torch.Tensor, e8m0: bool = False, layout: str = "row", b: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) bf16, K a multiple of 128, last dim contiguous -> (x_fp8 (M, K), x_scale (M, K/128)).
+def activation_code(b: torch.Tensor | None, activation: str) -> int:
+    if b is None:
+        return 0
+    if activation not in ACT_CODES:
+        raise ValueError(f"activation {activation!r}: valid gated activations are {', '.join(ACT_CODES)}")
+    return ACT_CODES[activation]
 
-    With b (M, K): quantizes silu(x) * b instead, computed in fp32 in the same pass."""
+
+def quant_act(x: torch.Tensor, e8m0: bool = False, layout: str = "row", b: torch.Tensor | None = None,
+              activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) bf16 (or fp32), K a multiple of 128 -> (x_fp8 (M, K), x_scale (M, K/128)).
+
+    With b (M, K): quantizes the gated activation act(x, b) instead (reference.gated),
+    computed in fp32 in the same pass."""
     m, k = x.shape
     if k % BLOCK:
         raise ValueError(f"K={k} is not a multiple of {BLOCK}")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    if b is not None:
-        b = b if b.stride(-1) == 1 else b.contiguous()
     x_fp8 = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     scale = empty_scales(m, k // BLOCK, layout, x.device)
     if m:
+        b_ = x if b is None else b
         # 16 rows x 128 per program. With 4-row tiles the compiled linear took 41 us more than
         # cuBLAS alone at M=4096, K=7168 on an H200 (88 MB moved: ~2.2 TB/s); with 16 rows, 25 us
         # (`bench gemm` runs of 2026-11-21, BENCHMARKS.md).
         rows = min(QUANT_ROWS, triton.next_power_of_2(m))
         _quant_act_kernel[(triton.cdiv(m, rows), k // BLOCK)](
-            x, b if b is not None else x, x_fp8, scale, m, x.stride(0), (b if b is not None else x).stride(0),
-            x_fp8.stride(0), scale.stride(0), scale.stride(1), AMAX_EPS, FP8_MAX,
-            E8M0=e8m0, SILU_MUL=b is not None, ROWS=rows, GROUP=BLOCK, num_warps=4,
+            x, b_, x_fp8, scale, m, x.stride(0), x.stride(1), b_.stride(0), b_.stride(1), x_fp8.stride(0),
+            scale.stride(0), scale.stride(1), AMAX_EPS, FP8_MAX, alpha, limit,
+            E8M0=e8m0, ACT=activation_code(b, activation), ROWS=rows, GROUP=BLOCK, num_warps=4,
         )
     return x_fp8, scale
 

@@ -3,8 +3,8 @@
 Nothing here is imported by `import fp8compile`; the registry imports this module when a
 vendor backend is asked about, and the libraries themselves are imported on first use.
 Each adapter has the contract of the op it serves: linear_* take bf16 x (..., K), w_fp8 (N, K),
-w_scale (ceil(N/128), K/128), optional bias (N,) -> bf16 (..., N); silu_mul_linear_* take the
-gated MLP's a and b (..., K) in place of x and run on silu(a) * b, quantized in one pass.
+w_scale (ceil(N/128), K/128), optional bias (N,) -> bf16 (..., N); gated_linear_* take the
+gated MLP's a and b (..., K) in place of x and run on act(a, b), quantized in one pass.
 """
 from __future__ import annotations
 
@@ -42,16 +42,17 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _quantized_activation(x, b, e8m0, layout, rows_multiple=1):
-    """(x_fp8, x_scale, M) for x (..., K), or for silu(x) * b when b is given; rows padded with
-    zeros (which quantize to zeros) up to a multiple of rows_multiple."""
+def _quantized_activation(x, b, e8m0, layout, rows_multiple=1, act=("silu", 1.702, 7.0)):
+    """(x_fp8, x_scale, M) for x (..., K), or for the gated act(x, b) when b is given (act =
+    (activation, alpha, limit)); rows padded with zeros (which quantize to zeros, whatever the
+    activation: 0 * sigmoid(0) * (0 + 1) = 0) up to a multiple of rows_multiple."""
     x2, b2 = _flat(x), None if b is None else _flat(b)
     m = x2.shape[0]
     if m % rows_multiple:
         pad = (0, 0, 0, rows_multiple - m % rows_multiple)
         x2 = torch.nn.functional.pad(x2, pad)
         b2 = None if b2 is None else torch.nn.functional.pad(b2, pad)
-    x_fp8, x_scale = quant_act(x2, e8m0, layout, b=b2)
+    x_fp8, x_scale = quant_act(x2, e8m0, layout, b=b2, activation=act[0], alpha=act[1], limit=act[2])
     return x_fp8, x_scale, m
 
 
@@ -61,24 +62,24 @@ def _finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> to
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _deep_gemm(x, b, w_fp8, w_scale, bias, e8m0):
+def _deep_gemm(x, b, w_fp8, w_scale, bias, e8m0, act=("silu", 1.702, 7.0)):
     """Triton 1x128 quantization straight into the MN-major TMA-aligned scale layout DeepGEMM
     reads (no transpose kernel), then deep_gemm.fp8_gemm_nt with the fp32 scales as given."""
     deep_gemm = require("deep_gemm")
-    x_fp8, x_scale, m = _quantized_activation(x, b, e8m0, "mn_major")
+    x_fp8, x_scale, m = _quantized_activation(x, b, e8m0, "mn_major", act=act)
     out = torch.empty(m, w_fp8.shape[0], dtype=x.dtype, device=x.device)
     if m:
         deep_gemm.fp8_gemm_nt((x_fp8, x_scale), (w_fp8, w_scale), out, disable_ue8m0_cast=True)
     return _finish(out, x, bias)
 
 
-def _cublas(x, b, w_fp8, w_scale, bias, e8m0):
+def _cublas(x, b, w_fp8, w_scale, bias, e8m0, act=("silu", 1.702, 7.0)):
     """cuBLAS block scaling through torch._scaled_mm: scale_a (M, K/128) column-major with
     strides exactly (1, M), scale_b w_scale.t() (K/128, N/128). cuBLAS also needs those scale
     columns 16-byte aligned (M = 31 and 33 fail with CUBLAS_STATUS_NOT_SUPPORTED on an H200,
     16 and 32 run), so M is padded to a multiple of 4 with zero rows. It rejects M < 8
     outright; the registry never routes those here."""
-    x_fp8, x_scale, m = _quantized_activation(x, b, e8m0, "col", rows_multiple=4)
+    x_fp8, x_scale, m = _quantized_activation(x, b, e8m0, "col", rows_multiple=4, act=act)
     out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)
     return _finish(out[:m], x, bias)
 
@@ -87,16 +88,16 @@ def linear_deep_gemm(x, w_fp8, w_scale, bias=None, e8m0=False):
     return _deep_gemm(x, None, w_fp8, w_scale, bias, e8m0)
 
 
-def silu_mul_linear_deep_gemm(a, b, w_fp8, w_scale, bias=None, e8m0=False):
-    return _deep_gemm(a, b, w_fp8, w_scale, bias, e8m0)
+def gated_linear_deep_gemm(a, b, w_fp8, w_scale, bias=None, e8m0=False, activation="silu", alpha=1.702, limit=7.0):
+    return _deep_gemm(a, b, w_fp8, w_scale, bias, e8m0, (activation, alpha, limit))
 
 
 def linear_cublas(x, w_fp8, w_scale, bias=None, e8m0=False):
     return _cublas(x, None, w_fp8, w_scale, bias, e8m0)
 
 
-def silu_mul_linear_cublas(a, b, w_fp8, w_scale, bias=None, e8m0=False):
-    return _cublas(a, b, w_fp8, w_scale, bias, e8m0)
+def gated_linear_cublas(a, b, w_fp8, w_scale, bias=None, e8m0=False, activation="silu", alpha=1.702, limit=7.0):
+    return _cublas(a, b, w_fp8, w_scale, bias, e8m0, (activation, alpha, limit))
 
 
 def linear_flashinfer(x, w_fp8, w_scale, bias=None, e8m0=False):

@@ -102,9 +102,9 @@ class PassContext:
         with self.fake_mode:
             return fn(*args, **kwargs)
 
-    def rewrote(self, kind: str, name: str, m: Any, n: int, k: int, kernels) -> None:
+    def rewrote(self, kind: str, name: str, m: Any, n: int, k: int, kernels, detail: str = "") -> None:
         m_desc = str(m) if isinstance(m, int) else "dynamic"
-        self.report.rewrites.append(Rewrite(kind, name, m_desc, n, k, tuple(kernels), self.graph_index))
+        self.report.rewrites.append(Rewrite(kind, name, m_desc, n, k, tuple(kernels), self.graph_index, detail))
 
     def skipped(self, kind: str, name: str, reason: str, shape: str = "") -> None:
         self.report.skips.append(Skip(kind, name, reason, self.graph_index, shape))

@@ -104,7 +104,8 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
 
 
 def replace_with_fp8(ctx: PassContext, match: LinearMatch, param: torch.nn.Parameter, param_name: str,
-                     kind: str, target, activations: tuple[fx.Node, ...]) -> None:
+                     kind: str, target, activations: tuple[fx.Node, ...], op_kwargs: dict | None = None,
+                     detail: str = "") -> None:
     """match.node -> target(*activations, w, bias) with the activations viewed as the matmul's
     (M, K), behind the M dispatch. The weight's FP8 copy is made here, at compile time, into
     the per-parameter memo the op reads; the graph keeps w, the parameter, as its input."""
@@ -116,11 +117,12 @@ def replace_with_fp8(ctx: PassContext, match: LinearMatch, param: torch.nn.Param
     sides = dispatch.plan(ctx, target._schema.name.split("::")[1], param.device, n, k, m)
     with ctx.gm.graph.inserting_before(match.node):
         flat = [dispatch.flatten(ctx, a) for a in activations]
-        out = dispatch.emit(ctx, target, (*flat, match.weight, match.bias), {"e8m0": e8m0, "w_kn": match.transposed},
-                            m_source=flat[0], sides=sides, name=name)
+        kwargs = {"e8m0": e8m0, "w_kn": match.transposed, **(op_kwargs or {})}
+        out = dispatch.emit(ctx, target, (*flat, match.weight, match.bias), kwargs, m_source=flat[0], sides=sides,
+                            name=name)
     match.node.replace_all_uses_with(out)
     ctx.gm.graph.erase_node(match.node)
-    ctx.rewrote(kind, name, m, n, k, [(s.label, s.kernel) for s in sides])
+    ctx.rewrote(kind, name, m, n, k, [(s.label, s.kernel) for s in sides], detail)
 
 
 def linear_replacement(ctx: PassContext, match: LinearMatch, param: torch.nn.Parameter, param_name: str) -> None:

@@ -1,4 +1,4 @@
-"""silu_mul pass: down(silu(a) * b) -> fp8compile::silu_mul_linear(a, b, w_down).
+"""silu_mul pass: down(act(a, b)) -> fp8compile::gated_linear(a, b, w_down), act silu or swigluoai.
 
 A gated MLP writes the bf16 product silu(gate(x)) * up(x) to memory only to read it back and
 quantize it for the down projection. The fused op computes the product in fp32 and quantizes
@@ -10,6 +10,8 @@ silu as it reaches the ATen graph (after Inductor's decompositions):
     x / (1 + exp(-x))       F.silu, nn.SiLU, transformers' ACT2FN["silu"] (fp32 round trip)
     x * sigmoid(x)          written by hand
     aten.silu(x)            where it is not decomposed
+and GPT-OSS's swigluoai, (clamp(up, -l, l) + 1) * (g * sigmoid(alpha * g)), g = clamp(gate, max=l),
+over interleaved (gate_up[..., ::2], [..., 1::2]) or concatenated halves.
 This pass must run before linear_pass: it claims the down projection's matmul.
 """
 from __future__ import annotations
@@ -70,20 +72,61 @@ def silu_input(node) -> fx.Node | None:
     return None
 
 
-def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node] | str | None:
-    """(a, b) if h is a view of silu(a) * b over two bf16 tensors of one shape; a reason if h is
-    a gated product with another activation; None if h is no product at all."""
+def _clamped(node) -> tuple[fx.Node, float | None, float | None]:
+    """(x, lo, hi) for node = clamp(x, lo, hi) written with clamp / clamp_min / clamp_max."""
+    lo = hi = None
+    node = _strip(node, _CASTS)
+    while isinstance(node, fx.Node) and node.target in (aten.clamp.default, aten.clamp_min.default,
+                                                         aten.clamp_max.default):
+        if node.target == aten.clamp.default:
+            lo, hi = (node.args + (None, None))[1:3] if lo is None and hi is None else (lo, hi)
+        elif node.target == aten.clamp_min.default:
+            lo = node.args[1]
+        else:
+            hi = node.args[1]
+        node = _strip(node.args[0], _CASTS)
+    return node, lo, hi
+
+
+def swigluoai_inputs(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | None:
+    """(gate, up, op kwargs) if h = (clamp(up, -l, l) + 1) * (g * sigmoid(alpha * g)) with
+    g = clamp(gate, max=l): GPT-OSS's activation, as transformers writes it."""
+    for plus_one, glu in (h.args[:2], reversed(h.args[:2])):
+        plus_one, glu = _strip(plus_one, _CASTS), _strip(glu, _CASTS)
+        if not (_is(plus_one, aten.add.Tensor) and 1 in plus_one.args[:2] and _is(glu, aten.mul.Tensor)):
+            continue
+        up_c = next(a for a in plus_one.args[:2] if isinstance(a, fx.Node))
+        for g, s in (glu.args[:2], reversed(glu.args[:2])):
+            s = _strip(s, _CASTS)
+            if not (_is(s, aten.sigmoid.default) and _is(_strip(s.args[0], _CASTS), aten.mul.Tensor)):
+                continue
+            scaled = _strip(s.args[0], _CASTS)
+            alphas = [a for a in scaled.args[:2] if isinstance(a, float)]
+            if not alphas or not any(isinstance(x, fx.Node) and _same(x, g) for x in scaled.args[:2]):
+                continue
+            gate, lo_g, limit = _clamped(g)
+            up, lo_u, hi_u = _clamped(up_c)
+            if lo_g is None and limit is not None and hi_u == limit and lo_u == -limit:
+                return gate, up, {"activation": "swigluoai", "alpha": float(alphas[0]), "limit": float(limit)}
+    return None
+
+
+def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
+    """(a, b, op kwargs) if h is a view of act(a, b) (silu or swigluoai) over two bf16 tensors
+    of one shape; a reason if h is a gated product with another activation; None if h is no
+    product at all."""
     h = _strip(h, _VIEWS)
     if not _is(h, aten.mul.Tensor) or not all(isinstance(a, fx.Node) for a in h.args[:2]):
         return None
-    for p, q in (h.args[:2], reversed(h.args[:2])):
-        a = silu_input(p)
+    candidates = [(silu_input(p), q, {}) for p, q in (h.args[:2], reversed(h.args[:2]))]
+    candidates.append(swigluoai_inputs(h) or (None, None, {}))
+    for a, b, kwargs in candidates:
         if a is None:
             continue
-        a_val, b_val = a.meta["val"], q.meta["val"]
+        a_val, b_val = a.meta["val"], b.meta["val"]
         if a_val.shape != b_val.shape or {a_val.dtype, b_val.dtype} != {torch.bfloat16}:
-            return f"silu(a) * b over {a_val.dtype}/{b_val.dtype} tensors of shapes {tuple(a_val.shape)}, {tuple(b_val.shape)}"
-        return a, q
+            return f"act(a, b) over {a_val.dtype}/{b_val.dtype} tensors of shapes {tuple(a_val.shape)}, {tuple(b_val.shape)}"
+        return a, b, kwargs
     if all(_chain(p, MATMULS) for p in h.args[:2]):  # a gated MLP with another activation
         found = [name for p in h.args[:2] for target, name in _ACTIVATIONS if _reaches(p, target)]
         return f"gated product with activation {found[0] if found else 'unknown'}: only silu(a) * b is fused"
@@ -116,9 +159,10 @@ def _chain(node, targets, depth: int = 12) -> bool:
     return False
 
 
-def silu_mul_replacement(ctx: PassContext, match: LinearMatch, a: fx.Node, b: fx.Node,
+def silu_mul_replacement(ctx: PassContext, match: LinearMatch, a: fx.Node, b: fx.Node, act: dict,
                          param: torch.nn.Parameter, param_name: str) -> None:
-    replace_with_fp8(ctx, match, param, param_name, "silu_mul", torch.ops.fp8compile.silu_mul_linear.default, (a, b))
+    replace_with_fp8(ctx, match, param, param_name, "silu_mul", torch.ops.fp8compile.gated_linear.default, (a, b),
+                     act, detail=act.get("activation", "silu"))
 
 
 def silu_mul_pass(ctx: PassContext) -> None:
