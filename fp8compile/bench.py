@@ -169,6 +169,60 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=90)
 
 
+MLPS = {"llama3-8b": (4096, 14336), "qwen2.5-7b": (3584, 18944)}  # (hidden, intermediate), bias-free
+MLP_MS = [1, 16, 128, 4096]
+
+
+def bench_mlp(out_dir: Path, ms=MLP_MS, mlps=MLPS, device: str = "cuda") -> list[dict]:
+    """Gated MLP down(silu(gate(x)) * up(x)): bf16 torch.compile (Inductor) vs the fp8 backend
+    with the silu_mul fusion and without it (fusions=()). One compiled graph per variant and
+    model serves every weight copy and every M >= 2 (dynamic M)."""
+    from tqdm import tqdm
+
+    from fp8compile.demo import GatedMLP
+
+    rows = []
+    device_name = torch.cuda.get_device_name(0) if device == "cuda" else device
+    with torch.no_grad(), tqdm(total=len(mlps) * len(ms), desc="bench mlp") as progress:
+        for model_name, (hidden, inter) in mlps.items():
+            torch._dynamo.reset()
+            copies = [GatedMLP(hidden, inter).to(device, torch.bfloat16) for _ in range(_copies(3 * hidden * inter))]
+            variants = {
+                "bf16_inductor": torch.compile,
+                "fp8_unfused": lambda m: torch.compile(m, backend=fp8compile.backend(fusions=())),
+                "fp8": lambda m: torch.compile(m, backend=fp8compile.backend()),
+            }
+            compiled = {name: [make(m) for m in copies] for name, make in variants.items()}
+            for m in ms:
+                x = torch.randn(m, hidden, device=device, dtype=torch.bfloat16)
+                for name, fns in compiled.items():
+                    us = _time_us([lambda f=f: f(x) for f in fns])
+                    rows.append(dict(device=device_name, model=model_name, hidden=hidden, inter=inter, m=m, variant=name,
+                                     us=us, weight_tbps=None if us is None else
+                                     3 * hidden * inter * (2 if name == "bf16_inductor" else 1) / us / 1e6))
+                progress.update()
+            del copies, compiled
+            torch.cuda.empty_cache()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_mlp.json").write_text(json.dumps(rows, indent=1))
+    print(mlp_table(rows))
+    return rows
+
+
+def mlp_table(rows: list[dict]) -> str:
+    by = {(r["model"], r["m"], r["variant"]): r["us"] for r in rows}
+    lines = ["times in us (CUDA-graph replay, median); ratios are speedups (>1 = faster)",
+             f"{'model':<12} {'M':>5} {'bf16_inductor':>14} {'fp8_unfused':>12} {'fp8':>10}   fp8/bf16 fp8/unfused"]
+    for model, m in sorted({(r["model"], r["m"]) for r in rows}, key=lambda t: (t[0], t[1])):
+        t = {v: by.get((model, m, v)) for v in ("bf16_inductor", "fp8_unfused", "fp8")}
+        cells = " ".join(f"{t[v]:>{w}.1f}" if t[v] else f"{'-':>{w}}" for v, w in
+                         (("bf16_inductor", 14), ("fp8_unfused", 12), ("fp8", 10)))
+        r1 = f"{t['bf16_inductor'] / t['fp8']:8.2f}" if t["fp8"] and t["bf16_inductor"] else f"{'-':>8}"
+        r2 = f"{t['fp8_unfused'] / t['fp8']:11.2f}" if t["fp8"] and t["fp8_unfused"] else f"{'-':>11}"
+        lines.append(f"{model:<12} {m:>5} {cells}   {r1} {r2}")
+    return "\n".join(lines)
+
+
 def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
     """Sweep the Triton kernels' tile constants; print the best fixed choice by geometric mean."""
     from fp8compile.ops import reference, triton_gemm, triton_quant
@@ -227,6 +281,8 @@ def main(args) -> int:
     start = time.time()
     if args.what == "gemm":
         bench_gemm(out, ms=args.m or MS)
+    elif args.what == "mlp":
+        bench_mlp(out, ms=args.m or MLP_MS)
     else:
         tune(out, kernels=args.kernels)
     print(f"[{time.time() - start:.0f} s] results in {out}")

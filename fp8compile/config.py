@@ -10,6 +10,7 @@ from typing import Any
 from . import registry
 
 RECIPES = ("block",)  # "rowwise" and "tensor" join when their ops land
+FUSIONS = ("silu_mul",)  # fusion passes; "moe" joins with the MoE pass
 
 # Small/large-M threshold for the torch.cond dispatch: M <= SMALL_M takes the decode path.
 # 32 is where the anchors' decode kernels stop streaming weights and start being compute-bound
@@ -34,6 +35,7 @@ class Fp8Config:
     small_m:         rows M <= small_m take the small-M (decode) kernel, chosen by torch.cond.
     backends:        kernel backends in preference order; None = the measured default order.
     skip:            module-name globs left in bf16, e.g. ("lm_head", "*.mlp.down_proj").
+    fusions:         fusion passes to run (default: all); () runs the plain linear pass only.
     debug_dir:       write graphs before/after our passes and depyf-decompiled code here
                      (default: $FP8COMPILE_DEBUG_DIR).
     """
@@ -44,6 +46,7 @@ class Fp8Config:
     small_m: int = SMALL_M
     backends: tuple[str, ...] | None = None
     skip: tuple[str, ...] = ()
+    fusions: tuple[str, ...] = FUSIONS
     debug_dir: str | None = dataclasses.field(default_factory=_debug_dir_from_env)
 
     def __post_init__(self) -> None:
@@ -55,6 +58,10 @@ class Fp8Config:
         if isinstance(self.small_m, bool) or not isinstance(self.small_m, int) or self.small_m < 0:
             raise ValueError(f"small_m must be an int >= 0 (0 = never take the small-M path), got {self.small_m!r}")
         object.__setattr__(self, "skip", _str_tuple("skip", self.skip))
+        object.__setattr__(self, "fusions", _str_tuple("fusions", self.fusions))
+        unknown = [f for f in self.fusions if f not in FUSIONS]
+        if unknown:
+            raise ValueError(f"unknown fusion(s) {unknown}; valid fusions: {', '.join(FUSIONS)}")
         if self.backends is not None:
             backends = _str_tuple("backends", self.backends)
             valid = registry.names()

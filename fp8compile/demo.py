@@ -9,6 +9,19 @@ import torch
 from . import Fp8Backend, calc_diff
 
 
+class GatedMLP(torch.nn.Module):
+    """Llama / gpt-fast feed-forward: down(silu(gate(x)) * up(x)), bias-free."""
+
+    def __init__(self, hidden: int = 256, intermediate: int = 512):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = torch.nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 def small_llama(vocab: int = 32000, hidden: int = 256, intermediate: int = 512, layers: int = 2, seed: int = 0):
     """transformers LlamaForCausalLM with random weights (HF init: N(0, 0.02)), bf16, eval mode."""
     try:

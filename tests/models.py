@@ -3,20 +3,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8compile.demo import GatedMLP  # noqa: F401  (the Llama feed-forward, shared with the benchmark)
+
 BF16 = torch.bfloat16
-
-
-class GatedMLP(nn.Module):
-    """Llama / gpt-fast feed-forward: down(silu(gate(x)) * up(x)), bias-free."""
-
-    def __init__(self, hidden=256, intermediate=512):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Attention(nn.Module):

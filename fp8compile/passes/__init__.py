@@ -7,12 +7,16 @@ from .linear import linear_pass
 from .silu_mul import silu_mul_pass
 
 # Order matters: a fusion claims its down projection before linear_pass sees it as a plain linear.
-PASSES = (silu_mul_pass, linear_pass)
+# Each fusion runs when its name is in Fp8Config.fusions; linear_pass always runs, last.
+FUSION_PASSES = {"silu_mul": silu_mul_pass}
+PASSES = (*FUSION_PASSES.values(), linear_pass)
 
 
 def run_passes(ctx: PassContext) -> None:
-    for fp8_pass in PASSES:
-        fp8_pass(ctx)
+    for name, fusion in FUSION_PASSES.items():
+        if name in ctx.config.fusions:
+            fusion(ctx)
+    linear_pass(ctx)
     ctx.gm.graph.eliminate_dead_code()
     ctx.gm.graph.lint()
     ctx.gm.recompile()
