@@ -84,3 +84,19 @@ def test_explicit_backends_that_cannot_serve_are_a_clear_error(probe_backend):
     # "probe" alone cannot serve M > 32, and the user asked for nothing else
     with pytest.raises(Exception, match=r"no backend in \['probe'\] can run linear .*probe serves M <= 32 only"):
         run(nn.Linear(256, 256).to(BF16), fp8compile.backend(backends=["probe"]), [40])
+
+
+def test_a_dynamic_size_that_is_no_graph_input_leaves_the_linear_in_bf16_with_the_reason(monkeypatch, captured):
+    from fp8compile.passes import dispatch
+
+    def unbindable(ctx, operands):
+        raise dispatch.NoDispatch("dynamic sizes ['u0'] are not graph inputs (data-dependent?), so no torch.cond")
+
+    monkeypatch.setattr(dispatch, "_symbol_operands", unbindable)
+    model = nn.Linear(256, 256).to(BF16)
+    backend = fp8compile.backend()
+    outs = run(model, backend, [40])
+    (skip,) = backend.report.skipped("linear")
+    assert "not graph inputs" in skip.reason and backend.report.rewrites == []
+    assert torch.equal(outs[40][1], model(outs[40][0]))  # the bf16 linear, untouched
+    assert captured[0].ops(FP8_LINEAR) == []

@@ -1,5 +1,5 @@
 """What a pass knows about the ATen graph it rewrites: the real tensor and the model name
-behind each placeholder, the config, the report, and how to add compile-time constants.
+behind each placeholder, the config and the report, and helpers to add nodes with their fake values.
 
 Invariants every pass keeps: each node it adds carries meta["val"] (a FakeTensor / SymInt of
 the graph's fake mode); no weight values enter the graph (weights stay inputs; their FP8

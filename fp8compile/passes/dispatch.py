@@ -17,6 +17,10 @@ from .. import registry
 from .context import PassContext
 
 
+class NoDispatch(Exception):
+    """This call site cannot get an M dispatch; the caller leaves it in bf16 with this reason."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Side:
     label: str  # "M <= 32", "M > 32", "all M", "M = 7"
@@ -102,7 +106,8 @@ def _symbol_operands(ctx: PassContext, operands: list[fx.Node]) -> list[fx.Node]
             bound.setdefault(val.node.expr, node)
     missing = symbols - bound.keys()
     if missing:
-        raise RuntimeError(f"dynamic sizes {sorted(map(str, missing))} are not graph inputs; cannot build the M dispatch")
+        raise NoDispatch(f"dynamic sizes {sorted(map(str, missing))} are not graph inputs (data-dependent?), "
+                         "so no torch.cond over M can be built")
     return [bound[s] for s in sorted(bound, key=str)]
 
 
@@ -122,6 +127,7 @@ def emit(ctx: PassContext, target, args: tuple, kwargs: dict, m_source: fx.Node,
     fx.node.map_arg((args, kwargs), lambda n: operands.append(n) if n not in operands else None)
     # Inductor codegens each branch as a function of its operands: the symbols in their shapes
     # (the dynamic M) must come in as operands too, as Dynamo does when it traces torch.cond.
+    # Checked before anything is added to the graph, so NoDispatch leaves it as it was.
     operands = _symbol_operands(ctx, operands) + operands
     branches = []
     for side in (small, large):

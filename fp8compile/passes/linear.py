@@ -116,10 +116,14 @@ def replace_with_fp8(ctx: PassContext, match: LinearMatch, param: torch.nn.Param
     m = match.x.meta["val"].shape[0]
     sides = dispatch.plan(ctx, target._schema.name.split("::")[1], param.device, n, k, m)
     with ctx.gm.graph.inserting_before(match.node):
-        flat = [dispatch.flatten(ctx, a) for a in activations]
+        flat = [dispatch.flatten(ctx, a) for a in activations]  # unused if NoDispatch: removed as dead code
         kwargs = {"e8m0": e8m0, "w_kn": match.transposed, **(op_kwargs or {})}
-        out = dispatch.emit(ctx, target, (*flat, match.weight, match.bias), kwargs, m_source=flat[0], sides=sides,
-                            name=name)
+        try:
+            out = dispatch.emit(ctx, target, (*flat, match.weight, match.bias), kwargs, m_source=flat[0],
+                                sides=sides, name=name)
+        except dispatch.NoDispatch as reason:
+            ctx.skipped(kind, name, str(reason), f"{n}x{k}")
+            return
     match.node.replace_all_uses_with(out)
     ctx.gm.graph.erase_node(match.node)
     ctx.rewrote(kind, name, m, n, k, [(s.label, s.kernel) for s in sides], detail)
