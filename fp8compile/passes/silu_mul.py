@@ -34,6 +34,8 @@ def _strip(node, targets):
 
 
 def _is(node, target, *args) -> bool:
+    """Whether node calls target with leading arguments args (same node through casts, or equal;
+    None matches anything)."""
     return isinstance(node, fx.Node) and node.target == target and all(
         a is None or (i < len(node.args) and _same(node.args[i], a)) for i, a in enumerate(args))
 
