@@ -130,7 +130,8 @@ INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=4)
 # Small-M: rows of the weight per program, and the number of programs the launcher aims for
 # (split-K fills in when N / BLOCK_N alone gives fewer). `bench tune` on an H200 (BENCHMARKS.md):
 # (BLOCK_N 128, 2 programs per SM, 3 stages) is the best fixed choice by geometric mean over the
-# five benchmark shapes at M = 1, 16, 32, and within 5% of the best per shape except N=24576 K=1536.
+# five benchmark shapes at M = 1, 16, 32, and within 3% of the best config at every point except
+# N=7168 K=2048 at M = 16 and 32 (8% and 5%; benchmarks/tune_small_m_h200.json).
 SMALL_M_BLOCK_N = 128
 SMALL_M_PROGRAMS_PER_SM = 2
 SMALL_M_NUM_STAGES = 3
