@@ -13,7 +13,7 @@ def _backends(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     request = registry.Request("linear", device, n=args.n, k=args.k, m_min=args.m, m_max=args.m)
     print(f"backends for linear N={args.n} K={args.k} M={args.m} on {device} (preference order):")
-    chosen = registry.choose(request).backend
+    chosen = registry.choose(request)
     for name in registry.DEFAULT_ORDER:
         why = registry.why_not(name, request)
         state = "CHOSEN" if name == chosen else "usable" if why is None else "not used: " + why

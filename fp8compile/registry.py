@@ -14,9 +14,6 @@ from collections.abc import Callable
 
 import torch
 
-OPS = ("linear", "gated_linear", "gemm", "quant_act")
-
-
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One op call site: what a kernel must handle. m_max None = unbounded."""
@@ -71,10 +68,6 @@ def _triton_device_why_not(request: Request) -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     return _cuda_why_not(request, (8, 9))  # FP8 tensor-core dot: Ada / Hopper and newer
-
-
-def _triton_why_not(request: Request) -> str | None:
-    return _triton_device_why_not(request)
 
 
 def _triton_small_m_why_not(request: Request) -> str | None:
@@ -142,7 +135,7 @@ _BACKENDS: dict[str, Backend] = {
         "triton",
         {"linear": ".ops.triton_gemm:linear_large_m", "gated_linear": ".ops.triton_gemm:gated_linear_large_m",
          "gemm": ".ops.triton_gemm:gemm_large_m", "quant_act": ".ops.triton_quant:quant_act_row"},
-        _triton_why_not,
+        _triton_device_why_not,
     ),
     "cublas": Backend(
         "cublas",
@@ -183,16 +176,6 @@ def names() -> tuple[str, ...]:
 DEFAULT_ORDER = ("triton_small_m", "cublas", "deep_gemm", "triton", "flashinfer", "reference")
 
 
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    backend: str
-    rejected: tuple[tuple[str, str], ...]  # (backend, why not), in preference order
-
-    def explain(self) -> str:
-        lines = [f"{name}: {why}" for name, why in self.rejected]
-        return "; ".join(lines)
-
-
 def why_not(backend: str, request: Request) -> str | None:
     if backend not in _BACKENDS:
         return f"unknown backend (valid: {', '.join(names())})"
@@ -202,8 +185,8 @@ def why_not(backend: str, request: Request) -> str | None:
     return b.why_not(request)
 
 
-def choose(request: Request, order: tuple[str, ...] | None = None) -> Choice:
-    """First backend in `order` that serves `request`; RuntimeError naming every reason if none."""
+def choose(request: Request, order: tuple[str, ...] | None = None) -> str:
+    """The first backend in `order` that serves `request`; RuntimeError naming every reason if none."""
     if order is None:
         # On the CPU the reference is the product; Triton's interpreter runs only when asked for.
         order = DEFAULT_ORDER if request.device.type != "cpu" else ("reference",)
@@ -211,12 +194,11 @@ def choose(request: Request, order: tuple[str, ...] | None = None) -> Choice:
     for name in order:
         reason = why_not(name, request)
         if reason is None:
-            return Choice(name, tuple(rejected))
-        rejected.append((name, reason))
-    detail = "; ".join(f"{n}: {r}" for n, r in rejected)
+            return name
+        rejected.append(f"{name}: {reason}")
     raise RuntimeError(
         f"no backend in {list(order)} can run {request.op} (N={request.n}, K={request.k}, "
-        f"{request.m_range}) on {request.device}: {detail}"
+        f"{request.m_range}) on {request.device}: {'; '.join(rejected)}"
     )
 
 

@@ -102,7 +102,7 @@ def test_default_dispatch_uses_the_decode_kernel_below_small_m_and_a_gemm_above(
     (rewrite,) = fp8.report.rewrites
     small, large = rewrite.kernels
     assert small == ("M <= 32", "triton_small_m")
-    assert large[1] == registry.choose(registry.Request("linear", torch.device("cuda"), 4096, 4096, 33, None)).backend
+    assert large[1] == registry.choose(registry.Request("linear", torch.device("cuda"), 4096, 4096, 33, None))
 
 
 def test_deep_gemm_missing_is_a_clear_error(monkeypatch):

@@ -40,7 +40,7 @@ def plan(ctx: PassContext, op: str, device: torch.device, n: int, k: int, m: Any
     else:
         ranges = [(f"M <= {cfg.small_m}", 1, cfg.small_m), (f"M > {cfg.small_m}", cfg.small_m + 1, None)]
     return [
-        Side(label, registry.choose(dataclasses.replace(base, m_min=lo, m_max=hi), cfg.backends).backend)
+        Side(label, registry.choose(dataclasses.replace(base, m_min=lo, m_max=hi), cfg.backends))
         for label, lo, hi in ranges
     ]
 
