@@ -34,9 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     backends.add_argument("-n", type=int, default=4096)
     backends.add_argument("-k", type=int, default=4096)
     bench = sub.add_parser("bench", help="GPU benchmarks against bf16 cuBLAS, cuBLAS FP8, DeepGEMM, FlashInfer")
-    bench.add_argument("what", choices=["gemm", "mlp", "tune"])
+    bench.add_argument("what", choices=["gemm", "mlp", "moe", "tune"])
     bench.add_argument("--out", default=None, help="folder for JSON and PNG (default: $OUT or ./bench_out)")
-    bench.add_argument("-m", type=int, action="append", help="M values (default: gemm 1 16 32 128 1024 4096; mlp 1 16 128 4096)")
+    bench.add_argument("-m", type=int, action="append",
+                       help="M values (default: gemm 1 16 32 128 1024 4096; mlp 1 16 128 4096; moe 1 16 128 1024 4096)")
+    bench.add_argument("--layer", action="append", choices=["qwen3-30b-a3b", "deepseek-v3"],
+                       help="MoE layers for `bench moe` (default: both)")
     bench.add_argument("--kernels", nargs="+", default=["small_m", "large_m"], choices=["small_m", "large_m"],
                        help="which Triton kernels `tune` sweeps")
     args = parser.parse_args(argv)

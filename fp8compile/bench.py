@@ -1,4 +1,4 @@
-"""GPU benchmarks: `python -m fp8compile bench gemm | tune`.
+"""GPU benchmarks: `python -m fp8compile bench gemm | mlp | moe | tune`.
 
 Timing: each variant is captured in a CUDA graph and replayed (triton.testing.do_bench_cudagraph,
 median), so launch overhead does not hide the kernels, as in a decode loop under CUDA graphs.
@@ -173,6 +173,29 @@ MLPS = {"llama3-8b": (4096, 14336), "qwen2.5-7b": (3584, 18944)}  # (hidden, int
 MLP_MS = [1, 16, 128, 4096]
 
 
+def _save(out_dir: Path, name: str, rows: list[dict], table) -> list[dict]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / name).write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+    return rows
+
+
+def _variant_rows(compile_variant, variants, inputs, row, report=False):
+    """Time every variant on every input, one variant at a time: Dynamo is reset before each,
+    so no variant runs out of its recompile budget (a code object shared by several backends
+    keeps at most torch._dynamo.config.cache_size_limit graphs, then silently runs eagerly)."""
+    rows = []
+    for variant in variants:
+        torch._dynamo.reset()
+        fns = compile_variant(variant)
+        for key, x in inputs:
+            us = _time_us([lambda f=f: f(x) for f in fns])
+            rows.append(row(variant, key, us))
+        if report and isinstance(variants[variant], fp8compile.Fp8Backend):
+            print(f"{variant}: {variants[variant].report}")
+    return rows
+
+
 def bench_mlp(out_dir: Path, ms=MLP_MS, mlps=MLPS, device: str = "cuda") -> list[dict]:
     """Gated MLP down(silu(gate(x)) * up(x)): bf16 torch.compile (Inductor) vs the fp8 backend
     with the silu_mul fusion and without it (fusions=()). One compiled graph per variant and
@@ -183,30 +206,19 @@ def bench_mlp(out_dir: Path, ms=MLP_MS, mlps=MLPS, device: str = "cuda") -> list
 
     rows = []
     device_name = torch.cuda.get_device_name(0) if device == "cuda" else device
-    with torch.no_grad(), tqdm(total=len(mlps) * len(ms), desc="bench mlp") as progress:
-        for model_name, (hidden, inter) in mlps.items():
-            torch._dynamo.reset()
+    backends = {"bf16_inductor": "inductor", "fp8_unfused": fp8compile.backend(fusions=()), "fp8": fp8compile.backend()}
+    with torch.no_grad():
+        for model_name, (hidden, inter) in tqdm(mlps.items(), desc="bench mlp"):
             copies = [GatedMLP(hidden, inter).to(device, torch.bfloat16) for _ in range(_copies(3 * hidden * inter))]
-            variants = {
-                "bf16_inductor": torch.compile,
-                "fp8_unfused": lambda m: torch.compile(m, backend=fp8compile.backend(fusions=())),
-                "fp8": lambda m: torch.compile(m, backend=fp8compile.backend()),
-            }
-            compiled = {name: [make(m) for m in copies] for name, make in variants.items()}
-            for m in ms:
-                x = torch.randn(m, hidden, device=device, dtype=torch.bfloat16)
-                for name, fns in compiled.items():
-                    us = _time_us([lambda f=f: f(x) for f in fns])
-                    rows.append(dict(device=device_name, model=model_name, hidden=hidden, inter=inter, m=m, variant=name,
-                                     us=us, weight_tbps=None if us is None else
-                                     3 * hidden * inter * (2 if name == "bf16_inductor" else 1) / us / 1e6))
-                progress.update()
-            del copies, compiled
+            inputs = [(m, torch.randn(m, hidden, device=device, dtype=torch.bfloat16)) for m in ms]
+            rows += _variant_rows(
+                lambda v: [torch.compile(c, backend=backends[v]) for c in copies], backends, inputs,
+                lambda v, m, us: dict(device=device_name, model=model_name, hidden=hidden, inter=inter, m=m, variant=v,
+                                      us=us, weight_tbps=None if us is None else
+                                      3 * hidden * inter * (2 if v == "bf16_inductor" else 1) / us / 1e6))
+            del copies
             torch.cuda.empty_cache()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_mlp.json").write_text(json.dumps(rows, indent=1))
-    print(mlp_table(rows))
-    return rows
+    return _save(out_dir, "bench_mlp.json", rows, mlp_table)
 
 
 def mlp_table(rows: list[dict]) -> str:
@@ -220,6 +232,112 @@ def mlp_table(rows: list[dict]) -> str:
         r1 = f"{t['bf16_inductor'] / t['fp8']:8.2f}" if t["fp8"] and t["bf16_inductor"] else f"{'-':>8}"
         r2 = f"{t['fp8_unfused'] / t['fp8']:11.2f}" if t["fp8"] and t["fp8_unfused"] else f"{'-':>11}"
         lines.append(f"{model:<12} {m:>5} {cells}   {r1} {r2}")
+    return "\n".join(lines)
+
+
+# (hidden, moe_intermediate, experts, top_k): Qwen3-30B-A3B and DeepSeek-V3 (all 256 experts:
+# 22.5 GB of bf16 expert weights plus their 11 GB FP8 copy fit an H200 or an H100).
+MOE_LAYERS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8)}
+MOE_TOKENS = [1, 16, 128, 1024, 4096]
+
+
+def _moe_block(hidden: int, inter: int, experts: int, top_k: int):
+    """transformers' Qwen3MoeSparseMoeBlock (router, top-k, experts under "grouped_mm") on the GPU."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
+                         num_experts_per_tok=top_k, norm_topk_prob=True)
+    cfg._experts_implementation = "grouped_mm"
+    with torch.device("cuda"):
+        block = Qwen3MoeSparseMoeBlock(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.02)
+    return block
+
+
+def _deep_gemm_experts(block, tokens: int, top_k: int):
+    """DeepGEMM's two grouped GEMMs alone, on this routing's contiguous layout (pre-quantized
+    inputs): the anchor for the experts' GEMM time, without routing, activation or top-k sum."""
+    import deep_gemm
+
+    from fp8compile.ops.triton_moe import route
+    from fp8compile.ops.triton_quant import quant_act
+    from fp8compile.passes.weights import fp8_experts
+
+    experts = block.experts
+    num_experts, two_i, hidden = experts.gate_up_proj.shape
+    w13, w2 = fp8_experts(experts.gate_up_proj, gate_up="concat"), fp8_experts(experts.down_proj)
+    ids = torch.topk(torch.rand(tokens, num_experts, device="cuda"), top_k, dim=-1).indices
+    slots, block_expert = route(ids, num_experts, deep_gemm.get_mk_alignment_for_contiguous_layout())
+    rows = slots.numel()
+    row_expert = torch.where(slots < ids.numel(), block_expert.repeat_interleave(rows // block_expert.numel()), -1)
+    a = quant_act(torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16), layout="mn_major")
+    h = quant_act(torch.randn(rows, two_i // 2, device="cuda", dtype=torch.bfloat16), layout="mn_major")
+    c1 = torch.empty(rows, two_i, device="cuda", dtype=torch.bfloat16)
+    c2 = torch.empty(rows, hidden, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, w13, c1, row_expert, disable_ue8m0_cast=True)
+        deep_gemm.m_grouped_fp8_gemm_nt_contiguous(h, w2, c2, row_expert, disable_ue8m0_cast=True)
+    return run
+
+
+def bench_moe(out_dir: Path, tokens=MOE_TOKENS, layers=MOE_LAYERS) -> list[dict]:
+    """A routed-experts layer (router + top-k + experts): bf16 torch.compile (Inductor, grouped_mm)
+    vs the fp8 backend (default kernels, and Triton only) vs DeepGEMM's grouped GEMMs alone.
+    One compiled graph per variant serves every token count >= 2 (dynamic tokens)."""
+    from tqdm import tqdm
+
+    rows = []
+    device_name = torch.cuda.get_device_name(0)
+    backends = {"bf16_inductor": "inductor", "fp8": fp8compile.backend(),
+                "fp8_triton": fp8compile.backend(backends=("triton", "reference"))}
+    with torch.no_grad():
+        for name, (hidden, inter, experts, top_k) in tqdm(layers.items(), desc="bench moe"):
+            block = _moe_block(hidden, inter, experts, top_k)
+            expert_bytes = 3 * hidden * inter  # FP8 bytes of one expert
+            active = {}  # experts a routing of t tokens touches (router of random weights)
+            inputs = []
+            for t in tokens:
+                x = torch.randn(1, t, hidden, device="cuda", dtype=torch.bfloat16)
+                torch._dynamo.mark_dynamic(x, 1)
+                inputs.append((t, x))
+                logits = torch.nn.functional.linear(x.view(t, hidden), block.gate.weight)
+                active[t] = int(torch.topk(logits, top_k).indices.unique().numel())
+
+            def row(variant, t, us):
+                streamed = active[t] * expert_bytes * (2 if variant == "bf16_inductor" else 1)
+                return dict(device=device_name, layer=name, hidden=hidden, inter=inter, experts=experts, top_k=top_k,
+                            tokens=t, variant=variant, us=us, active_experts=active[t],
+                            weight_tbps=None if us is None else streamed / us / 1e6)
+
+            rows += _variant_rows(lambda v: [torch.compile(block, backend=backends[v])], backends, inputs, row,
+                                  report=True)
+            for t, _ in inputs:
+                try:
+                    rows.append(row("deep_gemm_gemms", t, _time_us([_deep_gemm_experts(block, t, top_k)])))
+                except Exception as e:  # DeepGEMM missing or failing: the other columns still count
+                    print(f"    deep_gemm_gemms: {type(e).__name__}: {str(e)[:120]}")
+            del block
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+    return _save(out_dir, "bench_moe.json", rows, moe_table)
+
+
+def moe_table(rows: list[dict]) -> str:
+    variants = ("bf16_inductor", "fp8", "fp8_triton", "deep_gemm_gemms")
+    by = {(r["layer"], r["tokens"], r["variant"]): r["us"] for r in rows}
+    lines = ["times in us (CUDA-graph replay, median); ratios are speedups (>1 = faster)",
+             f"{'layer':<14} {'tokens':>6} " + " ".join(f"{v:>15}" for v in variants)
+             + "   fp8/bf16 fp8/dg_gemms"]
+    for layer, t in sorted({(r["layer"], r["tokens"]) for r in rows}):
+        us = {v: by.get((layer, t, v)) for v in variants}
+        cells = " ".join(f"{us[v]:>15.1f}" if us[v] else f"{'-':>15}" for v in variants)
+        r1 = f"{us['bf16_inductor'] / us['fp8']:10.2f}" if us["fp8"] and us["bf16_inductor"] else f"{'-':>10}"
+        r2 = f"{us['deep_gemm_gemms'] / us['fp8']:12.2f}" if us["fp8"] and us["deep_gemm_gemms"] else f"{'-':>12}"
+        lines.append(f"{layer:<14} {t:>6} {cells}   {r1} {r2}")
     return "\n".join(lines)
 
 
@@ -283,6 +401,8 @@ def main(args) -> int:
         bench_gemm(out, ms=args.m or MS)
     elif args.what == "mlp":
         bench_mlp(out, ms=args.m or MLP_MS)
+    elif args.what == "moe":
+        bench_moe(out, tokens=args.m or MOE_TOKENS, layers={k: MOE_LAYERS[k] for k in (args.layer or MOE_LAYERS)})
     else:
         tune(out, kernels=args.kernels)
     print(f"[{time.time() - start:.0f} s] results in {out}")

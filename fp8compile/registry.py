@@ -92,6 +92,9 @@ def _vendor_why_not(module: str, request: Request, min_capability, exact_major=N
 
 
 def _deep_gemm_why_not(request: Request) -> str | None:
+    if request.op == "moe" and request.m_max is not None and request.m_max <= MOE_DEEP_GEMM_MIN_TOKENS:
+        return (f"pads every expert's rows to 128 (contiguous layout): below {MOE_DEEP_GEMM_MIN_TOKENS + 1} tokens "
+                "the Triton kernel's 16-row blocks waste less")
     if request.n % 64:
         return f"N={request.n} is not a multiple of 64"
     return _vendor_why_not("deep_gemm", request, (9, 0))
@@ -115,6 +118,10 @@ def _cublas_why_not(request: Request) -> str | None:
     return _cuda_why_not(request, (9, 0))
 
 
+# Tokens up to which DeepGEMM's grouped GEMM is not used for MoE blocks (decode): each active
+# expert costs it at least one 128-row block.
+MOE_DEEP_GEMM_MIN_TOKENS = 32
+
 # Measured on an H200 (../shared/device/README.md): torch._scaled_mm block scaling works at
 # M >= 8 and fails at M = 1.
 CUBLAS_MIN_M = 8
@@ -128,13 +135,15 @@ _BACKENDS: dict[str, Backend] = {
     ),
     "deep_gemm": Backend(
         "deep_gemm",
-        {"linear": ".ops.vendors:linear_deep_gemm", "gated_linear": ".ops.vendors:gated_linear_deep_gemm"},
+        {"linear": ".ops.vendors:linear_deep_gemm", "gated_linear": ".ops.vendors:gated_linear_deep_gemm",
+         "moe": ".ops.vendors:moe_deep_gemm"},
         _deep_gemm_why_not,
     ),
     "triton": Backend(
         "triton",
         {"linear": ".ops.triton_gemm:linear_large_m", "gated_linear": ".ops.triton_gemm:gated_linear_large_m",
-         "gemm": ".ops.triton_gemm:gemm_large_m", "quant_act": ".ops.triton_quant:quant_act_row"},
+         "gemm": ".ops.triton_gemm:gemm_large_m", "quant_act": ".ops.triton_quant:quant_act_row",
+         "moe": ".ops.triton_moe:moe_triton"},
         _triton_device_why_not,
     ),
     "cublas": Backend(
@@ -150,6 +159,7 @@ _BACKENDS: dict[str, Backend] = {
             "gated_linear": ".ops.reference:gated_linear_block",
             "gemm": ".ops.reference:gemm_block",
             "quant_act": ".ops.reference:quant_act_block",
+            "moe": ".ops.reference:moe_block",
         },
         why_not=_reference_why_not,
     ),

@@ -147,3 +147,54 @@ class GptOssStyleMLP(nn.Module):
         up = up.clamp(min=-self.limit, max=self.limit)
         glu = gate * torch.sigmoid(gate * self.alpha)
         return self.down_proj((up + 1) * glu)
+
+
+class GptFastMoE(nn.Module):
+    """gpt-fast's MoE feed-forward: router, top-k, then expert weights gathered per token
+    (w1[expert_ids]) and applied with einsum; w1 (gate) and w3 (up) separate."""
+
+    def __init__(self, dim=256, inter=256, experts=8, top_k=2):
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, inter, dim) * 0.02)
+        self.w2 = nn.Parameter(torch.randn(experts, dim, inter) * 0.02)
+        self.w3 = nn.Parameter(torch.randn(experts, inter, dim) * 0.02)
+        self.top_k = top_k
+
+    def forward(self, x):
+        x = x.view(-1, x.shape[-1])
+        weights, ids = torch.topk(F.softmax(self.gate(x), dim=-1), self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        w1, w3, w2 = self.w1[ids], self.w3[ids], self.w2[ids]
+        x1 = F.silu(torch.einsum("ti,taoi->tao", x, w1))
+        x3 = torch.einsum("ti,taoi->tao", x, w3)
+        out = torch.einsum("tao,taio->tai", x1 * x3, w2)
+        return torch.einsum("tai,ta->ti", out, weights)
+
+
+class MaskedGroupedMoE(nn.Module):
+    """Routed experts over torch._grouped_mm the way transformers' "grouped_mm" experts do with
+    expert-parallel sentinels: tokens sorted by expert, offsets from histc + cumsum, and rows
+    routed to an id >= num_experts zeroed (masked_fill) before and after each grouped GEMM."""
+
+    def __init__(self, dim=256, inter=256, experts=8, top_k=2):
+        super().__init__()
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inter, dim) * 0.02)
+        self.down_proj = nn.Parameter(torch.randn(experts, dim, inter) * 0.02)
+        self.experts, self.top_k = experts, top_k
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k, dim=-1)
+        sorted_ids, perm = torch.sort(ids.reshape(-1))
+        sentinel = (sorted_ids >= self.experts).unsqueeze(-1)
+        offsets = torch.cumsum(torch.histc(sorted_ids.float(), bins=self.experts, min=0, max=self.experts - 1), 0,
+                               dtype=torch.int32)
+        h = x[perm // self.top_k].masked_fill(sentinel, 0.0)
+        gate_up = torch._grouped_mm(h, self.gate_up_proj.transpose(-2, -1), offs=offsets).masked_fill(sentinel, 0.0)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
+        out = out.masked_fill(sentinel, 0.0) * weights.reshape(-1)[perm].unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel(), device=x.device)
+        return out[inverse].view(x.shape[0], self.top_k, -1).sum(dim=1)

@@ -13,7 +13,7 @@ import importlib
 
 import torch
 
-from .triton_quant import quant_act
+from .triton_quant import empty_scales, quant_act
 
 INSTALL = {
     "deep_gemm": "pip install 'fp8compile[deep_gemm]' (sgl-deep-gemm; 0.1.5.post1 loads on torch 2.11)",
@@ -107,3 +107,43 @@ def linear_flashinfer(x, w_fp8, w_scale, bias=None, e8m0=False):
     x2 = _flat(x).contiguous()
     out = gemm(x2, w_fp8, None, w_scale, out_dtype=x.dtype)
     return _finish(out, x, bias)
+
+
+def moe_deep_gemm(x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scale, b13=None, b2=None, e8m0=False,
+                  activation="silu", alpha=1.702, limit=7.0, batch_invariant=False):
+    """fp8compile::moe through DeepGEMM's m_grouped_fp8_gemm_nt_contiguous: the quantized tokens
+    are gathered into the contiguous layout (each expert's rows padded to DeepGEMM's alignment,
+    expert id per row, -1 on padding), both expert GEMMs run grouped, and the Triton top-k sum
+    reads each slot's row back (fp32, slot order) with the routing weight and the down bias."""
+    from .triton_moe import route, topk_sum
+
+    deep_gemm = require("deep_gemm")
+    t, k = topk_ids.shape
+    num_experts, two_i, _ = w13_fp8.shape
+    s = t * k
+    if s == 0:
+        return x.new_zeros(x.shape)
+    align = deep_gemm.get_mk_alignment_for_contiguous_layout()
+    slots, block_expert = route(topk_ids, num_experts, align)
+    is_slot = slots < s
+    row_expert = torch.where(is_slot, block_expert.repeat_interleave(align), -1)
+    x_fp8, x_scale = quant_act(x.contiguous(), e8m0, "row")
+    token = torch.where(is_slot, slots, 0).long() // k
+    a_scale = empty_scales(slots.numel(), x_scale.shape[1], "mn_major", x.device)
+    a_scale.copy_(x_scale[token])
+    c1 = torch.empty(slots.numel(), two_i, dtype=torch.bfloat16, device=x.device)
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((x_fp8[token], a_scale), (w13_fp8, w13_scale), c1, row_expert,
+                                               disable_ue8m0_cast=True)
+    if b13 is not None:
+        c1 += b13[row_expert.clamp(min=0).long()]
+    half = two_i // 2
+    h_fp8, h_scale = quant_act(c1[:, :half], e8m0, "mn_major", b=c1[:, half:], activation=activation, alpha=alpha,
+                               limit=limit)
+    c2 = torch.empty(slots.numel(), w2_fp8.shape[1], dtype=torch.bfloat16, device=x.device)
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((h_fp8, h_scale), (w2_fp8, w2_scale), c2, row_expert,
+                                               disable_ue8m0_cast=True)
+    # Row of each slot in the contiguous layout (slots routed nowhere point at row 0 and are skipped).
+    row_of_slot = torch.zeros(s + 1, dtype=torch.int32, device=x.device)
+    row_of_slot.scatter_(0, torch.where(is_slot, slots, s).long(), torch.arange(slots.numel(), dtype=torch.int32,
+                                                                                  device=x.device))
+    return topk_sum(c2, topk_ids, topk_weights, num_experts, b2, rows=row_of_slot[:s], out_dtype=x.dtype)

@@ -80,6 +80,8 @@ class PassContext:
         self.report = report
         self.graph_index = graph_index
         self.fake_mode = fake_mode
+        # matmul node -> why a fusion pass wants it left bf16 (linear_pass records the reason)
+        self.keep_bf16: dict[fx.Node, str] = {}
 
     def parameter(self, node: fx.Node) -> tuple[torch.nn.Parameter, str] | None:
         """The model parameter a placeholder stands for, with its name; None if not a parameter."""

@@ -90,6 +90,8 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
         return f"dtype {'/'.join(sorted(str(d).replace('torch.', '') for d in dtypes))}: only bfloat16 linears are rewritten"
     if (pattern := _skip_pattern(name, ctx.config.skip)) is not None:
         return f"matches skip pattern {pattern!r}"
+    if match.node in ctx.keep_bf16:
+        return ctx.keep_bf16[match.node]
     k, n = w_val.shape if match.transposed else reversed(w_val.shape)
     for dim, size in (("K", k), ("N", n)):
         if size % BLOCK:

@@ -10,18 +10,22 @@ get silently wrong:
   - a parameter modified in place after compiling (its version counter moves).
 Either way the new weight is quantized once, at its first use. The eager module's
 parameters are only read.
+
+Two kinds of entry: a linear's weight (N, K), and a routed-experts block's stacked weights
+(E, N, K), stored in the layout the grouped kernels read (gate rows first, then up rows).
 """
 from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 log = logging.getLogger("fp8compile")
 
-# key -> (weak ref to the weight, its version when quantized, w_fp8 (N, K), w_scale)
+# key -> (weak refs to the source tensors, their versions when converted, the converted tensors)
 _MEMO: dict[tuple, tuple] = {}
 
 
@@ -36,23 +40,76 @@ def _version(w: torch.Tensor) -> int | None:
         return None
 
 
-def _key(w: torch.Tensor, kn: bool, e8m0: bool) -> tuple:
-    return (w.device, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, kn, e8m0)
+def _key(w: torch.Tensor) -> tuple:
+    return (w.device, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype)
+
+
+def _memoized(sources: tuple[torch.Tensor, ...], tag: tuple, make: Callable[[], tuple]) -> tuple:
+    """make() once per (sources, tag), again only when a source changed in place or is a new tensor."""
+    key = (tuple(_key(w) for w in sources), tag)
+    entry = _MEMO.get(key)
+    versions = tuple(_version(w) for w in sources)
+    alive = entry is not None and all(ref() is not None for ref in entry[0])
+    if alive and entry[1] == versions:
+        return entry[2]
+    if entry is not None:
+        log.info("fp8compile: converting weights %s at first use (%s)", [tuple(w.shape) for w in sources],
+                 "modified in place" if alive else "new weight in a reused graph")
+    with unset_fake_temporarily(), torch.no_grad():
+        value = make()
+    refs = tuple(weakref.ref(w, lambda _, key=key: _MEMO.pop(key, None)) for w in sources)
+    _MEMO[key] = (refs, versions, value)
+    return value
 
 
 def fp8_weight(w: torch.Tensor, kn: bool = False, e8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(w_fp8 (N, K), w_scale (ceil(N/128), K/128)) for a weight stored (N, K), or (K, N) if kn."""
-    key = _key(w, kn, e8m0)
-    entry = _MEMO.get(key)
-    version = _version(w)
-    if entry is not None and entry[0]() is not None and entry[1] == version:
-        return entry[2], entry[3]
-    if entry is not None:
-        log.info("fp8compile: quantizing a weight %s at first use (%s)", tuple(w.shape),
-                 "modified in place" if entry[0]() is not None else "new weight in a reused graph")
-    with unset_fake_temporarily(), torch.no_grad():
+    def make():
         w_nk = w.detach().t() if kn else w.detach()
-        w_fp8, w_scale = _quantize(w_nk.contiguous(), e8m0)
-    ref = weakref.ref(w, lambda _, key=key: _MEMO.pop(key, None))
-    _MEMO[key] = (ref, version, w_fp8, w_scale)
-    return w_fp8, w_scale
+        return _quantize(w_nk.contiguous(), e8m0)
+
+    return _memoized((w,), ("linear", kn, e8m0), make)
+
+
+# How a routed-experts block stores its gate and up projections:
+#   "concat"      one (E, 2I, K) tensor, gate rows then up rows (transformers' default)
+#   "interleave"  one (E, 2I, K) tensor, gate and up rows alternating (GPT-OSS)
+#   "separate"    two (E, I, K) tensors (gpt-fast's w1 and w3)
+GATE_UP_LAYOUTS = ("concat", "interleave", "separate")
+
+
+def _gate_up_rows(w: torch.Tensor, layout: str) -> torch.Tensor:
+    """(E, 2I, ...) in "interleave" order -> gate rows then up rows; other layouts unchanged."""
+    return torch.cat([w[:, 0::2], w[:, 1::2]], dim=1) if layout == "interleave" else w
+
+
+def canonical_experts(w: torch.Tensor, kn: bool = False, gate_up: str | None = None,
+                      w_up: torch.Tensor | None = None) -> torch.Tensor:
+    """Stacked expert weights (E, N, K), or (E, K, N) if kn, as (E, N, K); for a gate/up
+    projection (gate_up one of GATE_UP_LAYOUTS, w_up the up tensor of "separate") gate rows
+    then up rows."""
+    parts = [p.transpose(1, 2) if kn else p for p in (w, w_up) if p is not None]
+    return _gate_up_rows(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], gate_up)
+
+
+def fp8_experts(w: torch.Tensor, kn: bool = False, e8m0: bool = False, gate_up: str | None = None,
+                w_up: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """canonical_experts(...) in FP8: (w_fp8 (E, N, K), w_scale (E, N/128, K/128)), each expert in
+    its own 128x128 blocks, so the activation reads gate and up as two contiguous halves."""
+    def make():
+        stacked = canonical_experts(w.detach(), kn, gate_up, None if w_up is None else w_up.detach())
+        e, n, k = stacked.shape
+        if n % 128 or k % 128:
+            raise ValueError(f"expert weights ({e}, {n}, {k}): N and K must be multiples of 128 (128x128 blocks per expert)")
+        w_fp8, w_scale = _quantize(stacked.reshape(e * n, k).contiguous(), e8m0)
+        return w_fp8.reshape(e, n, k), w_scale.reshape(e, n // 128, k // 128)
+
+    sources = (w,) if w_up is None else (w, w_up)
+    return _memoized(sources, ("experts", kn, e8m0, gate_up), make)
+
+
+def expert_bias(b: torch.Tensor | None, gate_up: str | None = None) -> torch.Tensor | None:
+    """A stacked expert bias (E, N) in the row order fp8_experts gives its weight."""
+    if b is None or gate_up != "interleave":
+        return b
+    return _memoized((b,), ("expert_bias", gate_up), lambda: _gate_up_rows(b.detach(), gate_up).contiguous())

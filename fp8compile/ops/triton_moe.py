@@ -1,0 +1,169 @@
+"""Triton routed-experts kernels: the "triton" backend of fp8compile::moe (twin of reference.moe_block).
+
+One call, T tokens routed to k experts each (S = T * k slots):
+  1. route:   slots sorted by expert, each expert's run padded to a multiple of BLOCK_M
+              (`slots`, with S on padding), and the expert of every BLOCK_M-row block
+              (`block_expert`, -1 past the end). Plain torch ops, no host sync: the sizes
+              depend on S and E only, so the call can be captured in a CUDA graph.
+  2. quantize x 1x128 once per token (not per slot).
+  3. grouped GEMM 1: each program takes one row block of one expert and one 128-wide N tile;
+              it reads its rows of x_fp8 through the slot -> token map (no permuted copy of x)
+              and writes gate|up rows at their slot, bias added.
+  4. act(gate, up) in fp32 and its 1x128 quantization in one pass (triton_quant).
+  5. grouped GEMM 2, the same kernel over the slots.
+  6. per token, the sum over its k slots of routing weight x (output + bias), in fp32 and in
+              slot order: deterministic.
+Padding costs at most BLOCK_M - 1 rows per active expert; BLOCK_M follows the tokens per
+expert (16 for decode, up to 64), so decode does not pay for 128-row blocks.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..numerics import BLOCK, ceil_div
+from .triton_quant import quant_act
+
+
+def route(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots (R,) int32, block_expert (R / block_m,) int32) for topk_ids (T, k): rows sorted by
+    expert, each expert's rows padded to a multiple of block_m. slots holds the slot index
+    t * k + j of each row (S = T * k on padding); block_expert the expert of each block of
+    block_m rows (-1 for blocks past the last expert). Ids outside [0, E) get no row.
+    R = the most rows any routing can need, so shapes depend on S and E only."""
+    s = topk_ids.numel()
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    bucket = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # E: dropped
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(0, bucket, torch.ones_like(bucket))
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    capacity = ceil_div(s + min(num_experts, s) * (block_m - 1), block_m) * block_m
+    order = torch.argsort(bucket, stable=True)
+    sorted_bucket = bucket[order]
+    rank = torch.arange(s, device=device) - (counts.cumsum(0) - counts)[sorted_bucket]
+    row_start = torch.cat([padded_end - padded, padded.new_zeros(1)])
+    row = torch.where(sorted_bucket < num_experts, row_start[sorted_bucket] + rank, capacity)  # dropped: spare row
+    slots = torch.full((capacity + 1,), s, dtype=torch.int32, device=device)
+    slots.scatter_(0, row, order.int())
+    block_start = torch.arange(0, capacity, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).int()
+    return slots[:capacity], block_expert
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, c_ptr, slots_ptr, block_expert_ptr,
+                     num_slots, K, rows_per_a,
+                     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_cm,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """c[slot, n tile] = a[slot // rows_per_a] @ w[e].T (block-scaled) + bias[e] for the rows of one block."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    slots = tl.load(slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = slots < num_slots
+    rows = tl.where(valid, slots, 0) // rows_per_a  # padding rows read row 0 and are never stored
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    a_s_ptrs = a_s_ptr + rows * stride_asm
+    w_s_ptrs = w_s_ptr + e * stride_wse + pid_n * stride_wsn  # BLOCK_N = 128: one weight scale per K group
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g in range(0, K // BLOCK_K):
+        a = tl.load(a_ptrs)
+        w = tl.load(w_ptrs)
+        acc += tl.dot(a, w) * tl.load(a_s_ptrs + g)[:, None] * tl.load(w_s_ptrs + g)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e * stride_be + offs_n).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + slots.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _topk_sum_kernel(c_ptr, rows_ptr, ids_ptr, weights_ptr, bias_ptr, out_ptr, H, num_experts,
+                     stride_cm, stride_be, stride_om,
+                     TOP_K: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum_j weights[t, j] * (c[row of slot t*k+j] + bias[e]) over the slots routed to
+    an expert in [0, E), in fp32 and in slot order."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = t * TOP_K + j
+        e = tl.load(ids_ptr + slot).to(tl.int64)
+        if (e >= 0) & (e < num_experts):
+            row = tl.load(rows_ptr + slot).to(tl.int64) if HAS_ROWS else slot.to(tl.int64)
+            y = tl.load(c_ptr + row * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + e * stride_be + offs, mask=mask, other=0.0).to(tl.float32)
+            acc += y * tl.load(weights_ptr + slot).to(tl.float32)
+    tl.store(out_ptr + t * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def topk_sum(c: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+             bias: torch.Tensor | None = None, rows: torch.Tensor | None = None, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """Step 6: (T, H) from the per-slot outputs c (rows[slot], or row = slot if rows is None)."""
+    t, k = topk_ids.shape
+    h = c.shape[1]
+    out = torch.empty(t, h, dtype=out_dtype, device=c.device)
+    if t:
+        ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
+        block_h = min(1024, triton.next_power_of_2(h))
+        _topk_sum_kernel[(t, triton.cdiv(h, block_h))](
+            c, ids if rows is None else rows, ids, weights, c if bias is None else bias, out, h, num_experts,
+            c.stride(0), 0 if bias is None else bias.stride(0), out.stride(0),
+            TOP_K=k, HAS_ROWS=rows is not None, HAS_BIAS=bias is not None, BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+def grouped_gemm(a, a_scale, w_fp8, w_scale, bias, slots, block_expert, num_slots: int, rows_per_a: int,
+                 block_m: int) -> torch.Tensor:
+    """(S, N) bf16: row `slot` = a[slot // rows_per_a] @ w[expert of its block].T (+ bias); rows of
+    slots routed nowhere are left unwritten."""
+    num_experts, n, k = w_fp8.shape
+    c = torch.empty(num_slots, n, dtype=torch.bfloat16, device=a.device)
+    grid = (block_expert.numel(), n // BLOCK)
+    _moe_gemm_kernel[grid](
+        a, a_scale, w_fp8, w_scale, c if bias is None else bias, c, slots, block_expert, num_slots, k, rows_per_a,
+        a.stride(0), a_scale.stride(0), w_fp8.stride(0), w_fp8.stride(1), w_scale.stride(0), w_scale.stride(1),
+        0 if bias is None else bias.stride(0), c.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK, num_warps=4, num_stages=3)
+    return c
+
+
+# Rows per block by average slots per expert: decode fills few rows of each expert's block.
+BLOCK_M_CHOICES = (16, 32, 64)
+BATCH_INVARIANT_BLOCK_M = 64
+
+
+def block_m_for(num_slots: int, num_experts: int, batch_invariant: bool = False) -> int:
+    if batch_invariant:
+        return BATCH_INVARIANT_BLOCK_M
+    per_expert = num_slots / num_experts
+    return next((b for b in BLOCK_M_CHOICES if per_expert <= b), BLOCK_M_CHOICES[-1])
+
+
+def moe_triton(x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scale, b13=None, b2=None, e8m0=False,
+               activation="silu", alpha=1.702, limit=7.0, batch_invariant=False):
+    """fp8compile::moe on the GPU (see the module docstring for the steps)."""
+    t, k = topk_ids.shape
+    num_experts, two_i, _ = w13_fp8.shape
+    s = t * k
+    if s == 0:
+        return x.new_zeros(x.shape)
+    block_m = block_m_for(s, num_experts, batch_invariant)
+    slots, block_expert = route(topk_ids, num_experts, block_m)
+    x_fp8, x_scale = quant_act(x.contiguous(), e8m0, "row")
+    c1 = grouped_gemm(x_fp8, x_scale, w13_fp8, w13_scale, b13, slots, block_expert, s, k, block_m)
+    half = two_i // 2
+    h_fp8, h_scale = quant_act(c1[:, :half], e8m0, "row", b=c1[:, half:], activation=activation, alpha=alpha, limit=limit)
+    c2 = grouped_gemm(h_fp8, h_scale, w2_fp8, w2_scale, None, slots, block_expert, s, 1, block_m)
+    return topk_sum(c2, topk_ids, topk_weights, num_experts, b2, out_dtype=x.dtype)

@@ -1,0 +1,479 @@
+"""moe pass: a routed-experts block -> fp8compile::moe(x, topk_ids, topk_weights, w13, w2, ...).
+
+A block is found from its expert GEMMs: a batched matmul whose weight operand is a stacked
+(E, N, K) parameter, either whole (aten._grouped_mm with expert offsets: transformers'
+"grouped_mm" experts) or gathered per token-slot (index(W, [ids]) into bmm: transformers'
+"batched_mm" experts, gpt-fast's einsum over w1[ids]). The down projection is the expert GEMM
+whose input is act(gate, up) (silu or swigluoai, the silu_mul pass's matcher); gate and up are
+the two halves of one expert GEMM (split: concatenated, stride-2 slices: interleaved) or two
+expert GEMMs (w1 and w3). From there the pass walks the graph to the block's other ends:
+    hidden states x (T, H)   back from the gate/up GEMM through views and the token gather;
+    topk_ids (T, k)          the index of the weight gather, or the input of the expert sort;
+    output (T, H)            forward from the down GEMM through the bias, the routing-weight
+                             multiply, the un-permute and the sum over the k slots;
+    topk_weights (T, k)      the other operand of that multiply (or of the einsum's bmm).
+Routing (router linear, softmax, top-k) stays outside the op; shared experts are plain linears.
+
+Structure alone can misread a block (a gate/up order, a transposed weight whose shape does not
+tell), so every match is checked by running it: the matched subgraph, with the real expert
+weights, on a few random tokens and routes, against reference.moe_dense (the unquantized
+definition of the op). Only a block that agrees (calc_diff < VERIFY_BOUND) is rewritten; any
+other stays bf16 with the reason in the report.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from ..numerics import BLOCK, calc_diff
+from ..ops import reference
+from . import dispatch
+from .context import PassContext
+from .silu_mul import silu_mul_pattern
+from .weights import GATE_UP_LAYOUTS, canonical_experts, expert_bias
+
+log = logging.getLogger("fp8compile")
+aten, prims = torch.ops.aten, torch.ops.prims
+EXPERT_MATMULS = (aten._grouped_mm.default, aten.bmm.default)
+_LAYOUT = (
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
+    aten.clone.default, aten.t.default, aten.transpose.int, aten.alias.default,
+    prims.convert_element_type.default, aten._to_copy.default,
+)
+_INDEX = aten.index.Tensor
+# Routing bookkeeping between the top-k ids and the expert offsets of a grouped GEMM.
+_ROUTING = (aten.sort.default, aten.sort.stable, aten.histc.default, aten.cumsum.default, aten.bincount.default)
+
+# A correct match differs from reference.moe_dense only by bf16 rounding (measured 1e-5..2e-5);
+# a misread one (gate/up swapped, a weight transposed) by far more than FP8's own 2e-3.
+VERIFY_BOUND = 3e-4
+VERIFY_TOKENS = 3  # each dynamic size is set to at most this while checking a match
+
+
+@dataclasses.dataclass
+class ExpertGemm:
+    node: fx.Node
+    weight: fx.Node  # placeholder of the stacked (E, ., .) parameter
+    activation: fx.Node  # the other operand
+
+
+@dataclasses.dataclass
+class MoeMatch:
+    hidden: fx.Node  # (T, H)
+    topk_ids: fx.Node  # (T, k)
+    topk_weights: fx.Node  # (T, k)
+    output: fx.Node  # (T, H)
+    w13: fx.Node
+    w3: fx.Node | None
+    w2: fx.Node
+    b13: fx.Node | None
+    b2: fx.Node | None
+    gate_up: str
+    act: dict
+
+
+class NoMatch(Exception):
+    """A candidate block that is not rewritten; the message is the report's reason."""
+
+
+def _zero_masked(node) -> fx.Node | None:
+    """x if node is where(mask, 0, x) or x.masked_fill(mask, 0): the zeroing of expert-parallel
+    sentinel rows that transformers applies around its grouped GEMMs (the op drops those rows too)."""
+    if node.target == aten.where.self and len(node.args) == 3:
+        zero = node.args[1]
+        if zero == 0 or (isinstance(zero, fx.Node) and zero.target == aten.full.default and zero.args[1] == 0):
+            return node.args[2]
+    if node.target in (aten.masked_fill.Scalar, aten.masked_fill_.Scalar) and node.args[2] == 0:
+        return node.args[0]
+    return None
+
+
+def _walk(node, through, want, limit: int = 16):
+    """Follow first arguments from node through ops in `through`, getitem and zero masks until want(node)."""
+    for _ in range(limit):
+        if not isinstance(node, fx.Node):
+            return None
+        if want(node):
+            return node
+        if node.op != "call_function":
+            return None
+        if node.target in through or node.target.__name__ == "getitem":
+            node = node.args[0]
+        elif (masked := _zero_masked(node)) is not None:
+            node = masked
+        else:
+            return None
+    return None
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _is_2d(node) -> bool:
+    return isinstance(_val(node), torch.Tensor) and _val(node).dim() == 2
+
+
+def _shape(node) -> tuple[str, ...]:
+    return tuple(str(s) for s in _val(node).shape)
+
+
+def _param(ctx: PassContext, node, dim: int):
+    """node if it is the placeholder of a parameter with `dim` dimensions."""
+    return node if (isinstance(node, fx.Node) and ctx.parameter(node) is not None and _val(node).dim() == dim) else None
+
+
+def _gathered(ctx: PassContext, node, dim: int):
+    """(parameter, index) if node is parameter[index] through layout ops, else None."""
+    g = _walk(node, _LAYOUT, lambda n: n.target == _INDEX)
+    if g is not None and len(g.args[1]) == 1 and _param(ctx, g.args[0], dim) is not None:
+        return g.args[0], g.args[1][0]
+    return None
+
+
+def expert_gemm(ctx: PassContext, node: fx.Node) -> ExpertGemm | None:
+    """node as an expert GEMM: one operand a stacked (E, ., .) parameter, whole or gathered."""
+    for w, x in (node.args[:2], reversed(node.args[:2])):
+        whole = _walk(w, _LAYOUT, lambda n: _param(ctx, n, 3) is not None)
+        if whole is not None and node.target == aten._grouped_mm.default:
+            return ExpertGemm(node, whole, x)
+        found = _gathered(ctx, w, 3)
+        if found is not None:
+            return ExpertGemm(node, found[0], x)
+    return None
+
+
+def _bias_add(ctx: PassContext, node: fx.Node):
+    """(the other operand, bias parameter) if node adds a gathered (E, N) parameter, else None."""
+    if node.target not in (aten.add.Tensor, aten.add_.Tensor):
+        return None
+    for x, b in (node.args[:2], reversed(node.args[:2])):
+        found = _gathered(ctx, b, 2) if isinstance(b, fx.Node) else None
+        if found is not None:
+            return x, found[0]
+    return None
+
+
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+
+
+def _half(node) -> tuple[fx.Node, str, int] | None:
+    """(source, layout, which) if node is the first (0) or second (1) half of source's last dim:
+    chunk/split for "concat", a stride-2 slice for "interleave"."""
+    node = _walk(node, _LAYOUT, lambda n: n.target == aten.slice.Tensor or (
+        n.target.__name__ == "getitem" and getattr(n.args[0], "target", None) in _SPLITS))
+    if node is None:
+        return None
+    if node.target == aten.slice.Tensor:
+        src, dim, start, _, step = (*node.args, *(None, 0, None, None, 1)[len(node.args):])
+        last = dim in (-1, _val(src).dim() - 1)
+        return (src, "interleave", start) if last and step == 2 and start in (0, 1) else None
+    split = node.args[0]
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if dim in (-1, _val(split.args[0]).dim() - 1) and len(_val(split)) == 2:
+        return split.args[0], "concat", node.args[1]
+    return None
+
+
+def _gemm_of(ctx: PassContext, node, gemms: dict[fx.Node, ExpertGemm]):
+    """(ExpertGemm, bias parameter or None) that node is, through layout ops and a bias add."""
+    node = _walk(node, _LAYOUT, lambda n: n in gemms or _bias_add(ctx, n) is not None)
+    if node is None:
+        return None
+    bias = None
+    if node not in gemms:
+        node, bias = _bias_add(ctx, node)
+        node = _walk(node, _LAYOUT, lambda n: n in gemms)
+        if node is None:
+            return None
+    return gemms[node], bias
+
+
+def _gate_up(ctx: PassContext, a: fx.Node, b: fx.Node, gemms) -> tuple[ExpertGemm, ExpertGemm | None, fx.Node | None, str]:
+    """(gate/up GEMM, separate up GEMM or None, gate/up bias, layout) of act(a, b)."""
+    ha, hb = _half(a), _half(b)
+    if ha is not None and hb is not None and ha[1] == hb[1] and (ha[2], hb[2]) == (0, 1):
+        found, found_b = _gemm_of(ctx, ha[0], gemms), _gemm_of(ctx, hb[0], gemms)
+        if found is None or found_b is None or found[0] is not found_b[0] or found[1] is not found_b[1]:
+            raise NoMatch("gate and up are halves of something other than one expert GEMM")
+        return found[0], None, found[1], ha[1]
+    ga, gb = _gemm_of(ctx, a, gemms), _gemm_of(ctx, b, gemms)
+    if ga is None or gb is None:
+        raise NoMatch("gate and up do not come from expert GEMMs (or up comes before gate)")
+    if ga[1] is not None or gb[1] is not None:
+        raise NoMatch("separate gate and up expert weights with biases")
+    return ga[0], gb[0], None, "separate"
+
+
+def _forward_to_output(ctx: PassContext, gemm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
+    """(output (T, H), routing-weight operand, down bias) walking forward from the down GEMM to
+    the first 2-D tensor after the sum over the k slots."""
+    node, weights, bias, reduced = gemm, None, None, False
+    for _ in range(16):
+        if reduced and _is_2d(node):
+            if weights is None:
+                raise NoMatch("expert outputs are summed without routing weights")
+            return node, weights, bias
+        if len(node.users) != 1:
+            raise NoMatch(f"an intermediate of the experts ({node.name}) is used outside the block")
+        user = next(iter(node.users))
+        other = [a for a in user.args[:2] if isinstance(a, fx.Node) and a is not node]
+        if user.target in _LAYOUT or (user.target == _INDEX and user.args[0] is node) or _zero_masked(user) is node:
+            pass
+        elif weights is None and bias is None and _bias_add(ctx, user) is not None:
+            bias = _bias_add(ctx, user)[1]
+        elif weights is None and user.target == aten.mul.Tensor and len(other) == 1:
+            weights = other[0]
+        elif user.target == aten.sum.dim_IntList and len(user.args[1]) == 1:
+            reduced = True
+        elif weights is None and user.target == aten.bmm.default and len(other) == 1:
+            weights, reduced = other[0], True  # einsum("tki,tk->ti", expert_out, topk_weights)
+        else:
+            raise NoMatch(f"expert outputs go through {getattr(user.target, '__name__', user.target)} before the sum over experts")
+        node = user
+    raise NoMatch("no sum over experts found after the down projection")
+
+
+def _two_d(node, through):
+    return _walk(node, through, _is_2d)
+
+
+def match_block(ctx: PassContext, down: ExpertGemm, gemms: dict[fx.Node, ExpertGemm]) -> MoeMatch:
+    found = silu_mul_pattern(_walk(down.activation, _LAYOUT, lambda n: n.target == aten.mul.Tensor))
+    if isinstance(found, str):
+        raise NoMatch(found)
+    a, b, act = found
+    gate_up, up, b13, layout = _gate_up(ctx, a, b, gemms)
+    output, weights_operand, b2 = _forward_to_output(ctx, down.node)
+    # The hidden states: the first tensor back from the gate/up GEMM (through views and the
+    # token gather) with the output's shape (T, H).
+    hidden = _walk(gate_up.activation, (*_LAYOUT, _INDEX), lambda n: _is_2d(n) and _shape(n) == _shape(output))
+    if hidden is None:
+        raise NoMatch(f"no input of the gate/up projection has the output's shape {list(_shape(output))}")
+    ids = _ids(ctx, gate_up, down, gemms)
+    topk_weights = _walk(weights_operand, (*_LAYOUT, _INDEX), lambda n: _is_2d(n) and _shape(n) == _shape(ids))
+    if topk_weights is None:
+        raise NoMatch("routing weights of shape (tokens, top_k) not found")
+    if up is not None and up.weight is gate_up.weight:
+        raise NoMatch("gate and up read the same expert weights")
+    return MoeMatch(hidden, ids, topk_weights, output, gate_up.weight, None if up is None else up.weight, down.weight,
+                    b13, b2, layout, act)
+
+
+def _ids(ctx: PassContext, gate_up: ExpertGemm, down: ExpertGemm, gemms) -> fx.Node:
+    """topk_ids (T, k): the index of a weight gather, or what the grouped GEMM's offsets count."""
+    for g in (gate_up, down):
+        if g.node.target == aten._grouped_mm.default:
+            offsets = g.node.args[2] if len(g.node.args) > 2 else g.node.kwargs.get("offs")
+            ids = _two_d(offsets, (*_LAYOUT, *_ROUTING))
+        else:
+            ids = _two_d(_gathered(ctx, next(a for a in g.node.args[:2] if a is not g.activation), 3)[1], _LAYOUT)
+        if ids is not None and not _val(ids).dtype.is_floating_point:
+            return ids
+    raise NoMatch("top-k expert ids of shape (tokens, top_k) not found")
+
+
+def _check(ctx: PassContext, m: MoeMatch) -> tuple[int, int, int]:
+    """(E, I, H) of a matched block, or NoMatch saying why it stays bf16."""
+    x, w13, w2 = _val(m.hidden), _val(m.w13), _val(m.w2)
+    dtypes = {x.dtype, w13.dtype, w2.dtype, _val(m.output).dtype}
+    if dtypes != {torch.bfloat16}:
+        raise NoMatch(f"dtype {'/'.join(sorted(str(d).replace('torch.', '') for d in dtypes))}: only bfloat16 experts are rewritten")
+    e, h = w13.shape[0], x.shape[1]
+    inter = (w13.shape[1] * w13.shape[2] // h) // (1 if m.gate_up == "separate" else 2)
+    for dim, size in (("hidden size", h), ("expert intermediate size", inter)):
+        if size % BLOCK:
+            raise NoMatch(f"{dim} {size} is not a multiple of {BLOCK} (128x128 blocks per expert)")
+    return e, inter, h
+
+
+def _orientations(m: MoeMatch, e: int, inter: int, h: int) -> list[bool]:
+    """w_kn values the weight shapes allow (both when I == H: the shapes cannot tell)."""
+    n13 = inter if m.gate_up == "separate" else 2 * inter
+    w13, w2 = tuple(_val(m.w13).shape), tuple(_val(m.w2).shape)
+    return [kn for kn in (False, True) if w13 == ((e, h, n13) if kn else (e, n13, h)) and w2 == ((e, inter, h) if kn else (e, h, inter))]
+
+
+def _concrete(size, values: dict) -> int:
+    return int(size.node.expr.subs(values)) if isinstance(size, torch.SymInt) else int(size)
+
+
+def verify(ctx: PassContext, m: MoeMatch, w_kn: bool) -> float:
+    """calc_diff between the matched subgraph, run on random tokens and routes with the real
+    weights, and reference.moe_dense read with this interpretation."""
+    symbols = {}
+    for node in ctx.gm.graph.find_nodes(op="placeholder"):
+        val = _val(node)
+        if isinstance(val, torch.SymInt):
+            symbols[val.node.expr] = min(val.node.hint or VERIFY_TOKENS, VERIFY_TOKENS)
+    param = {n: ctx.parameter(n)[0] for n in (m.w13, m.w3, m.w2, m.b13, m.b2) if n is not None}
+    device = param[m.w13].device
+    gen = torch.Generator(device).manual_seed(0)
+    x_val, ids_val = _val(m.hidden), _val(m.topk_ids)
+    t, k = _concrete(ids_val.shape[0], symbols), _concrete(ids_val.shape[1], symbols)
+    num_experts = _val(m.w13).shape[0]
+    with unset_fake_temporarily(), torch.no_grad():
+        x = torch.randn(t, x_val.shape[1], generator=gen, device=device).to(x_val.dtype)
+        ids = torch.randint(0, num_experts, (t, k), generator=gen, device=device).to(ids_val.dtype)
+        weights = torch.rand(t, k, generator=gen, device=device).to(_val(m.topk_weights).dtype)
+        got = _run(ctx, {m.hidden: x, m.topk_ids: ids, m.topk_weights: weights}, m.output, symbols)
+        layout = m.gate_up
+        w13 = canonical_experts(param[m.w13], w_kn, layout, param.get(m.w3))
+        w2 = canonical_experts(param[m.w2], w_kn)
+        b13 = expert_bias(param.get(m.b13), layout)
+        want = reference.moe_dense(x, ids, weights, w13, w2, b13, param.get(m.b2), **m.act)
+        return calc_diff(got, want)
+
+
+def _run(ctx: PassContext, env: dict, output: fx.Node, symbols: dict) -> torch.Tensor:
+    """Evaluate output from the values in env, parameters and concrete dynamic sizes."""
+    needed, stack = set(), [output]
+    while stack:
+        node = stack.pop()
+        if node not in needed and node not in env:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    env = dict(env)
+    for node in ctx.gm.graph.nodes:
+        if node not in needed:
+            continue
+        if node.op == "placeholder":
+            val = _val(node)
+            if isinstance(val, torch.SymInt):
+                env[node] = _concrete(val, symbols)
+            elif ctx.parameter(node) is not None:
+                env[node] = ctx.parameter(node)[0]
+            else:
+                raise NoMatch(f"the experts read graph input {node.name} besides the hidden states and the routing")
+        elif node.op == "call_function":
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            env[node] = node.target(*args, **kwargs)
+        else:
+            raise NoMatch(f"the experts read {node.op} {node.target}")
+    return env[output]
+
+
+def _block_name(ctx: PassContext, down_weight: fx.Node) -> str:
+    """The experts module: the down projection parameter's owner ("model.layers.0.mlp.experts")."""
+    name = ctx.parameter(down_weight)[1]
+    return name.rsplit(".", 1)[0] if "." in name else "(top level)"
+
+
+ROUTER_STAYS_BF16 = ("router of a rewritten MoE block: kept bf16, as DeepSeek-V3 keeps its gate, since FP8 error "
+                     "would change which experts tokens go to")
+
+
+def _router(topk_ids: fx.Node, depth: int = 12) -> fx.Node | None:
+    """The matmul nearest upstream of the top-k that produced topk_ids: the router's linear."""
+    frontier, seen = [topk_ids], set()
+    for _ in range(depth):
+        frontier = [i for n in frontier for i in n.all_input_nodes if i not in seen]
+        seen.update(frontier)
+        found = [n for n in frontier if n.target in (aten.mm.default, aten.addmm.default)]
+        if found:
+            return found[0]
+    return None
+
+
+def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w_kn: bool, name: str) -> None:
+    device = ctx.parameter(m.w13)[0].device
+    sides = dispatch.plan(ctx, "moe", device, 2 * inter, h, _val(m.hidden).shape[0])
+    kwargs = {"e8m0": ctx.config.e8m0, "w_kn": w_kn, "gate_up": m.gate_up, "batch_invariant": ctx.config.batch_invariant,
+              **m.act}
+    with ctx.gm.graph.inserting_before(m.output):
+        try:
+            out = dispatch.emit(ctx, torch.ops.fp8compile.moe.default,
+                                (m.hidden, m.topk_ids, m.topk_weights, m.w13, m.w2, m.w3, m.b13, m.b2), kwargs,
+                                m_source=m.hidden, sides=sides, name=name)
+        except dispatch.NoDispatch as reason:
+            raise NoMatch(str(reason)) from None
+    m.output.replace_all_uses_with(out)
+    router = _router(m.topk_ids)
+    if router is not None:
+        ctx.keep_bf16[router] = ROUTER_STAYS_BF16
+    top_k = _val(m.topk_ids).shape[1]
+    detail = f"{e} experts, top-{top_k}, {m.gate_up}{', bias' if m.b13 is not None or m.b2 is not None else ''}"
+    detail += f", {m.act.get('activation', 'silu')}"
+    m_desc = _val(m.hidden).shape[0]
+    ctx.rewrote("moe", name, m_desc, 2 * inter, h, [(s.label, s.kernel) for s in sides], detail)
+
+
+def _role(g: ExpertGemm, gemms) -> str | None:
+    """"gated" if g reads a gated product (g is a block's down projection), "non-gated" if it
+    reads another expert GEMM through single-input ops (relu(x)^2 and the like), else None."""
+    product = _walk(g.activation, _LAYOUT, lambda n: n.target == aten.mul.Tensor)
+    if product is not None and silu_mul_pattern(product) is not None:
+        return "gated"
+    node = g.activation
+    for _ in range(8):
+        if not isinstance(node, fx.Node) or node.op != "call_function":
+            return None
+        if node in gemms:
+            return "non-gated"
+        if len(node.all_input_nodes) != 1:
+            return None
+        node = node.all_input_nodes[0]
+    return None
+
+
+def _one_hot_mask_leaves_graph(ctx: PassContext) -> bool:
+    """Whether a one-hot of expert ids (one_hot, or eq(ids[..., None], iota(E))) reaches the
+    graph's outputs: the routing mask of a Python loop over experts, returned to Python."""
+    output = next(iter(ctx.gm.graph.find_nodes(op="output")))
+    for node in ctx.gm.graph.nodes:
+        one_hot = node.target == aten.one_hot.default or (
+            node.target == aten.eq.Tensor and any(getattr(a, "target", None) == prims.iota.default for a in node.args))
+        if one_hot:
+            frontier = [node]
+            for _ in range(8):
+                frontier = [u for n in frontier for u in n.users]
+                if output in frontier:
+                    return True
+    return False
+
+
+EXPERT_LOOP = ("the routing mask (a one-hot of expert ids) leaves the graph: the experts run as a Python loop over "
+               "the experts hit, which Dynamo splits into graphs around data-dependent shapes, so their matmuls run "
+               "in bf16 outside any graph. transformers models: set config._experts_implementation = 'grouped_mm' "
+               "or 'batched_mm'")
+
+
+def moe_pass(ctx: PassContext) -> None:
+    if _one_hot_mask_leaves_graph(ctx):
+        ctx.skipped("moe", f"graph {ctx.graph_index}", EXPERT_LOOP)
+    gemms = {}
+    for node in ctx.gm.graph.nodes:
+        if node.op == "call_function" and node.target in EXPERT_MATMULS and (g := expert_gemm(ctx, node)):
+            gemms[node] = g
+    # Each block is taken from its down projection: the expert GEMM that reads the activation.
+    for down, role in [(g, _role(g, gemms)) for g in gemms.values()]:
+        if role is None:
+            continue
+        name = _block_name(ctx, down.weight)
+        try:
+            if _val(down.weight).dtype != torch.bfloat16:
+                raise NoMatch(f"dtype {str(_val(down.weight).dtype).replace('torch.', '')}: only bfloat16 experts are rewritten")
+            if role == "non-gated":
+                raise NoMatch("the down projection's input is not a gated product act(gate) * up (non-gated experts)")
+            m = match_block(ctx, down, gemms)
+            e, inter, h = _check(ctx, m)
+            orientations = _orientations(m, e, inter, h)
+            if not orientations:
+                raise NoMatch(f"expert weight shapes {tuple(_val(m.w13).shape)}, {tuple(_val(m.w2).shape)} do not fit H={h}")
+            diffs = [verify(ctx, m, w_kn) for w_kn in orientations]
+            diffs = [d if d == d else float("inf") for d in diffs]  # NaN: did not verify
+            if min(diffs) >= VERIFY_BOUND:
+                raise NoMatch(f"run on random tokens, the matched block does not compute routed experts with "
+                              f"{m.gate_up} gate/up (calc_diff {min(diffs):.2g} against reference.moe_dense)")
+            moe_replacement(ctx, m, e, inter, h, orientations[diffs.index(min(diffs))], name)
+        except NoMatch as reason:
+            ctx.skipped("moe", name, str(reason), "x".join(map(str, _val(down.weight).shape)))
+        except Exception as error:  # a pass bug must not fail the user's compile: the block stays bf16
+            log.warning("fp8compile: moe pass failed on %s", name, exc_info=True)
+            ctx.skipped("moe", name, f"moe pass error ({type(error).__name__}: {error})",
+                        "x".join(map(str, _val(down.weight).shape)))

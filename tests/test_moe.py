@@ -1,0 +1,294 @@
+"""The moe pass and fp8compile::moe: routed-experts blocks, written the ways real model code
+writes them, become one fused FP8 experts op; router, top-k and shared experts stay outside."""
+import pytest
+import torch
+from torch import nn
+
+import fp8compile
+from fp8compile import calc_diff
+from fp8compile.ops import reference
+from fp8compile.passes import weights
+from tests.conftest import BF16, ONE_GEMM, randn
+from tests.models import GptFastMoE, MaskedGroupedMoE
+
+transformers = pytest.importorskip("transformers")
+aten = torch.ops.aten
+MOE = torch.ops.fp8compile.moe.default
+EXPERT_GEMMS = (aten._grouped_mm.default, aten.bmm.default)
+
+# An expert is a gated MLP: block-FP8 gate/up, the activation, block-FP8 down, like
+# conftest.GATED_MLP. calc_diff of the blocks below against eager bf16, seeds 0-2: GPT-OSS
+# 1.30e-3..1.35e-3, Qwen3-MoE 1.92e-3..2.07e-3, gpt-fast 1.89e-3..2.15e-3.
+MOE_BLOCK = 3.5 * ONE_GEMM
+
+
+def qwen3_moe_config(impl: str, **changes):
+    """The issue's small Qwen3-MoE: hidden 256, moe_intermediate 256, 8 experts, top-2, 2 layers."""
+    options = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_experts=8,
+                   num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=64, norm_topk_prob=True, max_position_embeddings=256)
+    cfg = transformers.Qwen3MoeConfig(**{**options, **changes})
+    cfg._experts_implementation = impl
+    return cfg
+
+
+def init_normal(model: nn.Module, std: float = 0.02) -> nn.Module:
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1 or p.numel() > 1:
+                p.normal_(0, std)
+    return model
+
+
+def qwen3_moe_block(impl: str):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    return init_normal(Qwen3MoeSparseMoeBlock(qwen3_moe_config(impl)).to(BF16))
+
+
+def gpt_oss_mlp(impl: str):
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    cfg = transformers.GptOssConfig(hidden_size=256, intermediate_size=384, num_local_experts=8, num_experts_per_tok=2)
+    cfg._experts_implementation = impl
+    return init_normal(GptOssMLP(cfg).to(BF16))
+
+
+def compile_block(model, x, **options):
+    torch._dynamo.mark_dynamic(x, x.dim() - 2)
+    fp8 = fp8compile.backend(**options)
+    with torch.no_grad():
+        out, eager = torch.compile(model, backend=fp8)(x), model(x)
+    first = lambda y: y[0] if isinstance(y, tuple) else y  # noqa: E731  GptOssMLP also returns router scores
+    return first(out), first(eager), fp8.report
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_qwen3_moe_every_moe_block_is_rewritten_and_logits_stay_within_the_fp8_bound(impl, captured):
+    torch.manual_seed(0)
+    model = init_normal(transformers.Qwen3MoeForCausalLM(qwen3_moe_config(impl)).to(BF16))
+    ids = torch.randint(0, 512, (1, 75))  # 75 tokens: not a multiple of 128
+    torch._dynamo.mark_dynamic(ids, 1)
+    fp8 = fp8compile.backend()
+    with torch.no_grad():
+        eager = model(ids).logits
+        logits = torch.compile(model, backend=fp8)(ids).logits
+
+    moe = [r for r in fp8.report.rewrites if r.kind == "moe"]
+    assert [r.name for r in moe] == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert all(r.detail == "8 experts, top-2, concat, silu" and r.m == "dynamic" for r in moe)
+    assert fp8.report.counts()["moe"] == 2
+    # The routers stay bf16, and nothing else is left behind.
+    assert {(s.kind, s.name) for s in fp8.report.skips} == {("linear", f"model.layers.{i}.mlp.gate") for i in range(2)}
+    assert all(s.reason.startswith("router of a rewritten MoE block") for s in fp8.report.skips)
+    (g,) = captured
+    assert sum(g.count(t) for t in EXPERT_GEMMS) == 0  # every expert matmul is gone
+    assert len(g.ops(MOE)) == 2 * 2  # one op per block, on each side of the M dispatch
+    # Attention (q/k/v/o) and lm_head are FP8 too. Measured 6.7e-4 on seeds 0-2 under both
+    # implementations: with weights N(0, 0.02) the embeddings dominate the residual stream, so
+    # lm_head's own GEMM error dominates. The issue's bound is 5e-3.
+    assert calc_diff(logits, eager) < 5e-3
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_gpt_oss_experts_interleaved_transposed_with_bias_and_swigluoai_are_rewritten(impl, captured):
+    torch.manual_seed(0)
+    out, eager, report = compile_block(gpt_oss_mlp(impl), randn(1, 37, 256))
+    (r,) = [r for r in report.rewrites if r.kind == "moe"]
+    assert (r.name, r.detail, r.n, r.k) == ("experts", "8 experts, top-2, interleave, bias, swigluoai", 768, 256)
+    (g,) = captured
+    assert sum(g.count(t) for t in EXPERT_GEMMS) == 0
+    assert calc_diff(out, eager) < MOE_BLOCK
+
+
+@pytest.mark.parametrize("make_model, layout", [(GptFastMoE, "separate"), (MaskedGroupedMoE, "concat")],
+                         ids=["w1[expert_ids] with einsum (gpt-fast)", "grouped_mm with sentinel masks"])
+def test_plain_pytorch_moe_forms_are_rewritten(make_model, layout, captured):
+    torch.manual_seed(0)
+    out, eager, report = compile_block(make_model().to(BF16), randn(37, 256))
+    (r,) = [r for r in report.rewrites if r.kind == "moe"]
+    assert r.detail == f"8 experts, top-2, {layout}, silu"
+    (g,) = captured
+    assert sum(g.count(t) for t in EXPERT_GEMMS) == 0
+    assert calc_diff(out, eager) < MOE_BLOCK
+
+
+def test_the_router_stays_bf16_even_where_its_shape_would_fit_fp8():
+    out, eager, report = compile_block(GptFastMoE(experts=128).to(BF16), randn(37, 256))  # router N = 128
+    assert report.counts() == {"linear": 0, "silu_mul": 0, "moe": 1}
+    (skip,) = report.skipped("linear")
+    assert skip.name == "gate" and "router of a rewritten MoE block" in skip.reason
+
+
+def test_eager_experts_loop_is_reported_as_not_one_graph():
+    out, eager, report = compile_block(qwen3_moe_block("eager"), randn(1, 5, 256))
+    (skip,) = report.skipped("moe")
+    assert "Python loop over the experts" in skip.reason and "'grouped_mm'" in skip.reason
+    assert report.counts()["moe"] == 0
+    assert calc_diff(out, eager) < 1e-4  # stays bf16
+
+
+def test_experts_with_an_intermediate_size_not_a_multiple_of_128_stay_bf16_with_the_reason():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    model = init_normal(Qwen3MoeSparseMoeBlock(qwen3_moe_config("grouped_mm", moe_intermediate_size=192)).to(BF16))
+    out, eager, report = compile_block(model, randn(1, 9, 256))
+    (skip,) = report.skipped("moe")
+    assert skip.name == "experts" and "expert intermediate size 192 is not a multiple of 128" in skip.reason
+    assert report.counts()["moe"] == 0
+
+
+def test_fp32_experts_stay_fp32_with_the_reason():
+    model = GptFastMoE()
+    x = torch.randn(9, 256)
+    out, eager, report = compile_block(model, x)
+    (skip,) = report.skipped("moe")
+    assert "only bfloat16 experts are rewritten" in skip.reason
+    assert torch.allclose(out, eager, atol=1e-5)
+
+
+class ReluSquaredExperts(nn.Module):
+    """Non-gated experts (Nemotron-H style): down(relu(up(x))^2) over gathered weights."""
+
+    def __init__(self, dim=256, inter=256, experts=8, top_k=2):
+        super().__init__()
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.up = nn.Parameter(torch.randn(experts, inter, dim) * 0.02)
+        self.down = nn.Parameter(torch.randn(experts, dim, inter) * 0.02)
+        self.top_k = top_k
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k, dim=-1)
+        flat = ids.reshape(-1)
+        xs = x.repeat_interleave(self.top_k, dim=0)
+        h = torch.relu(torch.bmm(self.up[flat], xs.unsqueeze(-1)).squeeze(-1)) ** 2
+        y = torch.bmm(self.down[flat], h.unsqueeze(-1)).squeeze(-1)
+        return (y * weights.reshape(-1, 1)).view(x.shape[0], self.top_k, -1).sum(1)
+
+
+def test_non_gated_experts_stay_bf16_with_the_reason():
+    out, eager, report = compile_block(ReluSquaredExperts().to(BF16), randn(9, 256))
+    (skip,) = report.skipped("moe")
+    assert "not a gated product" in skip.reason
+
+
+def test_expert_weights_are_quantized_once_at_compile_time_and_the_model_is_untouched(monkeypatch):
+    calls = []
+    real = weights._quantize
+    monkeypatch.setattr(weights, "_quantize", lambda w, e8m0: calls.append(tuple(w.shape)) or real(w, e8m0))
+    model = qwen3_moe_block("grouped_mm")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fp8 = fp8compile.backend()
+    compiled = torch.compile(model, backend=fp8)
+    with torch.no_grad():
+        for m in (5, 40, 3):
+            x = randn(1, m, 256)
+            torch._dynamo.mark_dynamic(x, 1)
+            compiled(x)
+    # gate_up (8 x 512 rows) and down (8 x 256 rows), once each, at compile time.
+    assert sorted(calls) == [(8 * 256, 256), (8 * 512, 256)]
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# The op on its own: routing edge cases against the definition.
+
+def random_experts(num_experts=4, inter=256, hidden=256, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.05).to(BF16)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g) * 0.05).to(BF16)
+    b13 = (torch.randn(num_experts, 2 * inter, generator=g) * 0.1).to(BF16) if bias else None
+    b2 = (torch.randn(num_experts, hidden, generator=g) * 0.1).to(BF16) if bias else None
+    return w13, w2, b13, b2
+
+
+def slot_by_slot(x, ids, topk_weights, w13, w2, b13=None, b2=None, **act):
+    """The FP8 definition computed one (token, slot) at a time with reference.linear_block."""
+    w13_fp8, s13 = reference.quant_weight_block(w13.reshape(-1, w13.shape[-1]))
+    w2_fp8, s2 = reference.quant_weight_block(w2.reshape(-1, w2.shape[-1]))
+    n13, n2 = w13.shape[1], w2.shape[1]
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if not 0 <= e < w13.shape[0]:
+                continue
+            rows13, rows2 = slice(e * n13, (e + 1) * n13), slice(e * n2, (e + 1) * n2)
+            h = reference.linear_block(x[t:t + 1], w13_fp8[rows13], s13[e * n13 // 128:(e + 1) * n13 // 128], None,
+                                       out_dtype=torch.float32)
+            if b13 is not None:
+                h = h + b13[e].float()
+            h, half = h.to(x.dtype), n13 // 2
+            y = reference.linear_block(reference.gated(h[:, :half], h[:, half:], **act), w2_fp8[rows2],
+                                       s2[e * n2 // 128:(e + 1) * n2 // 128], None, out_dtype=torch.float32)
+            if b2 is not None:
+                y = y + b2[e].float()
+            out[t] += y[0] * topk_weights[t, j].float()
+    return out.to(x.dtype)
+
+
+ROUTES = {
+    "an expert gets no tokens": lambda t: torch.tensor([[0, 2], [2, 0], [0, 1]] * t)[:t],
+    "all tokens to one expert": lambda t: torch.full((t, 2), 3),
+    "one token": lambda t: torch.tensor([[1, 3]]),
+    "an id outside [0, E) adds nothing": lambda t: torch.tensor([[0, 4], [-1, 2], [3, 1]] * t)[:t],
+}
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=list(ROUTES))
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_moe_op_matches_the_slot_by_slot_definition_on_routing_edge_cases(route, tokens):
+    ids = ROUTES[route](tokens)
+    tokens = ids.shape[0]
+    x = randn(tokens, 256)
+    topk_weights = torch.rand(tokens, 2).to(BF16)
+    w13, w2, _, _ = random_experts()
+    out = torch.ops.fp8compile.moe(x, ids, topk_weights, w13, w2)
+    assert torch.equal(out, slot_by_slot(x, ids, topk_weights, w13, w2))
+
+
+def test_moe_op_with_biases_and_swigluoai_matches_the_definition():
+    ids, x, tw = torch.tensor([[0, 3], [3, 3], [1, 2]]), randn(3, 256), torch.rand(3, 2).to(BF16)
+    w13, w2, b13, b2 = random_experts(bias=True)
+    act = {"activation": "swigluoai", "alpha": 1.702, "limit": 7.0}
+    out = torch.ops.fp8compile.moe(x, ids, tw, w13, w2, None, b13, b2, **act)
+    assert torch.equal(out, slot_by_slot(x, ids, tw, w13, w2, b13, b2, **act))
+
+
+def test_moe_op_reads_interleaved_separate_and_transposed_weight_layouts_alike():
+    ids, x, tw = torch.tensor([[0, 3], [2, 1]]), randn(2, 256), torch.rand(2, 2).to(BF16)
+    w13, w2, _, _ = random_experts()
+    expected = torch.ops.fp8compile.moe(x, ids, tw, w13, w2)
+    gate, up = w13[:, :256], w13[:, 256:]
+    interleaved = torch.stack([gate, up], dim=2).reshape(w13.shape)
+    assert torch.equal(torch.ops.fp8compile.moe(x, ids, tw, interleaved, w2, gate_up="interleave"), expected)
+    assert torch.equal(torch.ops.fp8compile.moe(x, ids, tw, gate.contiguous(), w2, up.contiguous(), gate_up="separate"),
+                       expected)
+    assert torch.equal(torch.ops.fp8compile.moe(x, ids, tw, w13.transpose(1, 2).contiguous(),
+                                                w2.transpose(1, 2).contiguous(), w_kn=True), expected)
+
+
+def test_moe_op_is_within_two_gemms_of_fp8_error_of_the_unquantized_block():
+    ids, x, tw = torch.randint(0, 4, (64, 2)), randn(64, 256), torch.rand(64, 2).to(BF16)
+    w13, w2, _, _ = random_experts()
+    out = torch.ops.fp8compile.moe(x, ids, tw, w13, w2)
+    assert calc_diff(out, reference.moe_dense(x, ids, tw, w13, w2)) < MOE_BLOCK
+
+
+def test_moe_op_passes_opcheck():
+    ids, x, tw = torch.tensor([[0, 3], [2, 1], [1, 1]]), randn(3, 256), torch.rand(3, 2).to(BF16)
+    w13, w2, b13, b2 = random_experts(bias=True)
+    torch.library.opcheck(torch.ops.fp8compile.moe.default, (x, ids, tw, w13, w2, None, b13, b2))
+
+
+def test_moe_op_rejects_mismatched_shapes_with_a_clear_error():
+    w13, w2, _, _ = random_experts()
+    with pytest.raises(RuntimeError, match=r"topk_ids and topk_weights \(T, k\)"):
+        torch.ops.fp8compile.moe(randn(3, 256), torch.zeros(2, 2, dtype=torch.long), torch.rand(2, 2), w13, w2,
+                                 backend="reference")
+
+
+def test_fusions_option_without_moe_leaves_the_experts_bf16():
+    out, eager, report = compile_block(qwen3_moe_block("grouped_mm"), randn(1, 9, 256), fusions=["silu_mul"])
+    assert report.counts()["moe"] == 0 and report.skipped("moe") == []
+    assert calc_diff(out, eager) < 1e-4
