@@ -216,7 +216,7 @@ def bench_mlp(out_dir: Path, ms=MLP_MS, mlps=MLPS, device: str = "cuda") -> list
                 lambda v, m, us: dict(device=device_name, model=model_name, hidden=hidden, inter=inter, m=m, variant=v,
                                       us=us, weight_tbps=None if us is None else
                                       3 * hidden * inter * (2 if v == "bf16_inductor" else 1) / us / 1e6))
-            del copies
+            copies = None  # free this model before the next
             torch.cuda.empty_cache()
     return _save(out_dir, "bench_mlp.json", rows, mlp_table)
 
@@ -320,7 +320,7 @@ def bench_moe(out_dir: Path, tokens=MOE_TOKENS, layers=MOE_LAYERS) -> list[dict]
                     rows.append(row("deep_gemm_gemms", t, _time_us([_deep_gemm_experts(block, t, top_k)])))
                 except Exception as e:  # DeepGEMM missing or failing: the other columns still count
                     print(f"    deep_gemm_gemms: {type(e).__name__}: {str(e)[:120]}")
-            del block
+            block = None  # free this layer before the next
             torch._dynamo.reset()
             torch.cuda.empty_cache()
     return _save(out_dir, "bench_moe.json", rows, moe_table)
