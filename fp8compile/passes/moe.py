@@ -34,7 +34,7 @@ from ..ops import reference
 from . import dispatch
 from .context import PassContext
 from .silu_mul import silu_mul_pattern
-from .weights import canonical_experts, expert_bias
+from .weights import canonical_experts, expert_bias, fp8_experts
 
 log = logging.getLogger("fp8compile")
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -255,7 +255,7 @@ def match_block(ctx: PassContext, down: ExpertGemm, gemms: dict[fx.Node, ExpertG
     hidden = _walk(gate_up.activation, (*_LAYOUT, _INDEX), lambda n: _is_2d(n) and _shape(n) == _shape(output))
     if hidden is None:
         raise NoMatch(f"no input of the gate/up projection has the output's shape {list(_shape(output))}")
-    ids = _ids(ctx, gate_up, down, gemms)
+    ids = _ids(ctx, gate_up, down)
     topk_weights = _walk(weights_operand, (*_LAYOUT, _INDEX), lambda n: _is_2d(n) and _shape(n) == _shape(ids))
     if topk_weights is None:
         raise NoMatch("routing weights of shape (tokens, top_k) not found")
@@ -265,7 +265,7 @@ def match_block(ctx: PassContext, down: ExpertGemm, gemms: dict[fx.Node, ExpertG
                     b13, b2, layout, act)
 
 
-def _ids(ctx: PassContext, gate_up: ExpertGemm, down: ExpertGemm, gemms) -> fx.Node:
+def _ids(ctx: PassContext, gate_up: ExpertGemm, down: ExpertGemm) -> fx.Node:
     """topk_ids (T, k): the index of a weight gather, or what the grouped GEMM's offsets count."""
     for g in (gate_up, down):
         if g.node.target == aten._grouped_mm.default:
@@ -278,7 +278,7 @@ def _ids(ctx: PassContext, gate_up: ExpertGemm, down: ExpertGemm, gemms) -> fx.N
     raise NoMatch("top-k expert ids of shape (tokens, top_k) not found")
 
 
-def _check(ctx: PassContext, m: MoeMatch) -> tuple[int, int, int]:
+def _check(m: MoeMatch) -> tuple[int, int, int]:
     """(E, I, H) of a matched block, or NoMatch saying why it stays bf16."""
     x, w13, w2 = _val(m.hidden), _val(m.w13), _val(m.w2)
     dtypes = {x.dtype, w13.dtype, w2.dtype, _val(m.output).dtype}
@@ -381,7 +381,13 @@ def _router(topk_ids: fx.Node, depth: int = 12) -> fx.Node | None:
 
 
 def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w_kn: bool, name: str) -> None:
-    device = ctx.parameter(m.w13)[0].device
+    """m.output -> fp8compile::moe behind the token-count dispatch. The expert weights' FP8 copies
+    (and the reordered gate/up bias) are made here, at compile time, into the memo the op reads."""
+    param = {n: ctx.parameter(n)[0] for n in (m.w13, m.w3, m.w2, m.b13) if n is not None}
+    fp8_experts(param[m.w13], w_kn, ctx.config.e8m0, m.gate_up, param.get(m.w3))
+    fp8_experts(param[m.w2], w_kn, ctx.config.e8m0)
+    expert_bias(param.get(m.b13), m.gate_up)
+    device = param[m.w13].device
     sides = dispatch.plan(ctx, "moe", device, 2 * inter, h, _val(m.hidden).shape[0])
     kwargs = {"e8m0": ctx.config.e8m0, "w_kn": w_kn, "gate_up": m.gate_up, "batch_invariant": ctx.config.batch_invariant,
               **m.act}
@@ -461,7 +467,7 @@ def moe_pass(ctx: PassContext) -> None:
             if role == "non-gated":
                 raise NoMatch("the down projection's input is not a gated product act(gate) * up (non-gated experts)")
             m = match_block(ctx, down, gemms)
-            e, inter, h = _check(ctx, m)
+            e, inter, h = _check(m)
             orientations = _orientations(m, e, inter, h)
             if not orientations:
                 raise NoMatch(f"expert weight shapes {tuple(_val(m.w13).shape)}, {tuple(_val(m.w2).shape)} do not fit H={h}")
