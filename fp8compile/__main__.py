@@ -9,12 +9,16 @@ def _backends(args) -> int:
     import torch
 
     from . import registry
+    from .config import make_config
+    from .passes.dispatch import ranges
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     request = registry.Request("linear", device, n=args.n, k=args.k, m_min=args.m, m_max=args.m)
-    print(f"backends for linear N={args.n} K={args.k} M={args.m} on {device} (preference order):")
-    chosen = registry.choose(request)
-    for name in registry.DEFAULT_ORDER:
+    ((tier, _, _),) = ranges(make_config(), args.m)
+    order = registry.default_order(tier)
+    print(f"backends for linear N={args.n} K={args.k} M={args.m} on {device} ({tier}-M preference order):")
+    chosen = registry.choose(request, tier=tier)
+    for name in order:
         why = registry.why_not(name, request)
         state = "CHOSEN" if name == chosen else "usable" if why is None else "not used: " + why
         print(f"  {name:<15} {state}")

@@ -16,6 +16,11 @@ FUSIONS = ("moe", "silu_mul")  # fusion passes, run in this order before the lin
 # 32 is where the anchors' decode kernels stop streaming weights and start being compute-bound
 # (../shared/device/README.md: DeepGEMM/FlashInfer/cuBLAS times are flat from M=1 to M=16).
 SMALL_M = 32
+# Above LARGE_M the large-M kernels take over (DeepGEMM by default): on an H200 DeepGEMM was
+# 7-12% faster than cuBLAS at M = 4096 on all five `bench gemm` shapes but up to 2.5x slower at
+# M = 1024, and for MoE blocks it beat our Triton grouped kernel at 4096 tokens and not at 1024
+# (BENCHMARKS.md). 2048 sits between the measured points.
+LARGE_M = 2048
 
 DEBUG_DIR_ENV = "FP8COMPILE_DEBUG_DIR"
 
@@ -33,6 +38,8 @@ class Fp8Config:
     batch_invariant: one kernel and one reduction order for every M, so row i of the output
                      does not depend on the other rows of the batch.
     small_m:         rows M <= small_m take the small-M (decode) kernel, chosen by torch.cond.
+    large_m:         rows M > large_m take the large-M kernel (a second, nested cond);
+                     0 = no third range.
     backends:        kernel backends in preference order; None = the measured default order.
     skip:            module-name globs left in bf16, e.g. ("lm_head", "*.mlp.down_proj").
     fusions:         fusion passes to run (default: all); () runs the plain linear pass only.
@@ -44,6 +51,7 @@ class Fp8Config:
     e8m0: bool = False
     batch_invariant: bool = False
     small_m: int = SMALL_M
+    large_m: int = LARGE_M
     backends: tuple[str, ...] | None = None
     skip: tuple[str, ...] = ()
     fusions: tuple[str, ...] = FUSIONS
@@ -57,6 +65,10 @@ class Fp8Config:
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.small_m, bool) or not isinstance(self.small_m, int) or self.small_m < 0:
             raise ValueError(f"small_m must be an int >= 0 (0 = never take the small-M path), got {self.small_m!r}")
+        if isinstance(self.large_m, bool) or not isinstance(self.large_m, int) or self.large_m < 0:
+            raise ValueError(f"large_m must be an int >= 0 (0 = no separate large-M range), got {self.large_m!r}")
+        if 0 < self.large_m <= self.small_m:
+            raise ValueError(f"large_m={self.large_m} must be above small_m={self.small_m} (or 0 for no large-M range)")
         object.__setattr__(self, "skip", _str_tuple("skip", self.skip))
         object.__setattr__(self, "fusions", _str_tuple("fusions", self.fusions))
         unknown = [f for f in self.fusions if f not in FUSIONS]

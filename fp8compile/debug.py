@@ -18,11 +18,11 @@ _hook = None
 
 def graph_listing(gm: fx.GraphModule) -> list[str]:
     """One line per node, `name = target(args)`, stable enough to diff and to keep as a golden;
-    subgraphs (torch.cond branches) follow, indented under their attribute name."""
+    subgraphs (torch.cond branches, nested ones too) follow, indented under their attribute name."""
     lines = _node_lines(gm)
     for name, sub in gm.named_children():
         if isinstance(sub, fx.GraphModule):
-            lines += [f"{name}:", *("    " + line for line in _node_lines(sub))]
+            lines += [f"{name}:", *("    " + line for line in graph_listing(sub))]
     return lines
 
 

@@ -92,9 +92,6 @@ def _vendor_why_not(module: str, request: Request, min_capability, exact_major=N
 
 
 def _deep_gemm_why_not(request: Request) -> str | None:
-    if request.op == "moe" and request.m_max is not None and request.m_max <= MOE_DEEP_GEMM_MIN_TOKENS:
-        return (f"pads every expert's rows to 128 (contiguous layout): below {MOE_DEEP_GEMM_MIN_TOKENS + 1} tokens "
-                "the Triton kernel's 16-row blocks waste less")
     if request.n % 64:
         return f"N={request.n} is not a multiple of 64"
     return _vendor_why_not("deep_gemm", request, (9, 0))
@@ -117,10 +114,6 @@ def _cublas_why_not(request: Request) -> str | None:
         return "picks its kernel by M: not batch-invariant"
     return _cuda_why_not(request, (9, 0))
 
-
-# Tokens up to which DeepGEMM's grouped GEMM is not used for MoE blocks (decode): each active
-# expert costs it at least one 128-row block.
-MOE_DEEP_GEMM_MIN_TOKENS = 32
 
 # Measured on an H200 (../shared/device/README.md): torch._scaled_mm block scaling works at
 # M >= 8 and fails at M = 1.
@@ -166,24 +159,44 @@ _BACKENDS: dict[str, Backend] = {
 }
 
 def register(backend: Backend, *, first: bool = False) -> None:
-    """Add a backend (replacing one of the same name); `first` puts it at the front of the
+    """Add a backend (replacing one of the same name); `first` puts it at the front of every
     default order, else it goes just before "reference", which always stays last."""
     global DEFAULT_ORDER
     _BACKENDS[backend.name] = backend
-    order = [n for n in DEFAULT_ORDER if n != backend.name]
-    order.insert(0 if first else len(order) - 1, backend.name)
-    DEFAULT_ORDER = tuple(order)
+
+    def placed(order):
+        order = [n for n in order if n != backend.name]
+        order.insert(0 if first else len(order) - 1, backend.name)
+        return tuple(order)
+
+    for tier in DEFAULT_ORDERS:
+        DEFAULT_ORDERS[tier] = placed(DEFAULT_ORDERS[tier])
+    DEFAULT_ORDER = placed(DEFAULT_ORDER)
 
 
 def names() -> tuple[str, ...]:
     return tuple(_BACKENDS)
 
 
-# Preference order when Fp8Config.backends is None: per M range, the first that serves wins.
-# From `python -m fp8compile bench gemm` on an H200 (BENCHMARKS.md): below small_m our fused
-# decode kernel; above it cuBLAS, because DeepGEMM (about 10% faster at M = 4096) was 2.2-2.6x
-# slower than cuBLAS at M = 1024 for N = 4096 and at M = 128 for N = 24576. reference last.
-DEFAULT_ORDER = ("triton_small_m", "cublas", "deep_gemm", "triton", "flashinfer", "reference")
+# Preference order per range of M when Fp8Config.backends is None: the first that serves wins.
+# From `python -m fp8compile bench gemm` / `bench moe` on an H200 (BENCHMARKS.md):
+# - small (M <= small_m): our fused decode kernel (linears), our grouped Triton MoE kernel;
+# - medium: cuBLAS for linears (DeepGEMM was 2.2-2.6x slower than cuBLAS at M = 1024 for
+#   N = 4096 and at M = 128 for N = 24576), Triton for MoE (DeepGEMM pads every expert to 128
+#   rows: slower up to 1024 tokens);
+# - large (M > large_m): DeepGEMM (7-12% faster than cuBLAS at M = 4096 on every shape, and
+#   faster than Triton for MoE at 4096 tokens).
+# reference always last.
+DEFAULT_ORDERS = {
+    "small": ("triton_small_m", "triton", "cublas", "deep_gemm", "flashinfer", "reference"),
+    "medium": ("cublas", "triton", "deep_gemm", "flashinfer", "reference"),
+    "large": ("deep_gemm", "cublas", "triton", "flashinfer", "reference"),
+}
+DEFAULT_ORDER = DEFAULT_ORDERS["medium"]  # `backends` table, and any range not named above
+
+
+def default_order(tier: str) -> tuple[str, ...]:
+    return DEFAULT_ORDERS.get(tier, DEFAULT_ORDER)
 
 
 def why_not(backend: str, request: Request) -> str | None:
@@ -195,11 +208,12 @@ def why_not(backend: str, request: Request) -> str | None:
     return b.why_not(request)
 
 
-def choose(request: Request, order: tuple[str, ...] | None = None) -> str:
-    """The first backend in `order` that serves `request`; RuntimeError naming every reason if none."""
+def choose(request: Request, order: tuple[str, ...] | None = None, tier: str = "medium") -> str:
+    """The first backend in `order` (default: the tier's default order) that serves `request`;
+    RuntimeError naming every reason if none."""
     if order is None:
         # On the CPU the reference is the product; Triton's interpreter runs only when asked for.
-        order = DEFAULT_ORDER if request.device.type != "cpu" else ("reference",)
+        order = default_order(tier) if request.device.type != "cpu" else ("reference",)
     rejected = []
     for name in order:
         reason = why_not(name, request)

@@ -64,14 +64,12 @@ class Captured:
     after: torch.fx.GraphModule
 
     def count(self, target) -> int:
-        return len(self.after.graph.find_nodes(op="call_function", target=target))
+        return len(self.ops(target))
 
     def ops(self, target) -> list[torch.fx.Node]:
-        """Nodes calling target, in the graph and inside torch.cond branches."""
-        found = list(self.after.graph.find_nodes(op="call_function", target=target))
-        for _, sub in self.after.named_children():
-            found += sub.graph.find_nodes(op="call_function", target=target)
-        return found
+        """Nodes calling target, in the graph and inside torch.cond branches (nested ones too)."""
+        return [node for _, sub in self.after.named_modules() if isinstance(sub, torch.fx.GraphModule)
+                for node in sub.graph.find_nodes(op="call_function", target=target)]
 
 
 @pytest.fixture
@@ -91,22 +89,32 @@ def captured(monkeypatch) -> list[Captured]:
 
 @pytest.fixture
 def probe_backend(monkeypatch):
-    """A registry backend "probe" that serves M <= 32 only and records (op, M) per call, then
-    runs the reference: shows which side of the M dispatch ran."""
+    """Registry backends that record (op, M) per call, then run the reference: they show which
+    range of the M dispatch ran. "probe" serves M <= 32 only; "mid" serves bounded ranges above
+    32 only (a medium-M kernel), recording ("mid:linear", M)."""
     calls: list[tuple[str, int]] = []
     monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
     monkeypatch.setattr(registry, "DEFAULT_ORDER", registry.DEFAULT_ORDER)
+    monkeypatch.setattr(registry, "DEFAULT_ORDERS", dict(registry.DEFAULT_ORDERS))
 
-    def linear(x, w_fp8, w_scale, bias, e8m0):
-        calls.append(("linear", x.reshape(-1, x.shape[-1]).shape[0]))
-        return registry.implementation("linear", "reference")(x, w_fp8, w_scale, bias, e8m0)
+    def recording(tag):
+        def linear(x, w_fp8, w_scale, bias, e8m0):
+            calls.append((tag, x.reshape(-1, x.shape[-1]).shape[0]))
+            return registry.implementation("linear", "reference")(x, w_fp8, w_scale, bias, e8m0)
+        return linear
 
-    def why_not(request):
+    def probe_why_not(request):
         if request.m_max is None or request.m_max > 32:
             return "probe serves M <= 32 only"
         return None
 
-    registry.register(registry.Backend("probe", {"linear": linear}, why_not), first=True)
+    def mid_why_not(request):
+        if request.m_min <= 32 or request.m_max is None:
+            return "mid serves bounded ranges above M = 32 only"
+        return None
+
+    registry.register(registry.Backend("probe", {"linear": recording("linear")}, probe_why_not), first=True)
+    registry.register(registry.Backend("mid", {"linear": recording("mid:linear")}, mid_why_not))
     return calls
 
 

@@ -1,5 +1,6 @@
-"""Small/large-M dispatch: one graph, compiled with dynamic M, serves both sides of small_m
-through torch.cond, without recompiling; batch-invariant mode uses one kernel for every M."""
+"""M dispatch: one graph, compiled with dynamic M, serves every range of M (M <= small_m,
+small_m < M <= large_m, M > large_m) through torch.cond, without recompiling; ranges that get
+the same kernel share one call; batch-invariant mode uses one kernel for every M."""
 import pytest
 import torch
 from torch import nn
@@ -34,6 +35,35 @@ def test_one_graph_serves_m_on_both_sides_of_the_threshold_without_recompiling(p
     (g,) = captured
     assert g.count(torch.ops.higher_order.cond) == 1
     assert sorted(n.kwargs["backend"] for n in g.ops(FP8_LINEAR)) == ["probe", "reference"]
+
+
+def test_three_ranges_of_m_become_nested_conds_in_one_graph(probe_backend, captured):
+    model = nn.Linear(256, 384).to(BF16)
+    backend = CountingBackend(backends=["probe", "mid", "reference"], large_m=100)
+    outs = run(model, backend, [45, 3, 101, 100, 33, 500, 32])
+    assert backend.compiles == 1
+    assert probe_backend == [("mid:linear", 45), ("linear", 3), ("mid:linear", 100), ("mid:linear", 33), ("linear", 32)]
+    (rewrite,) = backend.report.rewrites
+    assert rewrite.kernels == (("M <= 32", "probe"), ("32 < M <= 100", "mid"), ("M > 100", "reference"))
+    (g,) = captured
+    assert g.count(torch.ops.higher_order.cond) == 2  # M <= 32 ? probe : (M <= 100 ? mid : reference)
+    assert sorted(n.kwargs["backend"] for n in g.ops(FP8_LINEAR)) == ["mid", "probe", "reference"]
+    for x, y in outs.values():
+        assert fp8compile.calc_diff(y, model(x)) < 1e-3
+
+
+def test_ranges_that_get_the_same_kernel_share_one_call(probe_backend, captured):
+    # "mid" serves 33..2048, and the reference serves the rest: without "mid" the two upper
+    # ranges both get the reference, so there is one cond, not two.
+    backend = fp8compile.backend(backends=["probe", "reference"])
+    run(nn.Linear(256, 256).to(BF16), backend, [8, 40, 3000])
+    assert backend.report.rewrites[0].kernels == (("M <= 32", "probe"), ("M > 32", "reference"))
+    assert captured[0].count(torch.ops.higher_order.cond) == 1
+
+
+def test_large_m_must_be_above_small_m():
+    with pytest.raises(ValueError, match="large_m=16 must be above small_m=32"):
+        fp8compile.backend(large_m=16)
 
 
 def test_m_of_one_works_on_a_dynamic_graph(probe_backend):
@@ -86,7 +116,8 @@ def test_explicit_backends_that_cannot_serve_are_a_clear_error(probe_backend):
         run(nn.Linear(256, 256).to(BF16), fp8compile.backend(backends=["probe"]), [40])
 
 
-def test_a_dynamic_size_that_is_no_graph_input_leaves_the_linear_in_bf16_with_the_reason(monkeypatch, captured):
+def test_a_dynamic_size_that_is_no_graph_input_leaves_the_linear_in_bf16_with_the_reason(monkeypatch, captured,
+                                                                                        probe_backend):
     from fp8compile.passes import dispatch
 
     def unbindable(ctx, operands):
@@ -94,7 +125,7 @@ def test_a_dynamic_size_that_is_no_graph_input_leaves_the_linear_in_bf16_with_th
 
     monkeypatch.setattr(dispatch, "_symbol_operands", unbindable)
     model = nn.Linear(256, 256).to(BF16)
-    backend = fp8compile.backend()
+    backend = fp8compile.backend(backends=["probe", "reference"])  # two kernels: a cond is needed
     outs = run(model, backend, [40])
     (skip,) = backend.report.skipped("linear")
     assert "not graph inputs" in skip.reason and backend.report.rewrites == []

@@ -90,19 +90,23 @@ def test_m_equal_1_works_on_every_benchmark_shape_with_the_default_backends(n, k
         assert calc_diff(out, model(x)) < 1e-3
 
 
-def test_default_dispatch_uses_the_decode_kernel_below_small_m_and_a_gemm_above():
+def test_default_dispatch_has_a_decode_a_medium_and_a_large_m_kernel_in_one_graph():
     model = torch.nn.Linear(4096, 4096, bias=False).to(BF16).cuda()
     fp8 = fp8compile.backend()
     compiled = torch.compile(model, backend=fp8)
     with torch.no_grad():
-        for m in (64, 3, 500):
+        for m in (64, 3, 500, 3000):  # one compile: every range of M runs in the same graph
             x = randn(m, 4096, device="cuda")
             torch._dynamo.mark_dynamic(x, 0)
             assert calc_diff(compiled(x), model(x)) < 1e-3
     (rewrite,) = fp8.report.rewrites
-    small, large = rewrite.kernels
-    assert small == ("M <= 32", "triton_small_m")
-    assert large[1] == registry.choose(registry.Request("linear", torch.device("cuda"), 4096, 4096, 33, None))
+    cuda = torch.device("cuda")
+    want = [("M <= 32", "triton_small_m"),
+            ("32 < M <= 2048", registry.choose(registry.Request("linear", cuda, 4096, 4096, 33, 2048), tier="medium")),
+            ("M > 2048", registry.choose(registry.Request("linear", cuda, 4096, 4096, 2049, None), tier="large"))]
+    if want[1][1] == want[2][1]:  # no DeepGEMM here: the two upper ranges share one kernel
+        want[1:] = [("M > 32", want[1][1])]
+    assert list(rewrite.kernels) == want
 
 
 def test_deep_gemm_missing_is_a_clear_error(monkeypatch):

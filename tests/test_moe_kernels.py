@@ -22,7 +22,7 @@ ROUTINGS = {
 def test_route_puts_each_slot_once_in_a_block_of_its_expert(routing, tokens, block_m):
     num_experts, top_k = 8, 4
     ids = ROUTINGS[routing](tokens, num_experts, top_k)
-    slots, block_expert = triton_moe.route(ids, num_experts, block_m)
+    slots, block_expert = triton_moe.route_torch(ids, num_experts, block_m)
     s = ids.numel()
     assert slots.numel() == block_expert.numel() * block_m
     flat = ids.reshape(-1)
@@ -35,6 +35,25 @@ def test_route_puts_each_slot_once_in_a_block_of_its_expert(routing, tokens, blo
     # Each expert's rows are one run padded to whole blocks: blocks of an expert are contiguous.
     used = block_expert[block_expert >= 0].tolist()
     assert used == sorted(used) and len(used) == sum(-(-int((flat == e).sum()) // block_m) for e in set(used))
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("tokens, num_experts, top_k, block_m", [
+    (1, 8, 4, 16), (5, 8, 4, 16), (37, 8, 4, 32), (3, 128, 8, 16), (40, 256, 8, 16), (130, 8, 4, 64)])
+def test_route_kernel_gives_the_same_rows_as_the_torch_routing(routing, tokens, num_experts, top_k, block_m):
+    """The one-program routing kernel (decode) and the torch-op routing are interchangeable:
+    the same slot on every row and the same expert on every block, padding and sentinels included."""
+    ids = ROUTINGS[routing](tokens, num_experts, top_k).to(DEVICE)
+    slots, block_expert = triton_moe.route_kernel(ids, num_experts, block_m)
+    want_slots, want_blocks = triton_moe.route_torch(ids, num_experts, block_m)
+    assert torch.equal(slots, want_slots)
+    assert torch.equal(block_expert, want_blocks)
+
+
+def test_route_kernel_refuses_more_slots_than_one_program_sorts():
+    ids = torch.zeros(triton_moe.ROUTE_KERNEL_MAX_SLOTS // 8 + 1, 8, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="route_kernel serves up to"):
+        triton_moe.route_kernel(ids, 8, 16)
 
 
 def quant_experts(w):

@@ -77,12 +77,23 @@ def test_large_m_gemm_matches_the_reference(m, n, bias):
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 33, 64])
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("e8m0", [False, True])
-def test_small_m_kernel_with_fused_quantization_matches_the_reference(m, split_k, e8m0):
+@pytest.mark.parametrize("tma", [True, False], ids=["tma_loads", "pointer_loads"])
+def test_small_m_kernel_with_fused_quantization_matches_the_reference(m, split_k, e8m0, tma):
+    """N = 200 is not a multiple of the weight tile: TMA must fill the rows past N with zeros."""
     x = activation(m, 256)
     w_fp8, w_scale = reference.quant_weight_block(randn(200, 256, scale=0.02, device=DEVICE), e8m0)
     b = randn(200, device=DEVICE)
-    out = triton_gemm.linear_small_m(x, w_fp8, w_scale, b, e8m0, split_k=split_k)
+    out = triton_gemm.linear_small_m(x, w_fp8, w_scale, b, e8m0, split_k=split_k, tma=tma)
     assert_bf16_close(out, reference_linear(x, w_fp8, w_scale, b, e8m0))
+
+
+def test_small_m_kernel_uses_tma_only_where_a_descriptor_can_address_the_weight():
+    w = torch.zeros(256, 256, dtype=torch.uint8, device=DEVICE)
+    assert triton_gemm.use_tma(w)
+    assert not triton_gemm.use_tma(w.t())  # column-major
+    assert not triton_gemm.use_tma(w[:, 8:])  # base not 16-byte aligned
+    rows_of_200 = torch.zeros(256, 200, dtype=torch.uint8, device=DEVICE)
+    assert not triton_gemm.use_tma(rows_of_200[:, :128])  # row stride 200 bytes
 
 
 @pytest.mark.skipif(ON_GPU, reason="pins a CPU-interpreter artifact")

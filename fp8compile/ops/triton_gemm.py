@@ -9,7 +9,8 @@ Two kernels, because decode and prefill are different problems:
 - linear_small_m: decode (M <= 64) is a stream over the FP8 weight. swapAB: the weight tile is
   the MMA's M side (BLOCK_N rows), the few tokens its N side (padded to 16/32/64), and the
   activation is quantized 1x128 inside the kernel, group by group, as the weight streams by:
-  one launch, no bf16 or FP8 activation round trip through memory. Split-K spreads a short N
+  one launch, no bf16 or FP8 activation round trip through memory. Weight tiles come through
+  TMA descriptors (bulk copies) where the weight allows. Split-K spreads a short N
   over the SMs; each split writes fp32 partials and the last to arrive at an N tile (an atomic
   counter) sums them in split order and writes bf16: still one launch, and deterministic.
 
@@ -68,10 +69,10 @@ def _gemm_large_m_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, bias_ptr, c_ptr, M, N, 
 
 
 @triton.jit
-def _linear_small_m_kernel(x_ptr, b_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, M, N, K,
+def _linear_small_m_kernel(x_ptr, b_ptr, w_ptr, w_desc, w_s_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, M, N, K,
                            stride_xm, stride_xk, stride_bm, stride_bk, stride_wn, stride_wsn, stride_wsg, stride_om,
                            eps, fp8_max, alpha, limit, E8M0: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+                           TMA: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     groups = K // GROUP
@@ -91,7 +92,10 @@ def _linear_small_m_kernel(x_ptr, b_ptr, w_ptr, w_s_ptr, bias_ptr, out_ptr, part
         x = load_activation(x_ptr, b_ptr, offs_m, g * GROUP + offs_k, stride_xm, stride_xk, stride_bm, stride_bk,
                             offs_m[:, None] < M, alpha, limit, ACT)
         x_fp8, x_s = quant_group(x, eps, fp8_max, E8M0)  # padding rows: zeros, finite scale
-        w = tl.load(w_ptrs)
+        if TMA:  # bulk tensor copy; rows past N arrive as zeros
+            w = w_desc.load([pid_n * BLOCK_N, g * GROUP])
+        else:
+            w = tl.load(w_ptrs)
         w_s = tl.load(w_s_ptrs + g * stride_wsg)
         acc += tl.dot(w, tl.trans(x_fp8)) * w_s[:, None] * x_s[None, :]
         w_ptrs += GROUP
@@ -131,7 +135,9 @@ INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=4)
 # (split-K fills in when N / BLOCK_N alone gives fewer). `bench tune` on an H200 (BENCHMARKS.md):
 # (BLOCK_N 128, 2 programs per SM, 3 stages) is the best fixed choice by geometric mean over the
 # five benchmark shapes at M = 1, 16, 32, and within 3% of the best config at every point except
-# N=7168 K=2048 at M = 16 and 32 (8% and 5%; benchmarks/tune_small_m_h200.json).
+# N=7168 K=2048 at M = 16 and 32 (8% and 5%; benchmarks/tune_small_m_h200.json). TMA weight
+# loads at the same config: 3-8% faster than pointer loads on all ten points of
+# scripts/decode_probe.py (M = 1, 16), geometric mean 5.5%; also the best of 24 variants there.
 SMALL_M_BLOCK_N = 128
 SMALL_M_PROGRAMS_PER_SM = 2
 SMALL_M_NUM_STAGES = 3
@@ -194,8 +200,21 @@ def _arrival_counters(device: torch.device, n_tiles: int) -> torch.Tensor:
     return buf
 
 
+def use_tma(w: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can address w: Hopper or newer (or the interpreter), row-major,
+    16-byte aligned base and row stride."""
+    hopper = not w.is_cuda or torch.cuda.get_device_capability(w.device)[0] >= 9
+    return hopper and w.stride(1) == 1 and (w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+
+
+def _weight_descriptor(w: torch.Tensor, block_n: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(w, [block_n, BLOCK])
+
+
 def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block_n=None, num_stages=None,
-                   b=None, activation="silu", alpha=1.702, limit=7.0):
+                   b=None, activation="silu", alpha=1.702, limit=7.0, tma=None):
     """Fused 1x128 activation quantization + block-scaled GEMM for M <= 64, in one launch:
     bf16 x (..., K) -> bf16 (..., N). With b (same shape as x) the activation is act(x, b)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -215,11 +234,13 @@ def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     arrivals = _arrival_counters(x.device, n_tiles) if split > 1 else out
     launch = {} if interp else dict(num_warps=4, num_stages=num_stages or SMALL_M_NUM_STAGES)
+    tma = use_tma(w_fp8) if tma is None else tma
     _linear_small_m_kernel[(n_tiles, split)](
-        x2, b2, w_fp8, w_scale, bias if bias is not None else w_scale, out, partial, arrivals, m, n, k,
+        x2, b2, w_fp8, _weight_descriptor(w_fp8, block_n) if tma else w_fp8, w_scale,
+        bias if bias is not None else w_scale, out, partial, arrivals, m, n, k,
         x2.stride(0), x2.stride(1), b2.stride(0), b2.stride(1), w_fp8.stride(0), w_scale.stride(0), w_scale.stride(1),
         out.stride(0), AMAX_EPS, FP8_MAX, alpha, limit, E8M0=e8m0, ACT=activation_code(b, activation),
-        HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=BLOCK, **launch,
+        HAS_BIAS=bias is not None, TMA=tma, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=BLOCK, **launch,
     )
     return out.reshape(*x.shape[:-1], n)
 

@@ -3,8 +3,9 @@
 One call, T tokens routed to k experts each (S = T * k slots):
   1. route:   slots sorted by expert, each expert's run padded to a multiple of BLOCK_M
               (`slots`, with S on padding), and the expert of every BLOCK_M-row block
-              (`block_expert`, -1 past the end). Plain torch ops, no host sync: the sizes
-              depend on S and E only, so the call can be captured in a CUDA graph.
+              (`block_expert`, -1 past the end). No host sync: the sizes depend on S and E
+              only, so the call can be captured in a CUDA graph. One Triton program (a
+              histogram, prefix sums, a sort) up to 4096 slots; torch ops above.
   2. quantize x 1x128 once per token (not per slot).
   3. grouped GEMM 1: each program takes one row block of one expert and one 128-wide N tile;
               it reads its rows of x_fp8 through the slot -> token map (no permuted copy of x)
@@ -27,6 +28,14 @@ from .triton_quant import quant_act
 
 
 def route(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1 on the GPU: one Triton program for up to ROUTE_KERNEL_MAX_SLOTS slots (decode pays
+    one launch, not a dozen), torch ops above that and on the CPU. Both give the same tensors."""
+    if topk_ids.is_cuda and topk_ids.numel() <= ROUTE_KERNEL_MAX_SLOTS:
+        return route_kernel(topk_ids, num_experts, block_m)
+    return route_torch(topk_ids, num_experts, block_m)
+
+
+def route_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(slots (R,) int32, block_expert (R / block_m,) int32) for topk_ids (T, k): rows sorted by
     expert, each expert's rows padded to a multiple of block_m. slots holds the slot index
     t * k + j of each row (S = T * k on padding); block_expert the expert of each block of
@@ -39,7 +48,7 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(0, bucket, torch.ones_like(bucket))
     padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
-    capacity = ceil_div(s + min(num_experts, s) * (block_m - 1), block_m) * block_m
+    capacity = route_capacity(s, num_experts, block_m)
     order = torch.argsort(bucket, stable=True)
     sorted_bucket = bucket[order]
     rank = torch.arange(s, device=device) - (counts.cumsum(0) - counts)[sorted_bucket]
@@ -51,6 +60,65 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     block_expert = torch.searchsorted(padded_end, block_start, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).int()
     return slots[:capacity], block_expert
+
+
+@triton.jit
+def _route_kernel(ids_ptr, slots_ptr, block_expert_ptr, num_slots, num_experts, capacity,
+                  BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    """route_torch in one program, for S <= BLOCK_S: a histogram, two prefix sums and one sort of
+    (expert, slot) keys give every slot its row; no global memory between the steps."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_e = tl.arange(0, BLOCK_E)
+    ids = tl.load(ids_ptr + offs_s, mask=offs_s < num_slots, other=-1).to(tl.int32)
+    bucket = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts)  # E: dropped or padding
+    counts = tl.histogram(bucket, BLOCK_E)  # BLOCK_E > E: the dropped bucket has a bin too
+    counts = tl.where(offs_e < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    count_start = tl.cumsum(counts, 0) - counts
+    # Sorting the keys expert * BLOCK_S + slot orders slots by expert, then by slot: a stable sort.
+    keys = tl.sort(bucket * BLOCK_S + offs_s)
+    expert = keys // BLOCK_S
+    routed = expert < num_experts
+    e_safe = tl.where(routed, expert, 0)
+    row = tl.gather(padded_end - padded, e_safe, 0) + offs_s - tl.gather(count_start, e_safe, 0)
+    for r in range(0, capacity, BLOCK_S):
+        tl.store(slots_ptr + r + offs_s, num_slots, mask=r + offs_s < capacity)
+    tl.debug_barrier()  # padding written before the slots land on their rows
+    tl.store(slots_ptr + row, keys % BLOCK_S, mask=routed)
+    # block_expert[b] = how many experts end at or before block b's first row (searchsorted right).
+    for b0 in range(0, capacity // BLOCK_M, BLOCK_B):
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        ended = (padded_end[None, :] <= offs_b[:, None] * BLOCK_M) & (offs_e[None, :] < num_experts)
+        e_of_b = tl.sum(ended.to(tl.int32), 1)
+        tl.store(block_expert_ptr + offs_b, tl.where(e_of_b < num_experts, e_of_b, -1),
+                 mask=offs_b < capacity // BLOCK_M)
+
+
+# Routing in one Triton program up to this many slots (T * k); torch ops above it, where a
+# dozen small kernels cost little next to the GEMMs.
+ROUTE_KERNEL_MAX_SLOTS = 4096
+
+
+def route_capacity(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Rows any routing of num_slots slots over num_experts experts can need (each expert's run
+    padded to a multiple of block_m)."""
+    return ceil_div(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
+
+
+def route_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_torch in one launch (S <= ROUTE_KERNEL_MAX_SLOTS): the same two tensors, element for element."""
+    s = topk_ids.numel()
+    if s > ROUTE_KERNEL_MAX_SLOTS:
+        raise ValueError(f"route_kernel serves up to {ROUTE_KERNEL_MAX_SLOTS} slots, got {s}")
+    capacity = route_capacity(s, num_experts, block_m)
+    slots = torch.empty(capacity, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=topk_ids.device)
+    block_s = max(16, triton.next_power_of_2(s))
+    _route_kernel[(1,)](topk_ids.contiguous(), slots, block_expert, s, num_experts, capacity, BLOCK_M=block_m,
+                        BLOCK_S=block_s, BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_B=32,
+                        num_warps=4 if block_s <= 1024 else 8)
+    return slots, block_expert
 
 
 @triton.jit

@@ -1,8 +1,10 @@
-"""Small/large-M dispatch: one call site of an FP8 op becomes a torch.cond on M whose two
-branches call the op with the kernel the registry chose for each side, so one graph compiled
-with dynamic M serves decode and prefill without recompiling.
+"""M dispatch: one call site of an FP8 op becomes a torch.cond on M whose branches call the
+op with the kernel the registry chose for each range of M, so one graph compiled with dynamic M
+serves decode, mid-size batches and prefill without recompiling.
 
-Static M, batch-invariant mode, or small_m == 0 need one kernel only: no cond is emitted.
+Ranges: M <= small_m (decode), small_m < M <= large_m, M > large_m; three ranges are two
+nested conds. Adjacent ranges that get the same kernel merge, so a site whose ranges all get
+one kernel (static M, batch-invariant mode, a single backend) has no cond at all.
 """
 from __future__ import annotations
 
@@ -23,34 +25,59 @@ class NoDispatch(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Side:
-    label: str  # "M <= 32", "M > 32", "all M", "M = 7"
+    label: str  # "M <= 32", "32 < M <= 2048", "M > 2048", "all M", "M = 7"
     kernel: str  # the registry backend whose kernel runs this side
+    m_max: int | None = None  # the side serves M <= m_max (None: unbounded)
+
+
+def _label(lo: int, hi: int | None) -> str:
+    if lo == hi:
+        return f"M = {lo}"
+    if lo == 1:
+        return "all M" if hi is None else f"M <= {hi}"
+    return f"M > {lo - 1}" if hi is None else f"{lo - 1} < M <= {hi}"
+
+
+def ranges(config, m: Any) -> list[tuple[str, int, int | None]]:
+    """(tier, m_min, m_max) of each range of M a call site needs a kernel for; tier names the
+    registry's default order for that range."""
+    if config.batch_invariant:
+        return [("large", 1, None)]
+    bounds = [(b, tier) for b, tier in ((config.small_m, "small"), (config.large_m, "medium")) if b > 0]
+    out, lo = [], 1
+    for b, tier in bounds:
+        out.append((tier, lo, b))
+        lo = b + 1
+    out.append(("large", lo, None))
+    if isinstance(m, int):  # static M: the one range it falls in
+        tier = next(t for t, a, b in out if a <= m and (b is None or m <= b))
+        return [(tier, m, m)]
+    return out
 
 
 def plan(ctx: PassContext, op: str, device: torch.device, n: int, k: int, m: Any) -> list[Side]:
-    """Kernel per side of the dispatch. Raises (naming every reason) if a side has no kernel."""
+    """Kernel per range of M, adjacent ranges with the same kernel merged. Raises (naming every
+    reason) if a range has no kernel."""
     cfg = ctx.config
     base = registry.Request(op, device, n, k, batch_invariant=cfg.batch_invariant, e8m0=cfg.e8m0)
-    if cfg.batch_invariant:
-        ranges = [("all M", 1, None)]
-    elif isinstance(m, int):
-        ranges = [(f"M = {m}", m, m)]
-    elif cfg.small_m == 0:
-        ranges = [("all M", 1, None)]
-    else:
-        ranges = [(f"M <= {cfg.small_m}", 1, cfg.small_m), (f"M > {cfg.small_m}", cfg.small_m + 1, None)]
-    return [
-        Side(label, registry.choose(dataclasses.replace(base, m_min=lo, m_max=hi), cfg.backends))
-        for label, lo, hi in ranges
-    ]
+    chosen: list[tuple[int, int | None, str]] = []
+    for tier, lo, hi in ranges(cfg, m):
+        kernel = registry.choose(dataclasses.replace(base, m_min=lo, m_max=hi), cfg.backends, tier)
+        if chosen and chosen[-1][2] == kernel:
+            chosen[-1] = (chosen[-1][0], hi, kernel)
+        else:
+            chosen.append((lo, hi, kernel))
+    return [Side(_label(lo, hi), kernel, hi) for lo, hi, kernel in chosen]
 
 
-def rows_node(ctx: PassContext, node: fx.Node):
-    """M of a (..., K) tensor node viewed as (M, K): an int, or a node computing the SymInt."""
+def rows_node(ctx: PassContext, node: fx.Node, graph: fx.Graph | None = None):
+    """M of a (..., K) tensor node viewed as (M, K): an int, or a node of `graph` (default: the
+    graph being rewritten) computing the SymInt."""
+    graph = ctx.gm.graph if graph is None else graph
     rows = None
     for dim, size in enumerate(node.meta["val"].shape[:-1]):
         if isinstance(size, torch.SymInt):
-            factor = ctx.gm.graph.call_function(torch.ops.aten.sym_size.int, (node, dim))
+            factor = graph.call_function(torch.ops.aten.sym_size.int, (node, dim))
             factor.meta["val"] = size
         else:
             factor = size
@@ -59,7 +86,7 @@ def rows_node(ctx: PassContext, node: fx.Node):
         elif isinstance(rows, int) and isinstance(factor, int):
             rows *= factor
         else:
-            product = ctx.gm.graph.call_function(operator.mul, (rows, factor))
+            product = graph.call_function(operator.mul, (rows, factor))
             product.meta["val"] = _val(rows) * _val(factor)
             rows = product
     return 1 if rows is None else rows
@@ -80,17 +107,51 @@ def flatten(ctx: PassContext, node: fx.Node) -> fx.Node:
     return flat
 
 
-def _branch(ctx: PassContext, target, operands: list[fx.Node], args: tuple, kwargs: dict) -> fx.GraphModule:
-    """GraphModule(*operands) -> (target(*args, **kwargs),) with operands as its placeholders."""
-    graph = fx.Graph()
+def _placeholders(graph: fx.Graph, operands: list[fx.Node]) -> dict[fx.Node, fx.Node]:
     inner = {}
     for i, node in enumerate(operands):
         inner[node] = graph.placeholder(f"arg{i}")
         inner[node].meta["val"] = node.meta["val"]
-    call = graph.call_function(target, *fx.node.map_arg((args, kwargs), inner.__getitem__))
-    call.meta["val"] = ctx.fake(target, *args, **kwargs)
-    graph.output((call,))
-    return fx.GraphModule(ctx.gm, graph)
+    return inner
+
+
+def _branch(ctx: PassContext, target, operands: list[fx.Node], args: tuple, kwargs: dict, sides: list[Side],
+            m_source: fx.Node) -> fx.GraphModule:
+    """GraphModule(*operands) -> (out,): target(*args, **kwargs) with the one side's kernel, or,
+    for several sides, the cond between them (a nested cond)."""
+    graph = fx.Graph()
+    inner = _placeholders(graph, operands)
+    owner = torch.nn.Module()
+    args, kwargs = fx.node.map_arg((args, kwargs), inner.__getitem__)
+    out = _dispatch(ctx, graph, owner, lambda side: side, target, list(inner.values()), args, kwargs,
+                    inner[m_source], sides)
+    graph.output((out,))
+    return fx.GraphModule(owner, graph)
+
+
+def _dispatch(ctx, graph, owner, attr_name, target, operands, args, kwargs, m_source, sides) -> fx.Node:
+    """Emit into `graph` the call of target on `sides`: a plain call for one side, else
+    cond(M <= first side's m_max, first side, the rest)."""
+    if len(sides) == 1:
+        call_kwargs = {**kwargs, "backend": sides[0].kernel}
+        node = graph.call_function(target, args, call_kwargs)
+        node.meta["val"] = ctx.fake(target, *args, **call_kwargs)
+        return node
+    first, rest = sides[0], sides[1:]
+    branches = []
+    for side_name, part in ((f"m_le_{first.m_max}", [first]), (f"m_gt_{first.m_max}", rest)):
+        name = attr_name(side_name)
+        owner.add_module(name, _branch(ctx, target, operands, args, kwargs, part, m_source))
+        branches.append(graph.get_attr(name))
+    m = rows_node(ctx, m_source, graph)
+    pred = graph.call_function(operator.le, (m, first.m_max))
+    pred.meta["val"] = _val(m) <= first.m_max
+    cond = graph.call_function(torch.ops.higher_order.cond, (pred, *branches, tuple(operands)))
+    out_val = ctx.fake(target, *args, **{**kwargs, "backend": first.kernel})
+    cond.meta["val"] = (out_val,)
+    out = graph.call_function(operator.getitem, (cond, 0))
+    out.meta["val"] = out_val
+    return out
 
 
 def _symbol_operands(ctx: PassContext, operands: list[fx.Node]) -> list[fx.Node]:
@@ -114,34 +175,13 @@ def _symbol_operands(ctx: PassContext, operands: list[fx.Node]) -> list[fx.Node]
 def emit(ctx: PassContext, target, args: tuple, kwargs: dict, m_source: fx.Node, sides: list[Side],
          name: str) -> fx.Node:
     """Insert target(*args, **kwargs, backend=...) at the current insertion point, dispatched on
-    M = m_source.shape[0] when `sides` has a small and a large side. Returns the output node."""
-    graph = ctx.gm.graph
-    if len(sides) == 1:
-        call_kwargs = {**kwargs, "backend": sides[0].kernel}
-        node = graph.call_function(target, args, call_kwargs)
-        node.meta["val"] = ctx.fake(target, *args, **call_kwargs)
-        return node
-
-    small, large = sides
+    M = m_source's rows over `sides` (from plan). Returns the output node."""
     operands: list[fx.Node] = []  # the tensors the branches read, each once
-    fx.node.map_arg((args, kwargs), lambda n: operands.append(n) if n not in operands else None)
-    # Inductor codegens each branch as a function of its operands: the symbols in their shapes
-    # (the dynamic M) must come in as operands too, as Dynamo does when it traces torch.cond.
-    # Checked before anything is added to the graph, so NoDispatch leaves it as it was.
-    operands = _symbol_operands(ctx, operands) + operands
-    branches = []
-    for side in (small, large):
-        gm = _branch(ctx, target, operands, args, {**kwargs, "backend": side.kernel})
-        attr = ctx.attr_name(f"{name}_{'small' if side is small else 'large'}_m")
-        ctx.gm.add_submodule(attr, gm)
-        branches.append(graph.get_attr(attr))
-
-    m = rows_node(ctx, m_source)
-    small_m = graph.call_function(operator.le, (m, ctx.config.small_m))
-    small_m.meta["val"] = m.meta["val"] <= ctx.config.small_m
-    cond = graph.call_function(torch.ops.higher_order.cond, (small_m, *branches, tuple(operands)))
-    out_val = ctx.fake(target, *args, **{**kwargs, "backend": small.kernel})
-    cond.meta["val"] = (out_val,)
-    out = graph.call_function(operator.getitem, (cond, 0))
-    out.meta["val"] = out_val
-    return out
+    if len(sides) > 1:
+        fx.node.map_arg((args, kwargs), lambda n: operands.append(n) if n not in operands else None)
+        # Inductor codegens each branch as a function of its operands: the symbols in their shapes
+        # (the dynamic M) must come in as operands too, as Dynamo does when it traces torch.cond.
+        # Checked before anything is added to the graph, so NoDispatch leaves it as it was.
+        operands = _symbol_operands(ctx, operands) + operands
+    return _dispatch(ctx, ctx.gm.graph, ctx.gm, lambda side: ctx.attr_name(f"{name}_{side}"), target, operands,
+                     args, kwargs, m_source, sides)
