@@ -181,30 +181,36 @@ def part_moe():
     import fp8compile
 
     rows = []
-    for e, s, bm in ((128, 8, 16), (128, 128, 16), (256, 8, 16), (256, 128, 16), (128, 1024, 16), (128, 4096, 32)):
+    for e, s, bm in ((128, 8, 16), (128, 128, 16), (256, 8, 16), (256, 128, 16), (128, 512, 16), (128, 1024, 16),
+                     (128, 4096, 32), (128, 8192, 64), (128, 32768, 64), (256, 32768, 64)):
         ids = torch.topk(torch.rand(s // 8, e, device="cuda"), 8, dim=-1).indices
-        a, b = triton_moe.route_torch(ids, e, bm), triton_moe.route_kernel(ids, e, bm)
-        same = torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-        t_torch = bench._time_us([lambda: triton_moe.route_torch(ids, e, bm)])
-        t_kernel = bench._time_us([lambda: triton_moe.route_kernel(ids, e, bm)])
-        rows.append(dict(what="route", experts=e, slots=s, block_m=bm, torch_us=t_torch, kernel_us=t_kernel, same=same))
-        print(f"route E={e} S={s} block_m={bm}: torch ops {t_torch:.1f} us, kernel {t_kernel:.1f} us, same={same}")
+        want = triton_moe.route_torch(ids, e, bm)
+        row = dict(what="route", experts=e, slots=s, block_m=bm, torch_us=bench._time_us([lambda: triton_moe.route_torch(ids, e, bm)]))
+        for name in ("route_kernel", "route_chunked"):
+            if name == "route_kernel" and s > triton_moe.ROUTE_KERNEL_MAX_SLOTS:
+                continue
+            fn = getattr(triton_moe, name)
+            got = fn(ids, e, bm)
+            row[name + "_us"] = bench._time_us([lambda fn=fn: fn(ids, e, bm)])
+            row[name + "_same"] = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        rows.append(row)
+        print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
 
     block = bench._moe_block(2048, 768, 128, 8)
     experts = block.experts
     from fp8compile.passes.weights import fp8_experts
 
     w13, w2 = fp8_experts(experts.gate_up_proj, gate_up="concat"), fp8_experts(experts.down_proj)
-    for t in (1, 16, 128):
+    for t in (1, 16, 128, 1024, 4096):
         x = torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16)
         ids = torch.topk(torch.rand(t, 128, device="cuda"), 8, dim=-1).indices
         wts = torch.rand(t, 8, device="cuda", dtype=torch.bfloat16)
         op = lambda: triton_moe.moe_triton(x, ids, wts, *w13, *w2)  # noqa: E731
-        saved = triton_moe.ROUTE_KERNEL_MAX_SLOTS
-        triton_moe.ROUTE_KERNEL_MAX_SLOTS = 0
+        kernels_route = triton_moe.route
+        triton_moe.route = triton_moe.route_torch
         before = bench._time_us([op])
         ref = op()
-        triton_moe.ROUTE_KERNEL_MAX_SLOTS = saved
+        triton_moe.route = kernels_route
         after = bench._time_us([op])
         same = torch.equal(op(), ref)
         rows.append(dict(what="moe_triton", tokens=t, torch_route_us=before, kernel_route_us=after, same=same))

@@ -77,8 +77,8 @@ def test_weights_are_quantized_once_at_compile_time_not_per_call(monkeypatch, ca
             torch._dynamo.mark_dynamic(x, 0) if m > 1 else None
             compiled(x)
             if m == 40:
-                assert len(calls) == 3  # all three, during the first compile
-    assert len(calls) == 3
+                assert len(calls) == 2  # gate|up stacked (one GEMM) and down, during the first compile
+    assert len(calls) == 2
     assert len(captured) == 2
     for g in captured:  # the run-time graph quantizes no weight: it reads the parameters
         assert g.ops(torch.ops.fp8compile.quant_weight.default) == []
@@ -210,12 +210,12 @@ def test_mlp_benchmark_table_reports_fp8_speedups():
     from fp8compile.bench import mlp_table
 
     rows = [dict(model="llama3-8b", m=16, variant=v, us=t) for v, t in
-            [("bf16_inductor", 90.0), ("fp8_unfused", 60.0), ("fp8", 45.0)]]
+            [("bf16_inductor", 90.0), ("fp8_unfused", 60.0), ("fp8_gate_up_apart", 50.0), ("fp8", 45.0)]]
     last = mlp_table(rows).splitlines()[-1].split()
-    assert last[:2] == ["llama3-8b", "16"] and last[-2:] == ["2.00", "1.33"]
+    assert last[:2] == ["llama3-8b", "16"] and last[-3:] == ["2.00", "1.33", "1.11"]
 
 
-def test_mlp_benchmark_plumbing_runs_all_three_variants(monkeypatch, tmp_path):
+def test_mlp_benchmark_plumbing_runs_every_variant(monkeypatch, tmp_path):
     """The GPU benchmark's code path on the CPU with a tiny MLP: every variant compiles and runs,
     JSON and table come out. Timing itself needs CUDA graphs and is stubbed here."""
     import json
@@ -225,5 +225,5 @@ def test_mlp_benchmark_plumbing_runs_all_three_variants(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "_copies", lambda nbytes: 2)
     monkeypatch.setattr(bench, "_time_us", lambda fns: [fn() for fn in fns] and 1.0)
     rows = bench.bench_mlp(tmp_path, ms=[3], mlps={"tiny": (256, 512)}, device="cpu")
-    assert sorted(r["variant"] for r in rows) == ["bf16_inductor", "fp8", "fp8_unfused"]
+    assert sorted(r["variant"] for r in rows) == ["bf16_inductor", "fp8", "fp8_gate_up_apart", "fp8_unfused"]
     assert json.loads((tmp_path / "bench_mlp.json").read_text()) == rows

@@ -152,6 +152,8 @@ def test_gated_mlp_fuses_on_the_default_gpu_backends():
             assert calc_diff(compiled(x), model(x)) < GATED_MLP
     (fused,) = [r for r in fp8.report.rewrites if r.kind == "silu_mul"]
     assert fused.kernels[0] == ("M <= 32", "triton_small_m")
+    assert {r.detail for r in fp8.report.rewrites if r.kind == "linear"} == {  # gate and up: one GEMM
+        "one GEMM with up_proj", "one GEMM with gate_proj"}
 
 
 # --- routed experts (fp8compile::moe) ---------------------------------------------------------

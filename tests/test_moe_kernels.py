@@ -37,14 +37,16 @@ def test_route_puts_each_slot_once_in_a_block_of_its_expert(routing, tokens, blo
     assert used == sorted(used) and len(used) == sum(-(-int((flat == e).sum()) // block_m) for e in set(used))
 
 
+@pytest.mark.parametrize("kernel", ["route_kernel", "route_chunked"])
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("tokens, num_experts, top_k, block_m", [
     (1, 8, 4, 16), (5, 8, 4, 16), (37, 8, 4, 32), (3, 128, 8, 16), (40, 256, 8, 16), (130, 8, 4, 64)])
-def test_route_kernel_gives_the_same_rows_as_the_torch_routing(routing, tokens, num_experts, top_k, block_m):
-    """The one-program routing kernel (decode) and the torch-op routing are interchangeable:
-    the same slot on every row and the same expert on every block, padding and sentinels included."""
+def test_route_kernels_give_the_same_rows_as_the_torch_routing(kernel, routing, tokens, num_experts, top_k, block_m):
+    """The routing kernels (one program for decode; count, scan and place over chunks of slots
+    for more) and the torch-op routing are interchangeable: the same slot on every row and the
+    same expert on every block, padding and sentinels included. 130 x 4 slots span 9 chunks."""
     ids = ROUTINGS[routing](tokens, num_experts, top_k).to(DEVICE)
-    slots, block_expert = triton_moe.route_kernel(ids, num_experts, block_m)
+    slots, block_expert = getattr(triton_moe, kernel)(ids, num_experts, block_m)
     want_slots, want_blocks = triton_moe.route_torch(ids, num_experts, block_m)
     assert torch.equal(slots, want_slots)
     assert torch.equal(block_expert, want_blocks)

@@ -74,23 +74,30 @@ def _weight_out_features(x: Tensor, w: Tensor, bias: Tensor | None, w_kn: bool) 
 
 @torch.library.custom_op("fp8compile::linear", mutates_args=())
 def linear(
-    x: Tensor, w: Tensor, bias: Tensor | None = None, e8m0: bool = False, backend: str = "reference", w_kn: bool = False
+    x: Tensor, w: Tensor, bias: Tensor | None = None, e8m0: bool = False, backend: str = "reference", w_kn: bool = False,
+    w_next: Tensor | None = None,
 ) -> Tensor:
     """FP8 linear: bf16 x (..., K) times the bf16 weight w (N, K), or (K, N) if w_kn -> bf16 (..., N).
 
     w's FP8 copy (128x128 blocks) comes from the per-parameter memo the compiler filled
     (passes/weights.py): no weight is quantized per call. x is quantized per token in 1x128
-    groups (fused into the GEMM where the kernel can).
+    groups (fused into the GEMM where the kernel can). With w_next (a second weight over the same
+    x, same layout, N' outputs), the op is one GEMM over both: (..., N + N'), w's outputs first.
     """
     from ..passes.weights import fp8_weight
 
-    w_fp8, w_scale = fp8_weight(w, w_kn, e8m0)
+    w_fp8, w_scale = fp8_weight(w, w_kn, e8m0, w_next)
     return registry.implementation("linear", backend)(x, w_fp8, w_scale, bias, e8m0)
 
 
 @linear.register_fake
-def _(x, w, bias=None, e8m0=False, backend="reference", w_kn=False):
-    return x.new_empty(*x.shape[:-1], _weight_out_features(x, w, bias, w_kn))
+def _(x, w, bias=None, e8m0=False, backend="reference", w_kn=False, w_next=None):
+    n = _weight_out_features(x, w, None, w_kn)
+    if w_next is not None:
+        n += _weight_out_features(x, w_next, None, w_kn)
+    if bias is not None:
+        torch._check(tuple(bias.shape) == (n,), lambda: f"bias shape {tuple(bias.shape)} is not ({n},)")
+    return x.new_empty(*x.shape[:-1], n)
 
 
 @torch.library.custom_op("fp8compile::gated_linear", mutates_args=())

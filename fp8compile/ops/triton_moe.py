@@ -4,8 +4,9 @@ One call, T tokens routed to k experts each (S = T * k slots):
   1. route:   slots sorted by expert, each expert's run padded to a multiple of BLOCK_M
               (`slots`, with S on padding), and the expert of every BLOCK_M-row block
               (`block_expert`, -1 past the end). No host sync: the sizes depend on S and E
-              only, so the call can be captured in a CUDA graph. One Triton program (a
-              histogram, prefix sums, a sort) up to 4096 slots; torch ops above.
+              only, so the call can be captured in a CUDA graph. Decode: one Triton program
+              (a histogram, prefix sums, a sort); more slots: per-chunk histograms, one scan,
+              then every slot placed by its chunk (three launches).
   2. quantize x 1x128 once per token (not per slot).
   3. grouped GEMM 1: each program takes one row block of one expert and one 128-wide N tile;
               it reads its rows of x_fp8 through the slot -> token map (no permuted copy of x)
@@ -28,11 +29,14 @@ from .triton_quant import quant_act
 
 
 def route(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 1 on the GPU: one Triton program for up to ROUTE_KERNEL_MAX_SLOTS slots (decode pays
-    one launch, not a dozen), torch ops above that and on the CPU. Both give the same tensors."""
-    if topk_ids.is_cuda and topk_ids.numel() <= ROUTE_KERNEL_MAX_SLOTS:
+    """Step 1. On the GPU, Triton kernels: one program up to ROUTE_ONE_PROGRAM_MAX_SLOTS slots
+    (decode pays one launch), three launches over chunks of slots above; torch ops on the CPU.
+    All give the same tensors, element for element."""
+    if not topk_ids.is_cuda:
+        return route_torch(topk_ids, num_experts, block_m)
+    if topk_ids.numel() <= ROUTE_ONE_PROGRAM_MAX_SLOTS:
         return route_kernel(topk_ids, num_experts, block_m)
-    return route_torch(topk_ids, num_experts, block_m)
+    return route_chunked(topk_ids, num_experts, block_m)
 
 
 def route_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,9 +99,12 @@ def _route_kernel(ids_ptr, slots_ptr, block_expert_ptr, num_slots, num_experts, 
                  mask=offs_b < capacity // BLOCK_M)
 
 
-# Routing in one Triton program up to this many slots (T * k); torch ops above it, where a
-# dozen small kernels cost little next to the GEMMs.
-ROUTE_KERNEL_MAX_SLOTS = 4096
+# Routing in one Triton program up to this many slots (T * k), the chunked kernels above. One
+# program sorts all slots itself: on an H200 (scripts/decode_probe.py) it took 3.0 us for 8 slots
+# and 6.8 us for 128, but 15.1 us for 1024 and 73.9 us for 4096, where the torch ops took 57-99 us.
+ROUTE_ONE_PROGRAM_MAX_SLOTS = 512
+ROUTE_KERNEL_MAX_SLOTS = 4096  # what one program can sort (its BLOCK_S keys sit in registers)
+ROUTE_CHUNK = 64  # slots per program of the chunked routing
 
 
 def route_capacity(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -118,6 +125,86 @@ def route_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
     _route_kernel[(1,)](topk_ids.contiguous(), slots, block_expert, s, num_experts, capacity, BLOCK_M=block_m,
                         BLOCK_S=block_s, BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_B=32,
                         num_warps=4 if block_s <= 1024 else 8)
+    return slots, block_expert
+
+
+@triton.jit
+def _route_count_kernel(ids_ptr, hist_ptr, num_slots, num_experts, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """hist[c, e] = slots of chunk c routed to expert e (bin E and above: routed nowhere)."""
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1).to(tl.int32)
+    bucket = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    tl.store(hist_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), tl.histogram(bucket, BLOCK_E))
+
+
+@triton.jit
+def _route_scan_kernel(hist_ptr, start_ptr, slots_ptr, block_expert_ptr, num_slots, num_experts, num_chunks, capacity,
+                       BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+                       BLOCK_FILL: tl.constexpr):
+    """One program: hist[c, e] becomes the slots of expert e in chunks before c (a scan down the
+    chunks), start[e] the first row of expert e; slots is filled with the padding value and
+    block_expert written, as in _route_kernel."""
+    offs_e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        ptrs = hist_ptr + offs_c[:, None] * BLOCK_E + offs_e[None, :]
+        in_range = offs_c[:, None] < num_chunks
+        h = tl.load(ptrs, mask=in_range, other=0)
+        tl.store(ptrs, counts[None, :] + tl.cumsum(h, 0) - h, mask=in_range)
+        counts += tl.sum(h, 0)
+    counts = tl.where(offs_e < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    tl.store(start_ptr + offs_e, padded_end - padded)
+    for r in range(0, capacity, BLOCK_FILL):
+        offs_r = r + tl.arange(0, BLOCK_FILL)
+        tl.store(slots_ptr + offs_r, num_slots, mask=offs_r < capacity)
+    for b0 in range(0, capacity // BLOCK_M, BLOCK_B):
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        ended = (padded_end[None, :] <= offs_b[:, None] * BLOCK_M) & (offs_e[None, :] < num_experts)
+        e_of_b = tl.sum(ended.to(tl.int32), 1)
+        tl.store(block_expert_ptr + offs_b, tl.where(e_of_b < num_experts, e_of_b, -1),
+                 mask=offs_b < capacity // BLOCK_M)
+
+
+@triton.jit
+def _route_place_kernel(ids_ptr, hist_ptr, start_ptr, slots_ptr, num_slots, num_experts,
+                        CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Each slot of chunk c to its row: its expert's first row + the expert's slots in earlier
+    chunks + those earlier in this chunk (a stable order, as route_torch's sort)."""
+    c = tl.program_id(0)
+    offs_i = tl.arange(0, CHUNK)
+    slot = c * CHUNK + offs_i
+    ids = tl.load(ids_ptr + slot, mask=slot < num_slots, other=-1).to(tl.int32)
+    routed = (ids >= 0) & (ids < num_experts)
+    bucket = tl.where(routed, ids, num_experts)
+    earlier_same = (bucket[:, None] == bucket[None, :]) & (offs_i[None, :] < offs_i[:, None])
+    rank = tl.sum(earlier_same.to(tl.int32), 1)
+    e = tl.where(routed, bucket, 0)
+    row = tl.load(start_ptr + e) + tl.load(hist_ptr + c * BLOCK_E + e) + rank
+    tl.store(slots_ptr + row, slot, mask=routed)
+
+
+def route_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_torch in three launches over chunks of ROUTE_CHUNK slots (count, scan, place), for
+    any number of slots: the same two tensors, element for element."""
+    s = topk_ids.numel()
+    device = topk_ids.device
+    capacity = route_capacity(s, num_experts, block_m)
+    slots = torch.empty(capacity, dtype=torch.int32, device=device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    num_chunks = max(1, triton.cdiv(s, ROUTE_CHUNK))
+    block_e = triton.next_power_of_2(num_experts + 1)
+    hist = torch.empty(num_chunks, block_e, dtype=torch.int32, device=device)
+    start = torch.empty(block_e, dtype=torch.int32, device=device)
+    ids = topk_ids.contiguous()
+    _route_count_kernel[(num_chunks,)](ids, hist, s, num_experts, CHUNK=ROUTE_CHUNK, BLOCK_E=block_e)
+    _route_scan_kernel[(1,)](hist, start, slots, block_expert, s, num_experts, num_chunks, capacity, BLOCK_M=block_m,
+                             BLOCK_C=max(1, 8192 // block_e), BLOCK_E=block_e, BLOCK_B=32, BLOCK_FILL=1024,
+                             num_warps=8)
+    _route_place_kernel[(num_chunks,)](ids, hist, start, slots, s, num_experts, CHUNK=ROUTE_CHUNK, BLOCK_E=block_e)
     return slots, block_expert
 
 

@@ -105,30 +105,41 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
     return None
 
 
-def replace_with_fp8(ctx: PassContext, match: LinearMatch, param: torch.nn.Parameter, param_name: str,
-                     kind: str, target, activations: tuple[fx.Node, ...], op_kwargs: dict | None = None,
-                     detail: str = "") -> None:
-    """match.node -> target(*activations, w, bias) with the activations viewed as the matmul's
-    (M, K), behind the M dispatch. The weight's FP8 copy is made here, at compile time, into
-    the per-parameter memo the op reads; the graph keeps w, the parameter, as its input."""
-    name = module_name(param_name)
-    e8m0 = ctx.config.e8m0
-    w_fp8, _ = fp8_weight(param, match.transposed, e8m0)
-    n, k = w_fp8.shape
+def emit_fp8(ctx: PassContext, match: LinearMatch, name: str, kind: str, target, activations: tuple[fx.Node, ...],
+             op_kwargs: dict, n: int, k: int, before: fx.Node | None = None):
+    """Insert target(*activations, w, bias, **op_kwargs) before `before` (default match.node), the
+    activations viewed as the matmul's (M, K), behind the M dispatch for an (N, K) weight.
+    Returns (output node, dispatch sides), or None after recording why no dispatch could be built."""
     m = match.x.meta["val"].shape[0]
-    sides = dispatch.plan(ctx, target._schema.name.split("::")[1], param.device, n, k, m)
-    with ctx.gm.graph.inserting_before(match.node):
+    sides = dispatch.plan(ctx, target._schema.name.split("::")[1], match.weight.meta["val"].device, n, k, m)
+    with ctx.gm.graph.inserting_before(before or match.node):
         flat = [dispatch.flatten(ctx, a) for a in activations]  # unused if NoDispatch: removed as dead code
-        kwargs = {"e8m0": e8m0, "w_kn": match.transposed, **(op_kwargs or {})}
+        kwargs = {"e8m0": ctx.config.e8m0, "w_kn": match.transposed, **op_kwargs}
         try:
             out = dispatch.emit(ctx, target, (*flat, match.weight, match.bias), kwargs, m_source=flat[0],
                                 sides=sides, name=name)
         except dispatch.NoDispatch as reason:
             ctx.skipped(kind, name, str(reason), f"{n}x{k}")
-            return
+            return None
+    return out, sides
+
+
+def replace_with_fp8(ctx: PassContext, match: LinearMatch, param: torch.nn.Parameter, param_name: str,
+                     kind: str, target, activations: tuple[fx.Node, ...], op_kwargs: dict | None = None,
+                     detail: str = "") -> None:
+    """match.node -> target(*activations, w, bias) behind the M dispatch. The weight's FP8 copy is
+    made here, at compile time, into the per-parameter memo the op reads; the graph keeps w, the
+    parameter, as its input."""
+    name = module_name(param_name)
+    w_fp8, _ = fp8_weight(param, match.transposed, ctx.config.e8m0)
+    n, k = w_fp8.shape
+    emitted = emit_fp8(ctx, match, name, kind, target, activations, op_kwargs or {}, n, k)
+    if emitted is None:
+        return
+    out, sides = emitted
     match.node.replace_all_uses_with(out)
     ctx.gm.graph.erase_node(match.node)
-    ctx.rewrote(kind, name, m, n, k, [(s.label, s.kernel) for s in sides], detail)
+    ctx.rewrote(kind, name, match.x.meta["val"].shape[0], n, k, [(s.label, s.kernel) for s in sides], detail)
 
 
 def linear_replacement(ctx: PassContext, match: LinearMatch, param: torch.nn.Parameter, param_name: str) -> None:

@@ -11,8 +11,9 @@ get silently wrong:
 Either way the new weight is quantized once, at its first use. The eager module's
 parameters are only read.
 
-Two kinds of entry: a linear's weight (N, K), and a routed-experts block's stacked weights
-(E, N, K), stored in the layout the grouped kernels read (gate rows first, then up rows).
+Two kinds of entry: a linear's weight (N, K) (or two, stacked along N: gate and up as one
+GEMM), and a routed-experts block's stacked weights (E, N, K), stored in the layout the grouped
+kernels read (gate rows first, then up rows).
 """
 from __future__ import annotations
 
@@ -62,13 +63,19 @@ def _memoized(sources: tuple[torch.Tensor, ...], tag: tuple, make: Callable[[], 
     return value
 
 
-def fp8_weight(w: torch.Tensor, kn: bool = False, e8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w_fp8 (N, K), w_scale (ceil(N/128), K/128)) for a weight stored (N, K), or (K, N) if kn."""
+def fp8_weight(w: torch.Tensor, kn: bool = False, e8m0: bool = False,
+               w_next: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_fp8 (N, K), w_scale (ceil(N/128), K/128)) for a weight stored (N, K), or (K, N) if kn.
+    With w_next (same K and layout): the two weights stacked along N, w's rows first, so two
+    linears over one x run as one GEMM (passes/gate_up.py); w's N must then be a multiple of 128,
+    so that no weight block spans both."""
     def make():
-        w_nk = w.detach().t() if kn else w.detach()
-        return _quantize(w_nk.contiguous(), e8m0)
+        parts = [p.detach().t() if kn else p.detach() for p in (w, w_next) if p is not None]
+        if len(parts) > 1 and parts[0].shape[0] % 128:
+            raise ValueError(f"stacking weights along N needs whole 128-row blocks, first has N={parts[0].shape[0]}")
+        return _quantize(torch.cat(parts).contiguous() if len(parts) > 1 else parts[0].contiguous(), e8m0)
 
-    return _memoized((w,), ("linear", kn, e8m0), make)
+    return _memoized((w,) if w_next is None else (w, w_next), ("linear", kn, e8m0), make)
 
 
 # How a routed-experts block stores its gate and up projections:

@@ -1,0 +1,91 @@
+"""The gate_up fusion: gate(x) and up(x) of a gated MLP, two linears over one x, run as one FP8
+GEMM over the two weights stacked along N; the silu_mul op reads its two halves."""
+import pytest
+import torch
+from torch import nn
+
+import fp8compile
+from fp8compile import calc_diff
+from fp8compile.passes import weights
+from tests.conftest import BF16, GATED_MLP, randn
+from tests.models import FusedGateUpMLP, GatedMLP
+
+LINEAR = torch.ops.fp8compile.linear.default
+FUSED = torch.ops.fp8compile.gated_linear.default
+
+
+def compile_and_run(model, x, **options):
+    torch._dynamo.mark_dynamic(x, 1)
+    fp8 = fp8compile.backend(**options)
+    with torch.no_grad():
+        return torch.compile(model, backend=fp8)(x), fp8.report
+
+
+def test_gate_and_up_over_one_x_become_one_gemm_and_give_the_same_numbers(captured):
+    model, x = GatedMLP().to(BF16), randn(2, 37, 256)
+    merged, report = compile_and_run(model, x.clone())
+    (g,) = captured
+    (gemm,) = g.ops(LINEAR)
+    assert gemm.kwargs["w_next"] is not None and len(g.ops(FUSED)) == 1
+    assert {(r.name, r.detail) for r in report.rewrites if r.kind == "linear"} == {
+        ("gate_proj", "one GEMM with up_proj"), ("up_proj", "one GEMM with gate_proj")}
+    assert report.counts() == {"linear": 2, "silu_mul": 1, "moe": 0}  # still two linears, as the model has
+    torch._dynamo.reset()
+    separate, _ = compile_and_run(model, x.clone(), fusions=("silu_mul",))
+    # Same activation quantization, same weight blocks: the reference kernel gives the same bits.
+    assert torch.equal(merged, separate)
+    with torch.no_grad():
+        assert calc_diff(merged, model(x)) < GATED_MLP
+
+
+def test_without_the_fusion_gate_and_up_stay_two_gemms(captured):
+    compile_and_run(GatedMLP().to(BF16), randn(2, 9, 256), fusions=("silu_mul",))
+    gemms = captured[0].ops(LINEAR)
+    assert len(gemms) == 2 and all(n.kwargs.get("w_next") is None for n in gemms)
+
+
+def test_a_fused_gate_up_linear_is_one_gemm_already_and_is_left_as_it_is(captured):
+    _, report = compile_and_run(FusedGateUpMLP("chunk").to(BF16), randn(2, 9, 256))
+    (gemm,) = captured[0].ops(LINEAR)
+    assert gemm.kwargs.get("w_next") is None
+    assert [r.detail for r in report.rewrites if r.kind == "linear"] == [""]
+
+
+def gated(bias: bool, down_in: int = 512) -> nn.Module:
+    model = nn.Module()
+    model.gate, model.up = nn.Linear(256, 512, bias=bias), nn.Linear(256, 512, bias=bias)
+    model.down = nn.Linear(down_in, 256, bias=False)
+    model.forward = lambda x: model.down(torch.nn.functional.silu(model.gate(x)) * model.up(x))
+    return model.to(BF16)
+
+
+@pytest.mark.parametrize("options, why", [
+    (dict(skip=["up"]), "a linear that stays bf16 would move into FP8"),
+    ({}, "linears with biases keep one bias add each"),
+], ids=["up_skipped", "biases"])
+def test_pairs_that_cannot_share_a_gemm_stay_two(options, why, captured):
+    model = gated(bias=not options)
+    out, report = compile_and_run(model, randn(2, 9, 256), **options)
+    assert all(n.kwargs.get("w_next") is None for n in captured[0].ops(LINEAR)), why
+    assert not any(r.detail.startswith("one GEMM") for r in report.rewrites)
+    if options:
+        assert [s.name for s in report.skipped("linear")] == ["up"]
+
+
+def test_the_stacked_weight_follows_an_in_place_change_of_either_weight():
+    """The FP8 copy of gate|up is keyed by both parameters: changing up alone re-quantizes it."""
+    model = GatedMLP().to(BF16)
+    compiled = torch.compile(model, backend="fp8")
+    x = randn(8, 256)
+    with torch.no_grad():
+        before = compiled(x)
+        model.up_proj.weight.mul_(-2)
+        after = compiled(x)
+        assert calc_diff(after, model(x)) < GATED_MLP
+    assert calc_diff(after, -2 * before) < 1e-2  # up scaled by -2 scales silu(gate) * up by -2
+
+
+def test_stacking_needs_whole_weight_blocks():
+    w, w_up = randn(200, 256), randn(200, 256)
+    with pytest.raises(ValueError, match="whole 128-row blocks, first has N=200"):
+        weights.fp8_weight(w, w_next=w_up)
