@@ -40,6 +40,9 @@ class Fp8Config:
     small_m:         rows M <= small_m take the small-M (decode) kernel, chosen by torch.cond.
     large_m:         rows M > large_m take the large-M kernel (a second, nested cond);
                      0 = no third range.
+    autotune:        time the backends that serve each call site on this GPU while compiling, and
+                     split M where another kernel is faster (autotune.py), instead of the
+                     small_m / large_m ranges and the default order; linears and gated linears.
     backends:        kernel backends in preference order; None = the measured default order.
     skip:            module-name globs left in bf16, e.g. ("lm_head", "*.mlp.down_proj").
     fusions:         fusion passes to run (default: all); () runs the plain linear pass only.
@@ -52,6 +55,7 @@ class Fp8Config:
     batch_invariant: bool = False
     small_m: int = SMALL_M
     large_m: int = LARGE_M
+    autotune: bool = False
     backends: tuple[str, ...] | None = None
     skip: tuple[str, ...] = ()
     fusions: tuple[str, ...] = FUSIONS
@@ -60,7 +64,7 @@ class Fp8Config:
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
             raise ValueError(f"recipe={self.recipe!r} is not supported; valid recipes: {', '.join(RECIPES)}")
-        for name in ("e8m0", "batch_invariant"):
+        for name in ("e8m0", "batch_invariant", "autotune"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.small_m, bool) or not isinstance(self.small_m, int) or self.small_m < 0:

@@ -53,7 +53,8 @@ class Report:
         head = f"fp8compile report: {len(self.rewrites)} rewritten, {len(self.skips)} left in bf16, {self.graphs} graph(s)"
         if self.config is not None:
             c = self.config
-            head += f"\nconfig: recipe={c.recipe} e8m0={c.e8m0} batch_invariant={c.batch_invariant} small_m={c.small_m}"
+            head += (f"\nconfig: recipe={c.recipe} e8m0={c.e8m0} batch_invariant={c.batch_invariant} small_m={c.small_m} "
+                     f"large_m={c.large_m} autotune={c.autotune}")
         lines = [head]
         if self.rewrites:
             rows = [

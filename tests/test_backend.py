@@ -169,10 +169,12 @@ def test_benchmark_table_reports_speedups_of_the_compiled_linear():
     from fp8compile.bench import gemm_table
 
     rows = [dict(n=4096, k=7168, m=1, variant=v, us=t) for v, t in
-            [("bf16", 40.0), ("deep_gemm", 28.0), ("flashinfer", 20.0), ("cublas_fp8", None), ("fp8compile", 10.0)]]
+            [("bf16", 40.0), ("deep_gemm", 28.0), ("flashinfer", 20.0), ("cublas_fp8", None), ("fp8compile", 10.0),
+             ("fp8compile_tuned", 8.0)]]
     last = gemm_table(rows).splitlines()[-1].split()
     assert last[:3] == ["4096", "7168", "1"]
-    assert last[-3:] == ["4.00", "2.00", "-"]  # vs bf16, vs the best anchor (FlashInfer), no Triton GEMM row
+    # vs bf16, vs the best anchor (FlashInfer), no Triton GEMM row, the autotuned linear vs bf16
+    assert last[-4:] == ["4.00", "2.00", "-", "5.00"]
 
 
 def test_inference_mode_works_like_no_grad():

@@ -222,3 +222,21 @@ def test_moe_batch_invariant_rows_are_bitwise_independent_of_the_token_count():
     for t in (1, 2, 7, 16, 33, 128, 299):
         part = run_moe("triton", x[:t], ids[:t], weights[:t], w13, w2, batch_invariant=True)
         assert torch.equal(part, full[:t]), t
+
+
+def test_autotuned_linear_serves_every_m_in_one_graph_with_kernels_that_serve_their_ranges():
+    model = torch.nn.Linear(7168, 4096, bias=False).to(BF16).cuda()
+    fp8 = fp8compile.backend(autotune=True)
+    compiled = torch.compile(model, backend=fp8)
+    with torch.no_grad():
+        for m in (2, 128, 1000, 3000):
+            x = randn(m, 7168, device="cuda")
+            torch._dynamo.mark_dynamic(x, 0)
+            assert calc_diff(compiled(x), model(x)) < 1e-3
+    (rewrite,) = fp8.report.rewrites
+    bounds = [1] + [int(label.split("<= ")[1]) + 1 for label, _ in rewrite.kernels[:-1]]
+    assert rewrite.kernels[-1][0].startswith("M > ")
+    for (label, kernel), lo, hi in zip(rewrite.kernels, bounds, [*bounds[1:], None]):
+        request = registry.Request("linear", torch.device("cuda"), 4096, 7168, lo, None if hi is None else hi - 1)
+        assert registry.why_not(kernel, request) is None, (label, kernel)
+    assert fp8.report.graphs == 1

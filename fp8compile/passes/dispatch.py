@@ -2,8 +2,8 @@
 op with the kernel the registry chose for each range of M, so one graph compiled with dynamic M
 serves decode, mid-size batches and prefill without recompiling.
 
-Ranges: M <= small_m (decode), small_m < M <= large_m, M > large_m; three ranges are two
-nested conds. Adjacent ranges that get the same kernel merge, so a site whose ranges all get
+Ranges: M <= small_m (decode), small_m < M <= large_m, M > large_m, or, with autotune, the
+ranges where measurement found one kernel fastest (autotune.py); n ranges are n - 1 nested conds. Adjacent ranges that get the same kernel merge, so a site whose ranges all get
 one kernel (static M, batch-invariant mode, a single backend) has no cond at all.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .. import registry
+from .. import autotune, registry
 from .context import PassContext
 
 
@@ -60,6 +60,9 @@ def plan(ctx: PassContext, op: str, device: torch.device, n: int, k: int, m: Any
     reason) if a range has no kernel."""
     cfg = ctx.config
     base = registry.Request(op, device, n, k, batch_invariant=cfg.batch_invariant, e8m0=cfg.e8m0)
+    if cfg.autotune and not cfg.batch_invariant and op in autotune.TUNED_OPS and autotune.can_tune(device):
+        tuned = autotune.plan(base, cfg.backends, m if isinstance(m, int) else None)
+        return [Side(_label(lo, hi), kernel, hi) for lo, hi, kernel in tuned]
     chosen: list[tuple[int, int | None, str]] = []
     for tier, lo, hi in ranges(cfg, m):
         kernel = registry.choose(dataclasses.replace(base, m_min=lo, m_max=hi), cfg.backends, tier)
