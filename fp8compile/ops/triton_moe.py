@@ -67,6 +67,19 @@ def route_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
 
 
 @triton.jit
+def _store_block_experts(block_expert_ptr, padded_end, offs_e, num_experts, capacity, BLOCK_M: tl.constexpr,
+                         BLOCK_B: tl.constexpr):
+    """block_expert[b] = how many experts end at or before block b's first row (searchsorted
+    right over padded_end), -1 past the last expert."""
+    for b0 in range(0, capacity // BLOCK_M, BLOCK_B):
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        ended = (padded_end[None, :] <= offs_b[:, None] * BLOCK_M) & (offs_e[None, :] < num_experts)
+        e_of_b = tl.sum(ended.to(tl.int32), 1)
+        tl.store(block_expert_ptr + offs_b, tl.where(e_of_b < num_experts, e_of_b, -1),
+                 mask=offs_b < capacity // BLOCK_M)
+
+
+@triton.jit
 def _route_kernel(ids_ptr, slots_ptr, block_expert_ptr, num_slots, num_experts, capacity,
                   BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
     """route_torch in one program, for S <= BLOCK_S: a histogram, two prefix sums and one sort of
@@ -90,13 +103,7 @@ def _route_kernel(ids_ptr, slots_ptr, block_expert_ptr, num_slots, num_experts, 
         tl.store(slots_ptr + r + offs_s, num_slots, mask=r + offs_s < capacity)
     tl.debug_barrier()  # padding written before the slots land on their rows
     tl.store(slots_ptr + row, keys % BLOCK_S, mask=routed)
-    # block_expert[b] = how many experts end at or before block b's first row (searchsorted right).
-    for b0 in range(0, capacity // BLOCK_M, BLOCK_B):
-        offs_b = b0 + tl.arange(0, BLOCK_B)
-        ended = (padded_end[None, :] <= offs_b[:, None] * BLOCK_M) & (offs_e[None, :] < num_experts)
-        e_of_b = tl.sum(ended.to(tl.int32), 1)
-        tl.store(block_expert_ptr + offs_b, tl.where(e_of_b < num_experts, e_of_b, -1),
-                 mask=offs_b < capacity // BLOCK_M)
+    _store_block_experts(block_expert_ptr, padded_end, offs_e, num_experts, capacity, BLOCK_M, BLOCK_B)
 
 
 # Routing in one Triton program up to this many slots (T * k), the chunked kernels above. One
@@ -161,12 +168,7 @@ def _route_scan_kernel(hist_ptr, start_ptr, slots_ptr, block_expert_ptr, num_slo
     for r in range(0, capacity, BLOCK_FILL):
         offs_r = r + tl.arange(0, BLOCK_FILL)
         tl.store(slots_ptr + offs_r, num_slots, mask=offs_r < capacity)
-    for b0 in range(0, capacity // BLOCK_M, BLOCK_B):
-        offs_b = b0 + tl.arange(0, BLOCK_B)
-        ended = (padded_end[None, :] <= offs_b[:, None] * BLOCK_M) & (offs_e[None, :] < num_experts)
-        e_of_b = tl.sum(ended.to(tl.int32), 1)
-        tl.store(block_expert_ptr + offs_b, tl.where(e_of_b < num_experts, e_of_b, -1),
-                 mask=offs_b < capacity // BLOCK_M)
+    _store_block_experts(block_expert_ptr, padded_end, offs_e, num_experts, capacity, BLOCK_M, BLOCK_B)
 
 
 @triton.jit
