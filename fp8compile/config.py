@@ -16,10 +16,11 @@ FUSIONS = ("moe", "gate_up", "silu_mul")  # fusion passes, run in this order bef
 # 32 is where the anchors' decode kernels stop streaming weights and start being compute-bound
 # (../shared/device/README.md: DeepGEMM/FlashInfer/cuBLAS times are flat from M=1 to M=16).
 SMALL_M = 32
-# Above LARGE_M the large-M kernels take over (DeepGEMM by default): on an H200 DeepGEMM was
-# 7-12% faster than cuBLAS at M = 4096 on all five `bench gemm` shapes but up to 2.5x slower at
-# M = 1024, and for MoE blocks it beat our Triton grouped kernel at 4096 tokens and not at 1024
-# (BENCHMARKS.md). 2048 sits between the measured points.
+# Above LARGE_M the large-M kernels take over (DeepGEMM by default). `bench gemm` on an H200
+# (BENCHMARKS.md): DeepGEMM is 8-14% faster than cuBLAS at M = 4096 on all five shapes and at
+# M = 2048 on four of five, but 2.5x slower at M = 1024 for N = 4096 (and 1.15x at M = 2560:
+# no threshold avoids every cliff; autotune does). For MoE blocks it beat our Triton grouped
+# kernel at 4096 tokens and not at 1024.
 LARGE_M = 2048
 
 DEBUG_DIR_ENV = "FP8COMPILE_DEBUG_DIR"
