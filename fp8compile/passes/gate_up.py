@@ -13,6 +13,8 @@ their single-GEMM forms cost). Runs before silu_mul, which then fuses the down p
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx as fx
 
@@ -22,6 +24,7 @@ from .silu_mul import _CASTS, _VIEWS, _strip, silu_mul_pattern
 from .weights import fp8_weight
 
 aten = torch.ops.aten
+log = logging.getLogger("fp8compile")
 
 
 def _linear_under(node) -> LinearMatch | None:
@@ -67,10 +70,10 @@ def gate_up_replacement(ctx: PassContext, gate: LinearMatch, up: LinearMatch) ->
     n, k = w_fp8.shape
     order = {node: i for i, node in enumerate(ctx.gm.graph.nodes)}
     first = min(gate, up, key=lambda match: order[match.node])  # its x is defined before both
-    emitted = emit_fp8(ctx, gate, f"{gate_name}+{up_name}", "linear", torch.ops.fp8compile.linear.default,
-                       (first.x,), {"w_next": up.weight}, n, k, before=first.node)
+    emitted = emit_fp8(ctx, gate, gate_name, "linear", torch.ops.fp8compile.linear.default, (first.x,),
+                       {"w_next": up.weight}, n, k, before=first.node, record_skip=False)
     if emitted is None:
-        return
+        return  # no M dispatch here: the linear pass meets both linears and reports why
     out, sides = emitted
     half = n // 2
     with ctx.gm.graph.inserting_before(first.node):
@@ -81,13 +84,17 @@ def gate_up_replacement(ctx: PassContext, gate: LinearMatch, up: LinearMatch) ->
         ctx.gm.graph.erase_node(match.node)
     kernels = [(s.label, s.kernel) for s in sides]
     m = gate.x.meta["val"].shape[0]
-    ctx.rewrote("linear", gate_name, m, half, k, kernels, detail=f"one GEMM with {up_name}")
-    ctx.rewrote("linear", up_name, m, half, k, kernels, detail=f"one GEMM with {gate_name}")
+    for name, other in ((gate_name, up_name), (up_name, gate_name)):
+        ctx.rewrote("linear", name, m, half, k, kernels, detail=f"one GEMM with {other.rsplit('.', 1)[-1]}")
 
 
 def gate_up_pass(ctx: PassContext) -> None:
     for node in [n for n in ctx.gm.graph.nodes if n.op == "call_function" and n.target in MATMULS]:
         # gate and up precede their down projection, so the nodes a merge erases were seen already
         pair = gate_up_pattern(node)
-        if pair is not None and gate_up_extra_check(ctx, *pair) is None:
+        if pair is None:
+            continue
+        if (reason := gate_up_extra_check(ctx, *pair)) is None:
             gate_up_replacement(ctx, *pair)
+        else:
+            log.info("fp8compile: %s and %s stay two GEMMs: %s", *(m.weight.name for m in pair), reason)

@@ -106,10 +106,11 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
 
 
 def emit_fp8(ctx: PassContext, match: LinearMatch, name: str, kind: str, target, activations: tuple[fx.Node, ...],
-             op_kwargs: dict, n: int, k: int, before: fx.Node | None = None):
+             op_kwargs: dict, n: int, k: int, before: fx.Node | None = None, record_skip: bool = True):
     """Insert target(*activations, w, bias, **op_kwargs) before `before` (default match.node), the
     activations viewed as the matmul's (M, K), behind the M dispatch for an (N, K) weight.
-    Returns (output node, dispatch sides), or None after recording why no dispatch could be built."""
+    Returns (output node, dispatch sides), or None (after recording why, if record_skip) when no
+    M dispatch can be built."""
     m = match.x.meta["val"].shape[0]
     sides = dispatch.plan(ctx, target._schema.name.split("::")[1], match.weight.meta["val"].device, n, k, m)
     with ctx.gm.graph.inserting_before(before or match.node):
@@ -119,7 +120,8 @@ def emit_fp8(ctx: PassContext, match: LinearMatch, name: str, kind: str, target,
             out = dispatch.emit(ctx, target, (*flat, match.weight, match.bias), kwargs, m_source=flat[0],
                                 sides=sides, name=name)
         except dispatch.NoDispatch as reason:
-            ctx.skipped(kind, name, str(reason), f"{n}x{k}")
+            if record_skip:
+                ctx.skipped(kind, name, str(reason), f"{n}x{k}")
             return None
     return out, sides
 
