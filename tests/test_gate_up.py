@@ -89,3 +89,17 @@ def test_stacking_needs_whole_weight_blocks():
     w, w_up = randn(200, 256), randn(200, 256)
     with pytest.raises(ValueError, match="whole 128-row blocks, first has N=200"):
         weights.fp8_weight(w, w_next=w_up)
+
+
+def test_a_pair_without_an_m_dispatch_is_reported_once_per_linear(monkeypatch, probe_backend):
+    from fp8compile.passes import dispatch
+
+    def unbindable(ctx, operands):
+        raise dispatch.NoDispatch("dynamic sizes ['u0'] are not graph inputs (data-dependent?), so no torch.cond")
+
+    monkeypatch.setattr(dispatch, "_symbol_operands", unbindable)
+    # "probe" has a linear kernel only: the linears need a cond (and cannot get one), the fused
+    # down projection has one kernel for every M and needs none
+    _, report = compile_and_run(GatedMLP().to(BF16), randn(2, 40, 256), backends=["probe", "reference"])
+    assert [(r.kind, r.name) for r in report.rewrites] == [("silu_mul", "down_proj")]
+    assert sorted(s.name for s in report.skipped("linear")) == ["gate_proj", "up_proj"]  # once each
