@@ -103,3 +103,22 @@ def test_a_pair_without_an_m_dispatch_is_reported_once_per_linear(monkeypatch, p
     _, report = compile_and_run(GatedMLP().to(BF16), randn(2, 40, 256), backends=["probe", "reference"])
     assert [(r.kind, r.name) for r in report.rewrites] == [("silu_mul", "down_proj")]
     assert sorted(s.name for s in report.skipped("linear")) == ["gate_proj", "up_proj"]  # once each
+
+
+def test_the_stacked_weight_is_made_while_compiling_and_the_model_is_untouched(monkeypatch):
+    calls = []
+    real = weights._quantize
+    monkeypatch.setattr(weights, "_quantize", lambda w, e8m0: calls.append(tuple(w.shape)) or real(w, e8m0))
+    passes = fp8compile.passes.run_passes
+    monkeypatch.setattr(fp8compile.passes, "run_passes", lambda ctx: passes(ctx) or calls.append("compiled"))
+    model = GatedMLP().to(BF16)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    compiled = torch.compile(model, backend="fp8")
+    with torch.no_grad():
+        for m in (5, 40):
+            x = randn(2, m, 256)
+            torch._dynamo.mark_dynamic(x, 1)
+            compiled(x)
+    # gate|up stacked (2 x 512 rows) and down, once each, before the graph ran; one graph for both calls
+    assert sorted(calls[:2]) == [(256, 512), (1024, 256)] and calls[2:] == ["compiled"]
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())

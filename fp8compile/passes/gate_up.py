@@ -8,8 +8,9 @@ the strided halves it already takes from a fused gate_up linear.
 
 Merged: two bias-free bf16 linears over the same x whose outputs are the a and b of a silu or
 swigluoai product (silu_mul_pattern), with parameter weights stored the same way, each of which
-the linear pass would rewrite. Linears with biases stay two GEMMs (one bias add each is what
-their single-GEMM forms cost). Runs before silu_mul, which then fuses the down projection.
+the linear pass would rewrite. Linears with biases stay two GEMMs (not handled yet: the stacked
+op would need the two biases concatenated too). Runs before silu_mul, which then fuses the down
+projection.
 """
 from __future__ import annotations
 
