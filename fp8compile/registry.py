@@ -161,7 +161,6 @@ _BACKENDS: dict[str, Backend] = {
 def register(backend: Backend, *, first: bool = False) -> None:
     """Add a backend (replacing one of the same name); `first` puts it at the front of every
     default order, else it goes just before "reference", which always stays last."""
-    global DEFAULT_ORDER
     _BACKENDS[backend.name] = backend
 
     def placed(order):
@@ -171,7 +170,6 @@ def register(backend: Backend, *, first: bool = False) -> None:
 
     for tier in DEFAULT_ORDERS:
         DEFAULT_ORDERS[tier] = placed(DEFAULT_ORDERS[tier])
-    DEFAULT_ORDER = placed(DEFAULT_ORDER)
 
 
 def names() -> tuple[str, ...]:
@@ -192,11 +190,11 @@ DEFAULT_ORDERS = {
     "medium": ("cublas", "triton", "deep_gemm", "flashinfer", "reference"),
     "large": ("deep_gemm", "cublas", "triton", "flashinfer", "reference"),
 }
-DEFAULT_ORDER = DEFAULT_ORDERS["medium"]  # `backends` table, and any range not named above
 
 
 def default_order(tier: str) -> tuple[str, ...]:
-    return DEFAULT_ORDERS.get(tier, DEFAULT_ORDER)
+    """The preference order of a range of M: "small", "medium" or "large"."""
+    return DEFAULT_ORDERS[tier]
 
 
 def why_not(backend: str, request: Request) -> str | None:

@@ -88,13 +88,26 @@ def captured(monkeypatch) -> list[Captured]:
 
 
 @pytest.fixture
+def weight_quantizations(monkeypatch) -> list:
+    """The shape of every weight quantized, in order, with "compiled" appended each time the
+    passes finish on a graph: shows whether FP8 weights are made while compiling."""
+    from fp8compile.passes import weights
+
+    calls = []
+    real = weights._quantize
+    monkeypatch.setattr(weights, "_quantize", lambda w, e8m0: calls.append(tuple(w.shape)) or real(w, e8m0))
+    passes = fp8compile.passes.run_passes
+    monkeypatch.setattr(fp8compile.passes, "run_passes", lambda ctx: passes(ctx) or calls.append("compiled"))
+    return calls
+
+
+@pytest.fixture
 def probe_backend(monkeypatch):
     """Registry backends that record (op, M) per call, then run the reference: they show which
     range of the M dispatch ran. "probe" serves M <= 32 only; "mid" serves bounded ranges above
     32 only (a medium-M kernel), recording ("mid:linear", M)."""
     calls: list[tuple[str, int]] = []
     monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
-    monkeypatch.setattr(registry, "DEFAULT_ORDER", registry.DEFAULT_ORDER)
     monkeypatch.setattr(registry, "DEFAULT_ORDERS", dict(registry.DEFAULT_ORDERS))
 
     def recording(tag):

@@ -105,12 +105,8 @@ def test_a_pair_without_an_m_dispatch_is_reported_once_per_linear(monkeypatch, p
     assert sorted(s.name for s in report.skipped("linear")) == ["gate_proj", "up_proj"]  # once each
 
 
-def test_the_stacked_weight_is_made_while_compiling_and_the_model_is_untouched(monkeypatch):
-    calls = []
-    real = weights._quantize
-    monkeypatch.setattr(weights, "_quantize", lambda w, e8m0: calls.append(tuple(w.shape)) or real(w, e8m0))
-    passes = fp8compile.passes.run_passes
-    monkeypatch.setattr(fp8compile.passes, "run_passes", lambda ctx: passes(ctx) or calls.append("compiled"))
+def test_the_stacked_weight_is_made_while_compiling_and_the_model_is_untouched(weight_quantizations):
+    calls = weight_quantizations
     model = GatedMLP().to(BF16)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     compiled = torch.compile(model, backend="fp8")

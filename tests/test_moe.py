@@ -7,7 +7,6 @@ from torch import nn
 import fp8compile
 from fp8compile import calc_diff
 from fp8compile.ops import reference
-from fp8compile.passes import weights
 from tests.conftest import BF16, ONE_GEMM, randn
 from tests.models import GptFastMoE, MaskedGroupedMoE
 
@@ -172,12 +171,8 @@ def test_non_gated_experts_stay_bf16_with_the_reason():
     assert "not a gated product" in skip.reason
 
 
-def test_expert_weights_are_quantized_once_at_compile_time_and_the_model_is_untouched(monkeypatch):
-    calls = []
-    real = weights._quantize
-    monkeypatch.setattr(weights, "_quantize", lambda w, e8m0: calls.append(tuple(w.shape)) or real(w, e8m0))
-    passes = fp8compile.passes.run_passes
-    monkeypatch.setattr(fp8compile.passes, "run_passes", lambda ctx: passes(ctx) or calls.append("compiled"))
+def test_expert_weights_are_quantized_once_at_compile_time_and_the_model_is_untouched(weight_quantizations):
+    calls = weight_quantizations
     model = qwen3_moe_block("grouped_mm")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     fp8 = fp8compile.backend()

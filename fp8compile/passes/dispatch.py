@@ -3,8 +3,9 @@ op with the kernel the registry chose for each range of M, so one graph compiled
 serves decode, mid-size batches and prefill without recompiling.
 
 Ranges: M <= small_m (decode), small_m < M <= large_m, M > large_m, or, with autotune, the
-ranges where measurement found one kernel fastest (autotune.py); n ranges are n - 1 nested conds. Adjacent ranges that get the same kernel merge, so a site whose ranges all get
-one kernel (static M, batch-invariant mode, a single backend) has no cond at all.
+ranges where measurement found one kernel fastest (autotune.py); n ranges are n - 1 nested
+conds. Adjacent ranges that get the same kernel merge, so a site whose ranges all get one
+kernel (static M, batch-invariant mode, a single backend) has no cond at all.
 """
 from __future__ import annotations
 
