@@ -118,8 +118,8 @@ def bench_gemm(out_dir: Path, shapes=SHAPES, ms=MS) -> list[dict]:
                 progress.update()
             del shape
             torch.cuda.empty_cache()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_gemm.json").write_text(json.dumps(rows, indent=1))
+            out_dir.mkdir(parents=True, exist_ok=True)  # after every shape: a cut-off run keeps its rows
+            (out_dir / "bench_gemm.json").write_text(json.dumps(rows, indent=1))
     print(gemm_table(rows))
     _plot(rows, out_dir / "bench_gemm.png")
     return rows
@@ -354,9 +354,36 @@ def moe_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# Large-M candidates: (tile config, activation-scale layout). BLOCK_N divides 128 (one weight
+# scale per tile and group); 128x256 and 256x128 tiles spilled in the first sweep
+# (benchmarks/tune_h200_first.json: 235-311 TFLOP/s against 520-630).
+LARGE_M_SWEEP = [
+    (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4), "row"),
+    (dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4), "row"),
+    (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, tma=True), "row"),
+    (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=5, tma=True), "row"),
+    (dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4, tma=True), "row"),
+    (dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, tma=True), "row"),
+    (dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, tma=True), "row"),
+    (dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, tma=True), "mn_major"),
+    (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, tma=True), "mn_major"),
+    (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, tma=True, persistent=2), "row"),
+    (dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, tma=True, persistent=1), "row"),
+    (dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, tma=True, persistent=1), "row"),
+    (dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, tma=True, persistent=1), "mn_major"),
+]
+
+
+def _deep_gemm_us(x_q, w8, n: int) -> float | None:
+    import deep_gemm
+
+    out = torch.empty(x_q[0].shape[0], n, device="cuda", dtype=torch.bfloat16)
+    return _time_us([lambda q=q: deep_gemm.fp8_gemm_nt(x_q, q, out, disable_ue8m0_cast=True) for q in w8])
+
+
 def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
     """Sweep the Triton kernels' tile constants; print the best fixed choice by geometric mean."""
-    from fp8compile.ops import reference, triton_gemm, triton_quant
+    from fp8compile.ops import reference, triton_gemm, triton_quant, vendors
 
     from tqdm import tqdm
 
@@ -376,15 +403,28 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
                     results["small_m"].append(dict(n=n, k=k, m=m, block_n=block_n, ppsm=ppsm, stages=stages,
                                                    split=split, us=us, weight_tbps=us and n * k / us / 1e6))
             for m in (1024, 4096) if "large_m" in kernels else ():
-                x_fp8, x_scale = triton_quant.quant_act(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-                for bm, bn, warps, stages in ((128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4),
-                                              (128, 256, 8, 3), (256, 128, 8, 3)):
-                    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages)
-                    us = _time_us([lambda q=q: triton_gemm.gemm_large_m(x_fp8, x_scale, *q, config=cfg) for q in w8[:2]])
-                    results["large_m"].append(dict(n=n, k=k, m=m, **cfg, us=us, tflops=us and 2 * m * n * k / us / 1e6))
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                x_q = {layout: triton_quant.quant_act(x, layout=layout) for layout in ("row", "mn_major")}
+                dg = _deep_gemm_us(x_q["mn_major"], w8[:2], n) if vendors.import_error("deep_gemm") is None else None
+                first = None
+                for cfg, layout in LARGE_M_SWEEP:
+                    cfg = {"GROUP_M": 8, "tma": False, **cfg}
+                    try:  # every candidate must compute what the first one does
+                        out = triton_gemm.gemm_large_m(*x_q[layout], *w8[0], config=cfg)
+                        first = out if first is None else first
+                        agrees = fp8compile.calc_diff(out, first) < 1e-6
+                    except Exception as e:
+                        print(f"    {cfg}: failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                        agrees = False
+                    us = _time_us([lambda q=q: triton_gemm.gemm_large_m(*x_q[layout], *q, config=cfg) for q in w8[:2]])
+                    results["large_m"].append(dict(n=n, k=k, m=m, **{"persistent": 0, **cfg},
+                                                   scales=layout, agrees=agrees, us=us if agrees else None,
+                                                   tflops=us and 2 * m * n * k / us / 1e6, deep_gemm_us=dg,
+                                                   vs_deep_gemm=us and dg and dg / us))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "tune.json").write_text(json.dumps(results, indent=1))
-    for kind, keys in (("small_m", ("block_n", "ppsm", "stages")), ("large_m", ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))):
+    large_keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "tma", "persistent", "scales")
+    for kind, keys in (("small_m", ("block_n", "ppsm", "stages")), ("large_m", large_keys)):
         if not results[kind]:
             continue
         groups: dict[tuple, list] = {}
@@ -401,7 +441,8 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
                 best_each[key] = r
         for key, r in sorted(best_each.items()):
             print(f"   best for N={key[0]} K={key[1]} M={key[2]}: {tuple(r[x] for x in keys)} {r['us']:.1f} us"
-                  + (f" ({r['weight_tbps']:.2f} TB/s)" if kind == "small_m" else f" ({r['tflops']:.0f} TFLOP/s)"))
+                  + (f" ({r['weight_tbps']:.2f} TB/s)" if kind == "small_m" else
+                     f" ({r['tflops']:.0f} TFLOP/s, DeepGEMM/ours {r['vs_deep_gemm'] or 0:.2f})"))
     return results
 
 

@@ -64,14 +64,52 @@ def test_quant_act_is_bit_exact_with_the_reference(m, layout, e8m0):
         assert scale.stride() == (1, m)
 
 
+LARGE_M_LOADS = {
+    "pointer_loads": dict(tma=False),
+    "tma_loads": dict(tma=True),
+    "persistent_tma": dict(tma=True, persistent=2),  # 2 programs walk every tile
+}
+
+
 @pytest.mark.parametrize("m, n", [(1, 128), (20, 200), (70, 384)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_large_m_gemm_matches_the_reference(m, n, bias):
+@pytest.mark.parametrize("loads", LARGE_M_LOADS)
+def test_large_m_gemm_matches_the_reference(m, n, bias, loads):
+    """N = 200: TMA must fill the rows past N with zeros, M = 20 and 70 the rows past M."""
     x_fp8, x_scale = reference.quant_act_block(activation(m, 256))
     w_fp8, w_scale = reference.quant_weight_block(randn(n, 256, scale=0.02, device=DEVICE))
     b = randn(n, device=DEVICE) if bias else None
-    out = triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, b)
+    config = {**(triton_gemm.INTERPRETER_CONFIG if DEVICE == "cpu" else triton_gemm.LARGE_M_CONFIG), **LARGE_M_LOADS[loads]}
+    out = triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, b, config=config)
     assert_bf16_close(out, reference_gemm(x_fp8, x_scale, w_fp8, w_scale, b))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_tma_loads_only_while_capturing_a_cuda_graph_with_the_same_bits_as_eager_pointer_loads():
+    """Outside a graph Triton encodes the TMA descriptor on every launch (host time a decode step
+    waits on); inside one, once. Either way the kernels compute the same bits."""
+    x = randn(3, 256, device=DEVICE)
+    x_fp8, x_scale = triton_quant.quant_act(x)
+    w_fp8, w_scale = reference.quant_weight_block(randn(384, 256, scale=0.02, device=DEVICE))
+    assert not triton_gemm.tma_pays_off(x.device)
+    eager = triton_gemm.linear_small_m(x, w_fp8, w_scale), triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale)
+    torch.cuda.synchronize()
+    graph, seen = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph):
+        seen.append(triton_gemm.tma_pays_off(x.device))
+        replayed = triton_gemm.linear_small_m(x, w_fp8, w_scale), triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert seen == [True]
+    for a, b in zip(eager, replayed):
+        assert torch.equal(a, b)
+
+
+def test_large_m_gemm_refuses_a_tile_that_spans_two_weight_scale_blocks():
+    x_fp8, x_scale = reference.quant_act_block(activation(4, 256))
+    w_fp8, w_scale = reference.quant_weight_block(randn(256, 256, scale=0.02, device=DEVICE))
+    with pytest.raises(ValueError, match="must divide the 128-row weight scale block"):
+        triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, config=dict(BLOCK_M=16, BLOCK_N=256, GROUP_M=1))
 
 
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 33, 64])

@@ -1,11 +1,12 @@
 """Triton block-scaled FP8 GEMMs, twins of reference.gemm_block / reference.linear_block.
 
 Two kernels, because decode and prefill are different problems:
-- gemm_large_m: a tiled GEMM (BLOCK_M x BLOCK_N tiles, one 128-wide K group per step).
-  Each group's tensor-core dot is promoted to fp32 registers and scaled there, as DeepGEMM
-  does, so the hardware's limited FP8 accumulation precision never spans more than 128 K.
-  With a fixed config every output element sees the same instruction sequence whatever M is:
-  this is the batch-invariant kernel.
+- gemm_large_m: a tiled GEMM (BLOCK_M x BLOCK_N tiles, one 128-wide K group per step, TMA
+  loads, a persistent grid). Each group's tensor-core dot is promoted to fp32 registers and
+  scaled there, as DeepGEMM does, so the hardware's limited FP8 accumulation precision never
+  spans more than 128 K. With a fixed config every output element sees the same instruction
+  sequence whatever M is (M only changes which program computes a tile): this is the
+  batch-invariant kernel.
 - linear_small_m: decode (M <= 64) is a stream over the FP8 weight. swapAB: the weight tile is
   the MMA's M side (BLOCK_N rows), the few tokens its N side (padded to 16/32/64), and the
   activation is quantized 1x128 inside the kernel, group by group, as the weight streams by:
@@ -29,43 +30,48 @@ from .triton_quant import activation_code, load_activation, quant_act, quant_gro
 
 
 @triton.jit
-def _gemm_large_m_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, bias_ptr, c_ptr, M, N, K,
+def _tile_position(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """Grouped tile order: GROUP_M row-tiles share each weight column-tile while it is in L2."""
+    in_group = GROUP_M * num_n
+    first_m = (tile // in_group) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    return first_m + (tile % in_group) % size_m, (tile % in_group) // size_m
+
+
+@triton.jit
+def _gemm_large_m_kernel(a_ptr, a_desc, a_s_ptr, b_ptr, b_desc, b_s_ptr, bias_ptr, c_ptr, M, N, K,
                          stride_am, stride_asm, stride_asg, stride_bn, stride_bsn, stride_bsg, stride_cm,
-                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
+                         HAS_BIAS: tl.constexpr, TMA: tl.constexpr, FLATTEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    # Grouped launch order: GROUP_M row-tiles share each weight column-tile while it is in L2.
-    in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    safe_m = offs_m % M  # wrapped rows load real data and are never stored: loads need no mask
-    safe_n = offs_n % N
-    a_ptrs = a_ptr + safe_m[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + safe_n[None, :] * stride_bn + offs_k[:, None]
-    a_s_ptrs = a_s_ptr + safe_m * stride_asm
-    b_s_ptrs = b_s_ptr + (safe_n // BLOCK_K) * stride_bsn
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(0, K // BLOCK_K):
-        a = tl.load(a_ptrs)
-        b = tl.load(b_ptrs)
-        a_s = tl.load(a_s_ptrs + g * stride_asg)
-        b_s = tl.load(b_s_ptrs + g * stride_bsg)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+    # One tile per program, or, on a persistent grid, every num_programs-th tile. FLATTEN lets
+    # the pipeliner fetch the next tile's first groups while this tile's epilogue runs.
+    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = _tile_position(tile, num_m, num_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        safe_m = offs_m % M  # wrapped rows load real data and are never stored: loads need no mask
+        safe_n = offs_n % N
+        a_s_ptrs = a_s_ptr + safe_m * stride_asm
+        # BLOCK_N divides the 128-row weight block: one weight scale per (tile, group), so the
+        # promotion below is one FMA per accumulator element.
+        b_s_ptrs = b_s_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_bsn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for g in range(0, K // BLOCK_K):
+            if TMA:  # bulk tensor copies; rows past M or N arrive as zeros
+                a = a_desc.load([pid_m * BLOCK_M, g * BLOCK_K])
+                b = b_desc.load([pid_n * BLOCK_N, g * BLOCK_K])
+            else:
+                a = tl.load(a_ptr + safe_m[:, None] * stride_am + (g * BLOCK_K + offs_k)[None, :])
+                b = tl.load(b_ptr + safe_n[:, None] * stride_bn + (g * BLOCK_K + offs_k)[None, :])
+            scale = tl.load(a_s_ptrs + g * stride_asg) * tl.load(b_s_ptrs + g * stride_bsg)
+            acc += tl.dot(a, tl.trans(b)) * scale[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -123,12 +129,16 @@ def _linear_small_m_kernel(x_ptr, b_ptr, w_ptr, w_desc, w_s_ptr, bias_ptr, out_p
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Large-M tile config. BLOCK_K is the 128-wide scale group. `bench tune` on an H200
-# (BENCHMARKS.md): 64x128 tiles, 4 warps, 4 stages is the best fixed choice by geometric mean
-# over the five benchmark shapes at M = 1024 and 4096 (580-700 TFLOP/s). Overlapping the next
-# group's dot with the scaling of the previous one (two accumulators) measured 4-10x slower
-# with Triton 3.6, so the loop stays plain. Under the CPU interpreter a small tile keeps tests fast.
-LARGE_M_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
+# Large-M tile config. BLOCK_K is the 128-wide scale group. `bench tune --kernels large_m` on an
+# H200 (BENCHMARKS.md, benchmarks/tune_large_m_h200*.json), 13 candidates x 5 shapes x M = 1024,
+# 4096, DeepGEMM timed in the same run: 128x128 tiles, 8 warps, 3 stages, TMA loads, one
+# persistent program per SM is the best by geometric mean in both runs (0.66-0.70x DeepGEMM at
+# M = 4096). Before (64x128, 4 warps, pointer loads, a weight scale per column): 0.54-0.59x.
+# Half-width double accumulators, 128x256 and 256x128 tiles, and Triton's warp_specialize were
+# slower or no faster (second run). Overlapping the next group's dot with the scaling of the
+# previous one (two accumulators) measured 4-10x slower with Triton 3.6, so the loop stays plain.
+# Under the CPU interpreter a small tile keeps tests fast.
+LARGE_M_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3, persistent=1)
 INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=4)
 
 # Small-M: rows of the weight per program, and the number of programs the launcher aims for
@@ -153,21 +163,32 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bfloat16, config=None):
+def gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bfloat16, config=None, tma=None):
     """Block-scaled x_fp8 (M, K) @ w_fp8 (N, K).T (+ bias) -> (M, N) out_dtype.
 
-    x_scale (M, G) and w_scale (ceil(N/128), G) may have any strides (row- or MN-major)."""
+    x_scale (M, G) and w_scale (ceil(N/128), G) may have any strides (row- or MN-major).
+    config: tile constants (LARGE_M_CONFIG's keys, BLOCK_N dividing 128, optionally "tma");
+    tma: TMA loads (True), pointer loads (False), or tma_pays_off() (None, the default)."""
     m, k = x_fp8.shape
     n = w_fp8.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
     if m == 0:
         return out
     cfg = dict(config or (INTERPRETER_CONFIG if _interpreting(x_fp8) else LARGE_M_CONFIG))
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _gemm_large_m_kernel[grid](
-        x_fp8, x_scale, w_fp8, w_scale, bias if bias is not None else w_scale, out, m, n, k,
-        x_fp8.stride(0), x_scale.stride(0), x_scale.stride(1), w_fp8.stride(0), w_scale.stride(0), w_scale.stride(1),
-        out.stride(0), HAS_BIAS=bias is not None, BLOCK_K=BLOCK, **cfg,
+    tma = cfg.pop("tma", tma)
+    tma = (tma_pays_off(x_fp8.device) if tma is None else tma) and use_tma(x_fp8) and use_tma(w_fp8)
+    per_sm = cfg.pop("persistent", 0)
+    if BLOCK % cfg["BLOCK_N"]:
+        raise ValueError(f"BLOCK_N={cfg['BLOCK_N']} must divide the {BLOCK}-row weight scale block")
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    sms = 1 if _interpreting(x_fp8) else _num_sms(x_fp8.device.index or 0)  # the interpreter: 1 "SM"
+    programs = min(tiles, per_sm * sms) if per_sm else tiles
+    descriptors = (_descriptor(x_fp8, cfg["BLOCK_M"]), _descriptor(w_fp8, cfg["BLOCK_N"])) if tma else (x_fp8, w_fp8)
+    _gemm_large_m_kernel[(programs,)](
+        x_fp8, descriptors[0], x_scale, w_fp8, descriptors[1], w_scale, bias if bias is not None else w_scale, out,
+        m, n, k, x_fp8.stride(0), x_scale.stride(0), x_scale.stride(1), w_fp8.stride(0), w_scale.stride(0),
+        w_scale.stride(1), out.stride(0), HAS_BIAS=bias is not None, TMA=tma, FLATTEN=programs < tiles,
+        BLOCK_K=BLOCK, **cfg,
     )
     return out
 
@@ -200,17 +221,35 @@ def _arrival_counters(device: torch.device, n_tiles: int) -> torch.Tensor:
     return buf
 
 
+@functools.cache
+def _hopper_or_newer(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def use_tma(w: torch.Tensor) -> bool:
     """Whether a TMA descriptor can address w: Hopper or newer (or the interpreter), row-major,
     16-byte aligned base and row stride."""
-    hopper = not w.is_cuda or torch.cuda.get_device_capability(w.device)[0] >= 9
+    hopper = not w.is_cuda or _hopper_or_newer(w.device.index or 0)
     return hopper and w.stride(1) == 1 and (w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
 
 
-def _weight_descriptor(w: torch.Tensor, block_n: int):
+def tma_pays_off(device: torch.device) -> bool:
+    """TMA loads by default only while a CUDA graph is being captured (and in the interpreter).
+
+    Triton's launcher encodes every TMA descriptor on the host at every launch. Measured by
+    scripts/host_probe.py on an H200 machine (BENCHMARKS.md, "Host cost"): the decode kernel
+    costs 65 us of host time per call with its TMA descriptor, 46-48 without, against 9-11 us
+    of GPU time, so outside a CUDA graph a decode step waits on the host. In a graph the
+    descriptor is encoded once at capture, and TMA loads are faster on the GPU: 5.6% for the
+    decode kernel (decode probe), 13% for the large-M GEMM at M = 4096."""
+    return device.type == "cpu" or torch.cuda.is_current_stream_capturing()
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    """A TMA descriptor over row-major t (R, K) that loads (rows, 128) tiles."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor.from_tensor(w, [block_n, BLOCK])
+    return TensorDescriptor.from_tensor(t, [rows, BLOCK])
 
 
 def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block_n=None, num_stages=None,
@@ -234,9 +273,9 @@ def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     arrivals = _arrival_counters(x.device, n_tiles) if split > 1 else out
     launch = {} if interp else dict(num_warps=4, num_stages=num_stages or SMALL_M_NUM_STAGES)
-    tma = use_tma(w_fp8) if tma is None else tma
+    tma = tma_pays_off(x.device) and use_tma(w_fp8) if tma is None else tma
     _linear_small_m_kernel[(n_tiles, split)](
-        x2, b2, w_fp8, _weight_descriptor(w_fp8, block_n) if tma else w_fp8, w_scale,
+        x2, b2, w_fp8, _descriptor(w_fp8, block_n) if tma else w_fp8, w_scale,
         bias if bias is not None else w_scale, out, partial, arrivals, m, n, k,
         x2.stride(0), x2.stride(1), b2.stride(0), b2.stride(1), w_fp8.stride(0), w_scale.stride(0), w_scale.stride(1),
         out.stride(0), AMAX_EPS, FP8_MAX, alpha, limit, E8M0=e8m0, ACT=activation_code(b, activation),
