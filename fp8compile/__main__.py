@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="M values (default: gemm 1 16 32 128 1024 4096; mlp 1 16 128 4096; moe 1 16 128 1024 4096)")
     bench.add_argument("--layer", action="append", choices=["qwen3-30b-a3b", "deepseek-v3"],
                        help="MoE layers for `bench moe` (default: both)")
-    bench.add_argument("--kernels", nargs="+", default=["small_m", "large_m"], choices=["small_m", "large_m"],
+    bench.add_argument("--kernels", nargs="+", default=["small_m", "large_m"], choices=["small_m", "large_m", "tiles"],
                        help="which Triton kernels `tune` sweeps")
     args = parser.parse_args(argv)
     if args.command == "bench":

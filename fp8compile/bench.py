@@ -382,12 +382,14 @@ def _deep_gemm_us(x_q, w8, n: int) -> float | None:
 
 
 def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
-    """Sweep the Triton kernels' tile constants; print the best fixed choice by geometric mean."""
+    """Sweep the Triton kernels' tile constants; print the best fixed choice by geometric mean.
+    kernels: "small_m", "large_m", and "tiles" (the large-M GEMM's 64- against 128-row tiles by
+    M, and whether they give the same bits)."""
     from fp8compile.ops import reference, triton_gemm, triton_quant, vendors
 
     from tqdm import tqdm
 
-    results = {"small_m": [], "large_m": []}
+    results = {"small_m": [], "large_m": [], "tiles": []}
     with torch.no_grad():
         for n, k in tqdm(shapes, desc="tune"):
             r8 = _copies(n * k)
@@ -421,6 +423,16 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
                                                    scales=layout, agrees=agrees, us=us if agrees else None,
                                                    tflops=us and 2 * m * n * k / us / 1e6, deep_gemm_us=dg,
                                                    vs_deep_gemm=us and dg and dg / us))
+            for m in (64, 128, 256, 512, 1024, 2048) if "tiles" in kernels else ():
+                x_q = triton_quant.quant_act(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+                small, large = triton_gemm.SMALL_TILE_CONFIG, triton_gemm.LARGE_M_CONFIG
+                same = torch.equal(triton_gemm.gemm_large_m(*x_q, *w8[0], config=small),
+                                   triton_gemm.gemm_large_m(*x_q, *w8[0], config=large))
+                us = {name: _time_us([lambda q=q: triton_gemm.gemm_large_m(*x_q, *q, config=cfg) for q in w8[:2]])
+                      for name, cfg in (("small_tiles", small), ("large_tiles", large))}
+                results["tiles"].append(dict(n=n, k=k, m=m, same_bits=same, **us))
+                print(f"   N={n} K={k} M={m}: 64-row tiles {us['small_tiles']:.1f} us, 128-row tiles "
+                      f"{us['large_tiles']:.1f} us, same bits: {same}")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "tune.json").write_text(json.dumps(results, indent=1))
     large_keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "tma", "persistent", "scales")

@@ -1,9 +1,9 @@
-"""Device diagnostics behind the kernel tolerances (tests/test_triton_kernels.py) and the
-large-M tile notes in BENCHMARKS.md: error statistics of the small-M kernel against the fp64
-reference, and large-M tile configs. Run on the GPU: source .whl/prelude.sh && python scripts/gpu_diag.py
-(The two-accumulator "overlap" variant measured in BENCHMARKS.md was removed from the kernel.)"""
+"""Device diagnostics behind the kernel tolerances (tests/test_triton_kernels.py): error
+statistics of the small-M kernel against the fp64 reference. Run on the GPU:
+source .whl/prelude.sh && python scripts/gpu_diag.py
+(Large-M tile timings moved to `python -m fp8compile bench tune`; the two-accumulator "overlap"
+variant measured in BENCHMARKS.md was removed from the kernel.)"""
 import torch
-import triton.testing
 
 from fp8compile.ops import reference, triton_gemm, triton_quant
 
@@ -25,19 +25,3 @@ for e8m0 in (False, True):
             tq, ts = triton_quant.quant_act(x, e8m0)
             print(f"e8m0={e8m0} split={split} m={m:3d}: {err.max():.2e} {err.max() / rms:.2e} {d:.2e} {beyond:4d}"
                   f"  quant bit-exact={torch.equal(xq.view(torch.uint8), tq.view(torch.uint8)) and torch.equal(xs, ts)}")
-
-print("large-M variants (us, TFLOP/s)")
-for n, k in ((4096, 7168), (14336, 4096)):
-    w = [reference.quant_weight_block((torch.randn(n, k, device="cuda") * 0.02).bfloat16()) for _ in range(2)]
-    for m in (1024, 4096):
-        xq, xs = triton_quant.quant_act(torch.randn(m, k, device="cuda").bfloat16())
-        ref = triton_gemm.gemm_large_m(xq, xs, *w[0], config=dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4))
-        for bm, bn, warps, stages in ((64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4), (64, 256, 4, 3)):
-            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages)
-            try:
-                out = triton_gemm.gemm_large_m(xq, xs, *w[0], config=cfg)
-                same = torch.equal(out, ref)
-                ms = triton.testing.do_bench_cudagraph(lambda: [triton_gemm.gemm_large_m(xq, xs, *q, config=cfg) for q in w], rep=30) / 2
-                print(f"  N={n} K={k} M={m} {cfg}: {ms * 1000:.1f} us {2 * m * n * k / ms / 1e9:.0f} TFLOP/s equal={same}")
-            except Exception as e:
-                print(f"  {cfg}: failed {type(e).__name__}: {str(e)[:150]}")

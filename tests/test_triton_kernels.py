@@ -105,6 +105,18 @@ def test_tma_loads_only_while_capturing_a_cuda_graph_with_the_same_bits_as_eager
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_large_m_gemm_rows_keep_their_bits_across_the_tile_switch():
+    """64-row tiles up to TILE_SWITCH_M, 128-row tiles above: a row's result must not move
+    (batch invariance), so both tilings must run the same instruction sequence per element."""
+    m = triton_gemm.TILE_SWITCH_M
+    x_fp8, x_scale = triton_quant.quant_act(randn(m + 1, 1024, device=DEVICE))
+    w_fp8, w_scale = reference.quant_weight_block(randn(640, 1024, scale=0.02, device=DEVICE))
+    below = triton_gemm.gemm_large_m(x_fp8[:m], x_scale[:m], w_fp8, w_scale)
+    above = triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale)
+    assert torch.equal(below, above[:m])
+
+
 def test_large_m_gemm_refuses_a_tile_that_spans_two_weight_scale_blocks():
     x_fp8, x_scale = reference.quant_act_block(activation(4, 256))
     w_fp8, w_scale = reference.quant_weight_block(randn(256, 256, scale=0.02, device=DEVICE))

@@ -139,6 +139,13 @@ def _linear_small_m_kernel(x_ptr, b_ptr, w_ptr, w_desc, w_s_ptr, bias_ptr, out_p
 # previous one (two accumulators) measured 4-10x slower with Triton 3.6, so the loop stays plain.
 # Under the CPU interpreter a small tile keeps tests fast.
 LARGE_M_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3, persistent=1)
+# Up to TILE_SWITCH_M rows the 64-row tiles of the earlier config: 128-row tiles leave SMs
+# idle there (M = 128, N = 4096: 32 tiles for 132 SMs; 37.4 us against 29.3 us with 64-row
+# tiles, BENCHMARKS.md). Both tilings give every output element the same instruction sequence
+# (same bits, tests/test_triton_kernels.py), so the switch keeps the kernel batch-invariant.
+# `bench tune --kernels tiles` chose the threshold.
+SMALL_TILE_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
+TILE_SWITCH_M = 512
 INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=4)
 
 # Small-M: rows of the weight per program, and the number of programs the launcher aims for
@@ -174,7 +181,8 @@ def gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bflo
     out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
     if m == 0:
         return out
-    cfg = dict(config or (INTERPRETER_CONFIG if _interpreting(x_fp8) else LARGE_M_CONFIG))
+    cfg = dict(config or (INTERPRETER_CONFIG if _interpreting(x_fp8) else
+                          SMALL_TILE_CONFIG if m <= TILE_SWITCH_M else LARGE_M_CONFIG))
     tma = cfg.pop("tma", tma)
     tma = (tma_pays_off(x_fp8.device) if tma is None else tma) and use_tma(x_fp8) and use_tma(w_fp8)
     per_sm = cfg.pop("persistent", 0)
