@@ -55,22 +55,12 @@ def profile(fn, title, calls=500):
     print(f"--- {title}: {calls} calls\n" + text.getvalue()[:7000])
 
 
-def _plain_library_twin():
-    """fp8compile::linear's body registered with torch.library.Library.impl directly (no
-    custom_op wrappers), to see what the wrappers cost."""
-    lib = torch.library.Library("fp8probe", "DEF")
-    lib.define("linear(Tensor x, Tensor w, Tensor? bias, bool e8m0, str backend) -> Tensor")
-    lib.impl("linear", custom.linear._init_fn, "CUDA")
-    return lib
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--profile", action="store_true", help="also cProfile the compiled fp8 nn.Linear")
     args = parser.parse_args()
     torch.manual_seed(0)
-    lib = _plain_library_twin()  # noqa: F841 (kept alive for the run)
     n, k = 4096, 7168
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     w8 = reference.quant_weight_block(w)
@@ -106,8 +96,7 @@ def main():
                         lambda backend=backend: torch.ops.fp8compile.linear(x, w, None, False, backend))
             if m <= 16:  # the op-call layers around the same decode kernel
                 variants["op fp8compile::linear"] = lambda: torch.ops.fp8compile.linear(x, w, None, False, "triton_small_m")
-                variants["op body (no dispatcher)"] = lambda: custom.linear._init_fn(x, w, None, False, "triton_small_m")
-                variants["op via Library.impl"] = lambda: torch.ops.fp8probe.linear(x, w, None, False, "triton_small_m")
+                variants["op body (no dispatcher)"] = lambda: custom.linear(x, w, None, False, "triton_small_m")
             for name, f in compiled.items():
                 variants[f"compiled nn.Linear, {name}"] = lambda f=f: f(x)
             for name, fn in variants.items():

@@ -1,5 +1,12 @@
 """The registered FP8 ops (torch.library), each with its fake (meta) implementation below it.
 
+Each op is defined from its Python signature and registered with one kernel for every device
+(CompositeExplicitAutograd; the ops serve inference, so there is no autograd formula) through a
+plain `torch.library.Library`, not `torch.library.custom_op`: outside a CUDA graph every call
+pays its host cost, and custom_op's wrappers (autograd dispatch, Dynamo guard, alias check)
+measured 33 us per call on the H200 machine against 6 us for this registration, around a decode
+GEMM of 11 us (scripts/host_probe.py; BENCHMARKS.md, "Host cost").
+
 The real implementation of each op is the kernel of the backend the registry names in the
 op's `backend` argument; the pass fixes that choice at compile time, so the graph says which
 kernel runs. Weight quantization runs once, at compile time, and has only the reference.
@@ -13,6 +20,20 @@ from .. import registry
 from ..numerics import BLOCK, FP8_DTYPE, ceil_div
 from . import reference
 
+_LIB = torch.library.Library("fp8compile", "DEF")
+
+
+def _op(fn):
+    """Define fp8compile::<fn's name> with the schema of fn's signature; fn is its kernel."""
+    _LIB.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=()))
+    _LIB.impl(fn.__name__, fn, "CompositeExplicitAutograd")
+    return fn
+
+
+def _fake(fn):
+    """Decorator: the fake (meta) implementation of the op `fn` defines."""
+    return torch.library.register_fake(f"fp8compile::{fn.__name__}", lib=_LIB)
+
 
 def _check_linear_shapes(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None) -> None:
     n, k = w_fp8.shape
@@ -25,31 +46,31 @@ def _check_linear_shapes(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor
         torch._check(tuple(bias.shape) == (n,), lambda: f"bias shape {tuple(bias.shape)} is not ({n},)")
 
 
-@torch.library.custom_op("fp8compile::quant_act", mutates_args=())
+@_op
 def quant_act(x: Tensor, e8m0: bool = False, backend: str = "reference") -> tuple[Tensor, Tensor]:
     """x (M, K) -> x_fp8 (M, K) e4m3fn, x_scale (M, K/128) fp32 row-major; 1x128 groups."""
     return registry.implementation("quant_act", backend)(x, e8m0)
 
 
-@quant_act.register_fake
+@_fake(quant_act)
 def _(x: Tensor, e8m0: bool = False, backend: str = "reference") -> tuple[Tensor, Tensor]:
     m, k = x.shape
     return x.new_empty(m, k, dtype=FP8_DTYPE), x.new_empty(m, k // BLOCK, dtype=torch.float32)
 
 
-@torch.library.custom_op("fp8compile::quant_weight", mutates_args=())
+@_op
 def quant_weight(w: Tensor, e8m0: bool = False) -> tuple[Tensor, Tensor]:
     """w (N, K) -> w_fp8 (N, K) e4m3fn, w_scale (ceil(N/128), K/128) fp32; 128x128 blocks."""
     return reference.quant_weight_block(w, e8m0)
 
 
-@quant_weight.register_fake
+@_fake(quant_weight)
 def _(w: Tensor, e8m0: bool = False) -> tuple[Tensor, Tensor]:
     n, k = w.shape
     return w.new_empty(n, k, dtype=FP8_DTYPE), w.new_empty(ceil_div(n, BLOCK), k // BLOCK, dtype=torch.float32)
 
 
-@torch.library.custom_op("fp8compile::gemm", mutates_args=())
+@_op
 def gemm(
     x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None = None, backend: str = "reference"
 ) -> Tensor:
@@ -57,7 +78,7 @@ def gemm(
     return registry.implementation("gemm", backend)(x_fp8, x_scale, w_fp8, w_scale, bias)
 
 
-@gemm.register_fake
+@_fake(gemm)
 def _(x_fp8, x_scale, w_fp8, w_scale, bias=None, backend="reference"):
     _check_linear_shapes(x_fp8, w_fp8, w_scale, bias)
     return x_fp8.new_empty(x_fp8.shape[0], w_fp8.shape[0], dtype=torch.bfloat16)
@@ -72,7 +93,7 @@ def _weight_out_features(x: Tensor, w: Tensor, bias: Tensor | None, w_kn: bool) 
     return n
 
 
-@torch.library.custom_op("fp8compile::linear", mutates_args=())
+@_op
 def linear(
     x: Tensor, w: Tensor, bias: Tensor | None = None, e8m0: bool = False, backend: str = "reference", w_kn: bool = False,
     w_next: Tensor | None = None,
@@ -90,7 +111,7 @@ def linear(
     return registry.implementation("linear", backend)(x, w_fp8, w_scale, bias, e8m0)
 
 
-@linear.register_fake
+@_fake(linear)
 def _(x, w, bias=None, e8m0=False, backend="reference", w_kn=False, w_next=None):
     n = _weight_out_features(x, w, None, w_kn)
     if w_next is not None:
@@ -100,7 +121,7 @@ def _(x, w, bias=None, e8m0=False, backend="reference", w_kn=False, w_next=None)
     return x.new_empty(*x.shape[:-1], n)
 
 
-@torch.library.custom_op("fp8compile::gated_linear", mutates_args=())
+@_op
 def gated_linear(
     a: Tensor, b: Tensor, w: Tensor, bias: Tensor | None = None, e8m0: bool = False, backend: str = "reference",
     w_kn: bool = False, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
@@ -117,7 +138,7 @@ def gated_linear(
     return registry.implementation("gated_linear", backend)(a, b, w_fp8, w_scale, bias, e8m0, activation, alpha, limit)
 
 
-@gated_linear.register_fake
+@_fake(gated_linear)
 def _(a, b, w, bias=None, e8m0=False, backend="reference", w_kn=False, activation="silu", alpha=1.702, limit=7.0):
     torch._check(a.shape == b.shape, lambda: f"act(a, b) needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
     torch._check(activation in reference.GATED_ACTIVATIONS,
@@ -143,7 +164,7 @@ def _check_moe_args(x, topk_ids, topk_weights, w13, w2, w3, b13, w_kn, gate_up, 
                  lambda: f"expert weights {tuple(w13.shape)}, {tuple(w2.shape)} (w_kn={w_kn}) do not fit x {tuple(x.shape)}")
 
 
-@torch.library.custom_op("fp8compile::moe", mutates_args=())
+@_op
 def moe(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, w3: Tensor | None = None,
     b13: Tensor | None = None, b2: Tensor | None = None, e8m0: bool = False, backend: str = "reference",
@@ -169,7 +190,7 @@ def moe(
         activation, alpha, limit, batch_invariant)
 
 
-@moe.register_fake
+@_fake(moe)
 def _(x, topk_ids, topk_weights, w13, w2, w3=None, b13=None, b2=None, e8m0=False, backend="reference", w_kn=False,
       gate_up="concat", activation="silu", alpha=1.702, limit=7.0, batch_invariant=False):
     _check_moe_args(x, topk_ids, topk_weights, w13, w2, w3, b13, w_kn, gate_up, activation)
