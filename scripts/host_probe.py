@@ -55,10 +55,23 @@ def profile(fn, title, calls=500):
     print(f"--- {title}: {calls} calls\n" + text.getvalue()[:7000])
 
 
+def trace(fn, title, calls=50):
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    print(f"--- {title}: {calls} calls")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--profile", action="store_true", help="also cProfile the compiled fp8 nn.Linear")
+    parser.add_argument("--trace", action="store_true",
+                        help="also list the torch ops the compiled fp8 nn.Linear runs per call (torch.profiler)")
     args = parser.parse_args()
     torch.manual_seed(0)
     n, k = 4096, 7168
@@ -105,6 +118,8 @@ def main():
                 print(f"M={m:5d} {name:32s} host {r['host_us']:7.1f}  eager {r['eager_us']:7.1f}  graph {r['graph_us']:7.1f} us")
             if args.profile and m in (1, 16):
                 profile(lambda: compiled["fp8"](x), f"compiled nn.Linear, fp8, M={m}")
+            if args.trace:
+                trace(lambda: compiled["fp8"](x), f"compiled nn.Linear, fp8, M={m}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "host_probe.json").write_text(json.dumps(rows, indent=1))

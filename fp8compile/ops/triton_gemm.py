@@ -140,8 +140,8 @@ def _linear_small_m_kernel(x_ptr, b_ptr, w_ptr, w_desc, w_s_ptr, bias_ptr, out_p
 # Under the CPU interpreter a small tile keeps tests fast.
 LARGE_M_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3, persistent=1)
 # Up to TILE_SWITCH_M rows the 64-row tiles of the earlier config: 128-row tiles leave SMs
-# idle there (M = 128, N = 4096: 32 tiles for 132 SMs; 37.4 us against 29.3 us with 64-row
-# tiles, BENCHMARKS.md). Both tilings give every output element the same instruction sequence
+# idle there (M = 128, N = 4096, K = 7168: 32 tiles for 132 SMs, 37.4 us against 24.6 us with
+# 64-row tiles; 1.05-1.59x at M <= 256 on the five shapes, BENCHMARKS.md). Both tilings give every output element the same instruction sequence
 # (same bits, tests/test_triton_kernels.py), so the switch keeps the kernel batch-invariant.
 # `bench tune --kernels tiles` chose the threshold.
 SMALL_TILE_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
@@ -175,7 +175,9 @@ def gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bflo
 
     x_scale (M, G) and w_scale (ceil(N/128), G) may have any strides (row- or MN-major).
     config: tile constants (LARGE_M_CONFIG's keys, BLOCK_N dividing 128, optionally "tma");
-    tma: TMA loads (True), pointer loads (False), or tma_pays_off() (None, the default)."""
+    default: SMALL_TILE_CONFIG up to TILE_SWITCH_M rows, LARGE_M_CONFIG above.
+    tma: TMA loads (True), pointer loads (False), or, if neither it nor config says,
+    tma_pays_off()."""
     m, k = x_fp8.shape
     n = w_fp8.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
@@ -183,7 +185,8 @@ def gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bflo
         return out
     cfg = dict(config or (INTERPRETER_CONFIG if _interpreting(x_fp8) else
                           SMALL_TILE_CONFIG if m <= TILE_SWITCH_M else LARGE_M_CONFIG))
-    tma = cfg.pop("tma", tma)
+    from_config = cfg.pop("tma", None)
+    tma = from_config if tma is None else tma
     tma = (tma_pays_off(x_fp8.device) if tma is None else tma) and use_tma(x_fp8) and use_tma(w_fp8)
     per_sm = cfg.pop("persistent", 0)
     if BLOCK % cfg["BLOCK_N"]:
