@@ -157,6 +157,12 @@ INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=4)
 # scripts/decode_probe.py (M = 1, 16), geometric mean 5.5%; also the best of 24 variants there.
 SMALL_M_BLOCK_N = 128
 SMALL_M_PROGRAMS_PER_SM = 2
+# Gated (act(a, b) fused, the MLP's down projection): every weight tile also costs two activation
+# loads, the activation and the quantization of its group; 256-row tiles, one program per SM,
+# halve that per weight byte. scripts/decode_tiles_probe.py on an H200: 1.02-1.29x faster than
+# (128, 2) at all 14 gated points (7 shapes, M = 1 and 16), 0.90-1.00x on the plain ones.
+SMALL_M_GATED_BLOCK_N = 256
+SMALL_M_GATED_PROGRAMS_PER_SM = 1
 SMALL_M_NUM_STAGES = 3
 SMALL_M_MAX = 64  # the kernel pads M to 16, 32 or 64 rows
 
@@ -211,12 +217,13 @@ def linear_large_m(x, w_fp8, w_scale, bias=None, e8m0=False):
     return gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype).reshape(*x.shape[:-1], w_fp8.shape[0])
 
 
-def small_m_split(n: int, k: int, device: torch.device, block_n: int = SMALL_M_BLOCK_N) -> int:
+def small_m_split(n: int, k: int, device: torch.device, block_n: int = SMALL_M_BLOCK_N,
+                  programs_per_sm: int = SMALL_M_PROGRAMS_PER_SM) -> int:
     """Split-K factor: enough programs to keep every SM streaming, never more splits than groups."""
     if device.type != "cuda":
         return 2  # exercise the split path under the interpreter
     n_blocks = triton.cdiv(n, block_n)
-    target = SMALL_M_PROGRAMS_PER_SM * _num_sms(device.index or 0)
+    target = programs_per_sm * _num_sms(device.index or 0)
     return max(1, min(k // BLOCK, round(target / n_blocks)))
 
 
@@ -278,8 +285,10 @@ def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block
         return out.reshape(*x.shape[:-1], n)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     interp = _interpreting(x2)
-    block_n = block_n or (32 if interp else SMALL_M_BLOCK_N)
-    split = split_k or small_m_split(n, k, x2.device, block_n)
+    gated = b is not None
+    block_n = block_n or (32 if interp else SMALL_M_GATED_BLOCK_N if gated else SMALL_M_BLOCK_N)
+    split = split_k or small_m_split(n, k, x2.device, block_n,
+                                     SMALL_M_GATED_PROGRAMS_PER_SM if gated else SMALL_M_PROGRAMS_PER_SM)
     n_tiles = triton.cdiv(n, block_n)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     arrivals = _arrival_counters(x.device, n_tiles) if split > 1 else out
