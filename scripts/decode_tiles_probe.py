@@ -5,21 +5,25 @@ quantizes it for every weight tile; 256-row weight tiles halve that work per wei
 Behind SMALL_M_GATED_* in fp8compile/ops/triton_gemm.py. Run on the GPU:
 source .whl/prelude.sh && python scripts/decode_tiles_probe.py
 """
-import math, torch
+import torch
+
 from fp8compile import bench
 from fp8compile.ops import reference, triton_gemm
+
 torch.manual_seed(0)
-sms = torch.cuda.get_device_properties(0).multi_processor_count
-rows = []
+device = torch.device("cuda")
 with torch.no_grad():
     for n, k in bench.SHAPES + [(3584, 18944), (28672, 4096)]:
-        w8 = [reference.quant_weight_block(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02) for _ in range(bench._copies(n * k))]
+        w8 = [reference.quant_weight_block(torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02)
+              for _ in range(bench._copies(n * k))]
         for gated in (False, True):
             for m in (1, 16):
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                b = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) if gated else None
+                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                b = torch.randn(m, k, device=device, dtype=torch.bfloat16) if gated else None
                 t = {}
-                for block_n, ppsm in ((128, 2), (256, 1)):
-                    split = max(1, min(k // 128, round(ppsm * sms / math.ceil(n / block_n))))
-                    t[block_n] = bench._time_us([lambda q=q: triton_gemm.linear_small_m(x, *q, b=b, split_k=split, block_n=block_n) for q in w8])
-                print(f"N={n:6d} K={k:6d} gated={gated:d} M={m:2d}: 128/2 {t[128]:6.1f} us  256/1 {t[256]:6.1f} us  gain {t[128] / t[256]:.3f}")
+                for block_n, per_sm in ((128, 2), (256, 1)):
+                    split = triton_gemm.small_m_split(n, k, device, block_n, per_sm)
+                    t[block_n] = bench._time_us([lambda q=q: triton_gemm.linear_small_m(x, *q, b=b, split_k=split,
+                                                                                        block_n=block_n) for q in w8])
+                print(f"N={n:6d} K={k:6d} gated={gated:d} M={m:2d}: 128/2 {t[128]:6.1f} us  256/1 {t[256]:6.1f} us"
+                      f"  gain {t[128] / t[256]:.3f}")
