@@ -88,16 +88,22 @@ def test_large_m_gemm_matches_the_reference(m, n, bias, loads):
 def test_tma_loads_only_while_capturing_a_cuda_graph_with_the_same_bits_as_eager_pointer_loads():
     """Outside a graph Triton encodes the TMA descriptor on every launch (host time a decode step
     waits on); inside one, once. Either way the kernels compute the same bits."""
-    x = randn(3, 256, device=DEVICE)
-    x_fp8, x_scale = triton_quant.quant_act(x)
+    x, b = randn(3, 256, device=DEVICE), randn(3, 256, device=DEVICE)
+    x_fp8, x_scale = triton_quant.quant_act(randn(600, 256, device=DEVICE))  # past TILE_SWITCH_M: 128-row tiles
     w_fp8, w_scale = reference.quant_weight_block(randn(384, 256, scale=0.02, device=DEVICE))
+
+    def kernels():
+        return (triton_gemm.linear_small_m(x, w_fp8, w_scale), triton_gemm.gated_linear_small_m(x, b, w_fp8, w_scale),
+                triton_gemm.gemm_large_m(x_fp8[:3], x_scale[:3], w_fp8, w_scale),
+                triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale))
+
     assert not triton_gemm.tma_pays_off(x.device)
-    eager = triton_gemm.linear_small_m(x, w_fp8, w_scale), triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale)
+    eager = kernels()
     torch.cuda.synchronize()
     graph, seen = torch.cuda.CUDAGraph(), []
     with torch.cuda.graph(graph):
         seen.append(triton_gemm.tma_pays_off(x.device))
-        replayed = triton_gemm.linear_small_m(x, w_fp8, w_scale), triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale)
+        replayed = kernels()
     graph.replay()
     torch.cuda.synchronize()
     assert seen == [True]
