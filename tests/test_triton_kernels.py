@@ -180,6 +180,59 @@ def test_split_k_reduction_is_deterministic_and_leaves_its_counters_at_zero():
     assert int(triton_gemm._ARRIVALS[x.device].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("m", [1, 17])
+def test_split_k_with_a_short_and_an_empty_split_matches_the_reference(m):
+    """Split-K 3 over 4 groups: splits of 2, 2 and 0 groups; the empty one publishes zeros.
+    A lost or garbage split lands at calc_diff 1e-1 or worse. The bound is looser than
+    assert_bf16_close's: with one row of 200 outputs, a single bf16 rounding flip (the tensor
+    cores' short FP8 accumulators against an exact fp64 sum) weighs 1e-6 (measured 1.4e-6)."""
+    x = activation(m, 512)
+    w_fp8, w_scale = reference.quant_weight_block(randn(200, 512, scale=0.02, device=DEVICE))
+    out = triton_gemm.linear_small_m(x, w_fp8, w_scale, split_k=3)
+    assert calc_diff(out, reference_linear(x, w_fp8, w_scale, None)) < 1e-5
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 16, 32])
+def test_dependent_launches_see_their_predecessors_output(m, monkeypatch):
+    """With PDL a decode kernel starts while the previous one drains and may only touch the
+    weight before gdc_wait. A chain of gated MLPs, each kernel reading what the one before
+    wrote, must give the bits of plain launches, eagerly and replayed from a CUDA graph."""
+    if not triton_gemm.pdl_supported(torch.device(DEVICE)):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    monkeypatch.setattr(triton_gemm, "USE_PDL", True)  # the default; a test must not depend on it
+    layers = [(reference.quant_weight_block(randn(2 * 1536, 512, scale=0.02, device=DEVICE)),
+               reference.quant_weight_block(randn(512, 1536, scale=0.02, device=DEVICE))) for _ in range(6)]
+
+    def chain(x, pdl, prefetch=triton_gemm.SMALL_M_PDL_PREFETCH):
+        for w13, w2 in layers:
+            a, b = triton_gemm.linear_small_m(x, *w13, pdl=pdl, prefetch=prefetch).chunk(2, dim=-1)
+            x = triton_gemm.linear_small_m(a, *w2, b=b, pdl=pdl, prefetch=prefetch)
+        return x
+
+    x = randn(m, 512, device=DEVICE)
+    want = chain(x, pdl=False)
+    assert torch.equal(chain(x, pdl=True), want)
+    assert torch.equal(chain(x, pdl=None), want)  # USE_PDL's default: the gated kernels launched as dependents
+    assert torch.equal(chain(x, pdl=True, prefetch=1), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = chain(x, pdl=True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, want)
+
+
+def test_dependent_launch_is_refused_where_there_is_no_grid_dependency_control():
+    if triton_gemm.pdl_supported(torch.device(DEVICE)):
+        pytest.skip("this device has griddepcontrol")
+    w_fp8, w_scale = reference.quant_weight_block(randn(128, 128, device=DEVICE))
+    assert not triton_gemm.pdl_supported(torch.device("cpu"))
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        triton_gemm.linear_small_m(randn(1, 128, device=DEVICE), w_fp8, w_scale, pdl=True)
+
+
 def test_small_m_kernel_refuses_large_m():
     w_fp8, w_scale = reference.quant_weight_block(randn(128, 128, device=DEVICE))
     with pytest.raises(ValueError, match="serves M <= 64"):

@@ -10,8 +10,9 @@ Two kernels, because decode and prefill are different problems:
 - linear_small_m: decode (M <= 64) is a stream over the FP8 weight. swapAB: the weight tile is
   the MMA's M side (BLOCK_N rows), the few tokens its N side (padded to 16/32/64), and the
   activation is quantized 1x128 inside the kernel, group by group, as the weight streams by:
-  one launch, no bf16 or FP8 activation round trip through memory. Weight tiles come through
-  TMA descriptors (bulk copies) where the weight allows. Split-K spreads a short N
+  one launch, no bf16 or FP8 activation round trip through memory. Weight tiles (and a plain
+  linear's activation tiles) come through TMA descriptors (bulk copies) inside CUDA graphs,
+  where the tensors allow. Split-K spreads a short N
   over the SMs; each split writes fp32 partials and the last to arrive at an N tile (an atomic
   counter) sums them in split order and writes bf16: still one launch, and deterministic.
 
@@ -75,10 +76,20 @@ def _gemm_large_m_kernel(a_ptr, a_desc, a_s_ptr, b_ptr, b_desc, b_s_ptr, bias_pt
 
 
 @triton.jit
-def _linear_small_m_kernel(x_ptr, b_ptr, w_ptr, w_desc, w_s_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, M, N, K,
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at ptrs (no registers filled, nothing waited on)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _linear_small_m_kernel(x_ptr, x_desc, b_ptr, w_ptr, w_desc, w_s_ptr, bias_ptr, out_ptr, partial_ptr,
+                           arrivals_ptr, M, N, K,
                            stride_xm, stride_xk, stride_bm, stride_bk, stride_wn, stride_wsn, stride_wsg, stride_om,
                            eps, fp8_max, alpha, limit, E8M0: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           TMA: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+                           TMA: tl.constexpr, ACT_TMA: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
+                           PREFETCH: tl.constexpr,
+                           SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     groups = K // GROUP
@@ -90,13 +101,28 @@ def _linear_small_m_kernel(x_ptr, b_ptr, w_ptr, w_desc, w_s_ptr, bias_ptr, out_p
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, GROUP)
     safe_n = offs_n % N
+    if PDL:
+        # Launched while the previous kernel still runs (programmatic dependent launch). Only
+        # the weight, which no kernel writes, may be touched before gdc_wait: pull this
+        # program's first PREFETCH groups into L2 so the stream starts at speed. Everything else
+        # (x, b, the split-K buffers, out) waits for the previous kernel to finish and flush.
+        ahead = tl.minimum(g0 + tl.arange(0, PREFETCH), groups - 1)
+        _prefetch_l2(w_ptr + safe_n[:, None] * stride_wn + (ahead * GROUP)[None, :])
+        tl.extra.cuda.gdc_wait()
+    if TRIGGER:
+        # A next kernel launched as a dependent may start now (after our own wait, so at most
+        # one kernel runs ahead); one launched plainly still waits for us to finish.
+        tl.extra.cuda.gdc_launch_dependents()
     w_ptrs = w_ptr + safe_n[:, None] * stride_wn + (g0 * GROUP + offs_k)[None, :]
     w_s_ptrs = w_s_ptr + (safe_n // GROUP) * stride_wsn
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # swapAB: out^T tile
     for g in range(g0, g1):
-        x = load_activation(x_ptr, b_ptr, offs_m, g * GROUP + offs_k, stride_xm, stride_xk, stride_bm, stride_bk,
-                            offs_m[:, None] < M, alpha, limit, ACT)
+        if ACT_TMA:  # plain x only: pipelined with the weight tiles; rows past M arrive as zeros
+            x = x_desc.load([0, g * GROUP]).to(tl.float32)
+        else:
+            x = load_activation(x_ptr, b_ptr, offs_m, g * GROUP + offs_k, stride_xm, stride_xk, stride_bm, stride_bk,
+                                offs_m[:, None] < M, alpha, limit, ACT)
         x_fp8, x_s = quant_group(x, eps, fp8_max, E8M0)  # padding rows: zeros, finite scale
         if TMA:  # bulk tensor copy; rows past N arrive as zeros
             w = w_desc.load([pid_n * BLOCK_N, g * GROUP])
@@ -117,7 +143,7 @@ def _linear_small_m_kernel(x_ptr, b_ptr, w_ptr, w_desc, w_s_ptr, bias_ptr, out_p
         arrived = tl.atomic_add(arrivals_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in range(SPLIT_K):
+            for s in tl.static_range(SPLIT_K):  # unrolled: the loads fly together, the sum keeps split order
                 acc += tl.load(partial_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + safe_n).to(tl.float32)[:, None]
@@ -165,6 +191,22 @@ SMALL_M_GATED_BLOCK_N = 256
 SMALL_M_GATED_PROGRAMS_PER_SM = 1
 SMALL_M_NUM_STAGES = 3
 SMALL_M_MAX = 64  # the kernel pads M to 16, 32 or 64 rows
+# Programmatic dependent launch (PDL, Hopper and newer). Every decode kernel lets the next kernel
+# launch as soon as it starts (after its own wait), and the gated kernel (the MLP's down
+# projection after the gate|up GEMM) is launched as a dependent: it starts while its predecessor
+# drains, pulls its first SMALL_M_PDL_PREFETCH weight groups into L2, then waits.
+# scripts/decode_options_probe.py on an H200 (BENCHMARKS.md), two runs: the MLP's gate|up + down
+# pair 1.01-1.02x at M <= 16 (1.00x at 32), gated kernels back to back 0.98-1.10x; prefetching
+# 4 groups gains less on the pair (0.98-1.01x). Plain kernels stay plain launches: launched as
+# dependents they lost up to 20%. USE_PDL = False turns all of it off.
+USE_PDL = True
+SMALL_M_PDL_PREFETCH = 1
+# With TMA weight loads (in a CUDA graph), a plain kernel's activation tiles come through TMA
+# too, so the pipeliner fetches them stages ahead with the weight instead of at the start of each
+# group. Same probe: 1.00-1.08x at M = 32 (>= 1.02x on four of seven shapes; the MLP pair
+# 1.03x), 0.99-1.01x at M <= 16. Gated kernels (two activation tiles, act() in registers)
+# measured 0.93-1.01x with TMA activation tiles and keep plain loads.
+ACT_TMA = True
 
 
 def _interpreting(t: torch.Tensor) -> bool:
@@ -251,6 +293,17 @@ def use_tma(w: torch.Tensor) -> bool:
     return hopper and w.stride(1) == 1 and (w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or newer: griddepcontrol is sm_90+, and the CPU
+    interpreter has no grid dependencies to control."""
+    return device.type == "cuda" and _hopper_or_newer(device.index or 0)
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Whether the decode kernels use programmatic dependent launch by default: USE_PDL, where supported."""
+    return USE_PDL and pdl_supported(device)
+
+
 def tma_pays_off(device: torch.device) -> bool:
     """TMA loads by default only while a CUDA graph is being captured (and in the interpreter).
 
@@ -271,9 +324,12 @@ def _descriptor(t: torch.Tensor, rows: int):
 
 
 def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block_n=None, num_stages=None,
-                   b=None, activation="silu", alpha=1.702, limit=7.0, tma=None):
+                   b=None, activation="silu", alpha=1.702, limit=7.0, tma=None, pdl=None, prefetch=SMALL_M_PDL_PREFETCH):
     """Fused 1x128 activation quantization + block-scaled GEMM for M <= 64, in one launch:
-    bf16 x (..., K) -> bf16 (..., N). With b (same shape as x) the activation is act(x, b)."""
+    bf16 x (..., K) -> bf16 (..., N). With b (same shape as x) the activation is act(x, b).
+    tma, pdl: force TMA weight loads / a dependent launch on or off (default: tma_pays_off(),
+    and a dependent launch for gated kernels where pdl_available()); prefetch: weight groups
+    a dependent launch pulls into L2 before it waits."""
     x2 = x.reshape(-1, x.shape[-1])
     m, k = x2.shape
     n = w_fp8.shape[0]
@@ -294,12 +350,20 @@ def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block
     arrivals = _arrival_counters(x.device, n_tiles) if split > 1 else out
     launch = {} if interp else dict(num_warps=4, num_stages=num_stages or SMALL_M_NUM_STAGES)
     tma = tma_pays_off(x.device) and use_tma(w_fp8) if tma is None else tma
+    trigger = pdl_available(x.device)
+    pdl = trigger and gated if pdl is None else pdl
+    if pdl:
+        if not pdl_supported(x.device):
+            raise ValueError("programmatic dependent launch needs a CUDA GPU of compute capability 9.0 or newer")
+        launch["launch_pdl"] = True
+    act_tma = tma and ACT_TMA and not gated and use_tma(x2)
     _linear_small_m_kernel[(n_tiles, split)](
-        x2, b2, w_fp8, _descriptor(w_fp8, block_n) if tma else w_fp8, w_scale,
+        x2, _descriptor(x2, block_m) if act_tma else x2, b2, w_fp8, _descriptor(w_fp8, block_n) if tma else w_fp8, w_scale,
         bias if bias is not None else w_scale, out, partial, arrivals, m, n, k,
         x2.stride(0), x2.stride(1), b2.stride(0), b2.stride(1), w_fp8.stride(0), w_scale.stride(0), w_scale.stride(1),
         out.stride(0), AMAX_EPS, FP8_MAX, alpha, limit, E8M0=e8m0, ACT=activation_code(b, activation),
-        HAS_BIAS=bias is not None, TMA=tma, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=BLOCK, **launch,
+        HAS_BIAS=bias is not None, TMA=tma, ACT_TMA=act_tma, PDL=pdl, TRIGGER=trigger or pdl, PREFETCH=prefetch, SPLIT_K=split,
+        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=BLOCK, **launch,
     )
     return out.reshape(*x.shape[:-1], n)
 
