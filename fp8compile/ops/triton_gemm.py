@@ -353,6 +353,8 @@ def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block
     trigger = pdl_available(x.device)
     pdl = trigger and gated if pdl is None else pdl
     if pdl:
+        if prefetch < 1 or prefetch & (prefetch - 1):
+            raise ValueError(f"prefetch must be a power of two >= 1 (weight groups per program), got {prefetch}")
         if not pdl_supported(x.device):
             raise ValueError("programmatic dependent launch needs a CUDA GPU of compute capability 9.0 or newer")
         launch["launch_pdl"] = True
