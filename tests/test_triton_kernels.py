@@ -214,7 +214,7 @@ def test_dependent_launches_see_their_predecessors_output(m, monkeypatch):
     want = chain(x, pdl=False)
     assert torch.equal(chain(x, pdl=True), want)
     assert torch.equal(chain(x, pdl=None), want)  # USE_PDL's default: the gated kernels launched as dependents
-    assert torch.equal(chain(x, pdl=True, prefetch=1), want)
+    assert torch.equal(chain(x, pdl=True, prefetch=4), want)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = chain(x, pdl=True)
@@ -231,6 +231,12 @@ def test_dependent_launch_is_refused_where_there_is_no_grid_dependency_control()
     assert not triton_gemm.pdl_supported(torch.device("cpu"))
     with pytest.raises(ValueError, match="compute capability 9.0"):
         triton_gemm.linear_small_m(randn(1, 128, device=DEVICE), w_fp8, w_scale, pdl=True)
+
+
+def test_dependent_launch_refuses_a_prefetch_depth_that_is_not_a_power_of_two():
+    w_fp8, w_scale = reference.quant_weight_block(randn(128, 128, device=DEVICE))
+    with pytest.raises(ValueError, match="power of two"):
+        triton_gemm.linear_small_m(randn(1, 128, device=DEVICE), w_fp8, w_scale, pdl=True, prefetch=3)
 
 
 def test_small_m_kernel_refuses_large_m():

@@ -118,7 +118,8 @@ def _linear_small_m_kernel(x_ptr, x_desc, b_ptr, w_ptr, w_desc, w_s_ptr, bias_pt
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # swapAB: out^T tile
     for g in range(g0, g1):
-        if ACT_TMA:  # plain x only: pipelined with the weight tiles; rows past M arrive as zeros
+        if ACT_TMA:  # pipelined with the weight tiles; rows past M arrive as zeros
+            tl.static_assert(ACT == 0, "TMA activation tiles serve plain linears only")
             x = x_desc.load([0, g * GROUP]).to(tl.float32)
         else:
             x = load_activation(x_ptr, b_ptr, offs_m, g * GROUP + offs_k, stride_xm, stride_xk, stride_bm, stride_bk,
@@ -198,7 +199,7 @@ SMALL_M_MAX = 64  # the kernel pads M to 16, 32 or 64 rows
 # scripts/decode_options_probe.py on an H200 (BENCHMARKS.md), two runs: the MLP's gate|up + down
 # pair 1.01-1.02x at M <= 16 (1.00x at 32), gated kernels back to back 0.98-1.10x; prefetching
 # 4 groups gains less on the pair (0.98-1.01x). Plain kernels stay plain launches: launched as
-# dependents they lost up to 20%. USE_PDL = False turns all of it off.
+# dependents they measured 0.78-1.02x. USE_PDL = False turns all of it off.
 USE_PDL = True
 SMALL_M_PDL_PREFETCH = 1
 # With TMA weight loads (in a CUDA graph), a plain kernel's activation tiles come through TMA
