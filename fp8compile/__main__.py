@@ -21,6 +21,10 @@ def _backends(args) -> int:
     for name in order:
         why = registry.why_not(name, request)
         state = "CHOSEN" if name == chosen else "usable" if why is None else "not used: " + why
+        if name == "triton" and why is None and device.type == "cuda":
+            from .ops.triton_gemm import large_m_kernel
+
+            state += f" ({large_m_kernel(args.m, args.n, device)})"
         print(f"  {name:<15} {state}")
     return 0
 
@@ -42,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--out", default=None, help="folder for JSON and PNG (default: $OUT or ./bench_out)")
     bench.add_argument("-m", type=int, action="append",
                        help="M values (default: gemm 1 16 32 128 1024 4096; mlp 1 16 128 4096; moe 1 16 128 1024 4096)")
+    bench.add_argument("--skip", action="append", help="`bench gemm`: leave this variant out (e.g. fp8compile_tuned)")
     bench.add_argument("--layer", action="append", choices=["qwen3-30b-a3b", "deepseek-v3"],
                        help="MoE layers for `bench moe` (default: both)")
     bench.add_argument("--kernels", nargs="+", default=["small_m", "large_m"], choices=["small_m", "large_m", "tiles"],

@@ -101,7 +101,8 @@ class _Shape:
         return v
 
 
-def bench_gemm(out_dir: Path, shapes=SHAPES, ms=MS) -> list[dict]:
+def bench_gemm(out_dir: Path, shapes=SHAPES, ms=MS, skip=()) -> list[dict]:
+    """skip: variant names to leave out (fp8compile_tuned alone times ~100 kernels per shape)."""
     from tqdm import tqdm
 
     rows = []
@@ -111,6 +112,8 @@ def bench_gemm(out_dir: Path, shapes=SHAPES, ms=MS) -> list[dict]:
             shape = _Shape(n, k)
             for m in ms:
                 for name, fns in shape.variants(m).items():
+                    if name in skip:
+                        continue
                     us = _time_us(fns)
                     rows.append(dict(device=device, n=n, k=k, m=m, variant=name, us=us,
                                      tflops=None if us is None else 2 * m * n * k / us / 1e6,
@@ -464,7 +467,7 @@ def main(args) -> int:
     out = Path(args.out or os.environ.get("OUT", "bench_out"))
     start = time.time()
     if args.what == "gemm":
-        bench_gemm(out, ms=args.m or MS)
+        bench_gemm(out, ms=args.m or MS, skip=args.skip or ())
     elif args.what == "mlp":
         bench_mlp(out, ms=args.m or MLP_MS)
     elif args.what == "moe":

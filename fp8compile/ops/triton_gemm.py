@@ -208,6 +208,10 @@ SMALL_M_PDL_PREFETCH = 1
 # 1.03x), 0.99-1.01x at M <= 16. Gated kernels (two activation tiles, act() in registers)
 # measured 0.93-1.01x with TMA activation tiles and keep plain loads.
 ACT_TMA = True
+# Above TILE_SWITCH_M rows on sm_90, gemm_large_m runs the warp-specialized Gluon kernel
+# (gluon_gemm.py): 0.82-0.94x DeepGEMM at M = 4096 against this kernel's 0.67-0.69x, and the same
+# bits (scripts/gluon_probe.py, BENCHMARKS.md). False keeps this file's kernel everywhere.
+USE_GLUON = True
 
 
 def _interpreting(t: torch.Tensor) -> bool:
@@ -226,9 +230,13 @@ def gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bflo
     config: tile constants (LARGE_M_CONFIG's keys, BLOCK_N dividing 128, optionally "tma");
     default: SMALL_TILE_CONFIG up to TILE_SWITCH_M rows, LARGE_M_CONFIG above.
     tma: TMA loads (True), pointer loads (False), or, if neither it nor config says,
-    tma_pays_off()."""
+    tma_pays_off(). With neither config nor tma given, M > TILE_SWITCH_M on Hopper runs
+    gluon_gemm.gemm (warp-specialized, 1.2-1.3x this kernel; the same bits)."""
     m, k = x_fp8.shape
     n = w_fp8.shape[0]
+    if config is None and tma is None and m > TILE_SWITCH_M and _gluon_runs(x_fp8, w_fp8, out_dtype):
+        from . import gluon_gemm
+        return gluon_gemm.gemm(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
     out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
     if m == 0:
         return out
@@ -251,6 +259,25 @@ def gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bflo
         BLOCK_K=BLOCK, **cfg,
     )
     return out
+
+
+def _gluon_runs(x_fp8, w_fp8, out_dtype) -> bool:
+    """Whether gemm_large_m hands these operands to the Gluon kernel (USE_GLUON and it can run)."""
+    if not USE_GLUON or x_fp8.device.type != "cuda":
+        return False
+    from . import gluon_gemm
+    return gluon_gemm.why_not(x_fp8, w_fp8, out_dtype) is None
+
+
+def large_m_kernel(m: int, n: int, device: torch.device) -> str:
+    """Which kernel gemm_large_m runs for M rows and N outputs (`python -m fp8compile backends`)."""
+    if m > TILE_SWITCH_M and USE_GLUON and device.type == "cuda" and n % 8 == 0:
+        from . import gluon_gemm
+        if gluon_gemm.IMPORT_ERROR is None and torch.cuda.get_device_capability(device)[0] == 9:
+            cfg = gluon_gemm.pick_config(m, n, _num_sms(device.index or 0))
+            return f"Gluon warp-specialized GEMM, {cfg['BLOCK_M']}x{cfg['BLOCK_N']} tiles"
+    cfg = SMALL_TILE_CONFIG if m <= TILE_SWITCH_M else LARGE_M_CONFIG
+    return f"Triton GEMM, {cfg['BLOCK_M']}x{cfg['BLOCK_N']} tiles"
 
 
 def linear_large_m(x, w_fp8, w_scale, bias=None, e8m0=False):

@@ -1,0 +1,123 @@
+"""The warp-specialized Gluon GEMM (fp8compile/ops/gluon_gemm.py): compiled for Hopper on any
+machine (Gluon has no interpreter), run against the reference and the Triton kernel on a GPU."""
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from fp8compile.ops import gluon_gemm, reference, triton_gemm, triton_quant  # noqa: E402
+from tests.conftest import DEVICE, randn  # noqa: E402
+from tests.test_triton_kernels import assert_bf16_close, reference_gemm  # noqa: E402
+
+ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
+needs_gluon = pytest.mark.skipif(gluon_gemm.IMPORT_ERROR is not None, reason=str(gluon_gemm.IMPORT_ERROR))
+needs_hopper = pytest.mark.skipif(not ON_HOPPER or gluon_gemm.IMPORT_ERROR is not None,
+                                  reason="needs an sm_90 GPU and Gluon")
+CONFIGS = {"overlapped_128_rows": gluon_gemm.CONFIG, "tall_192_rows": gluon_gemm.TALL_CONFIG}
+
+
+@needs_gluon
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_kernel_compiles_for_hopper_without_spills_or_serialized_wgmma(config):
+    """ptxas keeps the kernel in registers and lets the wgmmas run asynchronously. It serializes
+    them (warning C7514/C7515) when anything but a wgmma touches a wgmma's registers while it is
+    in flight, which is what a loop-carried in-flight wgmma produced (LLVM's copies at the back
+    edge); the overlapped loop is written so none crosses it."""
+    kernel = gluon_gemm.compile_sm90(m=4096, n=2112, k=7168, bias=True, config=config)
+    report = gluon_gemm.ptxas_report(kernel.asm["ptx"])
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert not re.search(r"serialized|C751[4-9]", report), report
+    assert kernel.metadata.shared <= 227 * 1024  # what an sm_90 block may use
+
+
+def test_tall_tiles_are_chosen_where_their_waves_cost_less():
+    """pick_config compares whole waves of persistent programs (132 SMs): 192-row tiles on
+    24576 x 1536 at M = 4096 (32 full waves against 47), 128-row ones on N = 4096 at M = 4096
+    (704 tall tiles are 6 waves, 5.3 of them used, against 8 waves of 1024 tiles)."""
+    assert gluon_gemm.pick_config(4096, 24576, 132) is gluon_gemm.TALL_CONFIG
+    assert gluon_gemm.pick_config(4096, 4096, 132) is gluon_gemm.CONFIG
+    assert gluon_gemm.pick_config(1024, 7168, 132) is gluon_gemm.CONFIG
+
+
+@needs_gluon
+def test_configs_outside_the_kernels_design_are_refused():
+    x = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
+    w = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(256, 2), torch.empty(2, 2)
+    out = torch.empty(256, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="128 or 192 rows"):
+        gluon_gemm.launch_args(x, scales[0], w, scales[1], None, out, dict(BLOCK_M=256))
+    with pytest.raises(ValueError, match="two consumers only"):
+        gluon_gemm.launch_args(x, scales[0], w, scales[1], None, out, dict(BLOCK_M=192, OVERLAP=True))
+
+
+def test_why_not_names_what_the_kernel_cannot_do():
+    x = torch.empty(8, 200, dtype=torch.float8_e4m3fn)
+    w = torch.empty(12, 200, dtype=torch.float8_e4m3fn)
+    why = gluon_gemm.why_not(x, w)
+    assert why is not None
+    if gluon_gemm.IMPORT_ERROR is None:
+        assert "CUDA" in why
+    if ON_HOPPER:
+        assert "K=200" in gluon_gemm.why_not(x.cuda(), w.cuda())
+        x, w = torch.empty(8, 256, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(12, 256, device="cuda")
+        assert "N=12" in gluon_gemm.why_not(x, w.to(torch.float8_e4m3fn))
+    with pytest.raises(RuntimeError, match="the Gluon GEMM cannot run here"):
+        gluon_gemm.gemm(x, torch.empty(8, 2), w, torch.empty(1, 2))
+
+
+@needs_hopper
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("m, n, k", [(1, 256, 128), (7, 2112, 768), (600, 384, 640), (1000, 4096, 1024)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_the_reference_and_the_triton_kernel_bit_for_bit(config, m, n, k, bias):
+    """K = 128, 640 (1 and 5 groups: the overlapped loop's odd tails), N = 2112 (past the last
+    weight-scale block), M = 1, 7, 600, 1000 (rows past M, past the tile). Same bits as
+    triton_gemm's kernel: every output element is the same sequence of 128-wide fp32 products,
+    each scaled and added in K order, so the two large-M kernels are interchangeable."""
+    x_fp8, x_scale = triton_quant.quant_act(randn(m, k, device=DEVICE))
+    w_fp8, w_scale = reference.quant_weight_block(randn(n, k, scale=0.02, device=DEVICE))
+    b = randn(n, device=DEVICE) if bias else None
+    out = gluon_gemm.gemm(x_fp8, x_scale, w_fp8, w_scale, b, config=config)
+    assert_bf16_close(out, reference_gemm(x_fp8, x_scale, w_fp8, w_scale, b))
+    triton = triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, b, config=triton_gemm.LARGE_M_CONFIG)
+    assert torch.equal(out, triton)
+
+
+@needs_hopper
+def test_large_m_gemm_hands_large_m_to_gluon_and_replays_in_a_cuda_graph(monkeypatch):
+    """Above TILE_SWITCH_M rows gemm_large_m runs the Gluon kernel (USE_GLUON), below it its own;
+    the TMA descriptors are kernel parameters, so a captured graph replays the same bits."""
+    calls = []
+    real = gluon_gemm.gemm
+    monkeypatch.setattr(gluon_gemm, "gemm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    m = triton_gemm.TILE_SWITCH_M + 1
+    x_fp8, x_scale = triton_quant.quant_act(randn(m, 512, device=DEVICE))
+    w_fp8, w_scale = reference.quant_weight_block(randn(640, 512, scale=0.02, device=DEVICE))
+    eager = triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale)
+    below = triton_gemm.gemm_large_m(x_fp8[:m - 1], x_scale[:m - 1], w_fp8, w_scale)
+    assert calls == [m]
+    assert torch.equal(eager[:m - 1], below)  # batch-invariant across the switch
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(eager, replayed)
+    monkeypatch.setattr(triton_gemm, "USE_GLUON", False)
+    assert torch.equal(triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale), eager)
+    assert calls == [m, m]  # the capture's call; none with USE_GLUON off
+
+
+def test_backends_table_names_the_large_m_kernel_that_runs():
+    """`python -m fp8compile backends` says which of the two large-M kernels the triton backend
+    runs: the Gluon one above TILE_SWITCH_M rows on sm_90, the Triton one elsewhere."""
+    small = triton_gemm.TILE_SWITCH_M
+    assert triton_gemm.large_m_kernel(small, 4096, torch.device("cpu")) == "Triton GEMM, 64x128 tiles"
+    assert triton_gemm.large_m_kernel(4096, 4096, torch.device("cpu")) == "Triton GEMM, 128x128 tiles"
+    if ON_HOPPER:
+        device = torch.device("cuda")
+        assert triton_gemm.large_m_kernel(4096, 4096, device) == "Gluon warp-specialized GEMM, 128x128 tiles"
+        assert triton_gemm.large_m_kernel(4096, 24576, device).endswith("192x128 tiles")
