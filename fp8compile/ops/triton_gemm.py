@@ -209,7 +209,7 @@ SMALL_M_PDL_PREFETCH = 1
 # measured 0.93-1.01x with TMA activation tiles and keep plain loads.
 ACT_TMA = True
 # Above TILE_SWITCH_M rows on sm_90, gemm_large_m runs the warp-specialized Gluon kernel
-# (gluon_gemm.py): 0.82-0.94x DeepGEMM at M = 4096 against this kernel's 0.67-0.69x, and the same
+# (gluon_gemm.py): 0.82-0.94x DeepGEMM at M = 4096 against this kernel's 0.60-0.71x, and the same
 # bits (scripts/gluon_probe.py, BENCHMARKS.md). False keeps this file's kernel everywhere.
 USE_GLUON = True
 
