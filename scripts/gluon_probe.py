@@ -34,6 +34,8 @@ CONFIGS = {  # name: gluon_gemm config (on top of gluon_gemm.CONFIG)
     "m192_g16": dict(OVERLAP=False, BLOCK_M=192, GROUP_M=16),
     "m192_g8": dict(OVERLAP=False, BLOCK_M=192, GROUP_M=8),
 }
+# The Triton kernel itself: gemm_large_m's default hands M > 512 to the Gluon kernel on sm_90.
+TRITON_CONFIG = triton_gemm.LARGE_M_CONFIG
 MN_SCALES = ("ovl_g16",)  # also timed with DeepGEMM's MN-major activation scales
 
 
@@ -44,7 +46,7 @@ def check() -> list[dict]:
         w8, ws = reference.quant_weight_block(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
         b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
         x8, xs = triton_quant.quant_act(x)
-        tri = triton_gemm.gemm_large_m(x8, xs, w8, ws, b)
+        tri = triton_gemm.gemm_large_m(x8, xs, w8, ws, b, config=TRITON_CONFIG)
         exact = reference.gemm_block(x8, xs, w8, ws, b, out_dtype=torch.float64)
         row = dict(n=n, k=k, m=m, bias=bias, triton_calc_diff=fp8compile.calc_diff(tri, exact), calc_diff={},
                    same_bits_as_triton={})
@@ -74,7 +76,8 @@ def time(ms=(1024, 2048, 4096), shapes=bench.SHAPES) -> list[dict]:
                 import deep_gemm
                 us["deep_gemm"] = bench._time_us([lambda q=q: deep_gemm.fp8_gemm_nt(mn_q, q, out, disable_ue8m0_cast=True)
                                                   for q in w8])
-            us["triton"] = bench._time_us([lambda q=q: triton_gemm.gemm_large_m(*row_q, *q) for q in w8])
+            us["triton"] = bench._time_us([lambda q=q: triton_gemm.gemm_large_m(*row_q, *q, config=TRITON_CONFIG)
+                                           for q in w8])
             for name, cfg in CONFIGS.items():
                 for layout, q in (("row", row_q), ("mn", mn_q)):
                     if layout == "row" or name in MN_SCALES:

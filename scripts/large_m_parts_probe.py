@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+import fp8compile
 from fp8compile import bench
 from fp8compile.ops import triton_quant, vendors
 
@@ -51,7 +52,7 @@ def main():
                 "compiled": bench._time_us([lambda f=f: f(x) for f in shape.linears]),
             }
             ref = torch.nn.functional.linear(x, shape.w16[0])
-            compiled_diff = bench.fp8compile.calc_diff(shape.linears[0](x), ref)
+            compiled_diff = fp8compile.calc_diff(shape.linears[0](x), ref)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 shape.linears[0](x)
                 torch.cuda.synchronize()

@@ -62,6 +62,8 @@ def test_why_not_names_what_the_kernel_cannot_do():
         assert "CUDA" in why
     if ON_HOPPER:
         assert "K=200" in gluon_gemm.why_not(x.cuda(), w.cuda())
+        empty = torch.empty(8, 0, dtype=torch.float8_e4m3fn, device="cuda")
+        assert "K=0" in gluon_gemm.why_not(empty, empty)
         x, w = torch.empty(8, 256, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(12, 256, device="cuda")
         assert "N=12" in gluon_gemm.why_not(x, w.to(torch.float8_e4m3fn))
     with pytest.raises(RuntimeError, match="the Gluon GEMM cannot run here"):

@@ -85,9 +85,10 @@ def test_large_m_gemm_matches_the_reference(m, n, bias, loads):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-def test_tma_loads_only_while_capturing_a_cuda_graph_with_the_same_bits_as_eager_pointer_loads():
+def test_tma_loads_only_while_capturing_a_cuda_graph_with_the_same_bits_as_eager_pointer_loads(monkeypatch):
     """Outside a graph Triton encodes the TMA descriptor on every launch (host time a decode step
     waits on); inside one, once. Either way the kernels compute the same bits."""
+    monkeypatch.setattr(triton_gemm, "USE_GLUON", False)  # this file's kernel above 512 rows too
     x, b = randn(3, 256, device=DEVICE), randn(3, 256, device=DEVICE)
     x_fp8, x_scale = triton_quant.quant_act(randn(600, 256, device=DEVICE))  # past TILE_SWITCH_M: 128-row tiles
     w_fp8, w_scale = reference.quant_weight_block(randn(384, 256, scale=0.02, device=DEVICE))
@@ -112,9 +113,11 @@ def test_tma_loads_only_while_capturing_a_cuda_graph_with_the_same_bits_as_eager
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-def test_large_m_gemm_rows_keep_their_bits_across_the_tile_switch():
+def test_large_m_gemm_rows_keep_their_bits_across_the_tile_switch(monkeypatch):
     """64-row tiles up to TILE_SWITCH_M, 128-row tiles above: a row's result must not move
-    (batch invariance), so both tilings must run the same instruction sequence per element."""
+    (batch invariance), so both tilings must run the same instruction sequence per element.
+    (The switch to the Gluon kernel: tests/test_gluon_gemm.py.)"""
+    monkeypatch.setattr(triton_gemm, "USE_GLUON", False)
     m = triton_gemm.TILE_SWITCH_M
     x_fp8, x_scale = triton_quant.quant_act(randn(m + 1, 1024, device=DEVICE))
     w_fp8, w_scale = reference.quant_weight_block(randn(640, 1024, scale=0.02, device=DEVICE))

@@ -30,12 +30,12 @@ Shape letters: M tokens, N output features, K input features, G = K / 128.
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 
 from ..numerics import BLOCK
+from .triton_gemm import _num_sms
 
 try:
     from triton.experimental import gluon
@@ -79,8 +79,8 @@ def why_not(x_fp8: torch.Tensor, w_fp8: torch.Tensor, out_dtype: torch.dtype = t
         return "needs sm_90 (Hopper wgmma)"
     k = x_fp8.shape[1]
     n = w_fp8.shape[0]
-    if k % BLOCK:
-        return f"K={k} is not a multiple of {BLOCK}"
+    if k == 0 or k % BLOCK:  # K = 0: the consumers would wait for a first group that never comes
+        return f"K={k} is not a positive multiple of {BLOCK}"
     if n % 8 or out_dtype.itemsize * n % 16:
         return f"N={n}: output rows must be 16-byte aligned for the TMA store"
     for t in (x_fp8, w_fp8):
@@ -93,8 +93,9 @@ if IMPORT_ERROR is None:
 
     @gluon.jit
     def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
-        """Grouped tile order (as triton_gemm._tile_position): GROUP_M row tiles share each
-        weight column tile while it is in L2."""
+        """triton_gemm._tile_position's grouped tile order (GROUP_M row tiles share each weight
+        column tile while it is in L2), again: under TRITON_INTERPRET=1 that one becomes an
+        interpreter function, which a Gluon kernel cannot call."""
         in_group = GROUP_M * num_n
         first_m = (tile // in_group) * GROUP_M
         size_m = min(num_m - first_m, GROUP_M)
@@ -297,11 +298,6 @@ def pick_config(m: int, n: int, sms: int) -> dict:
         return triton.cdiv(triton.cdiv(m, block_m) * triton.cdiv(n, CONFIG["BLOCK_N"]), sms)
 
     return TALL_CONFIG if waves(TALL_CONFIG["BLOCK_M"]) * TALL_TILE_COST < waves(CONFIG["BLOCK_M"]) else CONFIG
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def gemm(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bfloat16, config=None):
