@@ -1,0 +1,358 @@
+"""Warp-specialized block-scaled FP8 GEMM for Hopper, written in Gluon (Triton's explicit dialect).
+
+Why a second large-M kernel: triton_gemm's kernel is plain Triton, and Triton waits for each
+128-wide K group's tensor-core product before it can scale it into the fp32 accumulator, so the
+tensor cores sit idle while the CUDA cores promote (0.60-0.71x DeepGEMM at M = 4096). Gluon lets
+the kernel say which warps do what:
+
+- one producer warp streams the activation (A) and weight (B) tiles of each K group into a ring
+  of STAGES shared-memory buffers with TMA, and waits on a buffer's `empty` barrier before
+  reusing it;
+- two (or three) consumer warpgroups each own 64 rows of the output tile. Per K group a consumer
+  waits for the buffer's `ready` barrier, runs its wgmma (64 x BLOCK_N x 128, fp32 out),
+  releases the buffer, and promotes: acc += product * (the row's activation scale * the weight
+  scale). The consumers are independent warps, so while one promotes, another's wgmma runs.
+- With OVERLAP, each consumer also keeps one of its own wgmmas in flight while it promotes the
+  previous group (two register tiles taking groups in turn), so the tensor cores always have
+  queued work: 0.82-0.89x DeepGEMM at M = 4096, 0.86-1.01x at 2048 (scripts/gluon_probe.py).
+
+Numerics are those of triton_gemm's kernel and of the reference, to the bit: every output element
+is the same sequence of 128-wide fp32 products, each scaled once and added in K order, whatever
+the tile config and M (tests/test_gluon_gemm.py), so switching kernels by M keeps
+batch invariance.
+
+Requirements (checked by `why_not`): an sm_90 GPU (wgmma is Hopper's), Gluon in the installed
+Triton, K % 128 == 0, N % 8 == 0 and 16-byte aligned rows (TMA). The Gluon API moved between
+Triton 3.6 (the GPU kit) and 3.9 (CI); both spellings are handled, and compile_sm90() builds the
+kernel for sm_90a on any machine, so CI compiles it with ptxas (no spills, no serialized wgmma).
+
+Shape letters: M tokens, N output features, K input features, G = K / 128.
+"""
+from __future__ import annotations
+
+
+import torch
+import triton
+
+from ..numerics import BLOCK
+from .triton_gemm import _num_sms
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError as e:  # a Triton without Gluon: the kernel is unavailable, why_not says so
+    IMPORT_ERROR: str | None = f"this Triton ({triton.__version__}) has no Gluon for Hopper ({e})"
+else:
+    IMPORT_ERROR = None
+    # Triton 3.9 renamed the TMA copies (async_load / async_store); 3.6 has only the old names.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+# H200, scripts/gluon_probe.py (BENCHMARKS.md), DeepGEMM timed in the same runs, M = 2048, 4096:
+# - CONFIG: 128 x 128 tiles, each consumer keeping one wgmma in flight while it promotes the
+#   previous group (OVERLAP): 0.82-0.89x DeepGEMM at M = 4096 (without the overlap 0.75-0.87x);
+#   4 buffers (3: slower, 5: no gain), grouped tile order GROUP_M = 16 (4, 8, 32: none better
+#   overall).
+# - TALL_CONFIG: 192 x 128 tiles, three consumers, one group at a time (three 64 x 128 fp32
+#   tiles per thread do not fit beside three warpgroups): less shared-memory and L2 traffic per
+#   FLOP, 0.86-0.94x where its waves fill the SMs as well (24576 x 1536, 14336 x 4096 at M = 4096),
+#   but 0.77x on N = 4096, K = 7168, where 704 tiles make 5.3 waves on 132 SMs.
+CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, GROUP_M=16, OVERLAP=True)
+TALL_CONFIG = dict(BLOCK_M=192, BLOCK_N=128, STAGES=4, GROUP_M=16, OVERLAP=False)
+# A 192-row tile takes this many times a 128-row tile's time (same probe, two shapes whose waves
+# are full either way: 1.41 and 1.42); pick_config compares whole waves with it.
+TALL_TILE_COST = 1.42
+MAX_REGS = 240  # per thread for a consumer warpgroup after setmaxnreg (the hardware's cap is 256)
+PRODUCER_REGS = 24  # the producer warp only computes addresses
+
+
+def why_not(x_fp8: torch.Tensor, w_fp8: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """None if gemm() can run on these operands, else why not."""
+    if IMPORT_ERROR is not None:
+        return IMPORT_ERROR
+    if x_fp8.device.type != "cuda":
+        return "needs a CUDA device"
+    if torch.cuda.get_device_capability(x_fp8.device)[0] != 9:
+        return "needs sm_90 (Hopper wgmma)"
+    k = x_fp8.shape[1]
+    n = w_fp8.shape[0]
+    if k == 0 or k % BLOCK:  # K = 0: the consumers would wait for a first group that never comes
+        return f"K={k} is not a positive multiple of {BLOCK}"
+    if n % 8 or out_dtype.itemsize * n % 16:
+        return f"N={n}: output rows must be 16-byte aligned for the TMA store"
+    for t in (x_fp8, w_fp8):
+        if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
+            return "operands must be row-major with 16-byte aligned rows (TMA)"
+    return None
+
+
+if IMPORT_ERROR is None:
+
+    @gluon.jit
+    def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
+        """triton_gemm._tile_position's grouped tile order (GROUP_M row tiles share each weight
+        column tile while it is in L2), again: under TRITON_INTERPRET=1 that one becomes an
+        interpreter function, which a Gluon kernel cannot call."""
+        in_group = GROUP_M * num_n
+        first_m = (tile // in_group) * GROUP_M
+        size_m = min(num_m - first_m, GROUP_M)
+        return first_m + (tile % in_group) % size_m, (tile % in_group) // size_m
+
+    @gluon.jit
+    def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M: gl.constexpr):
+        """Producer warp: every K group of every tile of this program, into the buffer ring. A
+        buffer holds one 64-row activation box per consumer and the weight tile."""
+        ROWS: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        STAGES: gl.constexpr = b_bufs.type.shape[0]
+        CONSUMERS: gl.constexpr = a_bufs.type.shape[0] // STAGES
+        BLOCK_M: gl.constexpr = CONSUMERS * ROWS
+        num_m = gl.cdiv(M, BLOCK_M)
+        num_n = gl.cdiv(N, BLOCK_N)
+        step = 0
+        for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+            pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+            for g in range(K // BLOCK_K):
+                s = step % STAGES
+                # A fresh mbarrier counts as having completed the phase before 0: the first
+                # pass over the ring does not wait.
+                mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                # Rows past M or N arrive as zeros (and still count their bytes).
+                for part in gl.static_range(CONSUMERS):
+                    _tma_load(a_desc, [pid_m * BLOCK_M + part * ROWS, g * BLOCK_K], bar,
+                              a_bufs.index(s * CONSUMERS + part))
+                _tma_load(b_desc, [pid_n * BLOCK_N, g * BLOCK_K], bar, b_bufs.index(s))
+                step += 1
+
+    @gluon.jit
+    def _scales(a_s_rows, b_s, g, stride_asg, stride_bsg):
+        """Group g's activation scales (one per row) and weight scale (one per 128 columns)."""
+        return gl.load(a_s_rows + g * stride_asg), gl.load(b_s + g * stride_bsg)
+
+    @gluon.jit
+    def _issue(a_bufs, b_bufs, ready, step, PART: gl.constexpr, into):
+        """Wait for buffer `step`'s tiles and start this warpgroup's wgmma on them (into's registers)."""
+        STAGES: gl.constexpr = b_bufs.type.shape[0]
+        CONSUMERS: gl.constexpr = a_bufs.type.shape[0] // STAGES
+        s = step % STAGES
+        mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+        return warpgroup_mma(a_bufs.index(s * CONSUMERS + PART), b_bufs.index(s).permute((1, 0)), into,
+                             use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _finish(pending, outstanding: gl.constexpr, empty, step):
+        """Wait for `pending` (leaving `outstanding` younger wgmmas in flight) and release its buffer."""
+        done = warpgroup_mma_wait(num_outstanding=outstanding, deps=(pending, ))
+        mbarrier.arrive(empty.index(step % empty.shape[0]), count=1)
+        return done
+
+    @gluon.jit
+    def _consume(a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm, stride_asg,
+                 stride_bsn, stride_bsg, PART: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+                 OVERLAP: gl.constexpr):
+        """One consumer warpgroup: rows [PART * 64, PART * 64 + 64) of every tile of this program."""
+        STAGES: gl.constexpr = b_bufs.type.shape[0]
+        ROWS: gl.constexpr = a_bufs.type.shape[1]
+        BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+        BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+        BLOCK_M: gl.constexpr = a_bufs.type.shape[0] // STAGES * ROWS
+        # wgmma: 16-row instructions, one warpgroup of 4 warps stacked along M; k = 32 for FP8.
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+        num_m = gl.cdiv(M, BLOCK_M)
+        num_n = gl.cdiv(N, BLOCK_N)
+        groups = K // BLOCK_K
+        x_free = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)  # the wgmmas' register tiles
+        y_free = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
+        step = 0
+        for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+            pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+            off_m = pid_m * BLOCK_M + PART * ROWS
+            off_n = pid_n * BLOCK_N
+            rows = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+            # Rows past M read the last row's scales; their outputs are never stored.
+            a_s_rows = a_s_ptr + gl.minimum(rows, M - 1) * stride_asm
+            # BLOCK_N divides the 128-row weight block: one weight scale per (tile, group).
+            b_s = b_s_ptr + (off_n // BLOCK_K) * stride_bsn
+            acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
+            base = step
+            if OVERLAP:
+                # Two register tiles, x and y, take the groups in turn, and each is promoted while
+                # the other's wgmma runs. No wgmma is in flight across the loop's back edge: LLVM's
+                # copies there would touch its registers, and ptxas then serializes every wgmma.
+                # Scales load at the top of an iteration and are used after a wgmma.
+                y_a, y_b = _scales(a_s_rows, b_s, 0, stride_asg, stride_bsg)
+                y = _issue(a_bufs, b_bufs, ready, base, PART, y_free)
+                y_free = _finish(y, 0, empty, base)  # group 0: before the loop, not overlapped
+                for g in range(1, groups - 1, 2):  # issue g (x), promote g - 1 (y), issue g + 1 (y), promote g
+                    x_a, x_b = _scales(a_s_rows, b_s, g, stride_asg, stride_bsg)
+                    next_a, next_b = _scales(a_s_rows, b_s, g + 1, stride_asg, stride_bsg)
+                    x = _issue(a_bufs, b_bufs, ready, base + g, PART, x_free)
+                    acc += y_free * (y_a * y_b)[:, None]
+                    y = _issue(a_bufs, b_bufs, ready, base + g + 1, PART, y_free)
+                    x_free = _finish(x, 1, empty, base + g)
+                    acc += x_free * (x_a * x_b)[:, None]
+                    y_free = _finish(y, 0, empty, base + g + 1)
+                    y_a, y_b = next_a, next_b
+                acc += y_free * (y_a * y_b)[:, None]
+                if groups % 2 == 0:  # the last group is left
+                    x_a, x_b = _scales(a_s_rows, b_s, groups - 1, stride_asg, stride_bsg)
+                    x = _issue(a_bufs, b_bufs, ready, base + groups - 1, PART, x_free)
+                    x_free = _finish(x, 0, empty, base + groups - 1)
+                    acc += x_free * (x_a * x_b)[:, None]
+            else:  # one group at a time; the other warpgroups fill the tensor cores meanwhile
+                for g in range(groups):
+                    a_scale, b_scale = _scales(a_s_rows, b_s, g, stride_asg, stride_bsg)
+                    x = _issue(a_bufs, b_bufs, ready, base + g, PART, x_free)
+                    x_free = _finish(x, 0, empty, base + g)
+                    acc += x_free * (a_scale * b_scale)[:, None]
+            step += groups
+            if HAS_BIAS:
+                cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+                acc += gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
+            tma.store_wait(0)  # the previous tile's store has read c_smem
+            c_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            _tma_store(c_desc, [off_m, off_n], c_smem)  # rows past M and columns past N are clipped
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _gemm_kernel(a_desc, b_desc, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm, stride_asg, stride_bsn,
+                     stride_bsg, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                     OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     PRODUCER_REGS: gl.constexpr):
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES * CONSUMERS] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)  # the producer's expect; TMA completes the bytes
+            mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+        # The default partition (the kernel's own 4 warps) is the first consumer.
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
+                            stride_asg, stride_bsn, stride_bsg, 0, HAS_BIAS, GROUP_M, OVERLAP)),
+                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
+                            stride_asg, stride_bsn, stride_bsg, 1, HAS_BIAS, GROUP_M, OVERLAP)),
+                (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
+            gl.warp_specialize([
+                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
+                            stride_asg, stride_bsn, stride_bsg, 0, HAS_BIAS, GROUP_M, OVERLAP)),
+                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
+                            stride_asg, stride_bsn, stride_bsg, 1, HAS_BIAS, GROUP_M, OVERLAP)),
+                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
+                            stride_asg, stride_bsn, stride_bsg, 2, HAS_BIAS, GROUP_M, OVERLAP)),
+                (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _layout(block_shape, dtype: torch.dtype):
+    gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+                torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(block_shape, gl_dtype)
+
+
+def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None):
+    """(grid, args, constexprs and launch options as keywords) of one launch; scripts compile
+    the kernel on a CPU from them too. config: keys of CONFIG to override; default pick_config's."""
+    m, k = x_fp8.shape
+    n = w_fp8.shape[0]
+    sms = _num_sms(out.device.index or 0) if out.device.type == "cuda" else 132
+    cfg = {**pick_config(m, n, sms), **(config or {})}
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    consumers = bm // 64
+    if bm not in (128, 192) or bn not in (64, 128):
+        raise ValueError(f"tiles are 128 or 192 rows (64 per consumer warpgroup) by 64 or 128 columns; got {bm}x{bn}")
+    if cfg["OVERLAP"] and consumers != 2:
+        raise ValueError("the overlapped loop keeps three 64 x BLOCK_N fp32 tiles per thread: two consumers only")
+    a_desc = TensorDescriptor.from_tensor(x_fp8, [64, BLOCK], _layout([64, BLOCK], x_fp8.dtype))
+    b_desc = TensorDescriptor.from_tensor(w_fp8, [bn, BLOCK], _layout([bn, BLOCK], w_fp8.dtype))
+    c_desc = TensorDescriptor.from_tensor(out, [64, bn], _layout([64, bn], out.dtype))
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    args = (a_desc, b_desc, c_desc, x_scale, w_scale, bias if bias is not None else w_scale, m, n, k,
+            x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1))
+    # Registers: at launch every warpgroup (the producer's warp counts as one) gets an equal share
+    # of the SM's 64K; setmaxnreg then gives the producer PRODUCER_REGS and the consumers the rest.
+    launch = 65536 // ((consumers + 1) * 128) // 8 * 8
+    consumer_regs = min(MAX_REGS, (launch * (consumers + 1) - PRODUCER_REGS) // consumers // 8 * 8)
+    meta = dict(HAS_BIAS=bias is not None, GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], OVERLAP=cfg["OVERLAP"],
+                CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=launch)
+    return (min(tiles, sms),), args, meta
+
+
+def pick_config(m: int, n: int, sms: int) -> dict:
+    """CONFIG or TALL_CONFIG, whichever needs less time in whole waves of persistent programs
+    (a wave is one tile per SM; the last one is paid in full however few tiles it has)."""
+    def waves(block_m: int) -> int:
+        return triton.cdiv(triton.cdiv(m, block_m) * triton.cdiv(n, CONFIG["BLOCK_N"]), sms)
+
+    return TALL_CONFIG if waves(TALL_CONFIG["BLOCK_M"]) * TALL_TILE_COST < waves(CONFIG["BLOCK_M"]) else CONFIG
+
+
+def gemm(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bfloat16, config=None):
+    """Block-scaled x_fp8 (M, K) @ w_fp8 (N, K).T (+ bias) -> (M, N) out_dtype, like
+    triton_gemm.gemm_large_m. x_scale (M, G) and w_scale (ceil(N/128), G) fp32, any strides."""
+    why = why_not(x_fp8, w_fp8, out_dtype)
+    if why is not None:
+        raise RuntimeError(f"the Gluon GEMM cannot run here: {why}")
+    m = x_fp8.shape[0]
+    out = torch.empty(m, w_fp8.shape[0], dtype=out_dtype, device=x_fp8.device)
+    if m == 0:
+        return out
+    grid, args, meta = launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config)
+    _gemm_kernel[grid](*args, **meta)
+    return out
+
+
+def compile_sm90(m=4096, n=4096, k=7168, bias=False, config=None):
+    """Compile the kernel for sm_90a as gemm() would launch it, without a GPU (a CPU is enough):
+    returns Triton's compiled kernel (PTX and cubin in .asm). Catches Gluon API drift between
+    Triton versions; ptxas_report() says what ptxas made of it."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    x = torch.empty(m, k, dtype=torch.float8_e4m3fn)
+    w = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    scales = torch.empty(m, k // BLOCK), torch.empty(triton.cdiv(n, BLOCK), k // BLOCK)
+    b = torch.empty(n, dtype=torch.bfloat16) if bias else None
+    _, args, meta = launch_args(x, scales[0], w, scales[1], b, out, config)
+    options = {key: meta.pop(key) for key in ("num_warps", "maxnreg")}
+    names = _gemm_kernel.arg_names
+    signature = {name: mangle_type(a) for name, a in zip(names, args)}
+    signature.update({name: "constexpr" for name in meta})
+    constexprs = {(names.index(name), ): value for name, value in meta.items()}
+    return triton.compile(GluonASTSource(_gemm_kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
+
+
+def ptxas_report(ptx: str) -> str:
+    """What `ptxas -v` (Triton's bundled one) says of the PTX for sm_90a: registers, spills, and
+    any warning, such as wgmma instructions it had to serialize."""
+    import os
+    import subprocess
+    import tempfile
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    # Triton 3.9 bundles the ptxas that reads its PTX version under the first name
+    ptxas = next(os.path.join(bin_dir, name) for name in ("ptxas-blackwell", "ptxas")
+                 if os.path.exists(os.path.join(bin_dir, name)))
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "k.ptx"), "w") as f:
+            f.write(ptx)
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    return (r.stdout + r.stderr).strip()
+
