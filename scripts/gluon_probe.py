@@ -20,26 +20,23 @@ import torch
 
 import fp8compile
 from fp8compile import bench
-from fp8compile.ops import _gluon_head, gluon_gemm, reference, triton_gemm, triton_quant, vendors
+from fp8compile.ops import gluon_gemm, reference, triton_gemm, triton_quant, vendors
 
 CHECK_SHAPES = [(4096, 7168), (2112, 7168), (320, 512), (24576, 1536), (256, 128), (512, 384), (384, 640)]
 CHECK_MS = [1, 7, 128, 1000, 4096]
-CONFIGS = {  # name: gluon_gemm config (on top of gluon_gemm.CONFIG); earlier runs' sets are in their JSON
-    "ovl_g16": dict(OVERLAP=True, GROUP_M=16),  # CONFIG
-    "m192_g16": dict(OVERLAP=False, BLOCK_M=192, GROUP_M=16),  # TALL_CONFIG
-    "m256_s3_g8": dict(OVERLAP=False, BLOCK_M=256, GROUP_M=8, STAGES=3),  # PAIR_CONFIG
-    "head_ovl_g16": dict(OVERLAP=True, GROUP_M=16, HEAD=True),  # the kernel before this experiment
-    "head_m192_g16": dict(OVERLAP=False, BLOCK_M=192, GROUP_M=16, HEAD=True),
+CONFIGS = {  # name: gluon_gemm config (on top of gluon_gemm.CONFIG)
+    "ovl_g16": dict(OVERLAP=True, GROUP_M=16),
+    "ovl_g4": dict(OVERLAP=True, GROUP_M=4),
+    "ovl_g8": dict(OVERLAP=True, GROUP_M=8),
+    "ovl_g32": dict(OVERLAP=True, GROUP_M=32),
+    "ovl_s5_g16": dict(OVERLAP=True, GROUP_M=16, STAGES=5),
+    "plain_g16": dict(OVERLAP=False, GROUP_M=16),
+    "m192_g16": dict(OVERLAP=False, BLOCK_M=192, GROUP_M=16),
+    "m192_g8": dict(OVERLAP=False, BLOCK_M=192, GROUP_M=8),
 }
 # The Triton kernel itself: gemm_large_m's default hands M > 512 to the Gluon kernel on sm_90.
 TRITON_CONFIG = triton_gemm.LARGE_M_CONFIG
-MN_SCALES = ()  # names also timed with DeepGEMM's MN-major activation scales (first runs: -9% to +5%)
-
-
-def _run(x8, xs, w8, ws, b, cfg):
-    cfg = {**gluon_gemm.CONFIG, **cfg}
-    mod = _gluon_head if cfg.pop("HEAD", False) else gluon_gemm
-    return mod.gemm(x8, xs, w8, ws, b, config=cfg)
+MN_SCALES = ("ovl_g16",)  # also timed with DeepGEMM's MN-major activation scales
 
 
 def check() -> list[dict]:
@@ -54,7 +51,7 @@ def check() -> list[dict]:
         row = dict(n=n, k=k, m=m, bias=bias, triton_calc_diff=fp8compile.calc_diff(tri, exact), calc_diff={},
                    same_bits_as_triton={})
         for name, cfg in CONFIGS.items():
-            ours = _run(x8, xs, w8, ws, b, cfg)
+            ours = gluon_gemm.gemm(x8, xs, w8, ws, b, config={**gluon_gemm.CONFIG, **cfg})
             row["calc_diff"][name] = fp8compile.calc_diff(ours, exact)
             row["same_bits_as_triton"][name] = torch.equal(ours, tri)
         rows.append(row)
@@ -85,7 +82,7 @@ def time(ms=(1024, 2048, 4096), shapes=bench.SHAPES) -> list[dict]:
                 for layout, q in (("row", row_q), ("mn", mn_q)):
                     if layout == "row" or name in MN_SCALES:
                         us[f"gluon_{name}_{layout}"] = bench._time_us(
-                            [lambda w=w: _run(*q, *w, None, cfg) for w in w8])
+                            [lambda w=w: gluon_gemm.gemm(*q, *w, config={**gluon_gemm.CONFIG, **cfg}) for w in w8])
             dg = us.get("deep_gemm")
             row = dict(n=n, k=k, m=m, us=us, vs_dg={key: dg and t and dg / t for key, t in us.items()})
             rows.append(row)

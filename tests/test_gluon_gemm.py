@@ -15,8 +15,7 @@ ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
 needs_gluon = pytest.mark.skipif(gluon_gemm.IMPORT_ERROR is not None, reason=str(gluon_gemm.IMPORT_ERROR))
 needs_hopper = pytest.mark.skipif(not ON_HOPPER or gluon_gemm.IMPORT_ERROR is not None,
                                   reason="needs an sm_90 GPU and Gluon")
-CONFIGS = {"overlapped_128_rows": gluon_gemm.CONFIG, "tall_192_rows": gluon_gemm.TALL_CONFIG,
-           "paired_256_rows": gluon_gemm.PAIR_CONFIG}
+CONFIGS = {"overlapped_128_rows": gluon_gemm.CONFIG, "tall_192_rows": gluon_gemm.TALL_CONFIG}
 
 
 @needs_gluon
@@ -48,23 +47,10 @@ def test_configs_outside_the_kernels_design_are_refused():
     w = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
     scales = torch.empty(256, 2), torch.empty(2, 2)
     out = torch.empty(256, 256, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="128, 192 or 256 rows"):
-        gluon_gemm.launch_args(x, scales[0], w, scales[1], None, out, dict(BLOCK_M=64))
-    for rows in (192, 256):
-        with pytest.raises(ValueError, match="128-row tiles only"):
-            gluon_gemm.launch_args(x, scales[0], w, scales[1], None, out, dict(BLOCK_M=rows, OVERLAP=True))
-
-
-def test_scales_reach_tma_as_rows_of_16_bytes():
-    """The producer TMA-loads scales 4 groups (16 bytes) at a time: a contiguous (M, G) tensor
-    with G % 4 == 0 goes as it is; other K (G = 5) and MN-major scales go as a row-padded copy
-    with the same values (the box reads zeros past G)."""
-    aligned = torch.rand(6, 8)
-    assert gluon_gemm._tma_rows(aligned) is aligned
-    for scale in (torch.rand(6, 5), torch.rand(5, 6).t()):
-        rows = gluon_gemm._tma_rows(scale)
-        assert rows.stride() == (8, 1) and rows.data_ptr() % 16 == 0
-        assert torch.equal(rows, scale)
+    with pytest.raises(ValueError, match="128 or 192 rows"):
+        gluon_gemm.launch_args(x, scales[0], w, scales[1], None, out, dict(BLOCK_M=256))
+    with pytest.raises(ValueError, match="two consumers only"):
+        gluon_gemm.launch_args(x, scales[0], w, scales[1], None, out, dict(BLOCK_M=192, OVERLAP=True))
 
 
 def test_why_not_names_what_the_kernel_cannot_do():
@@ -90,8 +76,7 @@ def test_why_not_names_what_the_kernel_cannot_do():
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_the_reference_and_the_triton_kernel_bit_for_bit(config, m, n, k, bias):
     """K = 128, 640 (1 and 5 groups: the overlapped loop's odd tails), N = 2112 (past the last
-    weight-scale block), M = 1, 7, 600, 1000 (rows past M, past the tile; in a 256-row tile, M = 7
-    leaves the second slab of both consumers and 600 all of the last tile's second consumer empty). Same bits as
+    weight-scale block), M = 1, 7, 600, 1000 (rows past M, past the tile). Same bits as
     triton_gemm's kernel: every output element is the same sequence of 128-wide fp32 products,
     each scaled and added in K order, so the two large-M kernels are interchangeable."""
     x_fp8, x_scale = triton_quant.quant_act(randn(m, k, device=DEVICE))

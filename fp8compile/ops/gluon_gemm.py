@@ -62,13 +62,9 @@ else:
 #   but 0.77x on N = 4096, K = 7168, where 704 tiles make 5.3 waves on 132 SMs.
 CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, GROUP_M=16, OVERLAP=True)
 TALL_CONFIG = dict(BLOCK_M=192, BLOCK_N=128, STAGES=4, GROUP_M=16, OVERLAP=False)
-PAIR_CONFIG = dict(BLOCK_M=256, BLOCK_N=128, STAGES=3, GROUP_M=8, OVERLAP=False)
-# tile rows: (consumer warpgroups, 64-row slabs per consumer)
-_WARPGROUPS = {128: (2, 1), 192: (3, 1), 256: (2, 2)}
 # A 192-row tile takes this many times a 128-row tile's time (same probe, two shapes whose waves
 # are full either way: 1.41 and 1.42); pick_config compares whole waves with it.
 TALL_TILE_COST = 1.42
-SCALE_GROUPS = 4  # groups of scales per TMA box: 16 bytes of fp32, TMA's least
 MAX_REGS = 240  # per thread for a consumer warpgroup after setmaxnreg (the hardware's cap is 256)
 PRODUCER_REGS = 24  # the producer warp only computes addresses
 
@@ -93,20 +89,6 @@ def why_not(x_fp8: torch.Tensor, w_fp8: torch.Tensor, out_dtype: torch.dtype = t
     return None
 
 
-def _tma_rows(scale: torch.Tensor) -> torch.Tensor:
-    """scale, or a copy of it that TMA can read SCALE_GROUPS groups at a time: row-major with
-    16-byte aligned rows. A contiguous (rows, G) one is that when G % 4 == 0 (K % 512 == 0);
-    otherwise (or MN-major) the copy pads its rows, and the TMA box reads zeros past G."""
-    rows, groups = scale.shape
-    if (scale.stride(1) == 1 and scale.stride(0) >= groups and scale.stride(0) % SCALE_GROUPS == 0
-            and scale.data_ptr() % 16 == 0):
-        return scale
-    padded = torch.empty(rows, triton.cdiv(groups, SCALE_GROUPS) * SCALE_GROUPS, dtype=scale.dtype,
-                         device=scale.device)
-    padded[:, :groups] = scale
-    return padded[:, :groups]
-
-
 if IMPORT_ERROR is None:
 
     @gluon.jit
@@ -120,21 +102,15 @@ if IMPORT_ERROR is None:
         return first_m + (tile % in_group) % size_m, (tile % in_group) // size_m
 
     @gluon.jit
-    def _produce(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N, K,
-                 GROUP_M: gl.constexpr):
+    def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M: gl.constexpr):
         """Producer warp: every K group of every tile of this program, into the buffer ring. A
-        buffer holds the tile's activation rows as 64-row boxes (one per slab of each consumer),
-        the weight tile, and their scales: each box's rows' and the weight tile's scales of the
-        4 groups (16 bytes, TMA's least) that the group is one of."""
+        buffer holds one 64-row activation box per consumer and the weight tile."""
         ROWS: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-        COLS: gl.constexpr = as_desc.block_type.shape[1]
         STAGES: gl.constexpr = b_bufs.type.shape[0]
-        BOXES: gl.constexpr = a_bufs.type.shape[0] // STAGES
-        BLOCK_M: gl.constexpr = BOXES * ROWS
-        BYTES: gl.constexpr = (BOXES * (a_desc.block_type.nbytes + as_desc.block_type.nbytes) +
-                               b_desc.block_type.nbytes + bs_desc.block_type.nbytes)
+        CONSUMERS: gl.constexpr = a_bufs.type.shape[0] // STAGES
+        BLOCK_M: gl.constexpr = CONSUMERS * ROWS
         num_m = gl.cdiv(M, BLOCK_M)
         num_n = gl.cdiv(N, BLOCK_N)
         step = 0
@@ -146,70 +122,28 @@ if IMPORT_ERROR is None:
                 # pass over the ring does not wait.
                 mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
-                mbarrier.expect(bar, BYTES)
+                mbarrier.expect(bar, CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
                 # Rows past M or N arrive as zeros (and still count their bytes).
-                col = g // COLS * COLS
-                for box in gl.static_range(BOXES):
-                    row = pid_m * BLOCK_M + box * ROWS
-                    _tma_load(a_desc, [row, g * BLOCK_K], bar, a_bufs.index(s * BOXES + box))
-                    _tma_load(as_desc, [row, col], bar, as_bufs.index(s * BOXES + box))
+                for part in gl.static_range(CONSUMERS):
+                    _tma_load(a_desc, [pid_m * BLOCK_M + part * ROWS, g * BLOCK_K], bar,
+                              a_bufs.index(s * CONSUMERS + part))
                 _tma_load(b_desc, [pid_n * BLOCK_N, g * BLOCK_K], bar, b_bufs.index(s))
-                _tma_load(bs_desc, [pid_n * BLOCK_N // BLOCK_K, col], bar, bs_bufs.index(s).slice(0, 1))
                 step += 1
 
     @gluon.jit
-    def _add(a, b):
-        """gl.sum's combine, as a Gluon function: under TRITON_INTERPRET=1 (the CPU tests compile the
-        kernel there) gl.sum's own is an interpreter function, which a Gluon kernel cannot call."""
-        return a + b
+    def _scales(a_s_rows, b_s, g, stride_asg, stride_bsg):
+        """Group g's activation scales (one per row) and weight scale (one per 128 columns)."""
+        return gl.load(a_s_rows + g * stride_asg), gl.load(b_s + g * stride_bsg)
 
     @gluon.jit
-    def _scales(as_bufs, bs_bufs, step, g, BOX: gl.constexpr, layout: gl.constexpr):
-        """Group g's scales from buffer `step` (after its ready wait, before its release): box
-        BOX's rows' (64, in the rows of the wgmma layout `layout`) and the weight tile's (a scalar)."""
-        STAGES: gl.constexpr = bs_bufs.type.shape[0]
-        BOXES: gl.constexpr = as_bufs.type.shape[0] // STAGES
-        gl.static_assert(as_bufs.type.shape[1] == 64 and as_bufs.type.shape[2] == 4, "64-row boxes of 4 groups")
-        # Each thread reads all 4 groups of the rows it holds in `layout` (l // 4 and l // 4 + 8 of its
-        # warp's 16, for lane l) and keeps group g's: no shuffles, and the row vector comes out in
-        # `layout`'s rows (the conversion below moves nothing).
-        rows_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 4])
-        tile_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2]], lane_bases=[[0, 0], [0, 0], [0, 0], [0, 0], [0, 0]],
-            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[1, 4])
-        s = step % STAGES
-        four = as_bufs.index(s * BOXES + BOX).load(rows_l)
-        picked = gl.arange(0, 4, layout=gl.SliceLayout(0, rows_l))[None, :] == g % 4
-        rows = gl.convert_layout(gl.reduce(gl.where(picked, four, 0.0), 1, _add), gl.SliceLayout(1, layout))
-        four_w = bs_bufs.index(s).slice(0, 1).load(tile_l)
-        picked_w = gl.arange(0, 4, layout=gl.SliceLayout(0, tile_l))[None, :] == g % 4
-        return rows, gl.reduce(gl.reduce(gl.where(picked_w, four_w, 0.0), 1, _add), 0, _add)
-
-    @gluon.jit
-    def _mma(a_bufs, b_bufs, step, BOX: gl.constexpr, into):
-        """Start a wgmma of activation box BOX of buffer `step` by its weight tile (into's registers)."""
+    def _issue(a_bufs, b_bufs, ready, step, PART: gl.constexpr, into):
+        """Wait for buffer `step`'s tiles and start this warpgroup's wgmma on them (into's registers)."""
         STAGES: gl.constexpr = b_bufs.type.shape[0]
-        BOXES: gl.constexpr = a_bufs.type.shape[0] // STAGES
+        CONSUMERS: gl.constexpr = a_bufs.type.shape[0] // STAGES
         s = step % STAGES
-        return warpgroup_mma(a_bufs.index(s * BOXES + BOX), b_bufs.index(s).permute((1, 0)), into, use_acc=False,
-                             is_async=True)
-
-    @gluon.jit
-    def _issue(a_bufs, b_bufs, ready, step, BOX: gl.constexpr, into):
-        """Wait for buffer `step`'s tiles and start the wgmma of its box BOX."""
-        STAGES: gl.constexpr = b_bufs.type.shape[0]
-        mbarrier.wait(ready.index(step % STAGES), (step // STAGES) & 1)
-        return _mma(a_bufs, b_bufs, step, BOX, into)
-
-    @gluon.jit
-    def _pinned(t):
-        """t, computed here: an empty asm statement with side effects that reads and rewrites it
-        (no instruction). Without it LLVM sinks a promotion that only the next iteration reads
-        below the following wgmma, whose register tile is then live beside the promoted one:
-        four 64 x 128 fp32 tiles per thread, and ptxas spills."""
-        return gl.inline_asm_elementwise("", "=r,0", [t], dtype=gl.float32, is_pure=False, pack=1)
+        mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+        return warpgroup_mma(a_bufs.index(s * CONSUMERS + PART), b_bufs.index(s).permute((1, 0)), into,
+                             use_acc=False, is_async=True)
 
     @gluon.jit
     def _finish(pending, outstanding: gl.constexpr, empty, step):
@@ -219,17 +153,15 @@ if IMPORT_ERROR is None:
         return done
 
     @gluon.jit
-    def _consume(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_desc, bias_ptr, M, N, K, PART: gl.constexpr,
-                 HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, OVERLAP: gl.constexpr, SLABS: gl.constexpr):
-        """One consumer warpgroup: its SLABS 64-row slabs, from row PART * SLABS * 64, of every tile
-        of this program. Each group's product is promoted with its scales: acc += product *
-        (row scale * weight scale)."""
+    def _consume(a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm, stride_asg,
+                 stride_bsn, stride_bsg, PART: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+                 OVERLAP: gl.constexpr):
+        """One consumer warpgroup: rows [PART * 64, PART * 64 + 64) of every tile of this program."""
         STAGES: gl.constexpr = b_bufs.type.shape[0]
         ROWS: gl.constexpr = a_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
         BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
         BLOCK_M: gl.constexpr = a_bufs.type.shape[0] // STAGES * ROWS
-        BOX: gl.constexpr = PART * SLABS  # this warpgroup's first activation box in a buffer
         # wgmma: 16-row instructions, one warpgroup of 4 warps stacked along M; k = 32 for FP8.
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
@@ -242,83 +174,62 @@ if IMPORT_ERROR is None:
         step = 0
         for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
-            off_m = pid_m * BLOCK_M + BOX * ROWS
+            off_m = pid_m * BLOCK_M + PART * ROWS
             off_n = pid_n * BLOCK_N
+            rows = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+            # Rows past M read the last row's scales; their outputs are never stored.
+            a_s_rows = a_s_ptr + gl.minimum(rows, M - 1) * stride_asm
+            # BLOCK_N divides the 128-row weight block: one weight scale per (tile, group).
+            b_s = b_s_ptr + (off_n // BLOCK_K) * stride_bsn
             acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
-            acc2 = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)  # the second slab's (SLABS = 2)
             base = step
-            if SLABS == 2:
-                # Two slabs, one register tile: the slabs' wgmmas run one after the other, each
-                # promoted before the next starts (a fourth 64 x BLOCK_N tile does not fit); the
-                # other warpgroup's wgmmas fill the tensor cores meanwhile.
-                for g in range(groups):
-                    x = _issue(a_bufs, b_bufs, ready, base + g, BOX, x_free)
-                    a_scale, b_scale = _scales(as_bufs, bs_bufs, base + g, g, BOX, layout)
-                    a_scale2, b_scale = _scales(as_bufs, bs_bufs, base + g, g, BOX + 1, layout)
-                    x_free = warpgroup_mma_wait(num_outstanding=0, deps=(x, ))
-                    acc = _pinned(acc + x_free * (a_scale * b_scale)[:, None])
-                    x = _mma(a_bufs, b_bufs, base + g, BOX + 1, x_free)
-                    x_free = _finish(x, 0, empty, base + g)
-                    acc2 += x_free * (a_scale2 * b_scale)[:, None]
-            elif OVERLAP:
+            if OVERLAP:
                 # Two register tiles, x and y, take the groups in turn, and each is promoted while
                 # the other's wgmma runs. No wgmma is in flight across the loop's back edge: LLVM's
                 # copies there would touch its registers, and ptxas then serializes every wgmma.
-                y = _issue(a_bufs, b_bufs, ready, base, BOX, y_free)
-                y_a, y_b = _scales(as_bufs, bs_bufs, base, 0, BOX, layout)
+                # Scales load at the top of an iteration and are used after a wgmma.
+                y_a, y_b = _scales(a_s_rows, b_s, 0, stride_asg, stride_bsg)
+                y = _issue(a_bufs, b_bufs, ready, base, PART, y_free)
                 y_free = _finish(y, 0, empty, base)  # group 0: before the loop, not overlapped
                 for g in range(1, groups - 1, 2):  # issue g (x), promote g - 1 (y), issue g + 1 (y), promote g
-                    x = _issue(a_bufs, b_bufs, ready, base + g, BOX, x_free)
-                    x_a, x_b = _scales(as_bufs, bs_bufs, base + g, g, BOX, layout)
+                    x_a, x_b = _scales(a_s_rows, b_s, g, stride_asg, stride_bsg)
+                    next_a, next_b = _scales(a_s_rows, b_s, g + 1, stride_asg, stride_bsg)
+                    x = _issue(a_bufs, b_bufs, ready, base + g, PART, x_free)
                     acc += y_free * (y_a * y_b)[:, None]
-                    y = _issue(a_bufs, b_bufs, ready, base + g + 1, BOX, y_free)
-                    y_a, y_b = _scales(as_bufs, bs_bufs, base + g + 1, g + 1, BOX, layout)
+                    y = _issue(a_bufs, b_bufs, ready, base + g + 1, PART, y_free)
                     x_free = _finish(x, 1, empty, base + g)
                     acc += x_free * (x_a * x_b)[:, None]
                     y_free = _finish(y, 0, empty, base + g + 1)
+                    y_a, y_b = next_a, next_b
                 acc += y_free * (y_a * y_b)[:, None]
                 if groups % 2 == 0:  # the last group is left
-                    x = _issue(a_bufs, b_bufs, ready, base + groups - 1, BOX, x_free)
-                    x_a, x_b = _scales(as_bufs, bs_bufs, base + groups - 1, groups - 1, BOX, layout)
+                    x_a, x_b = _scales(a_s_rows, b_s, groups - 1, stride_asg, stride_bsg)
+                    x = _issue(a_bufs, b_bufs, ready, base + groups - 1, PART, x_free)
                     x_free = _finish(x, 0, empty, base + groups - 1)
                     acc += x_free * (x_a * x_b)[:, None]
             else:  # one group at a time; the other warpgroups fill the tensor cores meanwhile
                 for g in range(groups):
-                    x = _issue(a_bufs, b_bufs, ready, base + g, BOX, x_free)
-                    a_scale, b_scale = _scales(as_bufs, bs_bufs, base + g, g, BOX, layout)
+                    a_scale, b_scale = _scales(a_s_rows, b_s, g, stride_asg, stride_bsg)
+                    x = _issue(a_bufs, b_bufs, ready, base + g, PART, x_free)
                     x_free = _finish(x, 0, empty, base + g)
                     acc += x_free * (a_scale * b_scale)[:, None]
             step += groups
-            _store(acc, c_desc, c_smem, bias_ptr, off_m, off_n, N, HAS_BIAS)
-            if SLABS == 2:
-                _store(acc2, c_desc, c_smem, bias_ptr, off_m + ROWS, off_n, N, HAS_BIAS)
+            if HAS_BIAS:
+                cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+                acc += gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
+            tma.store_wait(0)  # the previous tile's store has read c_smem
+            c_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            _tma_store(c_desc, [off_m, off_n], c_smem)  # rows past M and columns past N are clipped
         tma.store_wait(0)
 
     @gluon.jit
-    def _store(acc, c_desc, c_smem, bias_ptr, off_m, off_n, N, HAS_BIAS: gl.constexpr):
-        """acc (+ bias) into the output at (off_m, off_n) through c_smem, once the previous store has
-        read it; rows past M and columns past N are clipped by the TMA store."""
-        BLOCK_N: gl.constexpr = acc.type.shape[1]
-        if HAS_BIAS:
-            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
-            acc += gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
-        tma.store_wait(0)
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        _tma_store(c_desc, [off_m, off_n], c_smem)
-
-    @gluon.jit
-    def _gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, bias_ptr, M, N, K, HAS_BIAS: gl.constexpr,
-                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr,
-                     SLABS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-        BOXES: gl.constexpr = CONSUMERS * SLABS
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES * BOXES] + a_desc.block_type.shape, a_desc.layout)
+    def _gemm_kernel(a_desc, b_desc, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm, stride_asg, stride_bsn,
+                     stride_bsg, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                     OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     PRODUCER_REGS: gl.constexpr):
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES * CONSUMERS] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-        as_bufs = gl.allocate_shared_memory(as_desc.dtype, [STAGES * BOXES] + as_desc.block_type.shape,
-                                            as_desc.layout)
-        # TMA writes shared memory at 128-byte aligned addresses: the weight scales' 16-byte box
-        # takes the first row of a 128-byte slot.
-        bs_bufs = gl.allocate_shared_memory(bs_desc.dtype, [STAGES, 8, 4], bs_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -327,29 +238,23 @@ if IMPORT_ERROR is None:
         # The default partition (the kernel's own 4 warps) is the first consumer.
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_consume, (a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_desc, bias_ptr, M, N, K, 0, HAS_BIAS,
-                            GROUP_M, OVERLAP, SLABS)),
-                (_consume, (a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_desc, bias_ptr, M, N, K, 1, HAS_BIAS,
-                            GROUP_M, OVERLAP, SLABS)),
-                (_produce, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N, K,
-                            GROUP_M)),
+                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
+                            stride_asg, stride_bsn, stride_bsg, 0, HAS_BIAS, GROUP_M, OVERLAP)),
+                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
+                            stride_asg, stride_bsn, stride_bsg, 1, HAS_BIAS, GROUP_M, OVERLAP)),
+                (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
             gl.warp_specialize([
-                (_consume, (a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_desc, bias_ptr, M, N, K, 0, HAS_BIAS,
-                            GROUP_M, OVERLAP, SLABS)),
-                (_consume, (a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_desc, bias_ptr, M, N, K, 1, HAS_BIAS,
-                            GROUP_M, OVERLAP, SLABS)),
-                (_consume, (a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_desc, bias_ptr, M, N, K, 2, HAS_BIAS,
-                            GROUP_M, OVERLAP, SLABS)),
-                (_produce, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N, K,
-                            GROUP_M)),
+                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
+                            stride_asg, stride_bsn, stride_bsg, 0, HAS_BIAS, GROUP_M, OVERLAP)),
+                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
+                            stride_asg, stride_bsn, stride_bsg, 1, HAS_BIAS, GROUP_M, OVERLAP)),
+                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
+                            stride_asg, stride_bsn, stride_bsg, 2, HAS_BIAS, GROUP_M, OVERLAP)),
+                (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
-
-
-if IMPORT_ERROR is None:  # scales land unswizzled: 16-byte rows, one row of SCALE_GROUPS groups
-    _SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 def _layout(block_shape, dtype: torch.dtype):
@@ -366,26 +271,23 @@ def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None):
     sms = _num_sms(out.device.index or 0) if out.device.type == "cuda" else 132
     cfg = {**pick_config(m, n, sms), **(config or {})}
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    if bm not in _WARPGROUPS or bn not in (64, 128):
-        raise ValueError(f"tiles are 128, 192 or 256 rows by 64 or 128 columns; got {bm}x{bn}")
-    consumers, slabs = _WARPGROUPS[bm]
-    if cfg["OVERLAP"] and (consumers, slabs) != (2, 1):
-        raise ValueError("the overlapped loop keeps three 64 x BLOCK_N fp32 tiles per thread: 128-row tiles only")
+    consumers = bm // 64
+    if bm not in (128, 192) or bn not in (64, 128):
+        raise ValueError(f"tiles are 128 or 192 rows (64 per consumer warpgroup) by 64 or 128 columns; got {bm}x{bn}")
+    if cfg["OVERLAP"] and consumers != 2:
+        raise ValueError("the overlapped loop keeps three 64 x BLOCK_N fp32 tiles per thread: two consumers only")
     a_desc = TensorDescriptor.from_tensor(x_fp8, [64, BLOCK], _layout([64, BLOCK], x_fp8.dtype))
     b_desc = TensorDescriptor.from_tensor(w_fp8, [bn, BLOCK], _layout([bn, BLOCK], w_fp8.dtype))
     c_desc = TensorDescriptor.from_tensor(out, [64, bn], _layout([64, bn], out.dtype))
-    # The scales' boxes: 4 groups (16 bytes) of 64 rows, and of the weight tile's row
-    as_desc = TensorDescriptor.from_tensor(_tma_rows(x_scale), [64, SCALE_GROUPS], _SCALE_LAYOUT)
-    bs_desc = TensorDescriptor.from_tensor(_tma_rows(w_scale), [1, SCALE_GROUPS], _SCALE_LAYOUT)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    args = (a_desc, b_desc, as_desc, bs_desc, c_desc, bias if bias is not None else w_scale, m, n, k)
+    args = (a_desc, b_desc, c_desc, x_scale, w_scale, bias if bias is not None else w_scale, m, n, k,
+            x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1))
     # Registers: at launch every warpgroup (the producer's warp counts as one) gets an equal share
     # of the SM's 64K; setmaxnreg then gives the producer PRODUCER_REGS and the consumers the rest.
     launch = 65536 // ((consumers + 1) * 128) // 8 * 8
     consumer_regs = min(MAX_REGS, (launch * (consumers + 1) - PRODUCER_REGS) // consumers // 8 * 8)
     meta = dict(HAS_BIAS=bias is not None, GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], OVERLAP=cfg["OVERLAP"],
-                CONSUMERS=consumers, SLABS=slabs, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
-                maxnreg=launch)
+                CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=launch)
     return (min(tiles, sms),), args, meta
 
 
