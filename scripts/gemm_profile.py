@@ -1,7 +1,7 @@
 """Run one large-M GEMM a few times, for a profiler (Nsight Compute) to pick up:
 
     ncu --kernel-name regex:'_gemm_kernel|sm90_fp8_gemm' --launch-skip 3 --launch-count 1 \
-        --section WarpStateStats python scripts/gemm_profile.py --kernel gluon --config '{"BLOCK_M": 256}'
+        --section WarpStateStats python scripts/gemm_profile.py --kernel gluon --config '{"BLOCK_M": 192, "OVERLAP": false}'
 
 --kernel gluon (fp8compile's Gluon GEMM, --config on top of gluon_gemm.CONFIG) or deep_gemm.
 """
