@@ -421,9 +421,11 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
                     except Exception as e:
                         print(f"    {cfg}: failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
                         agrees = False
-                    us = _time_us([lambda q=q: triton_gemm.gemm_large_m(*x_q[layout], *q, config=cfg) for q in w8[:2]])
+                    # a candidate that fails or disagrees is not timed: no time, TFLOP/s or ratio for it
+                    us = agrees and _time_us([lambda q=q: triton_gemm.gemm_large_m(*x_q[layout], *q, config=cfg)
+                                              for q in w8[:2]]) or None
                     results["large_m"].append(dict(n=n, k=k, m=m, **{"persistent": 0, **cfg},
-                                                   scales=layout, agrees=agrees, us=us if agrees else None,
+                                                   scales=layout, agrees=agrees, us=us,
                                                    tflops=us and 2 * m * n * k / us / 1e6, deep_gemm_us=dg,
                                                    vs_deep_gemm=us and dg and dg / us))
             for m in (64, 128, 256, 512, 1024, 2048) if "tiles" in kernels else ():
