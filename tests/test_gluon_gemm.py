@@ -15,7 +15,16 @@ ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
 needs_gluon = pytest.mark.skipif(gluon_gemm.IMPORT_ERROR is not None, reason=str(gluon_gemm.IMPORT_ERROR))
 needs_hopper = pytest.mark.skipif(not ON_HOPPER or gluon_gemm.IMPORT_ERROR is not None,
                                   reason="needs an sm_90 GPU and Gluon")
-CONFIGS = {"overlapped_128_rows": gluon_gemm.CONFIG, "tall_192_rows": gluon_gemm.TALL_CONFIG}
+CONFIGS = {
+    "overlapped_128_rows": gluon_gemm.CONFIG,
+    "tall_192_rows": gluon_gemm.TALL_CONFIG,
+    # two K groups per ring buffer (one barrier wait and one release per pair); K with an odd
+    # number of groups falls back to one per buffer
+    "overlapped_two_groups_per_buffer": {**gluon_gemm.CONFIG, "STAGE_GROUPS": 2, "STAGES": 3},
+    "tall_two_groups_per_buffer": {**gluon_gemm.TALL_CONFIG, "STAGE_GROUPS": 2, "STAGES": 2},
+    # two 64-row slabs per consumer warpgroup, one after the other on one register tile
+    "two_slabs_256_rows": dict(BLOCK_M=256, BLOCK_N=128, STAGES=2, STAGE_GROUPS=2, GROUP_M=8, OVERLAP=False),
+}
 
 
 @needs_gluon
@@ -47,9 +56,9 @@ def test_configs_outside_the_kernels_design_are_refused():
     w = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
     scales = torch.empty(256, 2), torch.empty(2, 2)
     out = torch.empty(256, 256, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="128 or 192 rows"):
-        gluon_gemm.launch_args(x, scales[0], w, scales[1], None, out, dict(BLOCK_M=256))
-    with pytest.raises(ValueError, match="two consumers only"):
+    with pytest.raises(ValueError, match="128, 192 or 256 rows"):
+        gluon_gemm.launch_args(x, scales[0], w, scales[1], None, out, dict(BLOCK_M=320))
+    with pytest.raises(ValueError, match="two consumers of one slab only"):
         gluon_gemm.launch_args(x, scales[0], w, scales[1], None, out, dict(BLOCK_M=192, OVERLAP=True))
 
 

@@ -65,6 +65,8 @@ TALL_CONFIG = dict(BLOCK_M=192, BLOCK_N=128, STAGES=4, GROUP_M=16, OVERLAP=False
 # A 192-row tile takes this many times a 128-row tile's time (same probe, two shapes whose waves
 # are full either way: 1.41 and 1.42); pick_config compares whole waves with it.
 TALL_TILE_COST = 1.42
+# tile rows: (consumer warpgroups, 64-row slabs per consumer)
+_WARPGROUPS = {128: (2, 1), 192: (3, 1), 256: (2, 2)}
 MAX_REGS = 240  # per thread for a consumer warpgroup after setmaxnreg (the hardware's cap is 256)
 PRODUCER_REGS = 24  # the producer warp only computes addresses
 
@@ -102,33 +104,45 @@ if IMPORT_ERROR is None:
         return first_m + (tile % in_group) % size_m, (tile % in_group) // size_m
 
     @gluon.jit
-    def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M: gl.constexpr):
+    def _advance(s, phase, STAGES: gl.constexpr):
+        """The ring buffer after s, and the phase its barriers are in: it flips each pass over the ring.
+        Carried through the loops rather than derived from a step count, whose signed division and
+        modulo cost a dozen instructions at every barrier wait."""
+        wrap = (s == STAGES - 1).to(gl.int32)
+        return (s + 1) * (1 - wrap), phase ^ wrap
+
+    @gluon.jit
+    def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M: gl.constexpr,
+                 STAGE_GROUPS: gl.constexpr):
         """Producer warp: every K group of every tile of this program, into the buffer ring. A
-        buffer holds one 64-row activation box per consumer and the weight tile."""
+        buffer holds STAGE_GROUPS K groups, each the tile's activation rows as 64-row boxes and the
+        weight tile, behind one `ready` barrier."""
         ROWS: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-        STAGES: gl.constexpr = b_bufs.type.shape[0]
-        CONSUMERS: gl.constexpr = a_bufs.type.shape[0] // STAGES
-        BLOCK_M: gl.constexpr = CONSUMERS * ROWS
+        STAGES: gl.constexpr = ready.shape[0]
+        BOXES: gl.constexpr = a_bufs.type.shape[0] // b_bufs.type.shape[0]  # 64-row activation boxes per tile
+        BLOCK_M: gl.constexpr = BOXES * ROWS
+        BYTES: gl.constexpr = STAGE_GROUPS * (BOXES * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
         num_m = gl.cdiv(M, BLOCK_M)
         num_n = gl.cdiv(N, BLOCK_N)
-        step = 0
+        s = 0
+        phase = 0
         for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
-            for g in range(K // BLOCK_K):
-                s = step % STAGES
+            for g in range(0, K // BLOCK_K, STAGE_GROUPS):
                 # A fresh mbarrier counts as having completed the phase before 0: the first
                 # pass over the ring does not wait.
-                mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
+                mbarrier.wait(empty.index(s), phase ^ 1)
                 bar = ready.index(s)
-                mbarrier.expect(bar, CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                mbarrier.expect(bar, BYTES)
                 # Rows past M or N arrive as zeros (and still count their bytes).
-                for part in gl.static_range(CONSUMERS):
-                    _tma_load(a_desc, [pid_m * BLOCK_M + part * ROWS, g * BLOCK_K], bar,
-                              a_bufs.index(s * CONSUMERS + part))
-                _tma_load(b_desc, [pid_n * BLOCK_N, g * BLOCK_K], bar, b_bufs.index(s))
-                step += 1
+                for j in gl.static_range(STAGE_GROUPS):
+                    for box in gl.static_range(BOXES):
+                        _tma_load(a_desc, [pid_m * BLOCK_M + box * ROWS, (g + j) * BLOCK_K], bar,
+                                  a_bufs.index((s * STAGE_GROUPS + j) * BOXES + box))
+                    _tma_load(b_desc, [pid_n * BLOCK_N, (g + j) * BLOCK_K], bar, b_bufs.index(s * STAGE_GROUPS + j))
+                s, phase = _advance(s, phase, STAGES)
 
     @gluon.jit
     def _scales(a_s_rows, b_s, g, stride_asg, stride_bsg):
@@ -136,32 +150,45 @@ if IMPORT_ERROR is None:
         return gl.load(a_s_rows + g * stride_asg), gl.load(b_s + g * stride_bsg)
 
     @gluon.jit
-    def _issue(a_bufs, b_bufs, ready, step, PART: gl.constexpr, into):
-        """Wait for buffer `step`'s tiles and start this warpgroup's wgmma on them (into's registers)."""
-        STAGES: gl.constexpr = b_bufs.type.shape[0]
-        CONSUMERS: gl.constexpr = a_bufs.type.shape[0] // STAGES
-        s = step % STAGES
-        mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-        return warpgroup_mma(a_bufs.index(s * CONSUMERS + PART), b_bufs.index(s).permute((1, 0)), into,
+    def _mma(a_bufs, b_bufs, buf, BOX: gl.constexpr, into):
+        """Start a wgmma of activation box BOX of K-group buffer `buf` by its weight tile (into's
+        registers, overwritten)."""
+        BOXES: gl.constexpr = a_bufs.type.shape[0] // b_bufs.type.shape[0]
+        return warpgroup_mma(a_bufs.index(buf * BOXES + BOX), b_bufs.index(buf).permute((1, 0)), into,
                              use_acc=False, is_async=True)
 
     @gluon.jit
-    def _finish(pending, outstanding: gl.constexpr, empty, step):
-        """Wait for `pending` (leaving `outstanding` younger wgmmas in flight) and release its buffer."""
+    def _issue(a_bufs, b_bufs, ready, s, phase, BOX: gl.constexpr, into):
+        """Wait for ring buffer s's tiles (one K group) and start the wgmma of its box BOX."""
+        mbarrier.wait(ready.index(s), phase)
+        return _mma(a_bufs, b_bufs, s, BOX, into)
+
+    @gluon.jit
+    def _pinned(t):
+        """t, computed here: an empty asm statement with side effects that reads and rewrites it
+        (no instruction). Without it LLVM sinks the first slab's promotion below the second slab's
+        wgmma, whose register tile is then live beside three others, and ptxas spills."""
+        return gl.inline_asm_elementwise("", "=r,0", [t], dtype=gl.float32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _finish(pending, outstanding: gl.constexpr, empty, s):
+        """Wait for `pending` (leaving `outstanding` younger wgmmas in flight) and release buffer s."""
         done = warpgroup_mma_wait(num_outstanding=outstanding, deps=(pending, ))
-        mbarrier.arrive(empty.index(step % empty.shape[0]), count=1)
+        mbarrier.arrive(empty.index(s), count=1)
         return done
 
     @gluon.jit
     def _consume(a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm, stride_asg,
                  stride_bsn, stride_bsg, PART: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                 OVERLAP: gl.constexpr):
-        """One consumer warpgroup: rows [PART * 64, PART * 64 + 64) of every tile of this program."""
-        STAGES: gl.constexpr = b_bufs.type.shape[0]
+                 OVERLAP: gl.constexpr, STAGE_GROUPS: gl.constexpr, SLABS: gl.constexpr):
+        """One consumer warpgroup: its SLABS 64-row slabs, from row PART * SLABS * 64, of every tile
+        of this program."""
+        STAGES: gl.constexpr = ready.shape[0]
         ROWS: gl.constexpr = a_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
         BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-        BLOCK_M: gl.constexpr = a_bufs.type.shape[0] // STAGES * ROWS
+        BLOCK_M: gl.constexpr = a_bufs.type.shape[0] // b_bufs.type.shape[0] * ROWS
+        BOX: gl.constexpr = PART * SLABS  # this warpgroup's first activation box in a K-group buffer
         # wgmma: 16-row instructions, one warpgroup of 4 warps stacked along M; k = 32 for FP8.
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
@@ -171,10 +198,11 @@ if IMPORT_ERROR is None:
         groups = K // BLOCK_K
         x_free = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)  # the wgmmas' register tiles
         y_free = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
-        step = 0
+        s = 0
+        phase = 0
         for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
-            off_m = pid_m * BLOCK_M + PART * ROWS
+            off_m = pid_m * BLOCK_M + BOX * ROWS
             off_n = pid_n * BLOCK_N
             rows = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
             # Rows past M read the last row's scales; their outputs are never stored.
@@ -182,38 +210,92 @@ if IMPORT_ERROR is None:
             # BLOCK_N divides the 128-row weight block: one weight scale per (tile, group).
             b_s = b_s_ptr + (off_n // BLOCK_K) * stride_bsn
             acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
-            base = step
-            if OVERLAP:
-                # Two register tiles, x and y, take the groups in turn, and each is promoted while
-                # the other's wgmma runs. No wgmma is in flight across the loop's back edge: LLVM's
-                # copies there would touch its registers, and ptxas then serializes every wgmma.
-                # Scales load at the top of an iteration and are used after a wgmma.
+            if SLABS == 2:
+                # Two slabs, one register tile for the wgmmas: per K group the first slab's wgmma
+                # runs and is promoted, then the second's (a fourth 64 x BLOCK_N fp32 tile per
+                # thread does not fit); the other warpgroup's wgmmas fill the tensor cores meanwhile.
+                a_s_rows2 = a_s_ptr + gl.minimum(rows + ROWS, M - 1) * stride_asm
+                acc2 = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
+                for g in range(0, groups, STAGE_GROUPS):
+                    mbarrier.wait(ready.index(s), phase)
+                    for j in gl.static_range(STAGE_GROUPS):
+                        a_scale, b_scale = _scales(a_s_rows, b_s, g + j, stride_asg, stride_bsg)
+                        a_scale2 = gl.load(a_s_rows2 + (g + j) * stride_asg)
+                        x = _mma(a_bufs, b_bufs, s * STAGE_GROUPS + j, BOX, x_free)
+                        x_free = warpgroup_mma_wait(num_outstanding=0, deps=(x, ))
+                        acc = _pinned(acc + x_free * (a_scale * b_scale)[:, None])
+                        x = _mma(a_bufs, b_bufs, s * STAGE_GROUPS + j, BOX + 1, x_free)
+                        if j == STAGE_GROUPS - 1:
+                            x_free = _finish(x, 0, empty, s)
+                        else:
+                            x_free = warpgroup_mma_wait(num_outstanding=0, deps=(x, ))
+                        acc2 += x_free * (a_scale2 * b_scale)[:, None]
+                    s, phase = _advance(s, phase, STAGES)
+            elif OVERLAP and STAGE_GROUPS == 2:
+                # Two register tiles, x and y, take the two groups of each buffer, and each is
+                # promoted while the other's wgmma runs: y's of the previous buffer while x's runs.
+                # One barrier wait and one release per two groups. No wgmma is in flight across
+                # the loop's back edge: LLVM's copies there would touch its registers, and ptxas
+                # then serializes every wgmma. Scales load at the top of an iteration.
+                x_a, x_b = _scales(a_s_rows, b_s, 0, stride_asg, stride_bsg)
+                y_a, y_b = _scales(a_s_rows, b_s, 1, stride_asg, stride_bsg)
+                mbarrier.wait(ready.index(s), phase)
+                x = _mma(a_bufs, b_bufs, 2 * s, BOX, x_free)
+                y = _mma(a_bufs, b_bufs, 2 * s + 1, BOX, y_free)
+                x_free = warpgroup_mma_wait(num_outstanding=1, deps=(x, ))
+                acc += x_free * (x_a * x_b)[:, None]
+                y_free = _finish(y, 0, empty, s)
+                s, phase = _advance(s, phase, STAGES)
+                for g in range(2, groups, 2):  # issue g (x), promote g - 1 (y), issue g + 1 (y), promote g
+                    x_a, x_b = _scales(a_s_rows, b_s, g, stride_asg, stride_bsg)
+                    next_a, next_b = _scales(a_s_rows, b_s, g + 1, stride_asg, stride_bsg)
+                    mbarrier.wait(ready.index(s), phase)
+                    x = _mma(a_bufs, b_bufs, 2 * s, BOX, x_free)
+                    acc += y_free * (y_a * y_b)[:, None]
+                    y = _mma(a_bufs, b_bufs, 2 * s + 1, BOX, y_free)
+                    x_free = warpgroup_mma_wait(num_outstanding=1, deps=(x, ))
+                    acc += x_free * (x_a * x_b)[:, None]
+                    y_free = _finish(y, 0, empty, s)
+                    s, phase = _advance(s, phase, STAGES)
+                    y_a, y_b = next_a, next_b
+                acc += y_free * (y_a * y_b)[:, None]
+            elif OVERLAP:
+                # As above with one group per buffer: each group waits for and releases its own.
                 y_a, y_b = _scales(a_s_rows, b_s, 0, stride_asg, stride_bsg)
-                y = _issue(a_bufs, b_bufs, ready, base, PART, y_free)
-                y_free = _finish(y, 0, empty, base)  # group 0: before the loop, not overlapped
+                y = _issue(a_bufs, b_bufs, ready, s, phase, BOX, y_free)
+                y_free = _finish(y, 0, empty, s)  # group 0: before the loop, not overlapped
+                s, phase = _advance(s, phase, STAGES)
                 for g in range(1, groups - 1, 2):  # issue g (x), promote g - 1 (y), issue g + 1 (y), promote g
                     x_a, x_b = _scales(a_s_rows, b_s, g, stride_asg, stride_bsg)
                     next_a, next_b = _scales(a_s_rows, b_s, g + 1, stride_asg, stride_bsg)
-                    x = _issue(a_bufs, b_bufs, ready, base + g, PART, x_free)
+                    s_y, phase_y = _advance(s, phase, STAGES)
+                    x = _issue(a_bufs, b_bufs, ready, s, phase, BOX, x_free)
                     acc += y_free * (y_a * y_b)[:, None]
-                    y = _issue(a_bufs, b_bufs, ready, base + g + 1, PART, y_free)
-                    x_free = _finish(x, 1, empty, base + g)
+                    y = _issue(a_bufs, b_bufs, ready, s_y, phase_y, BOX, y_free)
+                    x_free = _finish(x, 1, empty, s)
                     acc += x_free * (x_a * x_b)[:, None]
-                    y_free = _finish(y, 0, empty, base + g + 1)
+                    y_free = _finish(y, 0, empty, s_y)
+                    s, phase = _advance(s_y, phase_y, STAGES)
                     y_a, y_b = next_a, next_b
                 acc += y_free * (y_a * y_b)[:, None]
                 if groups % 2 == 0:  # the last group is left
                     x_a, x_b = _scales(a_s_rows, b_s, groups - 1, stride_asg, stride_bsg)
-                    x = _issue(a_bufs, b_bufs, ready, base + groups - 1, PART, x_free)
-                    x_free = _finish(x, 0, empty, base + groups - 1)
+                    x = _issue(a_bufs, b_bufs, ready, s, phase, BOX, x_free)
+                    x_free = _finish(x, 0, empty, s)
+                    s, phase = _advance(s, phase, STAGES)
                     acc += x_free * (x_a * x_b)[:, None]
             else:  # one group at a time; the other warpgroups fill the tensor cores meanwhile
-                for g in range(groups):
-                    a_scale, b_scale = _scales(a_s_rows, b_s, g, stride_asg, stride_bsg)
-                    x = _issue(a_bufs, b_bufs, ready, base + g, PART, x_free)
-                    x_free = _finish(x, 0, empty, base + g)
-                    acc += x_free * (a_scale * b_scale)[:, None]
-            step += groups
+                for g in range(0, groups, STAGE_GROUPS):
+                    mbarrier.wait(ready.index(s), phase)
+                    for j in gl.static_range(STAGE_GROUPS):
+                        a_scale, b_scale = _scales(a_s_rows, b_s, g + j, stride_asg, stride_bsg)
+                        x = _mma(a_bufs, b_bufs, s * STAGE_GROUPS + j, BOX, x_free)
+                        if j == STAGE_GROUPS - 1:
+                            x_free = _finish(x, 0, empty, s)
+                        else:
+                            x_free = warpgroup_mma_wait(num_outstanding=0, deps=(x, ))
+                        acc += x_free * (a_scale * b_scale)[:, None]
+                    s, phase = _advance(s, phase, STAGES)
             if HAS_BIAS:
                 cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
                 acc += gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
@@ -221,15 +303,28 @@ if IMPORT_ERROR is None:
             c_smem.store(acc.to(c_desc.dtype))
             fence_async_shared()
             _tma_store(c_desc, [off_m, off_n], c_smem)  # rows past M and columns past N are clipped
+            if SLABS == 2:
+                if HAS_BIAS:
+                    acc2 += gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
+                tma.store_wait(0)
+                c_smem.store(acc2.to(c_desc.dtype))
+                fence_async_shared()
+                _tma_store(c_desc, [off_m + ROWS, off_n], c_smem)
         tma.store_wait(0)
 
     @gluon.jit
     def _gemm_kernel(a_desc, b_desc, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm, stride_asg, stride_bsn,
                      stride_bsg, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                     OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr):
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES * CONSUMERS] + a_desc.block_type.shape, a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+                     OVERLAP: gl.constexpr, STAGE_GROUPS: gl.constexpr, CONSUMERS: gl.constexpr,
+                     SLABS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        # STAGES ring buffers of STAGE_GROUPS K groups; the tiles of K group j of buffer s sit at
+        # index s * STAGE_GROUPS + j (times CONSUMERS * SLABS, plus the box, for the 64-row
+        # activation boxes: consumer c's slabs are boxes c * SLABS ...).
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype,
+                                           [STAGES * STAGE_GROUPS * CONSUMERS * SLABS] + a_desc.block_type.shape,
+                                           a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES * STAGE_GROUPS] + b_desc.block_type.shape,
+                                           b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -239,21 +334,21 @@ if IMPORT_ERROR is None:
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
-                            stride_asg, stride_bsn, stride_bsg, 0, HAS_BIAS, GROUP_M, OVERLAP)),
+                            stride_asg, stride_bsn, stride_bsg, 0, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, SLABS)),
                 (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
-                            stride_asg, stride_bsn, stride_bsg, 1, HAS_BIAS, GROUP_M, OVERLAP)),
-                (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M)),
+                            stride_asg, stride_bsn, stride_bsg, 1, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, SLABS)),
+                (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M, STAGE_GROUPS)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
             gl.warp_specialize([
                 (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
-                            stride_asg, stride_bsn, stride_bsg, 0, HAS_BIAS, GROUP_M, OVERLAP)),
+                            stride_asg, stride_bsn, stride_bsg, 0, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, SLABS)),
                 (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
-                            stride_asg, stride_bsn, stride_bsg, 1, HAS_BIAS, GROUP_M, OVERLAP)),
+                            stride_asg, stride_bsn, stride_bsg, 1, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, SLABS)),
                 (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
-                            stride_asg, stride_bsn, stride_bsg, 2, HAS_BIAS, GROUP_M, OVERLAP)),
-                (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M)),
+                            stride_asg, stride_bsn, stride_bsg, 2, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, SLABS)),
+                (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M, STAGE_GROUPS)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -271,11 +366,18 @@ def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None):
     sms = _num_sms(out.device.index or 0) if out.device.type == "cuda" else 132
     cfg = {**pick_config(m, n, sms), **(config or {})}
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    consumers = bm // 64
-    if bm not in (128, 192) or bn not in (64, 128):
-        raise ValueError(f"tiles are 128 or 192 rows (64 per consumer warpgroup) by 64 or 128 columns; got {bm}x{bn}")
-    if cfg["OVERLAP"] and consumers != 2:
-        raise ValueError("the overlapped loop keeps three 64 x BLOCK_N fp32 tiles per thread: two consumers only")
+    if bm not in _WARPGROUPS or bn not in (64, 128):
+        raise ValueError(f"tiles are 128, 192 or 256 rows (64-row slabs: 2 or 3 consumer warpgroups of one, or 2 of "
+                         f"two) by 64 or 128 columns; got {bm}x{bn}")
+    consumers, slabs = _WARPGROUPS[bm]
+    if cfg["OVERLAP"] and (consumers, slabs) != (2, 1):
+        raise ValueError("the overlapped loop keeps three 64 x BLOCK_N fp32 tiles per thread: two consumers of one "
+                         "slab only")
+    stage_groups = cfg.get("STAGE_GROUPS", 1)
+    if stage_groups not in (1, 2):
+        raise ValueError(f"a ring buffer holds one or two K groups; got STAGE_GROUPS={stage_groups}")
+    if k // BLOCK % stage_groups:
+        stage_groups = 1  # an odd number of K groups: one per buffer (the same bits)
     a_desc = TensorDescriptor.from_tensor(x_fp8, [64, BLOCK], _layout([64, BLOCK], x_fp8.dtype))
     b_desc = TensorDescriptor.from_tensor(w_fp8, [bn, BLOCK], _layout([bn, BLOCK], w_fp8.dtype))
     c_desc = TensorDescriptor.from_tensor(out, [64, bn], _layout([64, bn], out.dtype))
@@ -287,7 +389,7 @@ def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None):
     launch = 65536 // ((consumers + 1) * 128) // 8 * 8
     consumer_regs = min(MAX_REGS, (launch * (consumers + 1) - PRODUCER_REGS) // consumers // 8 * 8)
     meta = dict(HAS_BIAS=bias is not None, GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], OVERLAP=cfg["OVERLAP"],
-                CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=launch)
+                STAGE_GROUPS=stage_groups, CONSUMERS=consumers, SLABS=slabs, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=launch)
     return (min(tiles, sms),), args, meta
 
 
