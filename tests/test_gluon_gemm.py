@@ -16,14 +16,11 @@ needs_gluon = pytest.mark.skipif(gluon_gemm.IMPORT_ERROR is not None, reason=str
 needs_hopper = pytest.mark.skipif(not ON_HOPPER or gluon_gemm.IMPORT_ERROR is not None,
                                   reason="needs an sm_90 GPU and Gluon")
 CONFIGS = {
-    "overlapped_128_rows": gluon_gemm.CONFIG,
-    "tall_192_rows": gluon_gemm.TALL_CONFIG,
-    # two K groups per ring buffer (one barrier wait and one release per pair); K with an odd
-    # number of groups falls back to one per buffer
-    "overlapped_two_groups_per_buffer": {**gluon_gemm.CONFIG, "STAGE_GROUPS": 2, "STAGES": 3},
-    "tall_two_groups_per_buffer": {**gluon_gemm.TALL_CONFIG, "STAGE_GROUPS": 2, "STAGES": 2},
-    # two 64-row slabs per consumer warpgroup, one after the other on one register tile
-    "two_slabs_256_rows": dict(BLOCK_M=256, BLOCK_N=128, STAGES=2, STAGE_GROUPS=2, GROUP_M=8, OVERLAP=False),
+    "two_groups_per_buffer_128_rows": gluon_gemm.CONFIG,
+    "two_groups_per_buffer_192_rows": gluon_gemm.TALL_CONFIG,
+    # each consumer keeps one wgmma in flight while it promotes the buffer's other group
+    "overlapped_128_rows": {**gluon_gemm.CONFIG, "OVERLAP": True, "STAGES": 3},
+    "one_group_per_buffer_128_rows": {**gluon_gemm.CONFIG, "STAGE_GROUPS": 1, "STAGES": 4},
 }
 
 
@@ -41,6 +38,17 @@ def test_kernel_compiles_for_hopper_without_spills_or_serialized_wgmma(config):
     assert kernel.metadata.shared <= 227 * 1024  # what an sm_90 block may use
 
 
+@needs_gluon
+def test_two_groups_per_buffer_wait_and_sync_once_per_pair_in_the_main_loop():
+    """The point of STAGE_GROUPS = 2, read from the SASS: the consumers' main loop covers two K
+    groups (8 wgmma of 64 x 128 x 32) with one mbarrier wait, and the warpgroup bar.sync that
+    Triton puts before each mbarrier wait and release comes twice, not four times."""
+    report = gluon_gemm.main_loop_report(gluon_gemm.compile_sm90(m=4096, n=4096, k=14336).asm["cubin"])
+    counts = {name: int(n) for n, name in re.findall(r"(\d+) (wgmma|FFMA|bar\.sync|mbarrier waits)", report)}
+    assert counts["wgmma"] == 8 and counts["FFMA"] == 128, report
+    assert counts["mbarrier waits"] == 1 and counts["bar.sync"] <= 2, report
+
+
 def test_tall_tiles_are_chosen_where_their_waves_cost_less():
     """pick_config compares whole waves of persistent programs (132 SMs): 192-row tiles on
     24576 x 1536 at M = 4096 (32 full waves against 47), 128-row ones on N = 4096 at M = 4096
@@ -56,10 +64,29 @@ def test_configs_outside_the_kernels_design_are_refused():
     w = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
     scales = torch.empty(256, 2), torch.empty(2, 2)
     out = torch.empty(256, 256, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="128, 192 or 256 rows"):
-        gluon_gemm.launch_args(x, scales[0], w, scales[1], None, out, dict(BLOCK_M=320))
-    with pytest.raises(ValueError, match="two consumers of one slab only"):
+    with pytest.raises(ValueError, match="128 or 192 rows"):
+        gluon_gemm.launch_args(x, scales[0], w, scales[1], None, out, dict(BLOCK_M=256))
+    with pytest.raises(ValueError, match="two consumers only"):
         gluon_gemm.launch_args(x, scales[0], w, scales[1], None, out, dict(BLOCK_M=192, OVERLAP=True))
+    with pytest.raises(ValueError, match="STAGE_GROUPS=2 only"):
+        gluon_gemm.launch_args(x, scales[0], w, scales[1], None, out, dict(OVERLAP=True, STAGE_GROUPS=1))
+    with pytest.raises(ValueError, match="one or two K groups"):
+        gluon_gemm.launch_args(x, scales[0], w, scales[1], None, out, dict(STAGE_GROUPS=4))
+
+
+@needs_gluon
+@pytest.mark.parametrize("config", [gluon_gemm.CONFIG, {**gluon_gemm.CONFIG, "OVERLAP": True}])
+def test_an_odd_number_of_k_groups_takes_one_group_per_buffer_in_as_many_buffers(config):
+    """Two groups per buffer need an even count of 128-wide K groups; otherwise the launch falls
+    back to one per buffer, with twice the buffers (the same shared memory) and no overlap."""
+    def meta(k):
+        x, w = torch.empty(256, k, dtype=torch.float8_e4m3fn), torch.empty(256, k, dtype=torch.float8_e4m3fn)
+        scales = torch.empty(256, k // 128), torch.empty(2, k // 128)
+        return gluon_gemm.launch_args(x, scales[0], w, scales[1], None, torch.empty(256, 256), config)[2]
+
+    even, odd = meta(1024), meta(640)
+    assert (even["STAGE_GROUPS"], even["STAGES"], even["OVERLAP"]) == (2, config["STAGES"], config["OVERLAP"])
+    assert (odd["STAGE_GROUPS"], odd["STAGES"], odd["OVERLAP"]) == (1, 2 * config["STAGES"], False)
 
 
 def test_why_not_names_what_the_kernel_cannot_do():
@@ -84,10 +111,11 @@ def test_why_not_names_what_the_kernel_cannot_do():
 @pytest.mark.parametrize("m, n, k", [(1, 256, 128), (7, 2112, 768), (600, 384, 640), (1000, 4096, 1024)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_the_reference_and_the_triton_kernel_bit_for_bit(config, m, n, k, bias):
-    """K = 128, 640 (1 and 5 groups: the overlapped loop's odd tails), N = 2112 (past the last
-    weight-scale block), M = 1, 7, 600, 1000 (rows past M, past the tile). Same bits as
-    triton_gemm's kernel: every output element is the same sequence of 128-wide fp32 products,
-    each scaled and added in K order, so the two large-M kernels are interchangeable."""
+    """K = 128, 640 (1 and 5 groups: one group per buffer, see below), 768 and 1024 (6 and 8: two
+    per buffer), N = 2112 (past the last weight-scale block), M = 1, 7, 600, 1000 (rows past M,
+    past the tile). Same bits as triton_gemm's kernel: every output element is the same sequence
+    of 128-wide fp32 products, each scaled and added in K order, so the two large-M kernels are
+    interchangeable."""
     x_fp8, x_scale = triton_quant.quant_act(randn(m, k, device=DEVICE))
     w_fp8, w_scale = reference.quant_weight_block(randn(n, k, scale=0.02, device=DEVICE))
     b = randn(n, device=DEVICE) if bias else None

@@ -6,15 +6,17 @@ tensor cores sit idle while the CUDA cores promote (0.60-0.71x DeepGEMM at M = 4
 the kernel say which warps do what:
 
 - one producer warp streams the activation (A) and weight (B) tiles of each K group into a ring
-  of STAGES shared-memory buffers with TMA, and waits on a buffer's `empty` barrier before
-  reusing it;
-- two (or three) consumer warpgroups each own 64 rows of the output tile. Per K group a consumer
-  waits for the buffer's `ready` barrier, runs its wgmma (64 x BLOCK_N x 128, fp32 out),
-  releases the buffer, and promotes: acc += product * (the row's activation scale * the weight
-  scale). The consumers are independent warps, so while one promotes, another's wgmma runs.
+  of STAGES shared-memory buffers with TMA, STAGE_GROUPS K groups per buffer, and waits on a
+  buffer's `empty` barrier before reusing it;
+- two (or three) consumer warpgroups each own 64 rows of the output tile. Per buffer a consumer
+  waits for its `ready` barrier; per K group it runs its wgmma (64 x BLOCK_N x 128, fp32 out) and
+  promotes: acc += product * (the row's activation scale * the weight scale); after the last
+  group's wgmma it releases the buffer. The consumers are independent warps, so while one
+  promotes, another's wgmma runs. Two groups per buffer halve the barrier waits, releases and
+  their warpgroup syncs: 0.79-0.94x DeepGEMM at M = 4096, 0.80-1.11x at 2048
+  (scripts/gluon_probe.py, four runs).
 - With OVERLAP, each consumer also keeps one of its own wgmmas in flight while it promotes the
-  previous group (two register tiles taking groups in turn), so the tensor cores always have
-  queued work: 0.82-0.89x DeepGEMM at M = 4096, 0.86-1.01x at 2048 (scripts/gluon_probe.py).
+  other group of the buffer (two register tiles taking groups in turn).
 
 Numerics are those of triton_gemm's kernel and of the reference, to the bit: every output element
 is the same sequence of 128-wide fp32 products, each scaled once and added in K order, whatever
@@ -52,21 +54,23 @@ else:
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 # H200, scripts/gluon_probe.py (BENCHMARKS.md), DeepGEMM timed in the same runs, M = 2048, 4096:
-# - CONFIG: 128 x 128 tiles, each consumer keeping one wgmma in flight while it promotes the
-#   previous group (OVERLAP): 0.82-0.89x DeepGEMM at M = 4096 (without the overlap 0.75-0.87x);
-#   4 buffers (3: slower, 5: no gain), grouped tile order GROUP_M = 16 (4, 8, 32: none better
-#   overall).
-# - TALL_CONFIG: 192 x 128 tiles, three consumers, one group at a time (three 64 x 128 fp32
-#   tiles per thread do not fit beside three warpgroups): less shared-memory and L2 traffic per
-#   FLOP, 0.86-0.94x where its waves fill the SMs as well (24576 x 1536, 14336 x 4096 at M = 4096),
-#   but 0.77x on N = 4096, K = 7168, where 704 tiles make 5.3 waves on 132 SMs.
-CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, GROUP_M=16, OVERLAP=True)
-TALL_CONFIG = dict(BLOCK_M=192, BLOCK_N=128, STAGES=4, GROUP_M=16, OVERLAP=False)
-# A 192-row tile takes this many times a 128-row tile's time (same probe, two shapes whose waves
-# are full either way: 1.41 and 1.42); pick_config compares whole waves with it.
+# - CONFIG: 128 x 128 tiles, two consumers each taking one K group at a time, two K groups per
+#   ring buffer (STAGE_GROUPS: one barrier wait and one release per pair), 2 buffers (the bytes of
+#   the 4 one-group buffers before), grouped tile order GROUP_M = 16. In four runs 0.995-1.07x the
+#   time of the loop it replaced (one group per buffer, each consumer keeping a wgmma in flight
+#   while it promotes the one before: OVERLAP), 0.79-0.94x DeepGEMM at M = 4096.
+#   OVERLAP on paired buffers (3 of them) is no faster overall: 1.04-1.12x at M = 1024 on three
+#   shapes (one run), 0.95-1.00x on 4096 x 14336; it stays a config.
+# - TALL_CONFIG: 192 x 128 tiles, three consumers (three 64 x 128 fp32 tiles per thread do not
+#   fit beside three warpgroups, so no OVERLAP): less shared-memory and L2 traffic per FLOP,
+#   0.95-0.99x on 24576 x 1536, but 0.82-0.85x on N = 4096, K = 7168 at M = 4096, where 704
+#   tiles make 5.3 waves on 132 SMs.
+CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, STAGE_GROUPS=2, GROUP_M=16, OVERLAP=False)
+TALL_CONFIG = dict(BLOCK_M=192, BLOCK_N=128, STAGES=2, STAGE_GROUPS=2, GROUP_M=16, OVERLAP=False)
+# A 192-row tile takes this many times a 128-row tile's time (same probe, shapes whose waves are
+# full either way: 1.41 and 1.42, and 1.43 with two groups per buffer); pick_config compares whole
+# waves with it.
 TALL_TILE_COST = 1.42
-# tile rows: (consumer warpgroups, 64-row slabs per consumer)
-_WARPGROUPS = {128: (2, 1), 192: (3, 1), 256: (2, 2)}
 MAX_REGS = 240  # per thread for a consumer warpgroup after setmaxnreg (the hardware's cap is 256)
 PRODUCER_REGS = 24  # the producer warp only computes addresses
 
@@ -115,15 +119,15 @@ if IMPORT_ERROR is None:
     def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M: gl.constexpr,
                  STAGE_GROUPS: gl.constexpr):
         """Producer warp: every K group of every tile of this program, into the buffer ring. A
-        buffer holds STAGE_GROUPS K groups, each the tile's activation rows as 64-row boxes and the
+        buffer holds STAGE_GROUPS K groups, each one 64-row activation box per consumer and the
         weight tile, behind one `ready` barrier."""
         ROWS: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
         STAGES: gl.constexpr = ready.shape[0]
-        BOXES: gl.constexpr = a_bufs.type.shape[0] // b_bufs.type.shape[0]  # 64-row activation boxes per tile
-        BLOCK_M: gl.constexpr = BOXES * ROWS
-        BYTES: gl.constexpr = STAGE_GROUPS * (BOXES * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        CONSUMERS: gl.constexpr = a_bufs.type.shape[0] // b_bufs.type.shape[0]
+        BLOCK_M: gl.constexpr = CONSUMERS * ROWS
+        BYTES: gl.constexpr = STAGE_GROUPS * (CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
         num_m = gl.cdiv(M, BLOCK_M)
         num_n = gl.cdiv(N, BLOCK_N)
         s = 0
@@ -138,9 +142,9 @@ if IMPORT_ERROR is None:
                 mbarrier.expect(bar, BYTES)
                 # Rows past M or N arrive as zeros (and still count their bytes).
                 for j in gl.static_range(STAGE_GROUPS):
-                    for box in gl.static_range(BOXES):
-                        _tma_load(a_desc, [pid_m * BLOCK_M + box * ROWS, (g + j) * BLOCK_K], bar,
-                                  a_bufs.index((s * STAGE_GROUPS + j) * BOXES + box))
+                    for part in gl.static_range(CONSUMERS):
+                        _tma_load(a_desc, [pid_m * BLOCK_M + part * ROWS, (g + j) * BLOCK_K], bar,
+                                  a_bufs.index((s * STAGE_GROUPS + j) * CONSUMERS + part))
                     _tma_load(b_desc, [pid_n * BLOCK_N, (g + j) * BLOCK_K], bar, b_bufs.index(s * STAGE_GROUPS + j))
                 s, phase = _advance(s, phase, STAGES)
 
@@ -150,25 +154,12 @@ if IMPORT_ERROR is None:
         return gl.load(a_s_rows + g * stride_asg), gl.load(b_s + g * stride_bsg)
 
     @gluon.jit
-    def _mma(a_bufs, b_bufs, buf, BOX: gl.constexpr, into):
-        """Start a wgmma of activation box BOX of K-group buffer `buf` by its weight tile (into's
-        registers, overwritten)."""
-        BOXES: gl.constexpr = a_bufs.type.shape[0] // b_bufs.type.shape[0]
-        return warpgroup_mma(a_bufs.index(buf * BOXES + BOX), b_bufs.index(buf).permute((1, 0)), into,
+    def _mma(a_bufs, b_bufs, buf, PART: gl.constexpr, into):
+        """Start consumer PART's wgmma on K-group buffer `buf`: its 64-row activation box by the
+        weight tile, into into's registers (overwritten)."""
+        CONSUMERS: gl.constexpr = a_bufs.type.shape[0] // b_bufs.type.shape[0]
+        return warpgroup_mma(a_bufs.index(buf * CONSUMERS + PART), b_bufs.index(buf).permute((1, 0)), into,
                              use_acc=False, is_async=True)
-
-    @gluon.jit
-    def _issue(a_bufs, b_bufs, ready, s, phase, BOX: gl.constexpr, into):
-        """Wait for ring buffer s's tiles (one K group) and start the wgmma of its box BOX."""
-        mbarrier.wait(ready.index(s), phase)
-        return _mma(a_bufs, b_bufs, s, BOX, into)
-
-    @gluon.jit
-    def _pinned(t):
-        """t, computed here: an empty asm statement with side effects that reads and rewrites it
-        (no instruction). Without it LLVM sinks the first slab's promotion below the second slab's
-        wgmma, whose register tile is then live beside three others, and ptxas spills."""
-        return gl.inline_asm_elementwise("", "=r,0", [t], dtype=gl.float32, is_pure=False, pack=1)
 
     @gluon.jit
     def _finish(pending, outstanding: gl.constexpr, empty, s):
@@ -180,15 +171,13 @@ if IMPORT_ERROR is None:
     @gluon.jit
     def _consume(a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm, stride_asg,
                  stride_bsn, stride_bsg, PART: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                 OVERLAP: gl.constexpr, STAGE_GROUPS: gl.constexpr, SLABS: gl.constexpr):
-        """One consumer warpgroup: its SLABS 64-row slabs, from row PART * SLABS * 64, of every tile
-        of this program."""
+                 OVERLAP: gl.constexpr, STAGE_GROUPS: gl.constexpr):
+        """One consumer warpgroup: rows [PART * 64, PART * 64 + 64) of every tile of this program."""
         STAGES: gl.constexpr = ready.shape[0]
         ROWS: gl.constexpr = a_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
         BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
         BLOCK_M: gl.constexpr = a_bufs.type.shape[0] // b_bufs.type.shape[0] * ROWS
-        BOX: gl.constexpr = PART * SLABS  # this warpgroup's first activation box in a K-group buffer
         # wgmma: 16-row instructions, one warpgroup of 4 warps stacked along M; k = 32 for FP8.
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
@@ -202,7 +191,7 @@ if IMPORT_ERROR is None:
         phase = 0
         for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
-            off_m = pid_m * BLOCK_M + BOX * ROWS
+            off_m = pid_m * BLOCK_M + PART * ROWS
             off_n = pid_n * BLOCK_N
             rows = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
             # Rows past M read the last row's scales; their outputs are never stored.
@@ -210,38 +199,17 @@ if IMPORT_ERROR is None:
             # BLOCK_N divides the 128-row weight block: one weight scale per (tile, group).
             b_s = b_s_ptr + (off_n // BLOCK_K) * stride_bsn
             acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
-            if SLABS == 2:
-                # Two slabs, one register tile for the wgmmas: per K group the first slab's wgmma
-                # runs and is promoted, then the second's (a fourth 64 x BLOCK_N fp32 tile per
-                # thread does not fit); the other warpgroup's wgmmas fill the tensor cores meanwhile.
-                a_s_rows2 = a_s_ptr + gl.minimum(rows + ROWS, M - 1) * stride_asm
-                acc2 = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
-                for g in range(0, groups, STAGE_GROUPS):
-                    mbarrier.wait(ready.index(s), phase)
-                    for j in gl.static_range(STAGE_GROUPS):
-                        a_scale, b_scale = _scales(a_s_rows, b_s, g + j, stride_asg, stride_bsg)
-                        a_scale2 = gl.load(a_s_rows2 + (g + j) * stride_asg)
-                        x = _mma(a_bufs, b_bufs, s * STAGE_GROUPS + j, BOX, x_free)
-                        x_free = warpgroup_mma_wait(num_outstanding=0, deps=(x, ))
-                        acc = _pinned(acc + x_free * (a_scale * b_scale)[:, None])
-                        x = _mma(a_bufs, b_bufs, s * STAGE_GROUPS + j, BOX + 1, x_free)
-                        if j == STAGE_GROUPS - 1:
-                            x_free = _finish(x, 0, empty, s)
-                        else:
-                            x_free = warpgroup_mma_wait(num_outstanding=0, deps=(x, ))
-                        acc2 += x_free * (a_scale2 * b_scale)[:, None]
-                    s, phase = _advance(s, phase, STAGES)
-            elif OVERLAP and STAGE_GROUPS == 2:
-                # Two register tiles, x and y, take the two groups of each buffer, and each is
-                # promoted while the other's wgmma runs: y's of the previous buffer while x's runs.
-                # One barrier wait and one release per two groups. No wgmma is in flight across
-                # the loop's back edge: LLVM's copies there would touch its registers, and ptxas
-                # then serializes every wgmma. Scales load at the top of an iteration.
+            if OVERLAP:
+                # Two register tiles, x and y, take the two groups of each buffer (STAGE_GROUPS is
+                # 2), and each is promoted while the other's wgmma runs: y's of the previous buffer
+                # while x's runs. No wgmma is in flight across the loop's back edge: LLVM's copies
+                # there would touch its registers, and ptxas then serializes every wgmma. Scales
+                # load at the top of an iteration.
                 x_a, x_b = _scales(a_s_rows, b_s, 0, stride_asg, stride_bsg)
                 y_a, y_b = _scales(a_s_rows, b_s, 1, stride_asg, stride_bsg)
                 mbarrier.wait(ready.index(s), phase)
-                x = _mma(a_bufs, b_bufs, 2 * s, BOX, x_free)
-                y = _mma(a_bufs, b_bufs, 2 * s + 1, BOX, y_free)
+                x = _mma(a_bufs, b_bufs, 2 * s, PART, x_free)
+                y = _mma(a_bufs, b_bufs, 2 * s + 1, PART, y_free)
                 x_free = warpgroup_mma_wait(num_outstanding=1, deps=(x, ))
                 acc += x_free * (x_a * x_b)[:, None]
                 y_free = _finish(y, 0, empty, s)
@@ -250,46 +218,24 @@ if IMPORT_ERROR is None:
                     x_a, x_b = _scales(a_s_rows, b_s, g, stride_asg, stride_bsg)
                     next_a, next_b = _scales(a_s_rows, b_s, g + 1, stride_asg, stride_bsg)
                     mbarrier.wait(ready.index(s), phase)
-                    x = _mma(a_bufs, b_bufs, 2 * s, BOX, x_free)
+                    x = _mma(a_bufs, b_bufs, 2 * s, PART, x_free)
                     acc += y_free * (y_a * y_b)[:, None]
-                    y = _mma(a_bufs, b_bufs, 2 * s + 1, BOX, y_free)
+                    y = _mma(a_bufs, b_bufs, 2 * s + 1, PART, y_free)
                     x_free = warpgroup_mma_wait(num_outstanding=1, deps=(x, ))
                     acc += x_free * (x_a * x_b)[:, None]
                     y_free = _finish(y, 0, empty, s)
                     s, phase = _advance(s, phase, STAGES)
                     y_a, y_b = next_a, next_b
                 acc += y_free * (y_a * y_b)[:, None]
-            elif OVERLAP:
-                # As above with one group per buffer: each group waits for and releases its own.
-                y_a, y_b = _scales(a_s_rows, b_s, 0, stride_asg, stride_bsg)
-                y = _issue(a_bufs, b_bufs, ready, s, phase, BOX, y_free)
-                y_free = _finish(y, 0, empty, s)  # group 0: before the loop, not overlapped
-                s, phase = _advance(s, phase, STAGES)
-                for g in range(1, groups - 1, 2):  # issue g (x), promote g - 1 (y), issue g + 1 (y), promote g
-                    x_a, x_b = _scales(a_s_rows, b_s, g, stride_asg, stride_bsg)
-                    next_a, next_b = _scales(a_s_rows, b_s, g + 1, stride_asg, stride_bsg)
-                    s_y, phase_y = _advance(s, phase, STAGES)
-                    x = _issue(a_bufs, b_bufs, ready, s, phase, BOX, x_free)
-                    acc += y_free * (y_a * y_b)[:, None]
-                    y = _issue(a_bufs, b_bufs, ready, s_y, phase_y, BOX, y_free)
-                    x_free = _finish(x, 1, empty, s)
-                    acc += x_free * (x_a * x_b)[:, None]
-                    y_free = _finish(y, 0, empty, s_y)
-                    s, phase = _advance(s_y, phase_y, STAGES)
-                    y_a, y_b = next_a, next_b
-                acc += y_free * (y_a * y_b)[:, None]
-                if groups % 2 == 0:  # the last group is left
-                    x_a, x_b = _scales(a_s_rows, b_s, groups - 1, stride_asg, stride_bsg)
-                    x = _issue(a_bufs, b_bufs, ready, s, phase, BOX, x_free)
-                    x_free = _finish(x, 0, empty, s)
-                    s, phase = _advance(s, phase, STAGES)
-                    acc += x_free * (x_a * x_b)[:, None]
-            else:  # one group at a time; the other warpgroups fill the tensor cores meanwhile
+            else:
+                # One group at a time: wait for its wgmma, promote it, then the buffer's next group;
+                # the other consumers' wgmmas fill the tensor cores meanwhile. One barrier wait and
+                # one release per buffer: after the wgmma of its last group, before that promotion.
                 for g in range(0, groups, STAGE_GROUPS):
                     mbarrier.wait(ready.index(s), phase)
                     for j in gl.static_range(STAGE_GROUPS):
                         a_scale, b_scale = _scales(a_s_rows, b_s, g + j, stride_asg, stride_bsg)
-                        x = _mma(a_bufs, b_bufs, s * STAGE_GROUPS + j, BOX, x_free)
+                        x = _mma(a_bufs, b_bufs, s * STAGE_GROUPS + j, PART, x_free)
                         if j == STAGE_GROUPS - 1:
                             x_free = _finish(x, 0, empty, s)
                         else:
@@ -303,25 +249,16 @@ if IMPORT_ERROR is None:
             c_smem.store(acc.to(c_desc.dtype))
             fence_async_shared()
             _tma_store(c_desc, [off_m, off_n], c_smem)  # rows past M and columns past N are clipped
-            if SLABS == 2:
-                if HAS_BIAS:
-                    acc2 += gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
-                tma.store_wait(0)
-                c_smem.store(acc2.to(c_desc.dtype))
-                fence_async_shared()
-                _tma_store(c_desc, [off_m + ROWS, off_n], c_smem)
         tma.store_wait(0)
 
     @gluon.jit
     def _gemm_kernel(a_desc, b_desc, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm, stride_asg, stride_bsn,
                      stride_bsg, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                      OVERLAP: gl.constexpr, STAGE_GROUPS: gl.constexpr, CONSUMERS: gl.constexpr,
-                     SLABS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         # STAGES ring buffers of STAGE_GROUPS K groups; the tiles of K group j of buffer s sit at
-        # index s * STAGE_GROUPS + j (times CONSUMERS * SLABS, plus the box, for the 64-row
-        # activation boxes: consumer c's slabs are boxes c * SLABS ...).
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype,
-                                           [STAGES * STAGE_GROUPS * CONSUMERS * SLABS] + a_desc.block_type.shape,
+        # index s * STAGE_GROUPS + j (times CONSUMERS, plus the consumer, for the activation boxes).
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES * STAGE_GROUPS * CONSUMERS] + a_desc.block_type.shape,
                                            a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES * STAGE_GROUPS] + b_desc.block_type.shape,
                                            b_desc.layout)
@@ -334,20 +271,20 @@ if IMPORT_ERROR is None:
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
-                            stride_asg, stride_bsn, stride_bsg, 0, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, SLABS)),
+                            stride_asg, stride_bsn, stride_bsg, 0, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS)),
                 (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
-                            stride_asg, stride_bsn, stride_bsg, 1, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, SLABS)),
+                            stride_asg, stride_bsn, stride_bsg, 1, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS)),
                 (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M, STAGE_GROUPS)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
             gl.warp_specialize([
                 (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
-                            stride_asg, stride_bsn, stride_bsg, 0, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, SLABS)),
+                            stride_asg, stride_bsn, stride_bsg, 0, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS)),
                 (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
-                            stride_asg, stride_bsn, stride_bsg, 1, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, SLABS)),
+                            stride_asg, stride_bsn, stride_bsg, 1, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS)),
                 (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
-                            stride_asg, stride_bsn, stride_bsg, 2, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, SLABS)),
+                            stride_asg, stride_bsn, stride_bsg, 2, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS)),
                 (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M, STAGE_GROUPS)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
@@ -366,18 +303,18 @@ def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None):
     sms = _num_sms(out.device.index or 0) if out.device.type == "cuda" else 132
     cfg = {**pick_config(m, n, sms), **(config or {})}
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    if bm not in _WARPGROUPS or bn not in (64, 128):
-        raise ValueError(f"tiles are 128, 192 or 256 rows (64-row slabs: 2 or 3 consumer warpgroups of one, or 2 of "
-                         f"two) by 64 or 128 columns; got {bm}x{bn}")
-    consumers, slabs = _WARPGROUPS[bm]
-    if cfg["OVERLAP"] and (consumers, slabs) != (2, 1):
-        raise ValueError("the overlapped loop keeps three 64 x BLOCK_N fp32 tiles per thread: two consumers of one "
-                         "slab only")
-    stage_groups = cfg.get("STAGE_GROUPS", 1)
+    consumers = bm // 64
+    if bm not in (128, 192) or bn not in (64, 128):
+        raise ValueError(f"tiles are 128 or 192 rows (64 per consumer warpgroup) by 64 or 128 columns; got {bm}x{bn}")
+    if cfg["OVERLAP"] and consumers != 2:
+        raise ValueError("the overlapped loop keeps three 64 x BLOCK_N fp32 tiles per thread: two consumers only")
+    stages, stage_groups, overlap = cfg["STAGES"], cfg["STAGE_GROUPS"], cfg["OVERLAP"]
     if stage_groups not in (1, 2):
         raise ValueError(f"a ring buffer holds one or two K groups; got STAGE_GROUPS={stage_groups}")
-    if k // BLOCK % stage_groups:
-        stage_groups = 1  # an odd number of K groups: one per buffer (the same bits)
+    if overlap and stage_groups != 2:
+        raise ValueError("the overlapped loop takes the two K groups of a buffer in turn: STAGE_GROUPS=2 only")
+    if k // BLOCK % stage_groups:  # an odd number of K groups: one per buffer (as many), one at a time (same bits)
+        stages, stage_groups, overlap = stages * stage_groups, 1, False
     a_desc = TensorDescriptor.from_tensor(x_fp8, [64, BLOCK], _layout([64, BLOCK], x_fp8.dtype))
     b_desc = TensorDescriptor.from_tensor(w_fp8, [bn, BLOCK], _layout([bn, BLOCK], w_fp8.dtype))
     c_desc = TensorDescriptor.from_tensor(out, [64, bn], _layout([64, bn], out.dtype))
@@ -388,8 +325,9 @@ def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None):
     # of the SM's 64K; setmaxnreg then gives the producer PRODUCER_REGS and the consumers the rest.
     launch = 65536 // ((consumers + 1) * 128) // 8 * 8
     consumer_regs = min(MAX_REGS, (launch * (consumers + 1) - PRODUCER_REGS) // consumers // 8 * 8)
-    meta = dict(HAS_BIAS=bias is not None, GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], OVERLAP=cfg["OVERLAP"],
-                STAGE_GROUPS=stage_groups, CONSUMERS=consumers, SLABS=slabs, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=launch)
+    meta = dict(HAS_BIAS=bias is not None, GROUP_M=cfg["GROUP_M"], STAGES=stages, STAGE_GROUPS=stage_groups,
+                OVERLAP=overlap, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=PRODUCER_REGS,
+                num_warps=4, maxnreg=launch)
     return (min(tiles, sms),), args, meta
 
 
@@ -458,3 +396,37 @@ def ptxas_report(ptx: str) -> str:
                            capture_output=True, text=True)
     return (r.stdout + r.stderr).strip()
 
+
+def main_loop_report(cubin: bytes) -> str:
+    """The consumers' main loop in the SASS (cuobjdump, bundled with Triton): its length and what
+    it is made of. It is the shortest loop holding a wgmma: a backward branch before the kernel's
+    last EXIT (the mbarrier-wait retry stubs sit after it)."""
+    import collections
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    code = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    index = {addr: i for i, (addr, _) in enumerate(code)}
+    last_exit = max(addr for addr, text in code if text.endswith("EXIT"))
+    opcodes = [text.split()[1 if text.startswith("@") else 0] for _, text in code]  # past a predicate
+    loops = []
+    for i, (addr, text) in enumerate(code):
+        target = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr < last_exit:
+            body = opcodes[index[int(target.group(1), 16)]:i + 1]
+            if any("GMMA" in op for op in body):
+                loops.append(body)
+    if not loops:
+        return "no loop with a wgmma found"
+    ops = collections.Counter(min(loops, key=len))
+    return (f"main loop: {sum(ops.values())} instructions, {sum(n for op, n in ops.items() if 'GMMA' in op)} wgmma, "
+            f"{ops['FFMA']} FFMA, {ops['MOV']} MOV, {ops['BAR.SYNC.DEFER_BLOCKING']} bar.sync, {ops['LDG.E']} LDG, "
+            f"{ops['SYNCS.PHASECHK.TRANS64.TRYWAIT']} mbarrier waits")

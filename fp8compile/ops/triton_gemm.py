@@ -209,7 +209,7 @@ SMALL_M_PDL_PREFETCH = 1
 # measured 0.93-1.01x with TMA activation tiles and keep plain loads.
 ACT_TMA = True
 # Above TILE_SWITCH_M rows on sm_90, gemm_large_m runs the warp-specialized Gluon kernel
-# (gluon_gemm.py): 0.82-0.94x DeepGEMM at M = 4096 against this kernel's 0.60-0.71x, and the same
+# (gluon_gemm.py): 0.79-0.95x DeepGEMM at M = 4096 against this kernel's 0.64-0.71x, and the same
 # bits (scripts/gluon_probe.py, BENCHMARKS.md). False keeps this file's kernel everywhere.
 USE_GLUON = True
 
@@ -231,7 +231,7 @@ def gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bflo
     default: SMALL_TILE_CONFIG up to TILE_SWITCH_M rows, LARGE_M_CONFIG above.
     tma: TMA loads (True), pointer loads (False), or, if neither it nor config says,
     tma_pays_off(). With neither config nor tma given, M > TILE_SWITCH_M on Hopper runs
-    gluon_gemm.gemm (warp-specialized, 1.2-1.3x this kernel; the same bits)."""
+    gluon_gemm.gemm (warp-specialized, 1.2-1.4x this kernel; the same bits)."""
     m, k = x_fp8.shape
     n = w_fp8.shape[0]
     if config is None and tma is None and m > TILE_SWITCH_M and _gluon_runs(x_fp8, w_fp8, out_dtype):
