@@ -25,17 +25,17 @@ from fp8compile.ops import gluon_gemm, reference, triton_gemm, triton_quant, ven
 CHECK_SHAPES = [(4096, 7168), (2112, 7168), (320, 512), (24576, 1536), (256, 128), (512, 384), (384, 640)]
 CHECK_MS = [1, 7, 128, 1000, 4096]
 CONFIGS = {  # name: gluon_gemm config (on top of gluon_gemm.CONFIG)
-    "ovl_g16": dict(OVERLAP=True, GROUP_M=16, STAGE_GROUPS=1, STAGES=4),
-    "ovl_pair_s3": dict(OVERLAP=True, STAGE_GROUPS=2, STAGES=3),
-    "plain_pair_s2": dict(OVERLAP=False, STAGE_GROUPS=2, STAGES=2),
-    "plain_pair_s2_g8": dict(OVERLAP=False, STAGE_GROUPS=2, STAGES=2, GROUP_M=8),
-    "m192_g16": dict(OVERLAP=False, BLOCK_M=192, GROUP_M=16, STAGE_GROUPS=1, STAGES=4),
-    "m192_pair_s2": dict(OVERLAP=False, BLOCK_M=192, STAGE_GROUPS=2, STAGES=2),
-    "m192_pair_s2_g8": dict(OVERLAP=False, BLOCK_M=192, STAGE_GROUPS=2, STAGES=2, GROUP_M=8),
+    "plain_pair_s2": dict(),  # CONFIG itself: two K groups per buffer, 2 buffers
+    "plain_pair_s2_g8": dict(GROUP_M=8),
+    "ovl_pair_s3": dict(OVERLAP=True, STAGES=3),
+    "plain_s4": dict(STAGE_GROUPS=1, STAGES=4),  # one K group per buffer
+    "m192_pair_s2": dict(BLOCK_M=192),  # TALL_CONFIG
+    "m192_pair_s2_g8": dict(BLOCK_M=192, GROUP_M=8),
+    "m192_s4": dict(BLOCK_M=192, STAGE_GROUPS=1, STAGES=4),
 }
 # The Triton kernel itself: gemm_large_m's default hands M > 512 to the Gluon kernel on sm_90.
 TRITON_CONFIG = triton_gemm.LARGE_M_CONFIG
-MN_SCALES = ("ovl_g16",)  # also timed with DeepGEMM's MN-major activation scales
+MN_SCALES = ("plain_pair_s2",)  # also timed with DeepGEMM's MN-major activation scales
 
 
 def check() -> list[dict]:

@@ -57,7 +57,7 @@ else:
 # - CONFIG: 128 x 128 tiles, two consumers each taking one K group at a time, two K groups per
 #   ring buffer (STAGE_GROUPS: one barrier wait and one release per pair), 2 buffers (the bytes of
 #   the 4 one-group buffers before), grouped tile order GROUP_M = 16. In four runs 0.995-1.07x the
-#   time of the loop it replaced (one group per buffer, each consumer keeping a wgmma in flight
+#   speed of the loop it replaced (one group per buffer, each consumer keeping a wgmma in flight
 #   while it promotes the one before: OVERLAP), 0.79-0.94x DeepGEMM at M = 4096.
 #   OVERLAP on paired buffers (3 of them) is no faster overall: 1.04-1.12x at M = 1024 on three
 #   shapes (one run), 0.95-1.00x on 4096 x 14336; it stays a config.
@@ -162,9 +162,9 @@ if IMPORT_ERROR is None:
                              use_acc=False, is_async=True)
 
     @gluon.jit
-    def _finish(pending, outstanding: gl.constexpr, empty, s):
-        """Wait for `pending` (leaving `outstanding` younger wgmmas in flight) and release buffer s."""
-        done = warpgroup_mma_wait(num_outstanding=outstanding, deps=(pending, ))
+    def _finish(pending, empty, s):
+        """Wait for `pending`, the last wgmma on buffer s (none left in flight), and release the buffer."""
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(pending, ))
         mbarrier.arrive(empty.index(s), count=1)
         return done
 
@@ -205,6 +205,7 @@ if IMPORT_ERROR is None:
                 # while x's runs. No wgmma is in flight across the loop's back edge: LLVM's copies
                 # there would touch its registers, and ptxas then serializes every wgmma. Scales
                 # load at the top of an iteration.
+                gl.static_assert(STAGE_GROUPS == 2, "the overlapped loop takes a buffer's two groups in turn")
                 x_a, x_b = _scales(a_s_rows, b_s, 0, stride_asg, stride_bsg)
                 y_a, y_b = _scales(a_s_rows, b_s, 1, stride_asg, stride_bsg)
                 mbarrier.wait(ready.index(s), phase)
@@ -212,7 +213,7 @@ if IMPORT_ERROR is None:
                 y = _mma(a_bufs, b_bufs, 2 * s + 1, PART, y_free)
                 x_free = warpgroup_mma_wait(num_outstanding=1, deps=(x, ))
                 acc += x_free * (x_a * x_b)[:, None]
-                y_free = _finish(y, 0, empty, s)
+                y_free = _finish(y, empty, s)
                 s, phase = _advance(s, phase, STAGES)
                 for g in range(2, groups, 2):  # issue g (x), promote g - 1 (y), issue g + 1 (y), promote g
                     x_a, x_b = _scales(a_s_rows, b_s, g, stride_asg, stride_bsg)
@@ -223,7 +224,7 @@ if IMPORT_ERROR is None:
                     y = _mma(a_bufs, b_bufs, 2 * s + 1, PART, y_free)
                     x_free = warpgroup_mma_wait(num_outstanding=1, deps=(x, ))
                     acc += x_free * (x_a * x_b)[:, None]
-                    y_free = _finish(y, 0, empty, s)
+                    y_free = _finish(y, empty, s)
                     s, phase = _advance(s, phase, STAGES)
                     y_a, y_b = next_a, next_b
                 acc += y_free * (y_a * y_b)[:, None]
@@ -237,7 +238,7 @@ if IMPORT_ERROR is None:
                         a_scale, b_scale = _scales(a_s_rows, b_s, g + j, stride_asg, stride_bsg)
                         x = _mma(a_bufs, b_bufs, s * STAGE_GROUPS + j, PART, x_free)
                         if j == STAGE_GROUPS - 1:
-                            x_free = _finish(x, 0, empty, s)
+                            x_free = _finish(x, empty, s)
                         else:
                             x_free = warpgroup_mma_wait(num_outstanding=0, deps=(x, ))
                         acc += x_free * (a_scale * b_scale)[:, None]
