@@ -7,9 +7,17 @@
 Flow per Dynamo graph: Inductor's compile_fx runs AOTAutograd; our inner compiler receives the
 functionalised ATen inference graph, maps its placeholders to the real parameters Dynamo
 passed, runs our passes (weights quantized here, once), then hands the graph to Inductor.
+
+    torch.compile(model, backend="fp8", mode="reduce-overhead")  # Inductor's CUDA graphs, one per M
+
+Outside a CUDA graph every call pays the host cost of the compiled graph, the M dispatch and
+the kernel launches (BENCHMARKS.md, "Host cost"), which is more than a decode GEMM's GPU time.
+mode="reduce-overhead" records the graph once per M and replays it; the report says per graph
+whether CUDA graphs are on, and if not, why.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from collections.abc import Callable, Sequence
@@ -89,16 +97,80 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8
         run_passes(ctx)
         if dump:
             dump.after(aten_gm)
-        return compile_fx_inner(aten_gm, aten_inputs, **kwargs)
+        box = kwargs.get("cudagraphs")  # Inductor's: it turns False where CUDA graphs cannot be used
+        asked = bool(getattr(box, "value", False))
+        compiled = compile_fx_inner(aten_gm, aten_inputs, **kwargs)
+        report.cuda_graphs[graph_index] = _cuda_graph_state(asked, bool(getattr(box, "value", False)), compiled, mode)
+        return compiled
 
     patches = dict(list_mode_options(mode)) if mode else {}
+    if patches.get("triton.cudagraphs") and hasattr(torch._inductor.config, "graph_partition"):
+        # Graph partitioning records CUDA graphs between the ops it cannot record, and a
+        # torch.cond is one: every FP8 op of the M dispatch would stay outside them. Recorded
+        # whole (per M), one graph replays them all; a graph that cannot be recorded whole runs
+        # without CUDA graphs, and the report says why.
+        patches["graph_partition"] = False
     # AOTAutograd's cache would skip our inner compiler on a hit, and with it the report (and
     # the compile-time weight quantization): it is off for graphs we compile. Inductor's FX
     # graph cache stays on; it keys the graph after our passes, which holds no weight values.
-    with torch._functorch.config.patch(enable_autograd_cache=False):
+    with torch._functorch.config.patch(enable_autograd_cache=False), _size_conds_keep_cuda_graphs():
         compiled = compile_fx(gm, example_inputs, inner_compile=fp8_inner_compile, config_patches=patches)
     log.info("fp8compile graph %d: %s", graph_index, report.counts())
     return compiled
+
+
+@contextlib.contextmanager
+def _size_conds_keep_cuda_graphs():
+    """While our graphs lower: a torch.cond whose predicate is not a tensor leaves Inductor's
+    CUDA-graph decision as it found it.
+
+    Inductor turns CUDA graphs off for any graph with a torch.cond over GPU tensors, because in
+    general the predicate is a tensor that the host must read in the middle of the graph. The
+    M dispatch's conds test M, a size the host knows before the graph runs, and Inductor's CUDA
+    graphs record one graph per value of the graph's int inputs (M among them): each recording
+    takes the one branch that is right for its M. Tensor predicates, and predicates on a size
+    read from a tensor's data (unbacked), keep Inductor's check."""
+    from torch._inductor import ir, lowering
+    from torch._inductor.virtualized import V
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    op = torch.ops.higher_order.cond
+    lower_cond = lowering.lowerings.get(op)
+    if lower_cond is None:  # an Inductor without a cond lowering: nothing to keep
+        yield
+        return
+
+    def lower_size_cond(pred, true_fn, false_fn, operands):
+        if isinstance(pred, ir.IRNode) or free_unbacked_symbols(pred):
+            return lower_cond(pred, true_fn, false_fn, operands)
+        reason = V.graph.disable_cudagraphs_reason
+        try:
+            return lower_cond(pred, true_fn, false_fn, operands)
+        finally:
+            V.graph.disable_cudagraphs_reason = reason
+
+    lowering.lowerings[op] = lower_size_cond
+    try:
+        yield
+    finally:
+        lowering.lowerings[op] = lower_cond
+
+
+def _cuda_graph_state(asked: bool, kept: bool, compiled: Any, mode: str | None) -> str:
+    """One line for the report: are this graph's calls replayed from CUDA graphs, and if not, why.
+    asked: the mode asked Inductor for them; kept: Inductor still had them after compiling."""
+    if not asked:
+        if mode in (None, "default"):
+            return "off (default mode: every call pays its host cost; mode='reduce-overhead' records one per M)"
+        return f"off (mode={mode!r} does not ask for them)"
+    if kept:
+        return "on: Inductor records one per M and replays it"
+    if "cuda" not in getattr(compiled, "device_types", {"cuda"}):
+        return "off: the graph runs on no CUDA device"
+    reason = getattr(compiled, "disabled_cudagraphs_reason", None)
+    if reason:
+        return f"off: Inductor skipped them: {' '.join(reason.split())[:300]}"
+    return "off: Inductor skipped them (it gave no reason)"
 
 
 def fp8_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None,

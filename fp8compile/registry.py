@@ -40,13 +40,20 @@ class Backend:
     ops: dict[str, str | Callable]
     # request -> None if this backend can serve it, else the reason it cannot.
     why_not: Callable[[Request], str | None]
+    # Called at compile time for each call site given to this backend: allocates the state its
+    # kernels keep between calls, outside any CUDA-graph memory pool (Inductor's CUDA graphs
+    # route every allocation of a warm-up run into theirs). A callable or "module:function".
+    prepare: str | Callable[[Request], None] | None = None
 
     def implementation(self, op: str) -> Callable:
-        kernel = self.ops[op]
-        if callable(kernel):
-            return kernel
-        module, _, fn = kernel.partition(":")
-        return getattr(importlib.import_module(module, __package__), fn)
+        return _resolve(self.ops[op])
+
+
+def _resolve(fn: str | Callable) -> Callable:
+    if callable(fn):
+        return fn
+    module, _, name = fn.partition(":")
+    return getattr(importlib.import_module(module, __package__), name)
 
 
 def _reference_why_not(request: Request) -> str | None:
@@ -125,12 +132,14 @@ _BACKENDS: dict[str, Backend] = {
         "triton_small_m",
         {"linear": ".ops.triton_gemm:linear_small_m", "gated_linear": ".ops.triton_gemm:gated_linear_small_m"},
         _triton_small_m_why_not,
+        prepare=".ops.triton_gemm:prepare_small_m",
     ),
     "deep_gemm": Backend(
         "deep_gemm",
         {"linear": ".ops.vendors:linear_deep_gemm", "gated_linear": ".ops.vendors:gated_linear_deep_gemm",
          "moe": ".ops.vendors:moe_deep_gemm"},
         _deep_gemm_why_not,
+        prepare=".ops.vendors:prepare_deep_gemm",
     ),
     "triton": Backend(
         "triton",
@@ -222,6 +231,16 @@ def choose(request: Request, order: tuple[str, ...] | None = None, tier: str = "
         f"no backend in {list(order)} can run {request.op} (N={request.n}, K={request.k}, "
         f"{request.m_range}) on {request.device}: {'; '.join(rejected)}"
     )
+
+
+def prepare(backend: str, request: Request) -> None:
+    """Let `backend` allocate what its kernels keep between calls for `request` (see Backend.prepare)."""
+    hook = _BACKENDS[backend].prepare
+    if hook is not None:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily(), torch.no_grad():  # real tensors, though the compiler traces with fake ones
+            _resolve(hook)(request)
 
 
 def implementation(op: str, backend: str) -> Callable:

@@ -40,6 +40,7 @@ class Report:
         self.rewrites: list[Rewrite] = []
         self.skips: list[Skip] = []
         self.graphs = 0
+        self.cuda_graphs: dict[int, str] = {}  # graph index -> whether its calls replay CUDA graphs, or why not
 
     def counts(self) -> dict[str, int]:
         """Rewrites per kind; every kind in KINDS is present, 0 where nothing matched."""
@@ -66,6 +67,8 @@ class Report:
         if self.skips:
             rows = [(s.kind, s.name, s.shape, s.reason) for s in self.skips]
             lines += ["", "left in bf16:", *_table(("kind", "module", "shape", "reason"), rows)]
+        if self.cuda_graphs:
+            lines += ["", "CUDA graphs:", *(f"graph {g}: {state}" for g, state in sorted(self.cuda_graphs.items()))]
         return "\n".join(lines)
 
     __repr__ = __str__

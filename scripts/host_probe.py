@@ -7,7 +7,10 @@ GPU, so a launcher that costs more leaves the GPU waiting. This prints, per call
 - graph us: CUDA-graph replay (the GPU time alone, as `bench gemm` measures).
 Variants: bf16 F.linear, our decode and large-M kernels with TMA loads, with pointer loads, and
 by default (tma_pays_off: pointers outside a graph, TMA in one), and nn.Linear compiled with
-backend="fp8" against backend="inductor" (bf16).
+backend="fp8" against backend="inductor" (bf16), each also with mode="reduce-overhead"
+(Inductor's CUDA graphs, one recorded per M; no `graph` column: they are CUDA graphs already).
+`--mlp` adds a stack of four Llama-3-8B gated MLPs (4096 -> 14336 -> 4096) at M = 1 and 16,
+compiled the same four ways: what a decode step of a model pays per layer.
 
 Run on the GPU: source .whl/prelude.sh && python scripts/host_probe.py [--out DIR]
 """
@@ -25,7 +28,7 @@ import fp8compile
 from fp8compile.ops import custom, reference, triton_gemm, triton_quant, vendors
 
 
-def per_call_us(fn, iters):
+def per_call_us(fn, iters, graph=True):
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
@@ -35,8 +38,38 @@ def per_call_us(fn, iters):
     host = (time.perf_counter() - start) / iters * 1e6
     torch.cuda.synchronize()
     eager = (time.perf_counter() - start) / iters * 1e6
-    graph = triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
+    graph = triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3 if graph else None
     return dict(host_us=host, eager_us=eager, graph_us=graph)
+
+
+MODES = {"": None, ", reduce-overhead": "reduce-overhead"}
+
+
+def compiled_variants(model_fn, backends=("fp8", "bf16_inductor")):
+    """name -> the model compiled with dynamic M by each backend, in each mode."""
+    out = {}
+    for name in backends:
+        for suffix, mode in MODES.items():
+            backend = fp8compile.backend() if name == "fp8" else "inductor"
+            out[f"{name}{suffix}"] = torch.compile(model_fn(), backend=backend, dynamic=True, mode=mode)
+    return out
+
+
+def mlp_stack(rows, iters=500):
+    from fp8compile.demo import GatedMLP
+
+    torch.manual_seed(0)
+    layers = [GatedMLP(4096, 14336).to("cuda", torch.bfloat16) for _ in range(4)]
+    compiled = compiled_variants(lambda: torch.nn.Sequential(*layers))
+    with torch.no_grad():
+        for m in (1, 16):
+            x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+            for name, f in compiled.items():
+                r = dict(m=m, what="4 x Llama-3-8B MLP", variant=name,
+                         **per_call_us(lambda f=f: f(x), iters, graph="reduce-overhead" not in name))
+                rows.append(r)
+                print(f"M={m:5d} 4 MLPs {name:28s} host {r['host_us']:7.1f}  eager {r['eager_us']:7.1f}  "
+                      f"graph {r['graph_us'] or float('nan'):7.1f} us", flush=True)
 
 
 def profile(fn, title, calls=500):
@@ -51,8 +84,10 @@ def profile(fn, title, calls=500):
     prof.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-    print(f"--- {title}: {calls} calls\n" + text.getvalue()[:7000])
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(45)
+    print(f"--- {title}: {calls} calls\n" + text.getvalue()[:16000])
 
 
 def trace(fn, title, calls=50):
@@ -69,19 +104,21 @@ def trace(fn, title, calls=50):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--profile", action="store_true", help="also cProfile the compiled fp8 nn.Linear")
+    parser.add_argument("--profile", action="store_true", help="also cProfile the compiled fp8 nn.Linear (by own time, then cumulative)")
+    parser.add_argument("--mlp", action="store_true", help="also time a stack of four Llama-3-8B MLPs")
     parser.add_argument("--trace", action="store_true",
                         help="also list the torch ops the compiled fp8 nn.Linear runs per call (torch.profiler)")
     args = parser.parse_args()
+    torch._dynamo.config.cache_size_limit = 64  # nn.Linear's forward, compiled eight ways: no eager fallback
     torch.manual_seed(0)
     n, k = 4096, 7168
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     w8 = reference.quant_weight_block(w)
     lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     lin.weight.data.copy_(w)
-    compiled = {"fp8": torch.compile(lin, backend=fp8compile.backend(), dynamic=True),
-                "bf16_inductor": torch.compile(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16),
-                                               dynamic=True)}
+    lin16 = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    compiled = {name: f for name, f in compiled_variants(lambda: lin).items() if name.startswith("fp8")}
+    compiled.update({name: f for name, f in compiled_variants(lambda: lin16).items() if name.startswith("bf16")})
     rows = []
     with torch.no_grad():
         for m in (1, 16, 1024, 4096):
@@ -113,13 +150,17 @@ def main():
             for name, f in compiled.items():
                 variants[f"compiled nn.Linear, {name}"] = lambda f=f: f(x)
             for name, fn in variants.items():
-                r = dict(m=m, n=n, k=k, variant=name, **per_call_us(fn, 2000 if m <= 16 else 200))
+                r = dict(m=m, n=n, k=k, variant=name,
+                         **per_call_us(fn, 2000 if m <= 16 else 200, graph="reduce-overhead" not in name))
                 rows.append(r)
-                print(f"M={m:5d} {name:32s} host {r['host_us']:7.1f}  eager {r['eager_us']:7.1f}  graph {r['graph_us']:7.1f} us")
-            if args.profile and m in (1, 16):
+                print(f"M={m:5d} {name:32s} host {r['host_us']:7.1f}  eager {r['eager_us']:7.1f}  "
+                      f"graph {r['graph_us'] or float('nan'):7.1f} us", flush=True)
+            if args.profile:
                 profile(lambda: compiled["fp8"](x), f"compiled nn.Linear, fp8, M={m}")
             if args.trace:
                 trace(lambda: compiled["fp8"](x), f"compiled nn.Linear, fp8, M={m}")
+    if args.mlp:
+        mlp_stack(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "host_probe.json").write_text(json.dumps(rows, indent=1))

@@ -229,3 +229,34 @@ def test_mlp_benchmark_plumbing_runs_every_variant(monkeypatch, tmp_path):
     rows = bench.bench_mlp(tmp_path, ms=[3], mlps={"tiny": (256, 512)}, device="cpu")
     assert sorted(r["variant"] for r in rows) == ["bf16_inductor", "fp8", "fp8_gate_up_apart", "fp8_unfused"]
     assert json.loads((tmp_path / "bench_mlp.json").read_text()) == rows
+
+
+def test_report_says_per_graph_whether_calls_replay_cuda_graphs():
+    # On the GPU, mode="reduce-overhead" gives "on: ..." (tests/test_gpu.py checks the replays).
+    lines = {}
+    for mode in (None, "reduce-overhead", "max-autotune-no-cudagraphs"):
+        torch._dynamo.reset()
+        fp8 = fp8compile.backend()
+        with torch.no_grad():
+            torch.compile(torch.nn.Linear(256, 256).to(BF16), backend=fp8, mode=mode)(randn(4, 256))
+        lines[mode] = fp8.report.cuda_graphs[0]
+        assert f"graph 0: {lines[mode]}" in str(fp8.report)
+    assert lines[None].startswith("off (default mode") and "reduce-overhead" in lines[None]
+    assert lines["reduce-overhead"] == "off: the graph runs on no CUDA device"
+    assert lines["max-autotune-no-cudagraphs"] == "off (mode='max-autotune-no-cudagraphs' does not ask for them)"
+
+
+def test_compiling_with_the_m_dispatch_leaves_inductors_cond_lowering_as_it_was(probe_backend):
+    from torch._inductor.lowering import lowerings
+
+    cond = torch.ops.higher_order.cond
+    before = lowerings[cond]
+    fp8 = fp8compile.backend(backends=["probe", "reference"])  # two kernels: the graph has a cond
+    model = torch.nn.Linear(256, 256).to(BF16)
+    with torch.no_grad():
+        for m in (4, 40):
+            x = randn(m, 256)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch.compile(model, backend=fp8, mode="reduce-overhead")(x)
+    assert fp8.report.rewrites[0].kernels == (("M <= 32", "probe"), ("M > 32", "reference"))
+    assert lowerings[cond] is before

@@ -1,6 +1,8 @@
 """M dispatch: one graph, compiled with dynamic M, serves every range of M (M <= small_m,
 small_m < M <= large_m, M > large_m) through torch.cond, without recompiling; ranges that get
 the same kernel share one call; batch-invariant mode uses one kernel for every M."""
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -131,3 +133,39 @@ def test_a_dynamic_size_that_is_no_graph_input_leaves_the_linear_in_bf16_with_th
     assert "not graph inputs" in skip.reason and backend.report.rewrites == []
     assert torch.equal(outs[40][1], model(outs[40][0]))  # the bf16 linear, untouched
     assert captured[0].ops(FP8_LINEAR) == []
+
+
+def test_each_chosen_kernel_prepares_its_call_site_at_compile_time(probe_backend, monkeypatch):
+    # A backend's prepare hook allocates the state its kernels keep between calls while the
+    # model compiles: allocated in a CUDA graph's warm-up run instead, it would land in the
+    # graph's memory pool (tests/test_gpu.py runs that case on a GPU).
+    from fp8compile import registry
+
+    prepared = []
+    probe = registry._BACKENDS["probe"]
+    monkeypatch.setitem(registry._BACKENDS, "probe", dataclasses.replace(probe, prepare=prepared.append))
+    compiled = torch.compile(nn.Linear(256, 384).to(BF16), backend=fp8compile.backend(backends=["probe", "reference"]))
+    x = randn(5, 256)
+    torch._dynamo.mark_dynamic(x, 0)
+    with torch.no_grad():
+        compiled(x)
+        assert [(r.op, r.n, r.k, r.m_min, r.m_max) for r in prepared] == [("linear", 384, 256, 1, 32)]
+        for m in (3, 40):  # calls prepare nothing more
+            compiled(randn(m, 256))
+    assert len(prepared) == 1
+
+
+def test_prepare_hooks_make_real_tensors_while_the_compiler_traces_with_fake_ones(probe_backend, monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from fp8compile import registry
+
+    made = []
+    probe = registry._BACKENDS["probe"]
+    monkeypatch.setitem(registry._BACKENDS, "probe",
+                        dataclasses.replace(probe, prepare=lambda request: made.append(torch.zeros(request.n))))
+    x = randn(5, 256)
+    torch._dynamo.mark_dynamic(x, 0)
+    with torch.no_grad():
+        torch.compile(nn.Linear(256, 384).to(BF16), backend=fp8compile.backend(backends=["probe", "reference"]))(x)
+    assert len(made) == 1 and not isinstance(made[0], FakeTensor) and made[0].shape == (384,)

@@ -1,6 +1,8 @@
 """Every importable GPU backend against the fp32 product of the unquantized inputs, plus the
 GPU-only promises: batch invariance, FlashInfer's scale layout, M = 1 on every shape.
 Run with `pytest -m gpu` on the device (skipped without CUDA)."""
+import contextlib
+
 import pytest
 import torch
 
@@ -240,3 +242,80 @@ def test_autotuned_linear_serves_every_m_in_one_graph_with_kernels_that_serve_th
         request = registry.Request("linear", torch.device("cuda"), 4096, 7168, lo, None if hi is None else hi - 1)
         assert registry.why_not(kernel, request) is None, (label, kernel)
     assert fp8.report.graphs == 1
+
+
+# --- mode="reduce-overhead": Inductor's CUDA graphs across the M dispatch ---------------------
+@contextlib.contextmanager
+def _op_body_runs():
+    """Records the Python runs of our ops' bodies (each asks the registry for its kernel); a call
+    replayed from a CUDA graph runs none."""
+    runs = []
+    implementation = registry.implementation
+    registry.implementation = lambda *a: runs.append(a) or implementation(*a)
+    try:
+        yield runs
+    finally:
+        registry.implementation = implementation
+
+
+@pytest.mark.parametrize("model_name", ["linear", "gated_mlp", "qwen3_moe_block"])
+def test_reduce_overhead_mode_replays_one_cuda_graph_per_m_with_the_default_modes_bits(model_name, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    from fp8compile.ops import triton_gemm
+    from tests.models import GatedMLP
+
+    # The decode kernel's split-K counters, as in a fresh process: the compiler allocates them,
+    # not the CUDA graphs' warm-up run, whose allocations all land in their memory pool.
+    monkeypatch.setattr(triton_gemm, "_ARRIVALS", {})
+    torch.manual_seed(0)
+    if model_name == "qwen3_moe_block":
+        from fp8compile.bench import _moe_block
+
+        model, shape = _moe_block(1024, 256, 16, 4), lambda m: (1, m, 1024)
+    else:
+        model = (torch.nn.Linear(1024, 2048, bias=False) if model_name == "linear" else GatedMLP(1024, 2048))
+        model, shape = model.to(BF16).cuda(), lambda m: (m, 1024)
+    fp8 = fp8compile.backend()
+    graphed = torch.compile(model, backend=fp8, dynamic=True, mode="reduce-overhead")
+    plain = torch.compile(model, backend=fp8compile.backend(), dynamic=True)
+    counters.clear()
+    held = None  # an output kept across calls of other Ms, as a caller may (Inductor checks its memory pool)
+    with torch.no_grad():
+        for m in (16, 300, 3000, 1):  # every range of the dispatch, and M = 1's own graph
+            x = randn(*shape(m), device="cuda")
+            with _op_body_runs() as graphed_runs:
+                got = [graphed(x).clone() for _ in range(4)]  # Inductor's: a warm-up run, a recording, replays
+                held = graphed(x)
+            with _op_body_runs() as plain_runs:
+                want = plain(x)
+            assert all(torch.equal(g, want) for g in got), f"M={m}"
+            assert plain_runs and len(graphed_runs) <= 2 * len(plain_runs), \
+                f"M={m}: op bodies ran on replays ({len(graphed_runs)} runs for 5 calls)"
+    assert counters["inductor"]["cudagraph_skips"] == 0 and held is not None
+    assert fp8.report.rewrites and all(state.startswith("on:") for state in fp8.report.cuda_graphs.values()), \
+        fp8.report.cuda_graphs
+
+
+def test_reduce_overhead_mode_in_a_fresh_process_keeps_kernel_state_out_of_the_graph_pool():
+    # The first call of a kernel library in a process may allocate state it keeps (DeepGEMM's
+    # device runtime, our split-K counters). In a fresh process that first call would be the
+    # CUDA graphs' warm-up run, whose allocations land in their memory pool, and Inductor then
+    # refuses every later warm-up. The backends' prepare hooks allocate it at compile time.
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch, fp8compile
+        model = torch.nn.Linear(1024, 2048, bias=False).to(torch.bfloat16).cuda()
+        graphed = torch.compile(model, backend=fp8compile.backend(), dynamic=True, mode="reduce-overhead")
+        with torch.no_grad():
+            for m in (16, 300, 3000, 1):
+                x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+                for _ in range(4):
+                    y = graphed(x)  # held into the next call, as a caller may
+        print("ran every M")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "ran every M" in done.stdout, done.stderr[-3000:]

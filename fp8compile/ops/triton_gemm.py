@@ -302,11 +302,23 @@ _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 
 def _arrival_counters(device: torch.device, n_tiles: int) -> torch.Tensor:
     """Zeroed int32 counters, one per N tile, reused across calls (the kernel leaves them at 0).
-    One buffer per device: split-K launches on one device must not overlap on two streams."""
+    One buffer per device: split-K launches on one device must not overlap on two streams.
+    Allocated at compile time (prepare_small_m): a buffer first allocated in a CUDA graph's
+    warm-up run or capture would live in that graph's memory pool, which reuses it."""
     buf = _ARRIVALS.get(device)
     if buf is None or buf.numel() < n_tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the decode kernel's split-K counters would be allocated inside a CUDA graph capture: "
+                               "run the op once on this device before capturing")
         buf = _ARRIVALS[device] = torch.zeros(max(n_tiles, 4096), dtype=torch.int32, device=device)
     return buf
+
+
+def prepare_small_m(request) -> None:
+    """registry hook, at compile time: the split-K counters for a call site of N outputs (one per
+    tile of the narrowest BLOCK_N), before any CUDA graph's warm-up could allocate them."""
+    if request.device.type == "cuda":
+        _arrival_counters(request.device, triton.cdiv(request.n, 16))
 
 
 @functools.cache

@@ -84,6 +84,16 @@ def _cublas(x, b, w_fp8, w_scale, bias, e8m0, act=("silu", 1.702, 7.0)):
     return _finish(out[:m], x, bias)
 
 
+def prepare_deep_gemm(request) -> None:
+    """registry hook, at compile time: DeepGEMM's device runtime, which allocates a tensor when
+    the process first calls DeepGEMM, is created now (asking it the SM count creates it). Created
+    in a CUDA graph's warm-up run instead, that tensor would stay in the graph's memory pool, live
+    but owned by no graph, and Inductor's CUDA graphs refuse every later warm-up."""
+    if request.device.type == "cuda":
+        with torch.cuda.device(request.device):
+            require("deep_gemm").get_num_sms()
+
+
 def linear_deep_gemm(x, w_fp8, w_scale, bias=None, e8m0=False):
     return _deep_gemm(x, None, w_fp8, w_scale, bias, e8m0)
 

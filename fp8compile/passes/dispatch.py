@@ -62,15 +62,17 @@ def plan(ctx: PassContext, op: str, device: torch.device, n: int, k: int, m: Any
     cfg = ctx.config
     base = registry.Request(op, device, n, k, batch_invariant=cfg.batch_invariant, e8m0=cfg.e8m0)
     if cfg.autotune and not cfg.batch_invariant and op in autotune.TUNED_OPS and autotune.can_tune(device):
-        tuned = autotune.plan(base, cfg.backends, m if isinstance(m, int) else None)
-        return [Side(_label(lo, hi), kernel, hi) for lo, hi, kernel in tuned]
-    chosen: list[tuple[int, int | None, str]] = []
-    for tier, lo, hi in ranges(cfg, m):
-        kernel = registry.choose(dataclasses.replace(base, m_min=lo, m_max=hi), cfg.backends, tier)
-        if chosen and chosen[-1][2] == kernel:
-            chosen[-1] = (chosen[-1][0], hi, kernel)
-        else:
-            chosen.append((lo, hi, kernel))
+        chosen = autotune.plan(base, cfg.backends, m if isinstance(m, int) else None)
+    else:
+        chosen = []
+        for tier, lo, hi in ranges(cfg, m):
+            kernel = registry.choose(dataclasses.replace(base, m_min=lo, m_max=hi), cfg.backends, tier)
+            if chosen and chosen[-1][2] == kernel:
+                chosen[-1] = (chosen[-1][0], hi, kernel)
+            else:
+                chosen.append((lo, hi, kernel))
+    for lo, hi, kernel in chosen:
+        registry.prepare(kernel, dataclasses.replace(base, m_min=lo, m_max=hi))
     return [Side(_label(lo, hi), kernel, hi) for lo, hi, kernel in chosen]
 
 
