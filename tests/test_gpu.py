@@ -259,7 +259,7 @@ def _op_body_runs():
 
 
 @pytest.mark.parametrize("model_name", ["linear", "gated_mlp", "qwen3_moe_block"])
-def test_reduce_overhead_mode_replays_one_cuda_graph_per_m_with_the_default_modes_bits(model_name, monkeypatch):
+def test_reduce_overhead_mode_replays_a_cuda_graph_per_m_with_the_bits_of_the_default_mode(model_name, monkeypatch):
     from torch._dynamo.utils import counters
 
     from fp8compile.ops import triton_gemm
