@@ -117,8 +117,7 @@ def main():
     lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     lin.weight.data.copy_(w)
     lin16 = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-    compiled = {name: f for name, f in compiled_variants(lambda: lin).items() if name.startswith("fp8")}
-    compiled.update({name: f for name, f in compiled_variants(lambda: lin16).items() if name.startswith("bf16")})
+    compiled = {**compiled_variants(lambda: lin, ("fp8",)), **compiled_variants(lambda: lin16, ("bf16_inductor",))}
     rows = []
     with torch.no_grad():
         for m in (1, 16, 1024, 4096):

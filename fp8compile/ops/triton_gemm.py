@@ -316,9 +316,9 @@ def _arrival_counters(device: torch.device, n_tiles: int) -> torch.Tensor:
 
 def prepare_small_m(request) -> None:
     """registry hook, at compile time: the split-K counters for a call site of N outputs (one per
-    tile of the narrowest BLOCK_N), before any CUDA graph's warm-up could allocate them."""
+    N tile of the plain or gated kernel), before any CUDA graph's warm-up could allocate them."""
     if request.device.type == "cuda":
-        _arrival_counters(request.device, triton.cdiv(request.n, 16))
+        _arrival_counters(request.device, triton.cdiv(request.n, min(SMALL_M_BLOCK_N, SMALL_M_GATED_BLOCK_N)))
 
 
 @functools.cache
