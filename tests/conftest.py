@@ -138,6 +138,9 @@ class CountingBackend:
         self.fp8 = fp8compile.backend(**options)
         self.compiles = 0
 
+    def __deepcopy__(self, memo):  # as Fp8Backend: transformers' CompileConfig deep-copies its backend
+        return self
+
     def __call__(self, gm, example_inputs, **kwargs):
         self.compiles += 1
         return self.fp8(gm, example_inputs, **kwargs)
@@ -145,3 +148,30 @@ class CountingBackend:
     @property
     def report(self):
         return self.fp8.report
+
+
+@pytest.fixture
+def ranged_references(monkeypatch) -> tuple[str, ...]:
+    """Three registry backends that run the reference kernels for linear, gated_linear and moe,
+    each serving one range of M (with small_m=32, large_m=64): configured with these backends, a
+    CPU compile builds the full nested M dispatch (two torch.conds per call site) that the GPU's
+    default order builds, so the stride contract between each branch and the tensors that reach
+    it is tested on the CPU too. Returns the backends option."""
+    monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
+    monkeypatch.setattr(registry, "DEFAULT_ORDERS", dict(registry.DEFAULT_ORDERS))
+    reference = registry._BACKENDS["reference"]
+
+    def serving(lo, hi):
+        def why_not(request):
+            if request.m_min < lo or (hi is not None and (request.m_max is None or request.m_max > hi)):
+                return f"serves {lo} <= M <= {hi} only"
+            return None
+        return why_not
+
+    ops = {op: reference.ops[op] for op in ("linear", "gated_linear", "moe")}
+    registry.register(registry.Backend("ref_small", ops, serving(1, 32)))
+    registry.register(registry.Backend("ref_medium", ops, serving(33, 64)))
+    return ("ref_small", "ref_medium", "reference")
+
+
+RANGES = dict(small_m=32, large_m=64)  # the ranges ranged_references serves

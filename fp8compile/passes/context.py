@@ -2,8 +2,10 @@
 behind each placeholder, the config and the report, and helpers to add nodes with their fake values.
 
 Invariants every pass keeps: each node it adds carries meta["val"] (a FakeTensor / SymInt of
-the graph's fake mode); no weight values enter the graph (weights stay inputs; their FP8
-copies live in passes/weights.py); no new aliasing.
+the graph's fake mode), and so does every node downstream of a replaced one (replace_uses
+re-derives it: a torch.cond branch is compiled for the strides its operands' meta says, so a
+stale stride there is a crash or wrong numbers); no weight values enter the graph (weights
+stay inputs; their FP8 copies live in passes/weights.py); no new aliasing.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..config import Fp8Config
 from ..report import Report, Rewrite, Skip
@@ -21,12 +24,18 @@ from ..report import Report, Rewrite, Skip
 
 def qualified_name(source_name: str) -> str:
     """Dynamo source name -> the name model.named_parameters() would give:
-    "L['self']._modules['mlp']._parameters['weight']" -> "mlp.weight". A local root (the compiled
-    module, whatever Dynamo calls it: self, fn, an argument) is dropped; a global's name is kept."""
-    keys = re.findall(r"\[['\"]?([^'\"\]]+)['\"]?\]", source_name)
+    "L['self']._modules['mlp']._parameters['weight']" -> "mlp.weight", and a plain attribute the
+    same way: "L['self']._modules['norm'].variance_epsilon" -> "norm.variance_epsilon". A local
+    root (the compiled module, whatever Dynamo calls it: self, fn, an argument) is dropped; a
+    global's name is kept."""
+    keys = [key or attr for key, attr in re.findall(r"\[['\"]?([^'\"\]]+)['\"]?\]|\.(\w+)", source_name)
+            if attr not in _MODULE_DICTS]
     if keys and source_name.startswith("L[") and len(keys) > 1:
         keys = keys[1:]
     return ".".join(keys) or source_name
+
+
+_MODULE_DICTS = ("_modules", "_parameters", "_buffers")
 
 
 def dynamo_input_names(gm: fx.GraphModule) -> list[str | None]:
@@ -104,9 +113,41 @@ class PassContext:
         with self.fake_mode:
             return fn(*args, **kwargs)
 
+    def replace_uses(self, old: fx.Node, new: fx.Node) -> None:
+        """old's users read new instead, and every node downstream of new whose value (shape,
+        strides, dtype) follows from it gets its meta["val"] re-derived. new may differ from
+        old in strides: gate_up's halves of one (M, 2N) output are (M, N) with row stride 2N,
+        where the matmul each replaces was contiguous, and the views and branches below them
+        must say so."""
+        old.replace_all_uses_with(new)
+        work = list(new.users)  # a node whose meta changes sends its users back here (a DAG: this ends)
+        while work:
+            node = work.pop()
+            if node.op != "call_function":
+                continue
+            if node.target is torch.ops.higher_order.cond:
+                raise AssertionError(f"{node.name}: a torch.cond whose operands change after it was built")
+            try:
+                val = self.fake(node.target, *node.args, **node.kwargs)
+            except Exception:  # an op the fake mode cannot rerun here: keep what tracing recorded
+                continue
+            if free_unbacked_symbols(val) or _same_layout(val, node.meta.get("val")):
+                continue
+            node.meta["val"] = val
+            work.extend(node.users)
+
     def rewrote(self, kind: str, name: str, m: Any, n: int, k: int, kernels, detail: str = "") -> None:
         m_desc = str(m) if isinstance(m, int) else "dynamic"
         self.report.rewrites.append(Rewrite(kind, name, m_desc, n, k, tuple(kernels), self.graph_index, detail))
 
     def skipped(self, kind: str, name: str, reason: str, shape: str = "") -> None:
         self.report.skips.append(Skip(kind, name, reason, self.graph_index, shape))
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    """Whether two meta values (tensors, or tuples / lists of them) agree in shape, strides and dtype."""
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_layout(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
+    return type(a) is type(b) and not isinstance(a, torch.Tensor)

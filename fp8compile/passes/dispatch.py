@@ -163,7 +163,10 @@ def _dispatch(ctx, graph, owner, attr_name, target, operands, args, kwargs, m_so
 def _symbol_operands(ctx: PassContext, operands: list[fx.Node]) -> list[fx.Node]:
     symbols = set()
     for node in operands:
-        for size in node.meta["val"].shape:
+        val = node.meta["val"]
+        # Strides count too: the last token of (B, S, H), x[:, -1], is (B, H) with row stride S*H,
+        # and the branch checks its input's strides, so it needs S though no size mentions it.
+        for size in (*val.shape, *val.stride(), val.storage_offset()):
             if isinstance(size, torch.SymInt):
                 symbols |= size.node.expr.free_symbols
     bound = {}
@@ -186,7 +189,7 @@ def emit(ctx: PassContext, target, args: tuple, kwargs: dict, m_source: fx.Node,
     if len(sides) > 1:
         fx.node.map_arg((args, kwargs), lambda n: operands.append(n) if n not in operands else None)
         # Inductor codegens each branch as a function of its operands: the symbols in their shapes
-        # (the dynamic M) must come in as operands too, as Dynamo does when it traces torch.cond.
+        # and strides (the dynamic M) must come in as operands too, as Dynamo does when it traces torch.cond.
         # Checked before anything is added to the graph, so NoDispatch leaves it as it was.
         operands = _symbol_operands(ctx, operands) + operands
     return _dispatch(ctx, ctx.gm.graph, ctx.gm, lambda side: ctx.attr_name(f"{name}_{side}"), target, operands,

@@ -139,7 +139,7 @@ def replace_with_fp8(ctx: PassContext, match: LinearMatch, param: torch.nn.Param
     if emitted is None:
         return
     out, sides = emitted
-    match.node.replace_all_uses_with(out)
+    ctx.replace_uses(match.node, out)
     ctx.gm.graph.erase_node(match.node)
     ctx.rewrote(kind, name, match.x.meta["val"].shape[0], n, k, [(s.label, s.kernel) for s in sides], detail)
 

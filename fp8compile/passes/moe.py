@@ -398,7 +398,7 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
                                 m_source=m.hidden, sides=sides, name=name)
         except dispatch.NoDispatch as reason:
             raise NoMatch(str(reason)) from None
-    m.output.replace_all_uses_with(out)
+    ctx.replace_uses(m.output, out)
     router = _router(m.topk_ids)
     if router is not None:
         ctx.keep_bf16[router] = ROUTER_STAYS_BF16
