@@ -10,7 +10,7 @@ from typing import Any
 from . import registry
 
 RECIPES = ("block",)  # "rowwise" and "tensor" join when their ops land
-FUSIONS = ("moe", "gate_up", "silu_mul")  # fusion passes, run in this order before the linear pass
+FUSIONS = ("moe", "gate_up", "qkv", "silu_mul")  # fusion passes, run in this order before the linear pass
 
 # Small/large-M threshold for the torch.cond dispatch: M <= SMALL_M takes the decode path.
 # 32 is where the anchors' decode kernels stop streaming weights and start being compute-bound

@@ -59,17 +59,29 @@ def gated(bias: bool, down_in: int = 512) -> nn.Module:
     return model.to(BF16)
 
 
-@pytest.mark.parametrize("options, why", [
-    (dict(skip=["up"]), "a linear that stays bf16 would move into FP8"),
-    ({}, "linears with biases keep one bias add each"),
-], ids=["up_skipped", "biases"])
-def test_pairs_that_cannot_share_a_gemm_stay_two(options, why, captured):
-    model = gated(bias=not options)
-    out, report = compile_and_run(model, randn(2, 9, 256), **options)
+@pytest.mark.parametrize("options, bias, why", [
+    (dict(skip=["up"]), False, "a linear that stays bf16 would move into FP8"),
+    ({}, "gate", "one bias to add, on half of the stacked output"),
+], ids=["up_skipped", "one_bias"])
+def test_pairs_that_cannot_share_a_gemm_stay_two(options, bias, why, captured):
+    model = gated(bias=bool(bias))
+    if bias == "gate":
+        model.up = nn.Linear(256, 512, bias=False).to(BF16)
+    out, report = compile_and_run(model, randn(2, 9, 256), fusions=("gate_up", "silu_mul"), **options)
     assert all(n.kwargs.get("w_next") is None for n in captured[0].ops(LINEAR)), why
     assert not any(r.detail.startswith("one GEMM") for r in report.rewrites)
     if options:
         assert [s.name for s in report.skipped("linear")] == ["up"]
+
+
+def test_gate_and_up_with_biases_share_a_gemm_and_their_stacked_biases(captured):
+    model, x = gated(bias=True), randn(2, 9, 256)
+    merged, report = compile_and_run(model, x.clone())
+    (gemm,) = captured[0].ops(LINEAR)
+    assert len(gemm.kwargs["w_next"]) == 1 and len(gemm.kwargs["bias_next"]) == 1
+    torch._dynamo.reset()
+    separate, _ = compile_and_run(model, x.clone(), fusions=("silu_mul",))
+    assert torch.equal(merged, separate)
 
 
 def test_the_stacked_weight_follows_an_in_place_change_of_either_weight():
@@ -87,8 +99,8 @@ def test_the_stacked_weight_follows_an_in_place_change_of_either_weight():
 
 def test_stacking_needs_whole_weight_blocks():
     w, w_up = randn(200, 256), randn(200, 256)
-    with pytest.raises(ValueError, match="whole 128-row blocks, first has N=200"):
-        weights.fp8_weight(w, w_next=w_up)
+    with pytest.raises(ValueError, match="whole 128-row blocks, weight 0 has N=200"):
+        weights.fp8_weight(w, w_next=[w_up])
 
 
 def test_a_pair_without_an_m_dispatch_is_reported_once_per_linear(monkeypatch, probe_backend):

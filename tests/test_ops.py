@@ -149,11 +149,14 @@ def _op_samples():
         (fp8.gemm.default, (x_fp8, x_scale, w_fp8, w_scale, bias)),
         (fp8.linear.default, (x, randn(256, 256), bias, False)),
         (fp8.linear.default, (randn(2, 3, 256), randn(256, 384), None, True, "reference", True)),
-        (fp8.linear.default, (x, randn(256, 256), None, False, "reference", False, randn(128, 256))),  # w_next
+        (fp8.linear.default, (x, randn(256, 256), None, False, "reference", False, [randn(128, 256)])),  # w_next
+        # q, k, v with biases, the last weight's N not a whole block
+        (fp8.linear.default, (x, randn(256, 256), randn(256), False, "reference", False, [randn(128, 256), randn(100, 256)],
+                              [randn(128), randn(100)])),
     ]
 
 
-@pytest.mark.parametrize("i", range(8))
+@pytest.mark.parametrize("i", range(9))
 def test_opcheck(i):
     op, args = _op_samples()[i]
     utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -164,7 +167,7 @@ def test_opcheck(i):
     torch.library.opcheck(op, args, test_utils=utils)
 
 
-@pytest.mark.parametrize("i", range(8))
+@pytest.mark.parametrize("i", range(9))
 def test_ops_do_not_mutate_their_inputs(i):
     op, args = _op_samples()[i]
     tensors = [a for a in args if isinstance(a, torch.Tensor)]

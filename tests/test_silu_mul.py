@@ -112,7 +112,7 @@ def test_passes_run_fusion_before_the_plain_linear_pass():
 def test_fusions_option_turns_the_fusion_off():
     _, _, report = compile_and_run(GatedMLP().to(BF16), randn(2, 9, 256), fusions=[])
     assert report.counts() == {"linear": 3, "silu_mul": 0, "moe": 0}
-    with pytest.raises(ValueError, match="unknown fusion.*valid fusions: moe, gate_up, silu_mul"):
+    with pytest.raises(ValueError, match="unknown fusion.*valid fusions: moe, gate_up, qkv, silu_mul"):
         fp8compile.backend(fusions=["moe_v2"])
 
 

@@ -23,9 +23,12 @@ from . import reference
 _LIB = torch.library.Library("fp8compile", "DEF")
 
 
-def _op(fn):
-    """Define fp8compile::<fn's name> with the schema of fn's signature; fn is its kernel."""
-    _LIB.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=()))
+def _op(fn=None, *, schema: str | None = None):
+    """Define fp8compile::<fn's name> with the schema of fn's signature (or `schema`, where
+    infer_schema cannot say it: a defaulted Tensor list); fn is its kernel."""
+    if fn is None:
+        return lambda f: _op(f, schema=schema)
+    _LIB.define(fn.__name__ + (schema or torch.library.infer_schema(fn, mutates_args=())))
     _LIB.impl(fn.__name__, fn, "CompositeExplicitAutograd")
     return fn
 
@@ -93,31 +96,34 @@ def _weight_out_features(x: Tensor, w: Tensor, bias: Tensor | None, w_kn: bool) 
     return n
 
 
-@_op
+@_op(schema="(Tensor x, Tensor w, Tensor? bias=None, bool e8m0=False, str backend='reference', bool w_kn=False, "
+            "Tensor[]? w_next=None, Tensor[]? bias_next=None) -> Tensor")
 def linear(
     x: Tensor, w: Tensor, bias: Tensor | None = None, e8m0: bool = False, backend: str = "reference", w_kn: bool = False,
-    w_next: Tensor | None = None,
+    w_next: list[Tensor] | None = None, bias_next: list[Tensor] | None = None,
 ) -> Tensor:
     """FP8 linear: bf16 x (..., K) times the bf16 weight w (N, K), or (K, N) if w_kn -> bf16 (..., N).
 
     w's FP8 copy (128x128 blocks) comes from the per-parameter memo the compiler filled
     (passes/weights.py): no weight is quantized per call. x is quantized per token in 1x128
-    groups (fused into the GEMM where the kernel can). With w_next (a second weight over the same
-    x, same layout, N' outputs), the op is one GEMM over both: (..., N + N'), w's outputs first.
+    groups (fused into the GEMM where the kernel can). With w_next (more weights over the same
+    x, same layout), the op is one GEMM over all of them: (..., N + sum N'), w's outputs first;
+    bias_next then holds their biases (given exactly when bias is).
     """
-    from ..passes.weights import fp8_weight
+    from ..passes.weights import fp8_weight, stacked_bias
 
     w_fp8, w_scale = fp8_weight(w, w_kn, e8m0, w_next)
-    return registry.implementation("linear", backend)(x, w_fp8, w_scale, bias, e8m0)
+    return registry.implementation("linear", backend)(x, w_fp8, w_scale, stacked_bias(bias, bias_next), e8m0)
 
 
 @_fake(linear)
-def _(x, w, bias=None, e8m0=False, backend="reference", w_kn=False, w_next=None):
-    n = _weight_out_features(x, w, None, w_kn)
-    if w_next is not None:
-        n += _weight_out_features(x, w_next, None, w_kn)
+def _(x, w, bias=None, e8m0=False, backend="reference", w_kn=False, w_next=None, bias_next=None):
+    n = sum(_weight_out_features(x, weight, None, w_kn) for weight in (w, *(w_next or ())))
+    torch._check((bias is None) == (not bias_next) or not w_next,
+                 lambda: "bias_next is given exactly when bias is (one bias per stacked weight)")
     if bias is not None:
-        torch._check(tuple(bias.shape) == (n,), lambda: f"bias shape {tuple(bias.shape)} is not ({n},)")
+        b = bias.shape[0] + sum(b.shape[0] for b in bias_next or ())
+        torch._check(b == n, lambda: f"biases have {b} outputs, the weights {n}")
     return x.new_empty(*x.shape[:-1], n)
 
 

@@ -129,12 +129,14 @@ def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
         if a_val.shape != b_val.shape or {a_val.dtype, b_val.dtype} != {torch.bfloat16}:
             return f"act(a, b) over {a_val.dtype}/{b_val.dtype} tensors of shapes {tuple(a_val.shape)}, {tuple(b_val.shape)}"
         return a, b, kwargs
-    if all(_chain(p, MATMULS) for p in h.args[:2]):  # a gated MLP with another activation
+    if all(_chain(p, _PROJECTIONS) for p in h.args[:2]):  # a gated MLP with another activation
         found = [name for p in h.args[:2] for target, name in _ACTIVATIONS if _reaches(p, target)]
         return f"gated product with activation {found[0] if found else 'unknown'}: only silu(a) * b is fused"
     return None  # e.g. RMSNorm's x * rsqrt(...): not a gated MLP
 
 
+# where a gated MLP's gate and up come from: bf16 matmuls, or the FP8 GEMM that gate_up or qkv made of them
+_PROJECTIONS = (*MATMULS, torch.ops.fp8compile.linear.default)
 _ACTIVATIONS = ((aten.erf.default, "gelu"), (aten.tanh.default, "tanh / gelu-tanh"), (aten.relu.default, "relu"),
                 (aten.sigmoid.default, "sigmoid"))
 

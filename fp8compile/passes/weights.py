@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 log = logging.getLogger("fp8compile")
 
-# key -> (weak refs to the source tensors, their versions when converted, the converted tensors)
+# key -> (weak refs to the source tensors, their versions when converted, the converted tensors);
+# _MEMO keys by storage, shape and strides (the same weight under another tensor object hits),
+# _BY_ID by the tensor objects' identity (the per-call lookup).
 _MEMO: dict[tuple, tuple] = {}
+_BY_ID: dict[tuple, tuple] = {}
 
 
 def _quantize(w: torch.Tensor, e8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,35 +50,58 @@ def _key(w: torch.Tensor) -> tuple:
 
 def _memoized(sources: tuple[torch.Tensor, ...], tag: tuple, make: Callable[[], tuple]) -> tuple:
     """make() once per (sources, tag), again only when a source changed in place or is a new tensor."""
+    # Every FP8 op call looks its weight up here, outside CUDA graphs on the host's critical
+    # path: first by the identity of the tensors passed (a dict hit and a version check).
+    fast_key = (tuple(map(id, sources)), tag)
+    versions = tuple(_version(w) for w in sources)
+    hit = _BY_ID.get(fast_key)
+    if hit is not None and hit[1] == versions and all(ref() is w for ref, w in zip(hit[0], sources)):
+        return hit[2]
     key = (tuple(_key(w) for w in sources), tag)
     entry = _MEMO.get(key)
-    versions = tuple(_version(w) for w in sources)
     alive = entry is not None and all(ref() is not None for ref in entry[0])
     if alive and entry[1] == versions:
-        return entry[2]
-    if entry is not None:
-        log.info("fp8compile: converting weights %s at first use (%s)", [tuple(w.shape) for w in sources],
-                 "modified in place" if alive else "new weight in a reused graph")
-    with unset_fake_temporarily(), torch.no_grad():
-        value = make()
-    refs = tuple(weakref.ref(w, lambda _, key=key: _MEMO.pop(key, None)) for w in sources)
-    _MEMO[key] = (refs, versions, value)
+        value = entry[2]
+    else:
+        if entry is not None:
+            log.info("fp8compile: converting weights %s at first use (%s)", [tuple(w.shape) for w in sources],
+                     "modified in place" if alive else "new weight in a reused graph")
+        with unset_fake_temporarily(), torch.no_grad():
+            value = make()
+
+        def forget(_, key=key):
+            _MEMO.pop(key, None)
+
+        _MEMO[key] = (tuple(weakref.ref(w, forget) for w in sources), versions, value)
+    _BY_ID[fast_key] = (tuple(weakref.ref(w, lambda _, k=fast_key: _BY_ID.pop(k, None)) for w in sources),
+                        versions, value)
     return value
 
 
 def fp8_weight(w: torch.Tensor, kn: bool = False, e8m0: bool = False,
-               w_next: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               w_next: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(w_fp8 (N, K), w_scale (ceil(N/128), K/128)) for a weight stored (N, K), or (K, N) if kn.
-    With w_next (same K and layout): the two weights stacked along N, w's rows first, so two
-    linears over one x run as one GEMM (passes/gate_up.py); w's N must then be a multiple of 128,
-    so that no weight block spans both."""
+    With w_next (more weights, same K and layout): all of them stacked along N, w's rows first,
+    so linears over one x run as one GEMM (passes/merge.py); every weight but the last must then
+    have whole 128-row blocks, so that no weight block spans two of them."""
+    sources = (w, *(w_next or ()))
+
     def make():
-        parts = [p.detach().t() if kn else p.detach() for p in (w, w_next) if p is not None]
-        if len(parts) > 1 and parts[0].shape[0] % 128:
-            raise ValueError(f"stacking weights along N needs whole 128-row blocks, first has N={parts[0].shape[0]}")
+        parts = [p.detach().t() if kn else p.detach() for p in sources]
+        for i, part in enumerate(parts[:-1]):
+            if part.shape[0] % 128:
+                raise ValueError(f"stacking weights along N needs whole 128-row blocks, weight {i} has N={part.shape[0]}")
         return _quantize(torch.cat(parts).contiguous() if len(parts) > 1 else parts[0].contiguous(), e8m0)
 
-    return _memoized((w,) if w_next is None else (w, w_next), ("linear", kn, e8m0), make)
+    return _memoized(sources, ("linear", kn, e8m0), make)
+
+
+def stacked_bias(bias: torch.Tensor | None, bias_next: Sequence[torch.Tensor] | None) -> torch.Tensor | None:
+    """The biases of linears merged into one GEMM (fp8_weight's w_next), concatenated in the same order."""
+    if not bias_next:
+        return bias
+    sources = (bias, *bias_next)
+    return _memoized(sources, ("bias",), lambda: torch.cat([b.detach() for b in sources]))
 
 
 # How a routed-experts block stores its gate and up projections:
