@@ -171,6 +171,7 @@ def register(backend: Backend, *, first: bool = False) -> None:
     """Add a backend (replacing one of the same name); `first` puts it at the front of every
     default order, else it goes just before "reference", which always stays last."""
     _BACKENDS[backend.name] = backend
+    _IMPLEMENTATIONS.clear()
 
     def placed(order):
         order = [n for n in order if n != backend.name]
@@ -243,7 +244,18 @@ def prepare(backend: str, request: Request) -> None:
             _resolve(hook)(request)
 
 
+# (op, backend) -> its kernel, resolved once: every op call asks, and outside a CUDA graph an
+# import_module per call is host time on the critical path.
+_IMPLEMENTATIONS: dict[tuple[str, str], tuple[Backend, Callable]] = {}
+
+
 def implementation(op: str, backend: str) -> Callable:
-    if backend not in _BACKENDS or op not in _BACKENDS[backend].ops:
+    b = _BACKENDS.get(backend)
+    cached = _IMPLEMENTATIONS.get((op, backend))
+    if cached is not None and cached[0] is b:  # the same Backend object as when resolved
+        return cached[1]
+    if b is None or op not in b.ops:
         raise RuntimeError(f"backend {backend!r} has no {op!r} kernel (backends: {', '.join(names())})")
-    return _BACKENDS[backend].implementation(op)
+    fn = b.implementation(op)
+    _IMPLEMENTATIONS[(op, backend)] = (b, fn)
+    return fn

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..numerics import AMAX_EPS, BLOCK, FP8_MAX
+from .launch import Launcher
 from .triton_quant import activation_code, load_activation, quant_act, quant_group
 
 
@@ -287,6 +288,7 @@ def linear_large_m(x, w_fp8, w_scale, bias=None, e8m0=False):
     return gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype).reshape(*x.shape[:-1], w_fp8.shape[0])
 
 
+@functools.lru_cache(maxsize=1024)
 def small_m_split(n: int, k: int, device: torch.device, block_n: int = SMALL_M_BLOCK_N,
                   programs_per_sm: int = SMALL_M_PROGRAMS_PER_SM) -> int:
     """Split-K factor: enough programs to keep every SM streaming, never more splits than groups."""
@@ -363,6 +365,18 @@ def _descriptor(t: torch.Tensor, rows: int):
     return TensorDescriptor.from_tensor(t, [rows, BLOCK])
 
 
+@functools.lru_cache(maxsize=4096)
+def _small_m_tiles(m: int, n: int, k: int, gated: bool, device: torch.device, block_n: int | None,
+                   split_k: int | None) -> tuple[int, int, int, int]:
+    """(block_m, block_n, split, n_tiles) of the decode kernel for one call signature (cached:
+    outside a CUDA graph the launcher's host work is on the critical path)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = block_n or (32 if device.type == "cpu" else SMALL_M_GATED_BLOCK_N if gated else SMALL_M_BLOCK_N)
+    split = split_k or small_m_split(n, k, device, block_n,
+                                     SMALL_M_GATED_PROGRAMS_PER_SM if gated else SMALL_M_PROGRAMS_PER_SM)
+    return block_m, block_n, split, triton.cdiv(n, block_n)
+
+
 def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block_n=None, num_stages=None,
                    b=None, activation="silu", alpha=1.702, limit=7.0, tma=None, pdl=None, prefetch=SMALL_M_PDL_PREFETCH):
     """Fused 1x128 activation quantization + block-scaled GEMM for M <= 64, in one launch:
@@ -379,16 +393,11 @@ def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    interp = _interpreting(x2)
     gated = b is not None
-    block_n = block_n or (32 if interp else SMALL_M_GATED_BLOCK_N if gated else SMALL_M_BLOCK_N)
-    split = split_k or small_m_split(n, k, x2.device, block_n,
-                                     SMALL_M_GATED_PROGRAMS_PER_SM if gated else SMALL_M_PROGRAMS_PER_SM)
-    n_tiles = triton.cdiv(n, block_n)
+    block_m, block_n, split, n_tiles = _small_m_tiles(m, n, k, gated, x.device, block_n, split_k)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     arrivals = _arrival_counters(x.device, n_tiles) if split > 1 else out
-    launch = {} if interp else dict(num_warps=4, num_stages=num_stages or SMALL_M_NUM_STAGES)
+    launch = {} if _interpreting(x2) else dict(num_warps=4, num_stages=num_stages or SMALL_M_NUM_STAGES)
     tma = tma_pays_off(x.device) and use_tma(w_fp8) if tma is None else tma
     trigger = pdl_available(x.device)
     pdl = trigger and gated if pdl is None else pdl
@@ -399,15 +408,21 @@ def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block
             raise ValueError("programmatic dependent launch needs a CUDA GPU of compute capability 9.0 or newer")
         launch["launch_pdl"] = True
     act_tma = tma and ACT_TMA and not gated and use_tma(x2)
-    _linear_small_m_kernel[(n_tiles, split)](
-        x2, _descriptor(x2, block_m) if act_tma else x2, b2, w_fp8, _descriptor(w_fp8, block_n) if tma else w_fp8, w_scale,
-        bias if bias is not None else w_scale, out, partial, arrivals, m, n, k,
-        x2.stride(0), x2.stride(1), b2.stride(0), b2.stride(1), w_fp8.stride(0), w_scale.stride(0), w_scale.stride(1),
-        out.stride(0), AMAX_EPS, FP8_MAX, alpha, limit, E8M0=e8m0, ACT=activation_code(b, activation),
-        HAS_BIAS=bias is not None, TMA=tma, ACT_TMA=act_tma, PDL=pdl, TRIGGER=trigger or pdl, PREFETCH=prefetch, SPLIT_K=split,
-        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=BLOCK, **launch,
+    _small_m_launch(
+        (n_tiles, split),
+        (x2, _descriptor(x2, block_m) if act_tma else x2, b2, w_fp8, _descriptor(w_fp8, block_n) if tma else w_fp8,
+         w_scale, bias if bias is not None else w_scale, out, partial, arrivals, m, n, k,
+         x2.stride(0), x2.stride(1), b2.stride(0), b2.stride(1), w_fp8.stride(0), w_scale.stride(0), w_scale.stride(1),
+         out.stride(0), AMAX_EPS, FP8_MAX, float(alpha), float(limit)),
+        dict(E8M0=e8m0, ACT=activation_code(b, activation), HAS_BIAS=bias is not None, TMA=tma, ACT_TMA=act_tma,
+             PDL=pdl, TRIGGER=trigger or pdl, PREFETCH=prefetch, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n,
+             GROUP=BLOCK),
+        **launch,
     )
     return out.reshape(*x.shape[:-1], n)
+
+
+_small_m_launch = Launcher(_linear_small_m_kernel)
 
 
 def gated_linear_small_m(a, b, w_fp8, w_scale, bias=None, e8m0=False, activation="silu", alpha=1.702, limit=7.0):

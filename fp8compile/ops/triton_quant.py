@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..numerics import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX
+from .launch import Launcher
 
 TMA_ALIGN = 4  # fp32 elements per 16 bytes
 QUANT_ROWS = 16
@@ -75,6 +76,9 @@ def _quant_act_kernel(x_ptr, b_ptr, q_ptr, s_ptr, M, stride_xm, stride_xk, strid
     tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale, mask=rows < M)
 
 
+_quant_act_launch = Launcher(_quant_act_kernel)
+
+
 def empty_scales(m: int, groups: int, layout: str, device) -> torch.Tensor:
     if layout == "row":
         return torch.empty(m, groups, dtype=torch.float32, device=device)
@@ -109,10 +113,11 @@ def quant_act(x: torch.Tensor, e8m0: bool = False, layout: str = "row", b: torch
         # cuBLAS alone at M=4096, K=7168 on an H200 (88 MB moved: ~2.2 TB/s); with 16 rows, 25 us
         # (`bench gemm` runs of 2026-11-21, BENCHMARKS.md).
         rows = min(QUANT_ROWS, triton.next_power_of_2(m))
-        _quant_act_kernel[(triton.cdiv(m, rows), k // BLOCK)](
-            x, b_, x_fp8, scale, m, x.stride(0), x.stride(1), b_.stride(0), b_.stride(1), x_fp8.stride(0),
-            scale.stride(0), scale.stride(1), AMAX_EPS, FP8_MAX, alpha, limit,
-            E8M0=e8m0, ACT=activation_code(b, activation), ROWS=rows, GROUP=BLOCK, num_warps=4,
+        _quant_act_launch(
+            (triton.cdiv(m, rows), k // BLOCK),
+            (x, b_, x_fp8, scale, m, x.stride(0), x.stride(1), b_.stride(0), b_.stride(1), x_fp8.stride(0),
+             scale.stride(0), scale.stride(1), AMAX_EPS, FP8_MAX, float(alpha), float(limit)),
+            dict(E8M0=e8m0, ACT=activation_code(b, activation), ROWS=rows, GROUP=BLOCK), num_warps=4,
         )
     return x_fp8, scale
 

@@ -1,0 +1,86 @@
+"""ops/launch.py: a Triton kernel relaunched from its compiled form, keyed by what Triton
+specializes on; Triton's own path for a new signature and an unknown argument kind."""
+import pytest
+import torch
+
+from fp8compile.ops import launch
+
+
+class FakeCompiled:
+    def __init__(self, log):
+        self.log = log
+        self.run = object()
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("fast", grid, args))
+
+
+class FakeKernel:
+    """kernel[grid](*args, **constexprs, **options), as a @triton.jit function takes it."""
+
+    arg_names = ["x", "n", "scale", "BLOCK", "ACT"]
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("triton", grid, args, kwargs))
+            return FakeCompiled(self.log)
+        return run
+
+
+def test_a_signature_seen_before_is_relaunched_with_constexprs_in_signature_order():
+    kernel = FakeKernel()
+    run = launch.Launcher(kernel)
+    x = torch.zeros(64)
+    for n in (32, 48):  # both multiples of 16 and not 1: one signature
+        run((4,), (x, n, 0.5), {"ACT": 1, "BLOCK": 128}, num_warps=4)
+    assert [e[0] for e in kernel.log] == ["triton", "fast"]
+    assert kernel.log[1] == ("fast", (4, 1, 1), (x, 48, 0.5, 128, 1))
+
+
+@pytest.mark.parametrize("change", ["int_not_multiple_of_16", "int_one", "dtype", "misaligned", "constexpr", "option"])
+def test_what_triton_specializes_on_takes_triton_s_path_again(change):
+    kernel = FakeKernel()
+    run = launch.Launcher(kernel)
+    x = torch.zeros(64)
+    args, constexprs, options = (x, 32, 0.5), {"BLOCK": 128, "ACT": 1}, {"num_warps": 4}
+    run((4,), args, constexprs, **options)
+    if change == "int_not_multiple_of_16":
+        args = (x, 33, 0.5)
+    elif change == "int_one":
+        args = (x, 1, 0.5)
+    elif change == "dtype":
+        args = (x.half(), 32, 0.5)
+    elif change == "misaligned":
+        args = (x[1:], 32, 0.5)
+    elif change == "constexpr":
+        constexprs = {"BLOCK": 64, "ACT": 1}
+    else:
+        options = {"num_warps": 8}
+    run((4,), args, constexprs, **options)
+    assert [e[0] for e in kernel.log] == ["triton", "triton"]
+
+
+def test_an_argument_of_another_kind_takes_triton_s_path_every_time():
+    kernel = FakeKernel()
+    run = launch.Launcher(kernel)
+    for _ in range(2):
+        run((1,), (torch.zeros(4), 16, object()), {"BLOCK": 1, "ACT": 0})
+    assert [e[0] for e in kernel.log] == ["triton", "triton"]
+
+
+def test_a_relaunch_the_installed_triton_refuses_falls_back_to_its_own_path_for_good():
+    class Refusing(FakeCompiled):
+        def __getitem__(self, grid):
+            def runner(*args):
+                raise TypeError("function takes exactly 20 arguments (22 given)")
+            return runner
+
+    refusing = type("RefusingKernel", (FakeKernel,), {"__getitem__": lambda self, grid: (
+        lambda *a, **k: self.log.append(("triton", grid, a, k)) or Refusing(self.log))})()
+    run = launch.Launcher(refusing)
+    for _ in range(3):
+        run((2,), (torch.zeros(4), 16, 1.0), {"BLOCK": 1, "ACT": 0})
+    assert [e[0] for e in refusing.log] == ["triton", "triton", "triton"] and not run.relaunch
