@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,6 +49,11 @@ class Fp8Backend:
         self.report = Report(self.config)
         self.__name__ = "fp8"
 
+    def __deepcopy__(self, memo: dict) -> Fp8Backend:
+        # A backend is its config plus the report it fills; transformers' CompileConfig deep-copies
+        # the backend it is given, and a copy would fill a report the user never sees.
+        return self
+
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None,
                  mode: str | None = None) -> Callable:
         global _last_report
@@ -66,6 +72,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8
     from .debug import DebugDump
     from .passes import GraphInputs, PassContext, run_passes
 
+    patches = dict(list_mode_options(mode)) if mode else {}
+    if patches.get("triton.cudagraphs"):
+        _specialize_float_inputs(gm)  # raises to make Dynamo trace the frame again, if there are any
     graph_index = report.graphs
     report.graphs += 1
     inputs = GraphInputs.from_dynamo(gm, example_inputs)
@@ -100,10 +109,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8
         box = kwargs.get("cudagraphs")  # Inductor's: it turns False where CUDA graphs cannot be used
         asked = bool(getattr(box, "value", False))
         compiled = compile_fx_inner(aten_gm, aten_inputs, **kwargs)
-        report.cuda_graphs[graph_index] = _cuda_graph_state(asked, bool(getattr(box, "value", False)), compiled, mode)
+        names = {node.name: name for node, (_, name) in bound.items() if name}
+        report.cuda_graphs[graph_index] = _cuda_graph_state(asked, bool(getattr(box, "value", False)), compiled, mode,
+                                                            names)
         return compiled
 
-    patches = dict(list_mode_options(mode)) if mode else {}
     if patches.get("triton.cudagraphs") and hasattr(torch._inductor.config, "graph_partition"):
         # Graph partitioning records CUDA graphs between the ops it cannot record, and a
         # torch.cond is one: every FP8 op of the M dispatch would stay outside them. Recorded
@@ -117,6 +127,35 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8
         compiled = compile_fx(gm, example_inputs, inner_compile=fp8_inner_compile, config_patches=patches)
     log.info("fp8compile graph %d: %s", graph_index, report.counts())
     return compiled
+
+
+def _specialize_float_inputs(gm: fx.GraphModule) -> None:
+    """Have Dynamo trace the frame again with the Python floats it passed as graph inputs made
+    constants (guarded: a changed value recompiles), where there are any.
+
+    At dynamic=True Dynamo passes a float it reads from a module (RMSNorm.variance_epsilon,
+    attention.scaling) as a 0-d float64 CPU tensor input. A graph with a CPU input gets no CUDA
+    graphs ("skipping cudagraphs due to cpu device (arg3_1)"), and an unused one still breaks
+    the recording of a graph that follows another. bf16 Inductor gets around the first with graph
+    partitioning, which our graphs run without (a torch.cond would be a partition boundary).
+    Dynamo itself specializes floats it cannot turn into tensors by restarting the trace
+    (TensorifyState): we ask it the same for these, with the same mechanism."""
+    try:
+        from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+        from torch._dynamo.symbolic_convert import TensorifyState
+    except ImportError:  # a torch without the mechanism: the report says which input stops CUDA graphs
+        return
+    names = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        memo = getattr(node.meta.get("example_value"), "item_memo", None)
+        name = getattr(getattr(getattr(memo, "node", None), "_expr", None), "name", None)
+        if name is not None and not TensorifyState.should_specialize(name):
+            names.append(name)
+    if names:
+        log.info("fp8compile: CUDA graphs asked for: specializing float inputs %s and tracing again", names)
+        for name in names:
+            TensorifyState.specialize(name)
+        raise TensorifyScalarRestartAnalysis
 
 
 @contextlib.contextmanager
@@ -156,9 +195,10 @@ def _size_conds_keep_cuda_graphs():
         lowering.lowerings[op] = lower_cond
 
 
-def _cuda_graph_state(asked: bool, kept: bool, compiled: Any, mode: str | None) -> str:
+def _cuda_graph_state(asked: bool, kept: bool, compiled: Any, mode: str | None, names: dict[str, str]) -> str:
     """One line for the report: are this graph's calls replayed from CUDA graphs, and if not, why.
-    asked: the mode asked Inductor for them; kept: Inductor still had them after compiling."""
+    asked: the mode asked Inductor for them; kept: Inductor still had them after compiling;
+    names: graph input name -> the model's name for it (Inductor's reasons name graph inputs)."""
     if not asked:
         if mode in (None, "default"):
             return "off (default mode: every call pays its host cost; mode='reduce-overhead' records one per M)"
@@ -169,7 +209,9 @@ def _cuda_graph_state(asked: bool, kept: bool, compiled: Any, mode: str | None) 
         return "off: the graph runs on no CUDA device"
     reason = getattr(compiled, "disabled_cudagraphs_reason", None)
     if reason:
-        return f"off: Inductor skipped them: {' '.join(reason.split())[:300]}"
+        reason = re.sub(r"\b\w+\b", lambda m: f"{m[0]} = {names[m[0]]}" if m[0] in names else m[0],
+                        " ".join(reason.split()))
+        return f"off: Inductor skipped them: {reason[:300]}"
     return "off: Inductor skipped them (it gave no reason)"
 
 

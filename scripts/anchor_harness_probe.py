@@ -31,7 +31,7 @@ sys.path.insert(0, "scripts")
 from decode_probe import read_all  # noqa: E402
 
 import fp8compile  # noqa: E402
-from fp8compile import bench  # noqa: E402
+from fp8compile.bench import kernels as bench  # noqa: E402
 
 FLUSH_BYTES = 256 << 20  # what triton.testing.do_bench clears the L2 with
 VARIANTS = ("read", "bf16", "deep_gemm", "flashinfer", "cublas_fp8", "triton_small_m", "fp8compile", "fp8compile_graphs")

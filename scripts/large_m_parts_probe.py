@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import fp8compile
-from fp8compile import bench
+from fp8compile.bench import kernels as bench
 from fp8compile.ops import triton_quant, vendors
 
 SHAPES = [(4096, 7168), (7168, 2048), (4096, 14336)]

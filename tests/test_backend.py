@@ -166,7 +166,7 @@ def test_missing_vendor_library_error_says_what_to_install(monkeypatch):
 
 
 def test_benchmark_table_reports_speedups_of_the_compiled_linear():
-    from fp8compile.bench import gemm_table
+    from fp8compile.bench.kernels import gemm_table
 
     rows = [dict(n=4096, k=7168, m=1, variant=v, us=t) for v, t in
             [("bf16", 40.0), ("deep_gemm", 28.0), ("flashinfer", 20.0), ("cublas_fp8", None), ("fp8compile", 10.0),
@@ -209,7 +209,7 @@ def test_graph_breaks_give_several_graphs_in_one_report():
 
 
 def test_mlp_benchmark_table_reports_fp8_speedups():
-    from fp8compile.bench import mlp_table
+    from fp8compile.bench.kernels import mlp_table
 
     rows = [dict(model="llama3-8b", m=16, variant=v, us=t) for v, t in
             [("bf16_inductor", 90.0), ("fp8_unfused", 60.0), ("fp8_gate_up_apart", 50.0), ("fp8", 45.0)]]
@@ -222,7 +222,7 @@ def test_mlp_benchmark_plumbing_runs_every_variant(monkeypatch, tmp_path):
     JSON and table come out. Timing itself needs CUDA graphs and is stubbed here."""
     import json
 
-    from fp8compile import bench
+    from fp8compile.bench import kernels as bench
 
     monkeypatch.setattr(bench, "_copies", lambda nbytes: 2)
     monkeypatch.setattr(bench, "_time_us", lambda fns: [fn() for fn in fns] and 1.0)

@@ -1,4 +1,4 @@
-"""GPU benchmarks: `python -m fp8compile bench gemm | mlp | moe | tune`.
+"""Kernel and layer benchmarks: `python -m fp8compile bench gemm | mlp | moe | tune`.
 
 Timing: each variant is captured in a CUDA graph and replayed (triton.testing.do_bench_cudagraph,
 median), so launch overhead does not hide the kernels, as in a decode loop under CUDA graphs.
@@ -12,13 +12,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
-import time
 from pathlib import Path
 
 import torch
 
 import fp8compile
+
+from . import pyplot
 
 SHAPES = [(4096, 7168), (14336, 4096), (4096, 14336), (24576, 1536), (7168, 2048)]  # (N, K)
 MS = [1, 16, 32, 128, 1024, 4096]
@@ -150,13 +150,8 @@ def gemm_table(rows: list[dict]) -> str:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     shapes = sorted({(r["n"], r["k"]) for r in rows})
     fig, axes = plt.subplots(2, len(shapes), figsize=(4 * len(shapes), 7), squeeze=False)
@@ -461,20 +456,3 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
                   + (f" ({r['weight_tbps']:.2f} TB/s)" if kind == "small_m" else
                      f" ({r['tflops']:.0f} TFLOP/s, DeepGEMM/ours {r['vs_deep_gemm'] or 0:.2f})"))
     return results
-
-
-def main(args) -> int:
-    if not torch.cuda.is_available():
-        raise SystemExit("the benchmarks need a CUDA GPU")
-    out = Path(args.out or os.environ.get("OUT", "bench_out"))
-    start = time.time()
-    if args.what == "gemm":
-        bench_gemm(out, ms=args.m or MS, skip=args.skip or ())
-    elif args.what == "mlp":
-        bench_mlp(out, ms=args.m or MLP_MS)
-    elif args.what == "moe":
-        bench_moe(out, tokens=args.m or MOE_TOKENS, layers={k: MOE_LAYERS[k] for k in (args.layer or MOE_LAYERS)})
-    else:
-        tune(out, kernels=args.kernels)
-    print(f"[{time.time() - start:.0f} s] results in {out}")
-    return 0

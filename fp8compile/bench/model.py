@@ -1,0 +1,346 @@
+"""`python -m fp8compile bench model`: whole transformers causal LMs, bf16 against FP8, in one run.
+
+Models are built from configs at real widths with random N(0, 0.02) weights (no download),
+directly on the device in bf16; `--layers` cuts the layer count (the same on every variant, and
+said in the output). Variants, in this order (torchao last: it quantizes the model in place):
+    bf16                  eager
+    bf16_inductor[_ro]    torch.compile, default mode / mode="reduce-overhead"
+    fp8[_ro]              torch.compile(backend=fp8compile.backend()), the same two modes
+    torchao_rowwise_ro    torchao float8 dynamic rowwise, then Inductor reduce-overhead (if importable)
+
+Decode is timed the way a transformers user runs it: model.generate() with a static KV cache and
+GenerationConfig.compile_config = CompileConfig(backend=..., mode=...), which compiles the decode
+step (the prompt runs eagerly). A logits processor records a CUDA event after every step: ms per
+step is the time from the first step's event to the last one's over the steps between them, so
+the prompt is not counted. The first generate() at a batch size compiles (and records CUDA
+graphs); the second is timed, and Dynamo's graph count during it is the recompile count.
+Prefill: torch.compile(model) on one sequence of `prefill` tokens (logits of the last token),
+median of CUDA-event-timed calls. Accuracy: logits of a 64-token forward against bf16 eager, in
+calc_diff; for dense models beside the unfused FP8 composition (every nn.Linear run by the
+reference block-FP8 linear, eagerly), which is the bound the compiled FP8 model answers to.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import fp8compile
+
+from . import pyplot
+
+# name -> (transformers model class, config class, config fields). Real widths; layer counts of
+# the released models (cut with --layers).
+MODELS = {
+    "llama-3-8b": ("LlamaForCausalLM", "LlamaConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+        vocab_size=128256, num_hidden_layers=32, rope_theta=500000.0, max_position_embeddings=8192)),
+    "qwen2.5-7b": ("Qwen2ForCausalLM", "Qwen2Config", dict(
+        hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+        vocab_size=152064, num_hidden_layers=28, rope_theta=1000000.0, max_position_embeddings=32768)),
+    "qwen3-30b-a3b": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        vocab_size=151936, num_hidden_layers=48, max_position_embeddings=32768)),
+    # the CPU plumbing test's model
+    "tiny-llama": ("LlamaForCausalLM", "LlamaConfig", dict(
+        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=1024, num_hidden_layers=2, max_position_embeddings=512)),
+}
+VARIANTS = ("bf16", "bf16_inductor", "bf16_inductor_ro", "fp8", "fp8_ro", "torchao_rowwise_ro")
+BATCHES = (1, 4, 16, 64)
+
+
+def build(name: str, layers: int | None, device: str):
+    """The model `name` with random weights, bf16, in eval mode, made on `device`."""
+    import transformers
+
+    model_cls, config_cls, fields = MODELS[name]
+    config = getattr(transformers, config_cls)(**{**fields, **({"num_hidden_layers": layers} if layers else {})})
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = getattr(transformers, model_cls)(config)
+    finally:
+        torch.set_default_dtype(default)
+    model = model.to(torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None  # random weights: generate every step asked for
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+class StepClock:
+    """A logits processor that timestamps every decode step (CUDA events on a GPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def __call__(self, input_ids, scores):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+        return scores
+
+    def ms_per_step(self) -> float:
+        """Mean time of the steps after the first (the first one ends the eager prompt)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            total = self.marks[0].elapsed_time(self.marks[-1])
+        else:
+            total = (self.marks[-1] - self.marks[0]) * 1e3
+        return total / (len(self.marks) - 1)
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@dataclasses.dataclass
+class Variant:
+    name: str
+    backend: object  # None = eager
+    mode: str | None = None
+
+    def compile_config(self, device):
+        from transformers.generation.configuration_utils import CompileConfig
+
+        if self.backend is None:
+            return None
+        config = CompileConfig(backend=self.backend, mode=self.mode or "default")
+        config._compile_all_devices = device.type != "cuda"  # transformers compiles generate() on GPUs only otherwise
+        return config
+
+
+def _variant(name: str):
+    """The Variant for a name, or None where it cannot run here (with the reason printed)."""
+    mode = "reduce-overhead" if name.endswith("_ro") else None
+    if name == "bf16":
+        return Variant(name, None)
+    if name.startswith("bf16_inductor"):
+        return Variant(name, "inductor", mode)
+    if name.startswith("fp8"):
+        return Variant(name, fp8compile.backend(), mode)
+    if name.startswith("torchao"):
+        try:
+            import torchao  # noqa: F401
+        except ImportError:
+            print(f"{name}: torchao is not importable, skipped")
+            return None
+        return Variant(name, "inductor", mode)
+    raise ValueError(f"unknown variant {name!r}; valid: {', '.join(VARIANTS)}")
+
+
+def _torchao_rowwise(model) -> None:
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+
+
+@contextlib.contextmanager
+def _unfused_fp8(model):
+    """Every nn.Linear of model runs the reference block-FP8 linear, eagerly (the unfused FP8
+    composition); restored on exit."""
+    from fp8compile.ops import reference
+
+    patched = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.bfloat16 and \
+                module.in_features % 128 == 0:
+            w_fp8, w_scale = reference.quant_weight_block(module.weight.detach())
+            module.forward = lambda x, w=w_fp8, s=w_scale, b=module.bias: reference.linear_block(x, w, s, b)
+            patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+def decode(model, variant: Variant, batch: int, context: int, steps: int, device) -> dict:
+    """Two generate() calls at this batch size; the second is timed."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1, do_sample=False,
+                  cache_implementation="static", compile_config=variant.compile_config(device),
+                  disable_compile=variant.backend is None)
+    start = time.perf_counter()
+    model.generate(ids, **kwargs)
+    _sync(device)
+    first_s = time.perf_counter() - start
+    clock, graphs = StepClock(device), _graphs()
+    start = time.perf_counter()
+    model.generate(ids, logits_processor=[clock], **kwargs)
+    _sync(device)
+    second_s = time.perf_counter() - start
+    ms = clock.ms_per_step()
+    return dict(kind="decode", batch=batch, context=context, steps=steps, ms_per_step=ms,
+                tokens_per_s=batch * 1e3 / ms, first_call_s=first_s, warm_call_s=second_s,
+                recompiles=_graphs() - graphs)
+
+
+def _time_ms(fn, device, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def prefill_and_accuracy(model, variant: Variant, tokens: int, device, eager_logits, ids_acc) -> list[dict]:
+    """Logits calc_diff against bf16 eager (64 tokens), then prefill of `tokens` tokens, timed."""
+    compiled = model if variant.backend is None else torch.compile(model, backend=variant.backend, mode=variant.mode)
+    start = time.perf_counter()
+    logits = compiled(ids_acc, use_cache=False).logits.float()
+    _sync(device)
+    acc = dict(kind="accuracy", calc_diff=fp8compile.calc_diff(logits, eager_logits),
+               first_call_s=time.perf_counter() - start)
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
+
+    def step():
+        torch.compiler.cudagraph_mark_step_begin()
+        compiled(ids, use_cache=False, logits_to_keep=1)
+
+    for _ in range(2):
+        step()
+    ms = _time_ms(step, device, repeat=5)
+    return [acc, dict(kind="prefill", batch=1, tokens=tokens, ms=ms, tokens_per_s=tokens * 1e3 / ms)]
+
+
+def bench_model(out_dir: Path, models=None, layers: int | None = None, batches=None, context: int = 1024,
+                steps: int = 128, prefill: int = 2048, variants=None, device: str | None = None) -> list[dict]:
+    from tqdm import tqdm
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    models = models or ["llama-3-8b", "qwen2.5-7b", "qwen3-30b-a3b"]
+    batches = batches or list(BATCHES)
+    names = variants or list(VARIANTS)
+    rows: list[dict] = []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad(), tqdm(total=len(models) * len(names) * (len(batches) + 1), desc="bench model") as progress:
+        for model_name in models:
+            model = build(model_name, layers, device)
+            n_layers = model.config.num_hidden_layers
+            print(f"{model_name}: {n_layers} layers ({MODELS[model_name][2]['num_hidden_layers']} in the released model), "
+                  f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, on {device_name}")
+            ids_acc = torch.randint(0, model.config.vocab_size, (1, 64), device=device)
+            eager_logits = model(ids_acc, use_cache=False).logits.float()
+            base = dict(device=device_name, model=model_name, layers=n_layers)
+            if not getattr(model.config, "num_experts", None):
+                with _unfused_fp8(model):
+                    unfused = fp8compile.calc_diff(model(ids_acc, use_cache=False).logits.float(), eager_logits)
+                rows.append(dict(base, variant="fp8_unfused_eager", kind="accuracy", calc_diff=unfused))
+            for name in sorted(names, key=lambda n: n.startswith("torchao")):  # torchao changes the model: last
+                variant = _variant(name)
+                if variant is None:
+                    progress.update(len(batches) + 1)
+                    continue
+                torch._dynamo.reset()
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(device)
+                if name.startswith("torchao"):
+                    _torchao_rowwise(model)
+                progress.set_postfix_str(f"{model_name} {name}")
+                for row in prefill_and_accuracy(model, variant, prefill, device, eager_logits, ids_acc):
+                    rows.append(dict(base, variant=name, **row))
+                progress.update()
+                for batch in batches:
+                    rows.append(dict(base, variant=name, **decode(model, variant, batch, context, steps, device)))
+                    progress.update()
+                if device.type == "cuda":
+                    rows.append(dict(base, variant=name, kind="memory",
+                                     peak_gb=torch.cuda.max_memory_allocated(device) / 2**30))
+                if isinstance(variant.backend, fp8compile.Fp8Backend):
+                    print(f"{name}: {variant.backend.report.counts()}; CUDA graphs: "
+                          f"{sorted(set(variant.backend.report.cuda_graphs.values()))}")
+                (out_dir / "bench_model.json").write_text(json.dumps(rows, indent=1))  # a cut-off run keeps its rows
+            del model
+    print(model_table(rows))
+    _plot(rows, out_dir / "bench_model.png")
+    return rows
+
+
+def model_table(rows: list[dict]) -> str:
+    """Per model: decode tokens/s per batch, prefill tokens/s, first call, peak memory, accuracy,
+    recompiles; then fp8 over bf16 Inductor in the same mode."""
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        batches = sorted({r["batch"] for r in mine if r["kind"] == "decode"})
+        variants = list(dict.fromkeys(r["variant"] for r in mine))
+        get = {(r["variant"], r["kind"], r.get("batch")): r for r in mine}
+        lines += [f"\n{model}, {mine[0]['layers']} layers, {mine[0]['device']}: decode tokens/s (ms/step), "
+                  f"prefill tokens/s, logits calc_diff vs bf16 eager",
+                  f"{'variant':<20}" + "".join(f"{'B=' + str(b):>18}" for b in batches)
+                  + f"{'prefill':>10}{'1st call s':>11}{'peak GB':>9}{'calc_diff':>10}{'recompiles':>11}"]
+        for v in variants:
+            cells = ""
+            for b in batches:
+                r = get.get((v, "decode", b))
+                cells += f"{r['tokens_per_s']:>9.1f} ({r['ms_per_step']:>5.2f})" if r else f"{'-':>18}"
+            pre, acc, mem = get.get((v, "prefill", 1)), get.get((v, "accuracy", None)), get.get((v, "memory", None))
+            first = max((r["first_call_s"] for r in mine if r["variant"] == v and "first_call_s" in r), default=None)
+            recompiles = sum(r.get("recompiles", 0) for r in mine if r["variant"] == v)
+            cells += f"{pre['tokens_per_s']:>10.0f}" if pre else f"{'-':>10}"
+            cells += f"{first:>11.1f}" if first is not None else f"{'-':>11}"
+            cells += f"{mem['peak_gb']:>9.1f}" if mem else f"{'-':>9}"
+            cells += f"{acc['calc_diff']:>10.2e}" if acc else f"{'-':>10}"
+            lines.append(f"{v:<20}{cells}{recompiles:>11}")
+        for fp8, bf16 in (("fp8", "bf16_inductor"), ("fp8_ro", "bf16_inductor_ro")):
+            ratios = []
+            for b in batches:
+                a, z = get.get((fp8, "decode", b)), get.get((bf16, "decode", b))
+                ratios.append(f"{a['tokens_per_s'] / z['tokens_per_s']:>18.2f}" if a and z else f"{'-':>18}")
+            a, z = get.get((fp8, "prefill", 1)), get.get((bf16, "prefill", 1))
+            pre = f"{a['tokens_per_s'] / z['tokens_per_s']:>10.2f}" if a and z else f"{'-':>10}"
+            lines.append(f"{fp8 + '/' + bf16:<20}" + "".join(ratios) + pre)
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        decode_rows = [r for r in rows if r["model"] == model and r["kind"] == "decode"]
+        for v in dict.fromkeys(r["variant"] for r in decode_rows):
+            pts = sorted((r["batch"], r["tokens_per_s"]) for r in decode_rows if r["variant"] == v)
+            ax.plot(*zip(*pts), marker="o", lw=2.5 if v.startswith("fp8") else 1, label=v)
+        ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s",
+               title=f"{model} ({decode_rows[0]['layers'] if decode_rows else '?'} layers)")
+        ax.set_xscale("log", base=2)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"fp8compile, whole models, {rows[0]['device'] if rows else ''}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)

@@ -1,0 +1,100 @@
+"""Whole transformers models on the GPU, in both compile modes, with the default kernels: a dense
+Llama and a Qwen3-MoE at small widths (multiples of 128). Run with `pytest -m gpu`."""
+import pytest
+import torch
+
+import fp8compile
+from fp8compile import calc_diff
+from tests.conftest import CountingBackend, gpu
+
+pytestmark = [pytest.mark.gpu, gpu]
+transformers = pytest.importorskip("transformers")
+
+MS = [1, 3, 16, 33, 64, 300, 2049]  # tokens: every range of the default dispatch (32, 2048)
+MODES = [None, "reduce-overhead"]
+
+
+def llama():
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
+
+
+def qwen3_moe():
+    config = transformers.Qwen3MoeConfig(vocab_size=32000, hidden_size=512, intermediate_size=1024,
+                                         moe_intermediate_size=256, num_experts=16, num_experts_per_tok=4,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=128, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16).cuda().eval()
+    with torch.no_grad():  # transformers leaves stacked expert parameters uninitialised at these sizes
+        for name, p in model.named_parameters():
+            if "experts" in name:
+                p.normal_(0, 0.02)
+    return model
+
+
+def ids_for(m: int) -> torch.Tensor:
+    """m tokens: m sequences of one token up to 64 (decode-like), one sequence of m above."""
+    return torch.randint(0, 32000, (m, 1) if m <= 64 else (1, m), device="cuda")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("make", [llama, qwen3_moe])
+def test_transformers_model_runs_every_range_of_m_in_both_modes_within_its_fp8_bound(make, mode):
+    from torch._dynamo.utils import counters
+
+    model = make()
+    backend = CountingBackend()
+    compiled = torch.compile(model, backend=backend, mode=mode, dynamic=True)
+    # the bound: the same model with the reference kernels (the definition of every op), compiled
+    reference = torch.compile(model, backend=fp8compile.backend(backends=["reference"]), dynamic=True)
+    counters.clear()
+    with torch.no_grad():
+        for m in MS:
+            ids = ids_for(m)
+            eager = model(ids, use_cache=False).logits.float()
+            for _ in range(3 if mode else 1):  # reduce-overhead: warm-up, recording, replay
+                torch.compiler.cudagraph_mark_step_begin()
+                logits = compiled(ids, use_cache=False).logits.float()
+            bound = calc_diff(reference(ids, use_cache=False).logits.float(), eager)
+            assert calc_diff(logits, eager) < 1.15 * bound + 1e-4, f"M={m}"
+        compiles = backend.compiles
+        for m in MS:  # every M again: nothing recompiles
+            compiled(ids_for(m), use_cache=False)
+    assert backend.compiles == compiles <= 4
+    counts = backend.report.counts()
+    assert counts["linear"] > 0 and (counts["moe"] > 0) == (make is qwen3_moe)
+    if mode:
+        assert counters["inductor"]["cudagraph_skips"] == 0
+        assert all(state.startswith("on:") for state in backend.report.cuda_graphs.values()), backend.report.cuda_graphs
+
+
+@pytest.mark.parametrize("path", ["compile_config", "user_compile"])
+@pytest.mark.parametrize("make", [llama, qwen3_moe])
+def test_generate_with_a_static_cache_in_cuda_graphs_does_not_recompile_after_warm_up(make, path):
+    from torch._dynamo.utils import counters
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model = make()
+    model.generation_config.eos_token_id = None
+    backend = CountingBackend()
+    if path == "compile_config":
+        kwargs = dict(compile_config=CompileConfig(backend=backend, mode="reduce-overhead"))
+    else:
+        model.forward = torch.compile(model.forward, backend=backend, mode="reduce-overhead")
+        kwargs = dict(disable_compile=True)
+    counters.clear()
+    with torch.no_grad():
+        for batch in (1, 16):
+            ids = torch.randint(0, 32000, (batch, 40), device="cuda")
+            gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                       cache_implementation="static", **kwargs)
+            first = model.generate(ids, **gen)
+            warm = backend.compiles
+            again = model.generate(ids, **gen)
+            assert backend.compiles == warm, f"batch {batch}: generate() recompiled after warm-up"
+            assert torch.equal(first, again)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert all(state.startswith("on:") for state in backend.report.cuda_graphs.values()), backend.report.cuda_graphs

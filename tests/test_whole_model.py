@@ -1,0 +1,206 @@
+"""Whole models on the CPU: the contracts a transformers model leans on that one op never does.
+
+- Every tensor that reaches an FP8 op in any branch of the M dispatch (gate_up halves, slices of a
+  fused projection, the last token of a sequence, permuted and transposed views) gives the same
+  bits as with one kernel for every M, and the graph our passes hand to Inductor says the right
+  strides (a torch.cond branch is compiled for its operands' recorded strides).
+- generate() with a static cache, through transformers' CompileConfig and through a user's own
+  torch.compile, runs without recompiling after warm-up and within the FP8 bound.
+- mode="reduce-overhead" at dynamic=True leaves no CPU tensor input (the Python floats Dynamo
+  passes as 0-d CPU tensors are specialized, with a guard: a changed one recompiles).
+"""
+import pytest
+import torch
+from torch import nn
+
+import fp8compile
+import fp8compile.passes
+from fp8compile import calc_diff
+from fp8compile.passes.context import _same_layout
+from tests.conftest import BF16, RANGES, CountingBackend
+from tests.models import GatedMLP
+
+pytest.importorskip("transformers")
+from fp8compile.demo import small_llama  # noqa: E402
+from tests.test_llama import fp8_simulated  # noqa: E402
+
+
+class StridedInputs(nn.Module):
+    """Every way a non-contiguous tensor reaches a linear in real model code; x is (B, S, 256)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(256, 3 * 256, bias=False)  # fused projection, outputs sliced
+        self.a = nn.Linear(256, 256)
+        self.b = nn.Linear(256, 256, bias=False)
+        self.mlp = GatedMLP()  # gate and up become one GEMM whose halves feed the down projection
+        self.head = nn.Linear(256, 384, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(256, dim=-1)  # (B, S, 256) with row stride 768
+        h = self.a(q) + self.b(k) + self.mlp(v)
+        permuted = self.b(h.transpose(0, 1)).transpose(0, 1)  # (S, B, 256) view
+        columns = self.a(h.reshape(-1, 256)).t().contiguous()  # (256, B*S); its .t() is column-major
+        transposed = self.b(columns.t())
+        last = self.head(h[:, -1, :])  # (B, 256) with row stride S*256: S only in a stride
+        return permuted, transposed, last
+
+
+def _stale_meta(gm: torch.fx.GraphModule, fake_mode) -> list[str]:
+    """Nodes whose recorded meta["val"] differs from what their op gives on their inputs' meta,
+    and torch.cond branches whose inputs are recorded unlike the operands they get."""
+    stale = []
+    for node in [n for n in gm.graph.nodes if n.op == "call_function"]:
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        if node.target is torch.ops.higher_order.cond:
+            for branch in node.args[1:3]:
+                sub = getattr(gm, branch.target)
+                inputs = [p.meta["val"] for p in sub.graph.find_nodes(op="placeholder")]
+                stale += [f"{branch.target}: {i}" for i, (want, got) in enumerate(zip(inputs, args[3]))
+                          if not _same_layout(want, got)]
+                stale += _stale_meta(sub, fake_mode)
+            continue
+        if "val" not in node.meta or not hasattr(node.target, "_schema"):
+            continue
+        with fake_mode:
+            val = node.target(*args, **kwargs)
+        if not _same_layout(val, node.meta["val"]):
+            stale.append(f"{node.name} = {node.target}")
+    return stale
+
+
+@pytest.fixture
+def stale_meta(monkeypatch) -> list[str]:
+    """Stale metadata in each graph right after our passes (before Inductor touches it)."""
+    found = []
+    real = fp8compile.passes.run_passes
+
+    def spy(ctx):
+        real(ctx)
+        found.extend(_stale_meta(ctx.gm, ctx.fake_mode))
+
+    monkeypatch.setattr(fp8compile.passes, "run_passes", spy)
+    return found
+
+
+# (B, S): M = B*S in every range (M <= 32, 32 < M <= 64, M > 64), S varying so that it is dynamic
+SHAPES = [(1, 1), (3, 1), (16, 1), (33, 1), (2, 32), (65, 1), (3, 100), (1, 7)]
+
+
+def test_strided_sliced_and_transposed_inputs_give_the_same_bits_in_every_range_of_m(ranged_references, stale_meta):
+    model = StridedInputs().to(BF16)
+    ranged = CountingBackend(backends=ranged_references, **RANGES)
+    one_kernel = fp8compile.backend(backends=["reference"])  # no dispatch: one call per site
+    compiled = torch.compile(model, backend=ranged, dynamic=True)
+    plain = torch.compile(model, backend=one_kernel, dynamic=True)
+    with torch.no_grad():
+        for b, s in SHAPES:
+            x = torch.randn(b, s, 256).to(BF16)
+            got, want, eager = compiled(x), plain(x), model(x)
+            for g, w, e in zip(got, want, eager):
+                assert torch.equal(g, w), f"B={b} S={s}: the M dispatch changed the numbers"
+                assert calc_diff(g, e) < 5e-3
+    assert ranged.compiles <= 4  # Dynamo specializes B = 1 and S = 1: four graphs at most, then none
+    kernels = {k for r in ranged.report.rewrites for k in r.kernels}
+    assert {"ref_small", "ref_medium", "reference"} <= {k for _, k in kernels}
+    assert ranged.report.counts()["silu_mul"] >= 1 and not ranged.report.skips
+    assert stale_meta == []
+
+
+def test_gate_up_halves_carry_their_row_stride_into_the_down_projections_branches(ranged_references, stale_meta):
+    # The 64-token crash of a transformers Llama on the GPU: the gate half of the merged gate|up
+    # output (row stride 2I) reached a medium-M branch compiled for a contiguous input.
+    model = small_llama(layers=1)
+    compiled = torch.compile(model, backend=fp8compile.backend(backends=ranged_references, **RANGES), dynamic=True)
+    with torch.no_grad():
+        for b in (16, 64, 70):
+            ids = torch.randint(0, 32000, (b, 1))
+            assert calc_diff(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits) < 5e-3
+    assert stale_meta == []
+
+
+def _generate(model, ids, steps, **kwargs):
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
+                         cache_implementation="static", output_logits=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences, out.logits
+
+
+@pytest.mark.parametrize("path", ["compile_config", "user_compile"])
+def test_generate_with_a_static_cache_runs_16_steps_without_recompiling_after_warm_up(path):
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model = small_llama()
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(0, 32000, (2, 12))
+    backend = CountingBackend()
+    with torch.no_grad():
+        eager_logits = model(ids).logits[:, -1].float()
+        bound = calc_diff(fp8_simulated(model)(ids).logits[:, -1].float(), eager_logits)
+        if path == "compile_config":  # transformers compiles the decode step; the prompt runs eagerly
+            config = CompileConfig(backend=backend, mode="reduce-overhead")
+            config._compile_all_devices = True  # transformers compiles generate() on GPUs only otherwise
+            kwargs = dict(compile_config=config)
+        else:  # a user's own compile: the prompt runs compiled too
+            model.forward = torch.compile(model.forward, backend=backend, mode="reduce-overhead")
+            kwargs = dict(disable_compile=True)
+        tokens, _ = _generate(model, ids, 16, **kwargs)  # warm-up: compiles
+        warm = backend.compiles
+        again, logits = _generate(model, ids, 16, **kwargs)
+    assert backend.compiles == warm > 0, "generate() recompiled after warm-up"
+    assert torch.equal(tokens, again)
+    assert backend.report.counts()["linear"] > 0
+    if path == "user_compile":  # the first step's logits come from the compiled prompt
+        assert bound < 5e-3 and calc_diff(logits[0].float(), eager_logits) < 1.15 * bound
+
+
+def test_transformers_compile_config_keeps_the_users_backend_and_its_report():
+    import copy
+
+    fp8 = fp8compile.backend()
+    assert copy.deepcopy(fp8) is fp8  # CompileConfig.to_dict() deep-copies its backend
+
+
+def test_reduce_overhead_specializes_python_float_inputs_and_recompiles_when_one_changes(captured):
+    model = small_llama(layers=1)
+    ids = torch.randint(0, 32000, (3, 5))
+    backend = CountingBackend()
+    compiled = torch.compile(model, backend=backend, dynamic=True, mode="reduce-overhead")
+    with torch.no_grad():
+        out = compiled(ids, use_cache=False).logits
+        # at dynamic=True Dynamo passes RMSNorm's eps and attention's scaling as 0-d float64 CPU
+        # tensors; under CUDA graphs a CPU input, used or not, breaks them: none is left
+        inputs = [p.meta["val"] for p in captured[0].after.graph.find_nodes(op="placeholder")]
+        assert not [v for v in inputs if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dim() == 0]
+        assert torch.equal(out, torch.compile(model, backend=fp8compile.backend(), dynamic=True)(
+            ids, use_cache=False).logits)
+        compiles = backend.compiles
+        model.model.layers[0].input_layernorm.variance_epsilon = 1e-1  # guarded: a new value recompiles
+        changed = compiled(ids, use_cache=False).logits
+        assert backend.compiles == compiles + 1
+        assert calc_diff(changed, model(ids, use_cache=False).logits) < 5e-3
+
+
+def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path):
+    from fp8compile.bench.model import bench_model, model_table
+
+    rows = bench_model(tmp_path, models=["tiny-llama"], batches=[2], context=4, steps=2, prefill=8,
+                       variants=["bf16", "fp8", "fp8_ro"], device="cpu")
+    decode = {r["variant"]: r for r in rows if r["kind"] == "decode"}
+    assert set(decode) == {"bf16", "fp8", "fp8_ro"}
+    assert all(r["recompiles"] == 0 and r["tokens_per_s"] > 0 for r in decode.values())
+    accuracy = {r["variant"]: r["calc_diff"] for r in rows if r["kind"] == "accuracy"}
+    assert accuracy["bf16"] == 0 and 0 < accuracy["fp8"] < 1.15 * accuracy["fp8_unfused_eager"]
+    assert "fp8_ro/bf16_inductor_ro" in model_table(rows) and (tmp_path / "bench_model.json").exists()
+
+
+def test_the_report_names_the_model_input_that_keeps_a_graph_from_cuda_graphs():
+    from fp8compile.backend import _cuda_graph_state
+
+    class Compiled:
+        device_types = {"cuda"}
+        disabled_cudagraphs_reason = "skipping cudagraphs due to cpu device (arg3_1)"
+
+    state = _cuda_graph_state(True, False, Compiled(), "reduce-overhead",
+                              {"arg3_1": "model.layers.0.input_layernorm.variance_epsilon", "arg13_1": "lm_head.weight"})
+    assert state == ("off: Inductor skipped them: skipping cudagraphs due to cpu device "
+                     "(arg3_1 = model.layers.0.input_layernorm.variance_epsilon)")
