@@ -198,7 +198,7 @@ def part_moe():
 
     block = bench._moe_block(2048, 768, 128, 8)
     experts = block.experts
-    from fp8compile.passes.weights import fp8_experts
+    from fp8compile.weights import fp8_experts
 
     w13, w2 = fp8_experts(experts.gate_up_proj, gate_up="concat"), fp8_experts(experts.down_proj)
     for t in (1, 16, 128, 1024, 4096):

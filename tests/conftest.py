@@ -91,7 +91,7 @@ def captured(monkeypatch) -> list[Captured]:
 def weight_quantizations(monkeypatch) -> list:
     """The shape of every weight quantized, in order, with "compiled" appended each time the
     passes finish on a graph: shows whether FP8 weights are made while compiling."""
-    from fp8compile.passes import weights
+    from fp8compile import weights
 
     calls = []
     real = weights._quantize

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fp8compile
-from fp8compile.passes import weights
+from fp8compile import weights
 from tests.conftest import BF16, GATED_MLP, TWO_GEMMS, randn
 from tests.models import GatedMLP, OddDims
 

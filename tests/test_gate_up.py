@@ -6,7 +6,7 @@ from torch import nn
 
 import fp8compile
 from fp8compile import calc_diff
-from fp8compile.passes import weights
+from fp8compile import weights
 from tests.conftest import BF16, GATED_MLP, randn
 from tests.models import FusedGateUpMLP, GatedMLP
 

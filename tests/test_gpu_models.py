@@ -96,5 +96,15 @@ def test_generate_with_a_static_cache_in_cuda_graphs_does_not_recompile_after_wa
             again = model.generate(ids, **gen)
             assert backend.compiles == warm, f"batch {batch}: generate() recompiled after warm-up"
             assert torch.equal(first, again)
-    assert counters["inductor"]["cudagraph_skips"] == 0
-    assert all(state.startswith("on:") for state in backend.report.cuda_graphs.values()), backend.report.cuda_graphs
+    states = backend.report.cuda_graphs.values()
+    if path == "compile_config":  # transformers runs the prompt eagerly and compiles the decode step
+        assert counters["inductor"]["cudagraph_skips"] == 0
+        assert all(state.startswith("on:") for state in states), backend.report.cuda_graphs
+    else:
+        # The user's torch.compile also compiles the prompt, in which transformers' static cache
+        # first moves a CPU counter (cumulative_length) to the GPU: the prompt's graphs run
+        # without CUDA graphs and the report names the CPU input (bf16 Inductor partitions
+        # around it; ours run unpartitioned, see backend.compile_graph). The decode steps' graphs
+        # are recorded.
+        off = [state for state in states if not state.startswith("on:")]
+        assert all("cpu device" in state for state in off) and len(off) < len(states), backend.report.cuda_graphs

@@ -1,5 +1,9 @@
 """ops/launch.py: a Triton kernel relaunched from its compiled form, keyed by what Triton
-specializes on; Triton's own path for a new signature and an unknown argument kind."""
+specializes on; Triton's own path for a new signature and an unknown argument kind; the C
+launcher called directly while no launch hook is set, the compiled kernel's runner (which calls
+the hooks) while one is."""
+import types
+
 import pytest
 import torch
 
@@ -7,12 +11,35 @@ from fp8compile.ops import launch
 
 
 class FakeCompiled:
+    """A compiled kernel: `run` is its C launcher, `[grid](*args)` its runner."""
+
+    function, packed_metadata = "cu_function", "metadata"
+
     def __init__(self, log):
         self.log = log
-        self.run = object()
+
+    def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit, *args):
+        self.log.append(("direct", (gx, gy, gz), stream, (function, metadata, launch_metadata, enter, exit), args))
 
     def __getitem__(self, grid):
         return lambda *args: self.log.append(("fast", grid, args))
+
+
+class Hooks:
+    """Triton's launch hooks as Triton 3.6+ holds them: chains that are never None, maybe empty."""
+
+    def __init__(self, *calls):
+        self.calls = list(calls)
+
+
+@pytest.fixture(autouse=True)
+def fake_triton_runtime(monkeypatch):
+    """The current stream and Triton's hook knobs, without a GPU."""
+    active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 1234)
+    monkeypatch.setattr(launch, "_driver", types.SimpleNamespace(active=active))
+    runtime = types.SimpleNamespace(launch_enter_hook=Hooks(), launch_exit_hook=Hooks())
+    monkeypatch.setattr(launch, "_knobs", types.SimpleNamespace(runtime=runtime))
+    return runtime
 
 
 class FakeKernel:
@@ -36,8 +63,22 @@ def test_a_signature_seen_before_is_relaunched_with_constexprs_in_signature_orde
     x = torch.zeros(64)
     for n in (32, 48):  # both multiples of 16 and not 1: one signature
         run((4,), (x, n, 0.5), {"ACT": 1, "BLOCK": 128}, num_warps=4)
-    assert [e[0] for e in kernel.log] == ["triton", "fast"]
-    assert kernel.log[1] == ("fast", (4, 1, 1), (x, 48, 0.5, 128, 1))
+    assert [e[0] for e in kernel.log] == ["triton", "direct"]
+    # no hooks set: no launch metadata, no hooks, the current stream
+    assert kernel.log[1] == ("direct", (4, 1, 1), 1234, ("cu_function", "metadata", None, None, None),
+                             (x, 48, 0.5, 128, 1))
+
+
+def test_while_a_launch_hook_is_set_the_relaunch_goes_through_the_runner_that_calls_it(fake_triton_runtime):
+    kernel = FakeKernel()
+    run = launch.Launcher(kernel)
+    x = torch.zeros(64)
+    fake_triton_runtime.launch_enter_hook = Hooks(print)  # e.g. a profiler
+    for _ in range(2):
+        run((4,), (x, 32, 0.5), {"ACT": 1, "BLOCK": 128})
+    fake_triton_runtime.launch_enter_hook = Hooks()
+    run((4,), (x, 32, 0.5), {"ACT": 1, "BLOCK": 128})
+    assert [e[0] for e in kernel.log] == ["triton", "fast", "direct"]
 
 
 @pytest.mark.parametrize("change", ["int_not_multiple_of_16", "int_one", "dtype", "misaligned", "constexpr", "option"])
@@ -73,10 +114,8 @@ def test_an_argument_of_another_kind_takes_triton_s_path_every_time():
 
 def test_a_relaunch_the_installed_triton_refuses_falls_back_to_its_own_path_for_good():
     class Refusing(FakeCompiled):
-        def __getitem__(self, grid):
-            def runner(*args):
-                raise TypeError("function takes exactly 20 arguments (22 given)")
-            return runner
+        def run(self, *args):
+            raise TypeError("function takes exactly 20 arguments (22 given)")
 
     refusing = type("RefusingKernel", (FakeKernel,), {"__getitem__": lambda self, grid: (
         lambda *a, **k: self.log.append(("triton", grid, a, k)) or Refusing(self.log))})()

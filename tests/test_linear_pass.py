@@ -104,7 +104,7 @@ def test_every_way_of_writing_a_linear_is_found(captured):
 
 def test_tied_weights_are_quantized_once(monkeypatch):
     calls = []
-    from fp8compile.passes import weights
+    from fp8compile import weights
 
     real = weights._quantize
     monkeypatch.setattr(weights, "_quantize", lambda w, e8m0: calls.append(tuple(w.shape)) or real(w, e8m0))

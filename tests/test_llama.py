@@ -30,7 +30,7 @@ def fp8_simulated(model, e8m0=False):
 
 @pytest.mark.parametrize("e8m0", [False, True])
 def test_llama_every_linear_is_rewritten_mlps_fused_and_logits_stay_within_the_fp8_bound(e8m0, captured, monkeypatch):
-    from fp8compile.passes import weights
+    from fp8compile import weights
 
     weight_scales = []
     real = weights._quantize

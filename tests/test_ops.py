@@ -100,7 +100,7 @@ def test_linear_accepts_3d_activations():
 
 
 def test_linear_quantizes_each_weight_once_and_again_only_after_it_changes(monkeypatch):
-    from fp8compile.passes import weights
+    from fp8compile import weights
 
     calls = []
     real = weights._quantize

@@ -83,7 +83,7 @@ def test_without_the_fusion_each_linear_is_its_own_gemm(captured):
 
 def test_stacked_weights_and_biases_are_made_while_compiling(weight_quantizations, monkeypatch):
     # made at a first call instead, inside a CUDA graph's warm-up run, they would land in its memory pool
-    from fp8compile.passes import weights
+    from fp8compile import weights
 
     calls = weight_quantizations
     real = weights._memoized

@@ -251,7 +251,7 @@ def test_small_m_kernel_refuses_large_m():
 def test_compiled_model_can_run_on_triton_kernels_when_asked():
     import fp8compile
 
-    from fp8compile.passes.weights import fp8_weight
+    from fp8compile.weights import fp8_weight
 
     model = torch.nn.Linear(256, 384).to(torch.bfloat16).to(DEVICE)
     fp8 = fp8compile.backend(backends=["triton_small_m", "triton"])

@@ -184,13 +184,27 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path):
     from fp8compile.bench.model import bench_model, model_table
 
     rows = bench_model(tmp_path, models=["tiny-llama"], batches=[2], context=4, steps=2, prefill=8,
-                       variants=["bf16", "fp8", "fp8_ro"], device="cpu")
+                       variants=["bf16", "fp8", "fp8_ro"], device="cpu", profile=True)
     decode = {r["variant"]: r for r in rows if r["kind"] == "decode"}
     assert set(decode) == {"bf16", "fp8", "fp8_ro"}
     assert all(r["recompiles"] == 0 and r["tokens_per_s"] > 0 for r in decode.values())
     accuracy = {r["variant"]: r["calc_diff"] for r in rows if r["kind"] == "accuracy"}
     assert accuracy["bf16"] == 0 and 0 < accuracy["fp8"] < 1.15 * accuracy["fp8_unfused_eager"]
     assert "fp8_ro/bf16_inductor_ro" in model_table(rows) and (tmp_path / "bench_model.json").exists()
+    assert "generate" in (tmp_path / "profile_tiny-llama_fp8_b2.txt").read_text()  # --profile: host time by function
+
+
+def test_bench_model_splits_gpu_time_by_kernel_kind_attention_before_gemm_names():
+    from fp8compile.bench.model import kernel_kind
+
+    kinds = {name: kernel_kind(name) for name in (
+        "nvjet_tst_128x64_64x4_1x1_v_bz_coopA_TNT", "_linear_small_m_kernel", "_quant_act_kernel",
+        "fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "pytorch_flash::flash_fwd_kernel",
+        "triton_red_fused_add_mean_mul_pow_rsqrt_0")}
+    assert kinds == {"nvjet_tst_128x64_64x4_1x1_v_bz_coopA_TNT": "linear", "_linear_small_m_kernel": "linear",
+                     "_quant_act_kernel": "linear", "fmha_cutlassF_bf16_aligned_64x128_rf_sm80": "attention",
+                     "pytorch_flash::flash_fwd_kernel": "attention",
+                     "triton_red_fused_add_mean_mul_pow_rsqrt_0": "other"}
 
 
 def test_the_report_names_the_model_input_that_keeps_a_graph_from_cuda_graphs():

@@ -1,6 +1,7 @@
-"""Benchmarks: `python -m fp8compile bench model | gemm | mlp | moe | tune`.
+"""Benchmarks: `python -m fp8compile bench model | host | gemm | mlp | moe | tune`.
 
-model.py times whole transformers models (what users judge); kernels.py times single linears,
+model.py times whole transformers models (what users judge); host.py the host cost of one
+decode linear outside CUDA graphs, layer by layer of the FP8 path; kernels.py times single linears,
 MLPs, MoE layers and tile sweeps against the anchors. Vendor libraries and triton are imported
 by the benchmark that uses them, never here.
 """
@@ -33,13 +34,17 @@ def main(args) -> int:
         from .model import bench_model
 
         bench_model(out, models=args.model, layers=args.layers, batches=args.batch, context=args.context,
-                    steps=args.steps, prefill=args.prefill, variants=args.variant, device=args.device)
+                    steps=args.steps, prefill=args.prefill, variants=args.variant, device=args.device, profile=args.profile)
     else:
         if not torch.cuda.is_available():
             raise SystemExit(f"bench {args.what} needs a CUDA GPU")
         from . import kernels
 
-        if args.what == "gemm":
+        if args.what == "host":
+            from .host import bench_host
+
+            bench_host(out, ms=args.m or (1, 16))
+        elif args.what == "gemm":
             kernels.bench_gemm(out, ms=args.m or kernels.MS, skip=args.skip or ())
         elif args.what == "mlp":
             kernels.bench_mlp(out, ms=args.m or kernels.MLP_MS)

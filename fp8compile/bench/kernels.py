@@ -275,7 +275,7 @@ def _deep_gemm_experts(block, tokens: int, top_k: int):
 
     from fp8compile.ops.triton_moe import route
     from fp8compile.ops.triton_quant import quant_act
-    from fp8compile.passes.weights import fp8_experts
+    from fp8compile.weights import fp8_experts
 
     experts = block.experts
     num_experts, two_i, hidden = experts.gate_up_proj.shape

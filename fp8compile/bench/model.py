@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -175,8 +176,54 @@ def _unfused_fp8(model):
             del module.forward
 
 
-def decode(model, variant: Variant, batch: int, context: int, steps: int, device) -> dict:
-    """Two generate() calls at this batch size; the second is timed."""
+def _profiled(fn, path: Path) -> None:
+    """Run fn under cProfile; the 40 functions with the most own time, then the most cumulative, to path."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(fn)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(40)
+    path.write_text(text.getvalue())
+
+
+# GPU kernel names -> what they compute, for the time split of a decode step (first match wins).
+KERNEL_KINDS = (
+    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa", re.I)),
+    ("linear", re.compile(r"gemm|nvjet|xmma|cutlass|splitk|_linear_small_m|quant_act|deep_gemm|matmul", re.I)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+
+
+def _kernel_ms(fn) -> dict[str, float]:
+    """GPU time of fn's kernels by kind (KERNEL_KINDS), ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None)
+        if us is None:
+            us = getattr(event, "self_cuda_time_total", 0.0)
+        if us and event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[kernel_kind(event.key)] += us / 1e3
+    return totals
+
+
+def decode(model, variant: Variant, batch: int, context: int, steps: int, device, profile: Path | None = None) -> dict:
+    """Two generate() calls at this batch size; the second is timed; if asked, a third under
+    cProfile (host time by function, written to `profile`) and, on a GPU, the GPU time per step
+    by kind of kernel (a generate() of `steps` steps minus one of a single step, which leaves the
+    prompt out, over the steps between)."""
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1, do_sample=False,
                   cache_implementation="static", compile_config=variant.compile_config(device),
@@ -191,9 +238,16 @@ def decode(model, variant: Variant, batch: int, context: int, steps: int, device
     _sync(device)
     second_s = time.perf_counter() - start
     ms = clock.ms_per_step()
-    return dict(kind="decode", batch=batch, context=context, steps=steps, ms_per_step=ms,
-                tokens_per_s=batch * 1e3 / ms, first_call_s=first_s, warm_call_s=second_s,
-                recompiles=_graphs() - graphs)
+    row = dict(kind="decode", batch=batch, context=context, steps=steps, ms_per_step=ms,
+               tokens_per_s=batch * 1e3 / ms, first_call_s=first_s, warm_call_s=second_s,
+               recompiles=_graphs() - graphs)
+    if profile is not None:
+        _profiled(lambda: model.generate(ids, **kwargs), profile)
+        if device.type == "cuda":
+            every = _kernel_ms(lambda: model.generate(ids, **kwargs))
+            prompt = _kernel_ms(lambda: model.generate(ids, **{**kwargs, "max_new_tokens": 1}))
+            row["kernel_ms_per_step"] = {kind: (every[kind] - prompt[kind]) / steps for kind in every}
+    return row
 
 
 def _time_ms(fn, device, repeat: int) -> float:
@@ -234,7 +288,8 @@ def prefill_and_accuracy(model, variant: Variant, tokens: int, device, eager_log
 
 
 def bench_model(out_dir: Path, models=None, layers: int | None = None, batches=None, context: int = 1024,
-                steps: int = 128, prefill: int = 2048, variants=None, device: str | None = None) -> list[dict]:
+                steps: int = 128, prefill: int = 2048, variants=None, device: str | None = None,
+                profile: bool = False) -> list[dict]:
     from tqdm import tqdm
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -274,7 +329,8 @@ def bench_model(out_dir: Path, models=None, layers: int | None = None, batches=N
                     rows.append(dict(base, variant=name, **row))
                 progress.update()
                 for batch in batches:
-                    rows.append(dict(base, variant=name, **decode(model, variant, batch, context, steps, device)))
+                    path = out_dir / f"profile_{model_name}_{name}_b{batch}.txt" if profile else None
+                    rows.append(dict(base, variant=name, **decode(model, variant, batch, context, steps, device, path)))
                     progress.update()
                 if device.type == "cuda":
                     rows.append(dict(base, variant=name, kind="memory",
@@ -323,6 +379,12 @@ def model_table(rows: list[dict]) -> str:
             a, z = get.get((fp8, "prefill", 1)), get.get((bf16, "prefill", 1))
             pre = f"{a['tokens_per_s'] / z['tokens_per_s']:>10.2f}" if a and z else f"{'-':>10}"
             lines.append(f"{fp8 + '/' + bf16:<20}" + "".join(ratios) + pre)
+        split = [r for r in mine if r.get("kernel_ms_per_step")]
+        if split:
+            kinds = list(split[0]["kernel_ms_per_step"])
+            lines.append("GPU time per decode step by kernel kind, ms (--profile): " + ", ".join(kinds))
+            lines += [f"{r['variant']:<20}{'B=' + str(r['batch']):>6}"
+                      + "".join(f"{r['kernel_ms_per_step'][k]:>10.2f}" for k in kinds) for r in split]
     return "\n".join(lines)
 
 

@@ -5,7 +5,7 @@ Each op is defined from its Python signature and registered with one kernel for 
 plain `torch.library.Library`, not `torch.library.custom_op`: outside a CUDA graph every call
 pays its host cost, and custom_op's wrappers (autograd dispatch, Dynamo guard, alias check)
 measured 33 us per call on the H200 machine against 6 us for this registration, around a decode
-GEMM of 11 us (scripts/host_probe.py; BENCHMARKS.md, "Host cost").
+GEMM of 11 us (scripts/host_probe.py, since replaced by `bench host`; BENCHMARKS.md, "Host cost").
 
 The real implementation of each op is the kernel of the backend the registry names in the
 op's `backend` argument; the pass fixes that choice at compile time, so the graph says which
@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .. import registry
 from ..numerics import BLOCK, FP8_DTYPE, ceil_div
+from ..weights import GATE_UP_LAYOUTS, expert_bias, fp8_experts, fp8_weight, stacked_bias
 from . import reference
 
 _LIB = torch.library.Library("fp8compile", "DEF")
@@ -105,13 +106,11 @@ def linear(
     """FP8 linear: bf16 x (..., K) times the bf16 weight w (N, K), or (K, N) if w_kn -> bf16 (..., N).
 
     w's FP8 copy (128x128 blocks) comes from the per-parameter memo the compiler filled
-    (passes/weights.py): no weight is quantized per call. x is quantized per token in 1x128
+    (fp8compile/weights.py): no weight is quantized per call. x is quantized per token in 1x128
     groups (fused into the GEMM where the kernel can). With w_next (more weights over the same
     x, same layout), the op is one GEMM over all of them: (..., N + sum N'), w's outputs first;
     bias_next then holds their biases (given exactly when bias is).
     """
-    from ..passes.weights import fp8_weight, stacked_bias
-
     w_fp8, w_scale = fp8_weight(w, w_kn, e8m0, w_next)
     return registry.implementation("linear", backend)(x, w_fp8, w_scale, stacked_bias(bias, bias_next), e8m0)
 
@@ -138,8 +137,6 @@ def gated_linear(
     reference.gated). It is computed in fp32 and quantized 1x128 in the same pass (inside the
     GEMM for the decode kernel): the bf16 product is never written, never quantized twice.
     """
-    from ..passes.weights import fp8_weight
-
     w_fp8, w_scale = fp8_weight(w, w_kn, e8m0)
     return registry.implementation("gated_linear", backend)(a, b, w_fp8, w_scale, bias, e8m0, activation, alpha, limit)
 
@@ -153,8 +150,6 @@ def _(a, b, w, bias=None, e8m0=False, backend="reference", w_kn=False, activatio
 
 
 def _check_moe_args(x, topk_ids, topk_weights, w13, w2, w3, b13, w_kn, gate_up, activation) -> None:
-    from ..passes.weights import GATE_UP_LAYOUTS
-
     torch._check(x.dim() == 2 and topk_ids.dim() == 2 and topk_ids.shape == topk_weights.shape
                  and topk_ids.shape[0] == x.shape[0],
                  lambda: f"moe needs x (T, H), topk_ids and topk_weights (T, k); got {tuple(x.shape)}, "
@@ -186,8 +181,6 @@ def moe(
     and top-k stay outside: topk_ids (T, k) int, topk_weights (T, k); an id outside [0, E) adds
     nothing. batch_invariant asks the kernel for one tiling whatever T is.
     """
-    from ..passes.weights import expert_bias, fp8_experts
-
     _check_moe_args(x, topk_ids, topk_weights, w13, w2, w3, b13, w_kn, gate_up, activation)
     w13_fp8, w13_scale = fp8_experts(w13, w_kn, e8m0, gate_up, w3)
     w2_fp8, w2_scale = fp8_experts(w2, w_kn, e8m0)

@@ -6,7 +6,8 @@ argument, hashes the result and looks the compiled kernel up on every call. Here
 kernel is kept per call signature, keyed by what Triton specializes on (each tensor's dtype and
 16-byte alignment; each int's == 1, % 16 and 64-bit range; each TMA descriptor's block, dtype,
 shape and strides; the constexprs and launch options), and relaunched through the compiled
-kernel's own launcher (which still calls Triton's launch hooks, so profilers see every launch).
+kernel's C launcher directly while no launch hook is set, else through its runner, which builds
+the launch metadata and calls the hooks (so profilers still see every launch).
 The first call of a signature, and an argument of another kind, take Triton's own path; so does
 every call after a relaunch the installed Triton refuses (its launcher taking other arguments).
 """
@@ -15,6 +16,12 @@ from __future__ import annotations
 import logging
 
 import torch
+
+try:
+    from triton import knobs as _knobs
+    from triton.runtime import driver as _driver
+except ImportError:  # no Triton, or one without knobs: every launch takes Triton's own path
+    _knobs = _driver = None
 
 log = logging.getLogger("fp8compile")
 
@@ -34,18 +41,43 @@ def _arg_key(a):
     raise TypeError(type(a))
 
 
+def _signature(args: tuple) -> tuple:
+    """What Triton specializes a call on, per argument (_arg_key), with plain tensors and ints,
+    nearly every argument of a decode launch, inline: this runs on every launch."""
+    key = []
+    for a in args:
+        kind = type(a)
+        if kind is torch.Tensor:
+            key.append((a.dtype, not a.data_ptr() & 15))
+        elif kind is int:
+            key.append((a == 1, not a & 15, not -2**31 <= a < 2**31))
+        else:
+            key.append(_arg_key(a))
+    return tuple(key)
+
+
+def _no_hooks() -> bool:
+    """Whether Triton has no launch hooks set (a profiler such as proton sets them): then a
+    launch needs no launch metadata and no hook calls. Triton 3.6 and newer hold the hooks as
+    HookChain objects that are never None, only empty."""
+    if _knobs is None:
+        return False
+    hooks = (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook)
+    return all(hook is None or (hasattr(hook, "calls") and not hook.calls) for hook in hooks)
+
+
 class Launcher:
     """launcher(grid, args, constexprs, **options) == kernel[grid](*args, **constexprs, **options),
     where args are the kernel's leading, non-constexpr parameters in order."""
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.compiled: dict[tuple, object] = {}
+        self.compiled: dict[tuple, tuple] = {}
         self.relaunch = True  # False once the installed Triton refused a direct relaunch
 
     def __call__(self, grid: tuple, args: tuple, constexprs: dict, **options):
         try:
-            key = (tuple(map(_arg_key, args)), tuple(constexprs.items()), tuple(options.items()))
+            key = (_signature(args), tuple(constexprs.items()), tuple(options.items()))
         except TypeError:
             self.kernel[grid](*args, **constexprs, **options)
             return
@@ -58,10 +90,19 @@ class Launcher:
                 self.compiled[key] = (compiled, tail)
             return
         compiled, tail = hit
+        grid = (*grid, 1, 1)
         try:
-            compiled[(*grid, 1, 1)[:3]](*args, *tail)
-        except (TypeError, ValueError, SystemError) as refused:  # before anything launched: the arguments do not parse
+            if _no_hooks():
+                # What the compiled kernel's runner does, without building launch metadata for hooks
+                # that are not there: the current stream, then Triton's C launcher.
+                active = _driver.active
+                stream = active.get_current_stream(active.get_current_device())
+                compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None,
+                             None, None, *args, *tail)
+            else:
+                compiled[grid[:3]](*args, *tail)
+        except (TypeError, ValueError, SystemError, AttributeError) as refused:  # before anything launched
             log.warning("fp8compile: Triton refused a direct relaunch of %s (%s); using its own launch path",
                         getattr(self.kernel, "__name__", self.kernel), refused)
             self.relaunch = False
-            self.kernel[grid](*args, **constexprs, **options)
+            self.kernel[grid[:3]](*args, **constexprs, **options)

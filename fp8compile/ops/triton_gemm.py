@@ -350,7 +350,7 @@ def tma_pays_off(device: torch.device) -> bool:
     """TMA loads by default only while a CUDA graph is being captured (and in the interpreter).
 
     Triton's launcher encodes every TMA descriptor on the host at every launch. Measured by
-    scripts/host_probe.py on an H200 machine (BENCHMARKS.md, "Host cost"): the decode kernel
+    scripts/host_probe.py (now `bench host`) on an H200 machine (BENCHMARKS.md, "Host cost"): the decode kernel
     costs 65 us of host time per call with its TMA descriptor, 46-48 without, against 9-11 us
     of GPU time, so outside a CUDA graph a decode step waits on the host. In a graph the
     descriptor is encoded once at capture, and TMA loads are faster on the GPU: 5.6% for the

@@ -5,7 +5,7 @@ Invariants every pass keeps: each node it adds carries meta["val"] (a FakeTensor
 the graph's fake mode), and so does every node downstream of a replaced one (replace_uses
 re-derives it: a torch.cond branch is compiled for the strides its operands' meta says, so a
 stale stride there is a crash or wrong numbers); no weight values enter the graph (weights
-stay inputs; their FP8 copies live in passes/weights.py); no new aliasing.
+stay inputs; their FP8 copies live in fp8compile/weights.py); no new aliasing.
 """
 from __future__ import annotations
 

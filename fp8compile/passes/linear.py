@@ -19,7 +19,7 @@ import torch.fx as fx
 from ..numerics import BLOCK
 from . import dispatch
 from .context import PassContext
-from .weights import fp8_weight
+from ..weights import fp8_weight
 
 aten = torch.ops.aten
 MATMULS = (aten.mm.default, aten.addmm.default)

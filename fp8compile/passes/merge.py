@@ -17,7 +17,7 @@ import torch
 
 from .context import PassContext
 from .linear import LinearMatch, emit_fp8, module_name
-from .weights import fp8_weight, stacked_bias
+from ..weights import fp8_weight, stacked_bias
 
 aten = torch.ops.aten
 

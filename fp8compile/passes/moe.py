@@ -34,7 +34,7 @@ from ..ops import reference
 from . import dispatch
 from .context import PassContext
 from .silu_mul import silu_mul_pattern
-from .weights import canonical_experts, expert_bias, fp8_experts
+from ..weights import canonical_experts, expert_bias, fp8_experts
 
 log = logging.getLogger("fp8compile")
 aten, prims = torch.ops.aten, torch.ops.prims

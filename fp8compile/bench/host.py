@@ -1,0 +1,98 @@
+"""`python -m fp8compile bench host`: what one decode linear costs the host outside CUDA graphs.
+
+In default mode (no CUDA graphs) every op of a decode step is enqueued by Python, and a step
+is host-bound when the enqueue takes longer than the GPU runs. This bench times, for one
+linear at M tokens, the host time per call (N calls enqueued back to back, no sync inside) and
+the wall time per call (the same with a sync at the end), layer by layer of the FP8 path:
+
+    bf16_eager        F.linear (one cuBLAS call through the C++ dispatcher): the floor
+    bf16_inductor     nn.Linear compiled by Inductor, default mode
+    fp8compile        nn.Linear compiled with backend="fp8", default mode: cond, op, kernel
+    fp8_op            torch.ops.fp8compile.linear with the decode backend: dispatcher + op body
+    fp8_kernel        the decode kernel's Python entry (ops/triton_gemm.linear_small_m)
+    fp8_kernel_triton the same with the direct relaunch off (ops/launch.py): Triton's own path
+
+and writes a cProfile of the compiled FP8 linear (host_profile.txt) beside the JSON.
+"""
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import pstats
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import fp8compile
+
+
+def _host_and_wall_us(fn, calls: int) -> tuple[float, float]:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    enqueued = time.perf_counter()
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    return (enqueued - start) * 1e6 / calls, (done - start) * 1e6 / calls
+
+
+def bench_host(out_dir: Path, ms=(1, 16), n: int = 4096, k: int = 4096, calls: int = 200) -> list[dict]:
+    from fp8compile.ops import triton_gemm
+    from fp8compile.weights import fp8_weight
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    w = linear.weight.detach()
+    w_fp8, w_scale = fp8_weight(w)
+    inductor = torch.compile(linear, dynamic=True)
+    fp8 = torch.compile(linear, backend=fp8compile.backend(), dynamic=True)
+    launcher = triton_gemm._small_m_launch
+    rows, profile = [], ""
+    with torch.no_grad():
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            variants = {
+                "bf16_eager": lambda: F.linear(x, w),
+                "bf16_inductor": lambda: inductor(x),
+                "fp8compile": lambda: fp8(x),
+                "fp8_op": lambda: torch.ops.fp8compile.linear(x, w, backend="triton_small_m"),
+                "fp8_kernel": lambda: triton_gemm.linear_small_m(x, w_fp8, w_scale),
+            }
+            for name, fn in variants.items():
+                host, wall = _host_and_wall_us(fn, calls)
+                rows.append(dict(m=m, n=n, k=k, variant=name, host_us=host, wall_us=wall))
+            relaunched = launcher.relaunch and bool(launcher.compiled)
+            launcher.relaunch = False
+            try:
+                host, wall = _host_and_wall_us(variants["fp8_kernel"], calls)
+            finally:
+                launcher.relaunch = True
+            rows.append(dict(m=m, n=n, k=k, variant="fp8_kernel_triton", host_us=host, wall_us=wall))
+            rows.append(dict(m=m, n=n, k=k, variant="direct_relaunch_used", value=relaunched))
+            if not profile:
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(100):
+                    fp8(x)
+                profiler.disable()
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+                profile = text.getvalue()
+    (out_dir / "bench_host.json").write_text(json.dumps(rows, indent=1))
+    (out_dir / "host_profile.txt").write_text(profile)
+    print(f"host cost of one linear N={n} K={k} on {torch.cuda.get_device_name(device)} ({calls} calls enqueued, "
+          "then one sync): us per call")
+    print(f"{'variant':<20}" + "".join(f"{'M=' + str(m) + ' host':>14}{'wall':>8}" for m in ms))
+    for name in dict.fromkeys(r["variant"] for r in rows if "host_us" in r):
+        cells = "".join(f"{r['host_us']:>14.1f}{r['wall_us']:>8.1f}" for r in rows if r["variant"] == name)
+        print(f"{name:<20}{cells}")
+    print("direct relaunch taken:", [r["value"] for r in rows if r["variant"] == "direct_relaunch_used"])
+    return rows
