@@ -16,10 +16,7 @@ and writes a cProfile of the compiled FP8 linear (host_profile.txt) beside the J
 """
 from __future__ import annotations
 
-import cProfile
-import io
 import json
-import pstats
 import time
 from pathlib import Path
 
@@ -27,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 import fp8compile
+
+from . import profiled
 
 
 def _host_and_wall_us(fn, calls: int) -> tuple[float, float]:
@@ -55,7 +54,7 @@ def bench_host(out_dir: Path, ms=(1, 16), n: int = 4096, k: int = 4096, calls: i
     inductor = torch.compile(linear, dynamic=True)
     fp8 = torch.compile(linear, backend=fp8compile.backend(), dynamic=True)
     launcher = triton_gemm._small_m_launch
-    rows, profile = [], ""
+    rows = []
     with torch.no_grad():
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
@@ -77,17 +76,9 @@ def bench_host(out_dir: Path, ms=(1, 16), n: int = 4096, k: int = 4096, calls: i
                 launcher.relaunch = True
             rows.append(dict(m=m, n=n, k=k, variant="fp8_kernel_triton", host_us=host, wall_us=wall))
             rows.append(dict(m=m, n=n, k=k, variant="direct_relaunch_used", value=relaunched))
-            if not profile:
-                profiler = cProfile.Profile()
-                profiler.enable()
-                for _ in range(100):
-                    fp8(x)
-                profiler.disable()
-                text = io.StringIO()
-                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-                profile = text.getvalue()
+            if m == ms[0]:
+                profiled(lambda: [fp8(x) for _ in range(100)], out_dir / "host_profile.txt", lines=25)
     (out_dir / "bench_host.json").write_text(json.dumps(rows, indent=1))
-    (out_dir / "host_profile.txt").write_text(profile)
     print(f"host cost of one linear N={n} K={k} on {torch.cuda.get_device_name(device)} ({calls} calls enqueued, "
           "then one sync): us per call")
     print(f"{'variant':<20}" + "".join(f"{'M=' + str(m) + ' host':>14}{'wall':>8}" for m in ms))

@@ -34,7 +34,7 @@ import torch
 
 import fp8compile
 
-from . import pyplot
+from . import profiled, pyplot
 
 # name -> (transformers model class, config class, config fields). Real widths; layer counts of
 # the released models (cut with --layers).
@@ -176,21 +176,6 @@ def _unfused_fp8(model):
             del module.forward
 
 
-def _profiled(fn, path: Path) -> None:
-    """Run fn under cProfile; the 40 functions with the most own time, then the most cumulative, to path."""
-    import cProfile
-    import io
-    import pstats
-
-    profiler = cProfile.Profile()
-    profiler.runcall(fn)
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("tottime").print_stats(40)
-    stats.sort_stats("cumulative").print_stats(40)
-    path.write_text(text.getvalue())
-
-
 # GPU kernel names -> what they compute, for the time split of a decode step (first match wins).
 KERNEL_KINDS = (
     ("attention", re.compile(r"flash|fmha|attention|attn|sdpa", re.I)),
@@ -242,7 +227,7 @@ def decode(model, variant: Variant, batch: int, context: int, steps: int, device
                tokens_per_s=batch * 1e3 / ms, first_call_s=first_s, warm_call_s=second_s,
                recompiles=_graphs() - graphs)
     if profile is not None:
-        _profiled(lambda: model.generate(ids, **kwargs), profile)
+        profiled(lambda: model.generate(ids, **kwargs), profile)
         if device.type == "cuda":
             every = _kernel_ms(lambda: model.generate(ids, **kwargs))
             prompt = _kernel_ms(lambda: model.generate(ids, **{**kwargs, "max_new_tokens": 1}))
