@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--out", default=None, help="folder for JSON and PNG (default: $OUT or ./bench_out)")
     bench.add_argument("-m", type=int, action="append",
                        help="M values (default: gemm 1 16 32 128 1024 4096; mlp 1 16 128 4096; moe 1 16 128 1024 4096; host 1 16)")
+    bench.add_argument("--chain", type=int, default=8,
+                       help="`bench host`: linears per compiled graph; times are per linear (default 8)")
     bench.add_argument("--skip", action="append", help="`bench gemm`: leave this variant out (e.g. fp8compile_tuned)")
     bench.add_argument("--layer", action="append", choices=["qwen3-30b-a3b", "deepseek-v3"],
                        help="MoE layers for `bench moe` (default: both)")

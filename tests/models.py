@@ -198,3 +198,27 @@ class MaskedGroupedMoE(nn.Module):
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel(), device=x.device)
         return out[inverse].view(x.shape[0], self.top_k, -1).sum(dim=1)
+
+
+class ClampedBatchedMoE(nn.Module):
+    """transformers 5.17's "batched_mm" experts (what generate() switches to for decode on a GPU):
+    every token repeated top_k times, the flattened ids clamped to [0, clamp_max], the expert
+    weights gathered per (token, expert) and applied with bmm."""
+
+    def __init__(self, dim=256, inter=256, experts=8, top_k=2, clamp_max=None):
+        super().__init__()
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inter, dim) * 0.02)
+        self.down_proj = nn.Parameter(torch.randn(experts, dim, inter) * 0.02)
+        self.top_k = top_k
+        self.clamp_max = experts - 1 if clamp_max is None else clamp_max
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k, dim=-1)
+        h = x.repeat_interleave(self.top_k, dim=0)
+        ids = ids.reshape(-1).clamp(0, self.clamp_max)
+        gate_up = torch.bmm(self.gate_up_proj[ids], h.unsqueeze(-1)).squeeze(-1)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = torch.bmm(self.down_proj[ids], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        out = out * weights.to(out.dtype).reshape(-1).unsqueeze(-1)
+        return out.view(x.shape[0], self.top_k, -1).sum(dim=1)

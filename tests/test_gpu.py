@@ -319,3 +319,33 @@ def test_reduce_overhead_mode_in_a_fresh_process_keeps_kernel_state_out_of_the_g
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "ran every M" in done.stdout, done.stderr[-3000:]
+
+
+def test_inductor_launches_the_linear_decode_op_from_its_own_wrapper():
+    """fp8compile::linear_decode is a triton_op: compiled, Inductor's generated code launches the
+    decode kernel itself (no call back into our op), with the same bits as the eager op, for
+    every M of a dynamic graph."""
+    from torch._inductor.utils import run_and_get_code
+
+    from fp8compile.ops import decode_op  # noqa: F401  (registers the op)
+    from fp8compile.ops import triton_gemm
+
+    w_fp8, w_scale = reference.quant_weight_block(weight(4096, 4096))
+    arrivals = triton_gemm._arrival_counters(torch.device("cuda"), 4096)
+
+    def two_linears(x):
+        h = torch.ops.fp8compile.linear_decode(x, w_fp8, w_scale, arrivals, max_m=32)
+        return torch.ops.fp8compile.linear_decode(h, w_fp8, w_scale, arrivals, max_m=32)
+
+    compiled = torch.compile(two_linears, dynamic=True)
+    for m in (1, 7, 32):
+        x = randn(m, 4096, device="cuda")
+        out, code = run_and_get_code(compiled, x) if m == 1 else (compiled(x), None)
+        assert torch.equal(out, two_linears(x))
+        if code is not None:
+            wrapper = "\n".join(code)
+            assert "_linear_small_m_kernel" in wrapper and "fp8compile.linear_decode" not in wrapper
+    # Not test_schema: its mode reruns the op's FP8 inputs through ATen math that has no e4m3 kernels.
+    torch.library.opcheck(torch.ops.fp8compile.linear_decode, (randn(3, 4096, device="cuda"), w_fp8, w_scale,
+                                                               arrivals, None, False, 16),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))

@@ -8,7 +8,7 @@ import fp8compile
 from fp8compile import calc_diff
 from fp8compile.ops import reference
 from tests.conftest import BF16, ONE_GEMM, randn
-from tests.models import GptFastMoE, MaskedGroupedMoE
+from tests.models import ClampedBatchedMoE, GptFastMoE, MaskedGroupedMoE
 
 transformers = pytest.importorskip("transformers")
 aten = torch.ops.aten
@@ -110,6 +110,24 @@ def test_plain_pytorch_moe_forms_are_rewritten(make_model, layout, captured):
     (g,) = captured
     assert sum(g.count(t) for t in EXPERT_GEMMS) == 0
     assert calc_diff(out, eager) < MOE_BLOCK
+
+
+def test_batched_mm_experts_with_ids_clamped_to_the_expert_range_are_rewritten():
+    """transformers 5.17 clamps every routed id to [0, E - 1] before gathering the weights (what
+    generate() runs for decode on a GPU): a no-op for ids top-k drew from E experts."""
+    torch.manual_seed(0)
+    out, eager, report = compile_block(ClampedBatchedMoE().to(BF16), randn(37, 256))
+    assert report.counts()["moe"] == 1
+    assert calc_diff(out, eager) < MOE_BLOCK
+
+
+def test_ids_clamped_below_the_last_expert_keep_the_block_bf16():
+    """A clamp that can change an id (here to [0, E - 2]) is routing the op does not do."""
+    torch.manual_seed(0)
+    out, eager, report = compile_block(ClampedBatchedMoE(clamp_max=6).to(BF16), randn(37, 256))
+    (skip,) = report.skipped("moe")
+    assert "top-k expert ids" in skip.reason and report.counts()["moe"] == 0
+    assert calc_diff(out, eager) < 1e-4  # stays bf16
 
 
 def test_the_router_stays_bf16_even_where_its_shape_would_fit_fp8():

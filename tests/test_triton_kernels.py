@@ -146,6 +146,34 @@ def test_small_m_kernel_with_fused_quantization_matches_the_reference(m, split_k
     assert_bf16_close(out, reference_linear(x, w_fp8, w_scale, b, e8m0))
 
 
+@pytest.mark.parametrize("m, max_m", [(1, 16), (5, 16), (17, 32), (64, 64)])
+@pytest.mark.parametrize("e8m0", [False, True])
+def test_linear_decode_op_is_the_decode_kernel_on_prequantized_weights(m, max_m, e8m0):
+    """fp8compile::linear_decode (the op Inductor launches itself) against the reference; its
+    tile height comes from max_m, the top of the M range a call site serves."""
+    from fp8compile.ops import decode_op  # noqa: F401  (registers the op)
+
+    x = activation(m, 256)
+    w_fp8, w_scale = reference.quant_weight_block(randn(200, 256, scale=0.02, device=DEVICE), e8m0)
+    b = randn(200, device=DEVICE)
+    arrivals = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    out = torch.ops.fp8compile.linear_decode(x, w_fp8, w_scale, arrivals, b, e8m0, max_m)
+    assert_bf16_close(out, reference_linear(x, w_fp8, w_scale, b, e8m0))
+    assert not arrivals.any()  # the split-K counters are left zeroed for the next call
+
+
+def test_linear_decode_op_refuses_more_rows_than_the_decode_kernel_serves():
+    from fp8compile.ops import decode_op
+
+    with pytest.raises(ValueError, match="M <= 64"):
+        decode_op._block_m(65)
+    x = activation(20, 256)
+    w_fp8, w_scale = reference.quant_weight_block(randn(128, 256, scale=0.02, device=DEVICE))
+    with pytest.raises(RuntimeError, match="built for M <= 16"):
+        torch.ops.fp8compile.linear_decode(x, w_fp8, w_scale, torch.zeros(64, dtype=torch.int32, device=DEVICE),
+                                           max_m=16)
+
+
 def test_small_m_kernel_uses_tma_only_where_a_descriptor_can_address_the_weight():
     w = torch.zeros(256, 256, dtype=torch.uint8, device=DEVICE)
     assert triton_gemm.use_tma(w)

@@ -194,17 +194,19 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path):
     assert "generate" in (tmp_path / "profile_tiny-llama_fp8_b2.txt").read_text()  # --profile: host time by function
 
 
-def test_bench_model_splits_gpu_time_by_kernel_kind_attention_before_gemm_names():
+def test_bench_model_splits_gpu_time_by_kernel_kind_attention_and_experts_before_gemm_names():
     from fp8compile.bench.model import kernel_kind
 
     kinds = {name: kernel_kind(name) for name in (
         "nvjet_tst_128x64_64x4_1x1_v_bz_coopA_TNT", "_linear_small_m_kernel", "_quant_act_kernel",
         "fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "pytorch_flash::flash_fwd_kernel",
-        "triton_red_fused_add_mean_mul_pow_rsqrt_0")}
+        "triton_red_fused_add_mean_mul_pow_rsqrt_0", "_moe_gemm_kernel",
+        "cutlass::Kernel2<cutlass_sm90_grouped_gemm_bf16>")}
     assert kinds == {"nvjet_tst_128x64_64x4_1x1_v_bz_coopA_TNT": "linear", "_linear_small_m_kernel": "linear",
                      "_quant_act_kernel": "linear", "fmha_cutlassF_bf16_aligned_64x128_rf_sm80": "attention",
                      "pytorch_flash::flash_fwd_kernel": "attention",
-                     "triton_red_fused_add_mean_mul_pow_rsqrt_0": "other"}
+                     "triton_red_fused_add_mean_mul_pow_rsqrt_0": "other", "_moe_gemm_kernel": "moe",
+                     "cutlass::Kernel2<cutlass_sm90_grouped_gemm_bf16>": "moe"}
 
 
 def test_the_report_names_the_model_input_that_keeps_a_graph_from_cuda_graphs():

@@ -58,7 +58,7 @@ def main(args) -> int:
         if args.what == "host":
             from .host import bench_host
 
-            bench_host(out, ms=args.m or (1, 16))
+            bench_host(out, ms=args.m or (1, 16), chain=args.chain)
         elif args.what == "gemm":
             kernels.bench_gemm(out, ms=args.m or kernels.MS, skip=args.skip or ())
         elif args.what == "mlp":

@@ -8,11 +8,15 @@ the wall time per call (the same with a sync at the end), layer by layer of the 
     bf16_eager        F.linear (one cuBLAS call through the C++ dispatcher): the floor
     bf16_inductor     nn.Linear compiled by Inductor, default mode
     fp8compile        nn.Linear compiled with backend="fp8", default mode: cond, op, kernel
+    fp8_inductor_launch  fp8compile::linear_decode (ops/decode_op.py) compiled by Inductor, the
+                      FP8 weight a module buffer: Inductor launches the decode kernel itself
     fp8_op            torch.ops.fp8compile.linear with the decode backend: dispatcher + op body
     fp8_kernel        the decode kernel's Python entry (ops/triton_gemm.linear_small_m)
     fp8_kernel_triton the same with the direct relaunch off (ops/launch.py): Triton's own path
 
-and writes a cProfile of the compiled FP8 linear (host_profile.txt) beside the JSON.
+With chain=L the three compiled variants run L linears (of different weights) in one graph, and
+the times are per linear: the graph's own call cost spread over L, as in a model's layer.
+Writes a cProfile of the compiled FP8 linear (host_profile.txt) beside the JSON.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8compile
+from fp8compile.numerics import calc_diff
 
 from . import profiled
 
@@ -41,18 +46,47 @@ def _host_and_wall_us(fn, calls: int) -> tuple[float, float]:
     return (enqueued - start) * 1e6 / calls, (done - start) * 1e6 / calls
 
 
-def bench_host(out_dir: Path, ms=(1, 16), n: int = 4096, k: int = 4096, calls: int = 200) -> list[dict]:
+class _DecodeChain(torch.nn.Module):
+    """Linears through fp8compile::linear_decode, their FP8 weights as buffers (graph tensors)."""
+
+    def __init__(self, linears, max_m: int):
+        super().__init__()
+        from fp8compile.ops import decode_op, triton_gemm  # noqa: F401  (decode_op registers the op)
+        from fp8compile.weights import fp8_weight
+
+        self.max_m = max_m
+        for i, linear in enumerate(linears):
+            w_fp8, w_scale = fp8_weight(linear.weight.detach())
+            self.register_buffer(f"w_fp8_{i}", w_fp8)
+            self.register_buffer(f"w_scale_{i}", w_scale)
+        self.layers = len(linears)
+        self.register_buffer("arrivals", triton_gemm._arrival_counters(linears[0].weight.device, 4096))
+
+    def forward(self, x):
+        for i in range(self.layers):
+            x = torch.ops.fp8compile.linear_decode(x, getattr(self, f"w_fp8_{i}"), getattr(self, f"w_scale_{i}"),
+                                                   self.arrivals, max_m=self.max_m)
+        return x
+
+
+def bench_host(out_dir: Path, ms=(1, 16), n: int = 4096, k: int = 4096, calls: int = 200, chain: int = 1) -> list[dict]:
     from fp8compile.ops import triton_gemm
     from fp8compile.weights import fp8_weight
 
+    if max(ms) > triton_gemm.SMALL_M_MAX:
+        raise ValueError(f"bench host times decode linears: M <= {triton_gemm.SMALL_M_MAX}, got {max(ms)}")
+    if chain > 1 and n != k:
+        raise ValueError(f"a chain of linears needs N == K, got N={n}, K={k}")
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     torch.manual_seed(0)
-    linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
-    w = linear.weight.detach()
+    linears = [torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16) for _ in range(chain)]
+    model = torch.nn.Sequential(*linears)
+    w = linears[0].weight.detach()
     w_fp8, w_scale = fp8_weight(w)
-    inductor = torch.compile(linear, dynamic=True)
-    fp8 = torch.compile(linear, backend=fp8compile.backend(), dynamic=True)
+    inductor = torch.compile(model, dynamic=True)
+    fp8 = torch.compile(model, backend=fp8compile.backend(), dynamic=True)
+    decode = torch.compile(_DecodeChain(linears, max(ms)), dynamic=True)
     launcher = triton_gemm._small_m_launch
     rows = []
     with torch.no_grad():
@@ -62,12 +96,18 @@ def bench_host(out_dir: Path, ms=(1, 16), n: int = 4096, k: int = 4096, calls: i
                 "bf16_eager": lambda: F.linear(x, w),
                 "bf16_inductor": lambda: inductor(x),
                 "fp8compile": lambda: fp8(x),
+                "fp8_inductor_launch": lambda: decode(x),
                 "fp8_op": lambda: torch.ops.fp8compile.linear(x, w, backend="triton_small_m"),
                 "fp8_kernel": lambda: triton_gemm.linear_small_m(x, w_fp8, w_scale),
             }
+            compiled = ("bf16_inductor", "fp8compile", "fp8_inductor_launch")
             for name, fn in variants.items():
                 host, wall = _host_and_wall_us(fn, calls)
-                rows.append(dict(m=m, n=n, k=k, variant=name, host_us=host, wall_us=wall))
+                per = chain if name in compiled else 1
+                rows.append(dict(m=m, n=n, k=k, chain=per, variant=name, host_us=host / per, wall_us=wall / per))
+            out = decode(x).float()
+            rows.append(dict(m=m, variant="fp8_inductor_launch_vs_fp8compile_calc_diff",
+                             value=calc_diff(out, fp8(x).float())))
             relaunched = launcher.relaunch and bool(launcher.compiled)
             launcher.relaunch = False
             try:
@@ -80,10 +120,12 @@ def bench_host(out_dir: Path, ms=(1, 16), n: int = 4096, k: int = 4096, calls: i
                 profiled(lambda: [fp8(x) for _ in range(100)], out_dir / "host_profile.txt", lines=25)
     (out_dir / "bench_host.json").write_text(json.dumps(rows, indent=1))
     print(f"host cost of one linear N={n} K={k} on {torch.cuda.get_device_name(device)} ({calls} calls enqueued, "
-          "then one sync): us per call")
+          f"then one sync; compiled variants: a chain of {chain} linears, per linear): us per call")
     print(f"{'variant':<20}" + "".join(f"{'M=' + str(m) + ' host':>14}{'wall':>8}" for m in ms))
     for name in dict.fromkeys(r["variant"] for r in rows if "host_us" in r):
         cells = "".join(f"{r['host_us']:>14.1f}{r['wall_us']:>8.1f}" for r in rows if r["variant"] == name)
         print(f"{name:<20}{cells}")
     print("direct relaunch taken:", [r["value"] for r in rows if r["variant"] == "direct_relaunch_used"])
+    print("fp8_inductor_launch against fp8compile, calc_diff:",
+          [r["value"] for r in rows if r["variant"].endswith("calc_diff")])
     return rows

@@ -179,6 +179,7 @@ def _unfused_fp8(model):
 # GPU kernel names -> what they compute, for the time split of a decode step (first match wins).
 KERNEL_KINDS = (
     ("attention", re.compile(r"flash|fmha|attention|attn|sdpa", re.I)),
+    ("moe", re.compile(r"moe|grouped|_route_|_topk_sum", re.I)),  # expert GEMMs and our routing, before "gemm"
     ("linear", re.compile(r"gemm|nvjet|xmma|cutlass|splitk|_linear_small_m|quant_act|deep_gemm|matmul", re.I)),
 )
 
@@ -188,19 +189,27 @@ def kernel_kind(name: str) -> str:
 
 
 def _kernel_ms(fn) -> dict[str, float]:
-    """GPU time of fn's kernels by kind (KERNEL_KINDS), ms."""
+    """GPU time of fn's kernels by kernel name, ms."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    totals = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
+    totals: dict[str, float] = {}
     for event in prof.key_averages():
         us = getattr(event, "self_device_time_total", None)
         if us is None:
             us = getattr(event, "self_cuda_time_total", 0.0)
         if us and event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[kernel_kind(event.key)] += us / 1e3
+            totals[event.key] = totals.get(event.key, 0.0) + us / 1e3
+    return totals
+
+
+def by_kind(kernel_ms: dict[str, float]) -> dict[str, float]:
+    """Kernel times summed by kind (KERNEL_KINDS, then "other")."""
+    totals = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
+    for name, ms in kernel_ms.items():
+        totals[kernel_kind(name)] += ms
     return totals
 
 
@@ -231,7 +240,10 @@ def decode(model, variant: Variant, batch: int, context: int, steps: int, device
         if device.type == "cuda":
             every = _kernel_ms(lambda: model.generate(ids, **kwargs))
             prompt = _kernel_ms(lambda: model.generate(ids, **{**kwargs, "max_new_tokens": 1}))
-            row["kernel_ms_per_step"] = {kind: (every[kind] - prompt[kind]) / steps for kind in every}
+            per_step = {name: (ms - prompt.get(name, 0.0)) / steps for name, ms in every.items()}
+            row["kernel_ms_per_step"] = by_kind(per_step)
+            top = sorted(per_step.items(), key=lambda item: -item[1])[:12]
+            row["top_kernels_ms_per_step"] = [[name[:120], kernel_kind(name), ms] for name, ms in top]
     return row
 
 
@@ -321,8 +333,12 @@ def bench_model(out_dir: Path, models=None, layers: int | None = None, batches=N
                     rows.append(dict(base, variant=name, kind="memory",
                                      peak_gb=torch.cuda.max_memory_allocated(device) / 2**30))
                 if isinstance(variant.backend, fp8compile.Fp8Backend):
-                    print(f"{name}: {variant.backend.report.counts()}; CUDA graphs: "
-                          f"{sorted(set(variant.backend.report.cuda_graphs.values()))}")
+                    report = variant.backend.report
+                    print(f"{name}: {report.counts()} over {report.graphs} graphs; CUDA graphs: "
+                          f"{sorted(set(report.cuda_graphs.values()))}")
+                    # Why candidates stayed bf16, once per kind and reason (a user's next question).
+                    for kind, reason in dict.fromkeys((skip.kind, skip.reason) for skip in report.skips):
+                        print(f"  kept bf16 ({kind}): {reason}")
                 (out_dir / "bench_model.json").write_text(json.dumps(rows, indent=1))  # a cut-off run keeps its rows
             del model
     print(model_table(rows))
@@ -370,6 +386,10 @@ def model_table(rows: list[dict]) -> str:
             lines.append("GPU time per decode step by kernel kind, ms (--profile): " + ", ".join(kinds))
             lines += [f"{r['variant']:<20}{'B=' + str(r['batch']):>6}"
                       + "".join(f"{r['kernel_ms_per_step'][k]:>10.2f}" for k in kinds) for r in split]
+            for r in split:
+                lines.append(f"top kernels, {r['variant']} B={r['batch']}, ms per step: "
+                             + "; ".join(f"{name[:60]} ({kind}) {ms:.3f}"
+                                         for name, kind, ms in r.get("top_kernels_ms_per_step", [])[:6]))
     return "\n".join(lines)
 
 

@@ -93,6 +93,9 @@ def _linear_small_m_kernel(x_ptr, x_desc, b_ptr, w_ptr, w_desc, w_s_ptr, bias_pt
                            SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    # Float arguments in fp32 whatever the launcher typed them as (Inductor passes Python floats as fp64).
+    eps, fp8_max = tl.cast(eps, tl.float32), tl.cast(fp8_max, tl.float32)
+    alpha, limit = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)
     groups = K // GROUP
     per_split = tl.cdiv(groups, SPLIT_K)
     g0 = pid_k * per_split

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 
 import torch
 import torch.fx as fx
@@ -265,6 +266,40 @@ def match_block(ctx: PassContext, down: ExpertGemm, gemms: dict[fx.Node, ExpertG
                     b13, b2, layout, act)
 
 
+_CLAMPS = (aten.clamp_min.default, aten.clamp_max.default, aten.clamp.default)
+
+
+def _unclamped(index, experts: int):
+    """The index of a weight gather without clamps to [0, E - 1] on its way from the router's
+    top-k: transformers 5.17's batched_mm clamps every id (later versions only expert-parallel
+    sentinels). Ids top-k drew from E experts' scores are in range, so such a clamp changes
+    nothing; any other clamp, or a clamp of ids from elsewhere, stays and ends the match."""
+    node, crossed = index, False
+    for _ in range(16):
+        if not isinstance(node, fx.Node) or node.op != "call_function":
+            break
+        if node.target in _CLAMPS:
+            low = node.args[1] if node.target != aten.clamp_max.default else None
+            high = node.args[1] if node.target == aten.clamp_max.default else (
+                node.args[2] if node.target == aten.clamp.default and len(node.args) > 2 else None)
+            if any(not isinstance(b, (int, float)) for b in (low, high) if b is not None):
+                return index  # a bound only known at run time
+            if (low is not None and low > 0) or (high is not None and high < experts - 1):
+                return index
+            node, crossed = node.args[0], True
+        elif node.target in _LAYOUT:
+            node = node.args[0]
+        else:
+            break
+    if not crossed:
+        return index
+    source = _two_d(node, _LAYOUT)
+    is_topk = (source is not None and source.target is operator.getitem and source.args[1] == 1
+               and source.args[0].target == aten.topk.default
+               and _val(source.args[0].args[0]).shape[-1] == experts)  # top-k over E scores
+    return node if is_topk else index
+
+
 def _ids(ctx: PassContext, gate_up: ExpertGemm, down: ExpertGemm) -> fx.Node:
     """topk_ids (T, k): the index of a weight gather, or what the grouped GEMM's offsets count."""
     for g in (gate_up, down):
@@ -272,7 +307,8 @@ def _ids(ctx: PassContext, gate_up: ExpertGemm, down: ExpertGemm) -> fx.Node:
             offsets = g.node.args[2] if len(g.node.args) > 2 else g.node.kwargs.get("offs")
             ids = _two_d(offsets, (*_LAYOUT, *_ROUTING))
         else:
-            ids = _two_d(_gathered(ctx, next(a for a in g.node.args[:2] if a is not g.activation), 3)[1], _LAYOUT)
+            weight, index = _gathered(ctx, next(a for a in g.node.args[:2] if a is not g.activation), 3)
+            ids = _two_d(_unclamped(index, _val(weight).shape[0]), _LAYOUT)
         if ids is not None and not _val(ids).dtype.is_floating_point:
             return ids
     raise NoMatch("top-k expert ids of shape (tokens, top_k) not found")

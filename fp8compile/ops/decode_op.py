@@ -1,0 +1,60 @@
+"""The decode kernel as an op Inductor launches itself: fp8compile::linear_decode.
+
+Outside CUDA graphs a decode step is host-bound, and our ops pay a Python kernel (dispatcher,
+op body, the kernel's Python entry) around every launch: 82-131 us per linear where bf16
+Inductor pays 33-38 (BENCHMARKS.md, "Inductor-launched decode kernel"). This op is a
+torch.library.triton_op: when AOTAutograd traces it, its body becomes the kernel launch itself
+(wrap_triton), so Inductor's generated wrapper allocates the output and calls the compiled
+kernel like one of its own, with no Python of ours at run time (measured: 34-40 us per linear).
+
+The price is that everything the body decides is decided at trace time: the tile height comes
+from `max_m` (the top of the M range the caller serves, not M itself, which is symbolic), the
+weight must be an FP8 tensor in the graph (not the bf16 parameter plus a lookup), and the
+launch is plain (no TMA descriptors, no programmatic dependent launch): the path for default
+mode, where CUDA graphs do not hide the host. Called eagerly it runs the same kernel through
+Triton's own launch path.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from ..numerics import AMAX_EPS, BLOCK, FP8_MAX
+from . import triton_gemm
+
+
+def _block_m(max_m: int) -> int:
+    for rows in (16, 32, 64):
+        if max_m <= rows:
+            return rows
+    raise ValueError(f"linear_decode serves M <= {triton_gemm.SMALL_M_MAX}, asked for M up to {max_m}")
+
+
+@triton_op("fp8compile::linear_decode", mutates_args=())
+def linear_decode(x: Tensor, w_fp8: Tensor, w_scale: Tensor, arrivals: Tensor, bias: Tensor | None = None,
+                  e8m0: bool = False, max_m: int = 16) -> Tensor:
+    """bf16 x (M, K), M <= max_m <= 64, times the block-quantized weight (w_fp8 (N, K) e4m3fn,
+    w_scale (ceil(N/128), K/128) fp32) (+ bias) -> bf16 (M, N): 1x128 activation quantization
+    fused, split-K over `arrivals` (zeroed int32 counters, at least one per 128-row N tile,
+    left zeroed: triton_gemm._arrival_counters)."""
+    m = x.shape[0]
+    n, k = (int(size) for size in w_fp8.shape)  # the grid and the split are fixed at trace time
+    block_m = _block_m(max_m)
+    block_n = 32 if x.device.type == "cpu" else triton_gemm.SMALL_M_BLOCK_N
+    split = triton_gemm.small_m_split(n, k, x.device, block_n)
+    n_tiles = triton.cdiv(n, block_n)
+    torch._check(arrivals.numel() >= n_tiles, lambda: f"{arrivals.numel()} split-K counters for {n_tiles} N tiles")
+    torch._check(m <= max_m, lambda: f"linear_decode was built for M <= {max_m}")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    launch = {} if x.device.type == "cpu" else dict(num_warps=4, num_stages=triton_gemm.SMALL_M_NUM_STAGES)
+    bias_arg = bias if bias is not None else w_scale
+    wrap_triton(triton_gemm._linear_small_m_kernel)[(n_tiles, split)](
+        x, x, x, w_fp8, w_fp8, w_scale, bias_arg, out, partial, arrivals, m, n, k,
+        x.stride(0), x.stride(1), x.stride(0), x.stride(1), w_fp8.stride(0), w_scale.stride(0), w_scale.stride(1),
+        out.stride(0), AMAX_EPS, FP8_MAX, 1.702, 7.0, E8M0=e8m0, ACT=0, HAS_BIAS=bias is not None, TMA=False,
+        ACT_TMA=False, PDL=False, TRIGGER=False, PREFETCH=1, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=BLOCK, **launch)
+    return out
