@@ -163,15 +163,15 @@ def test_linear_decode_op_is_the_decode_kernel_on_prequantized_weights(m, max_m,
 
 
 def test_linear_decode_op_refuses_more_rows_than_the_decode_kernel_serves():
-    from fp8compile.ops import decode_op
+    from fp8compile.ops import decode_op  # noqa: F401  (registers the op)
 
-    with pytest.raises(ValueError, match="M <= 64"):
-        decode_op._block_m(65)
     x = activation(20, 256)
     w_fp8, w_scale = reference.quant_weight_block(randn(128, 256, scale=0.02, device=DEVICE))
+    arrivals = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="M <= 64"):
+        torch.ops.fp8compile.linear_decode(x, w_fp8, w_scale, arrivals, max_m=65)
     with pytest.raises(RuntimeError, match="built for M <= 16"):
-        torch.ops.fp8compile.linear_decode(x, w_fp8, w_scale, torch.zeros(64, dtype=torch.int32, device=DEVICE),
-                                           max_m=16)
+        torch.ops.fp8compile.linear_decode(x, w_fp8, w_scale, arrivals, max_m=16)
 
 
 def test_small_m_kernel_uses_tma_only_where_a_descriptor_can_address_the_weight():

@@ -1,11 +1,12 @@
 """The decode kernel as an op Inductor launches itself: fp8compile::linear_decode.
 
 Outside CUDA graphs a decode step is host-bound, and our ops pay a Python kernel (dispatcher,
-op body, the kernel's Python entry) around every launch: 82-131 us per linear where bf16
-Inductor pays 33-38 (BENCHMARKS.md, "Inductor-launched decode kernel"). This op is a
-torch.library.triton_op: when AOTAutograd traces it, its body becomes the kernel launch itself
-(wrap_triton), so Inductor's generated wrapper allocates the output and calls the compiled
-kernel like one of its own, with no Python of ours at run time (measured: 34-40 us per linear).
+op body, the kernel's Python entry) around every launch: 80-98 us of host time per linear where
+bf16 Inductor pays 24-27 (H100, `bench host --chain 8`; BENCHMARKS.md, "Inductor-launched decode
+kernel"). This op is a torch.library.triton_op: when AOTAutograd traces it, its body becomes the
+kernel launch itself (wrap_triton), so Inductor's generated wrapper allocates the output and
+calls the compiled kernel like one of its own, with no Python of ours at run time (22-39 us).
+Its definition is reference.linear_block on the same FP8 weight (tests/test_triton_kernels.py).
 
 The price is that everything the body decides is decided at trace time: the tile height comes
 from `max_m` (the top of the M range the caller serves, not M itself, which is symbolic), the
@@ -17,19 +18,11 @@ Triton's own launch path.
 from __future__ import annotations
 
 import torch
-import triton
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from ..numerics import AMAX_EPS, BLOCK, FP8_MAX
 from . import triton_gemm
-
-
-def _block_m(max_m: int) -> int:
-    for rows in (16, 32, 64):
-        if max_m <= rows:
-            return rows
-    raise ValueError(f"linear_decode serves M <= {triton_gemm.SMALL_M_MAX}, asked for M up to {max_m}")
 
 
 @triton_op("fp8compile::linear_decode", mutates_args=())
@@ -39,12 +32,12 @@ def linear_decode(x: Tensor, w_fp8: Tensor, w_scale: Tensor, arrivals: Tensor, b
     w_scale (ceil(N/128), K/128) fp32) (+ bias) -> bf16 (M, N): 1x128 activation quantization
     fused, split-K over `arrivals` (zeroed int32 counters, at least one per 128-row N tile,
     left zeroed: triton_gemm._arrival_counters)."""
+    if not 1 <= max_m <= triton_gemm.SMALL_M_MAX:
+        raise ValueError(f"linear_decode serves 1 <= M <= {triton_gemm.SMALL_M_MAX}, asked for M up to {max_m}")
     m = x.shape[0]
     n, k = (int(size) for size in w_fp8.shape)  # the grid and the split are fixed at trace time
-    block_m = _block_m(max_m)
-    block_n = 32 if x.device.type == "cpu" else triton_gemm.SMALL_M_BLOCK_N
-    split = triton_gemm.small_m_split(n, k, x.device, block_n)
-    n_tiles = triton.cdiv(n, block_n)
+    # The eager decode path's tiles for its largest M (the same cached choice linear_small_m makes).
+    block_m, block_n, split, n_tiles = triton_gemm._small_m_tiles(max_m, n, k, False, x.device, None, None)
     torch._check(arrivals.numel() >= n_tiles, lambda: f"{arrivals.numel()} split-K counters for {n_tiles} N tiles")
     torch._check(m <= max_m, lambda: f"linear_decode was built for M <= {max_m}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
