@@ -70,9 +70,16 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     from .debug import DebugDump
+    from .derived import CallWithDerivedInputs
     from .passes import GraphInputs, PassContext, run_passes
 
     patches = dict(list_mode_options(mode)) if mode else {}
+    if hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels"):
+        # The decode kernel Inductor launches itself (passes/inline.py) is a user-defined Triton
+        # kernel, which Inductor otherwise launches through Triton's Python path (launch metadata,
+        # hooks): 60.2 us of host time per linear at M = 1 that way, 28.7 statically, where bf16
+        # Inductor pays 33.2 (two lent H100s, `bench host --chain 8`; BENCHMARKS.md).
+        patches["static_launch_user_defined_triton_kernels"] = True
     if patches.get("triton.cudagraphs"):
         _specialize_float_inputs(gm)  # raises to make Dynamo trace the frame again, if there are any
     graph_index = report.graphs
@@ -100,7 +107,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8
         if isinstance(bound, str):
             return skip_graph(f"cannot map graph inputs to the model's tensors: {bound}")
         fake_mode = detect_fake_mode(aten_inputs)
-        ctx = PassContext(aten_gm, bound, config, report, graph_index, fake_mode)
+        ctx = PassContext(aten_gm, bound, config, report, graph_index, fake_mode,
+                          cuda_graphs=bool(patches.get("triton.cudagraphs")))
         if dump:
             dump.before(aten_gm)
         run_passes(ctx)
@@ -108,11 +116,17 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8
             dump.after(aten_gm)
         box = kwargs.get("cudagraphs")  # Inductor's: it turns False where CUDA graphs cannot be used
         asked = bool(getattr(box, "value", False))
+        if ctx.derived:
+            # The FP8 copies of the weights are the graph's last inputs, static like the parameters.
+            derived = ctx.derived_example_inputs()
+            first = len(aten_inputs)
+            kwargs["static_input_idxs"] = [*kwargs.get("static_input_idxs", ()), *range(first, first + len(derived))]
+            aten_inputs = [*aten_inputs, *derived]
         compiled = compile_fx_inner(aten_gm, aten_inputs, **kwargs)
         names = {node.name: name for node, (_, name) in bound.items() if name}
         report.cuda_graphs[graph_index] = _cuda_graph_state(asked, bool(getattr(box, "value", False)), compiled, mode,
                                                             names)
-        return compiled
+        return CallWithDerivedInputs(compiled, ctx.derived) if ctx.derived else compiled
 
     if patches.get("triton.cudagraphs") and hasattr(torch._inductor.config, "graph_partition"):
         # Graph partitioning records CUDA graphs between the ops it cannot record, and a

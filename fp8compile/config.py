@@ -49,6 +49,9 @@ class Fp8Config:
     fusions:         fusion passes to run (default: all); () runs the plain linear pass only.
     debug_dir:       write graphs before/after our passes and depyf-decompiled code here
                      (default: $FP8COMPILE_DEBUG_DIR).
+    inductor_launch: the decode kernel as a launch in Inductor's generated code (no Python op
+                     around it, passes/inline.py) instead of the fp8compile op; None = where
+                     CUDA graphs are not asked for (there every call pays the host's cost).
     """
 
     recipe: str = "block"
@@ -61,6 +64,7 @@ class Fp8Config:
     skip: tuple[str, ...] = ()
     fusions: tuple[str, ...] = FUSIONS
     debug_dir: str | None = dataclasses.field(default_factory=_debug_dir_from_env)
+    inductor_launch: bool | None = None
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
@@ -68,6 +72,8 @@ class Fp8Config:
         for name in ("e8m0", "batch_invariant", "autotune"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.inductor_launch is not None and not isinstance(self.inductor_launch, bool):
+            raise TypeError(f"inductor_launch must be True, False or None (auto), got {self.inductor_launch!r}")
         if isinstance(self.small_m, bool) or not isinstance(self.small_m, int) or self.small_m < 0:
             raise ValueError(f"small_m must be an int >= 0 (0 = never take the small-M path), got {self.small_m!r}")
         if isinstance(self.large_m, bool) or not isinstance(self.large_m, int) or self.large_m < 0:

@@ -37,7 +37,7 @@ def _quantize(w: torch.Tensor, e8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.fp8compile.quant_weight(w, e8m0)
 
 
-def _version(w: torch.Tensor) -> int | None:
+def version(w: torch.Tensor) -> int | None:
     try:
         return w._version
     except RuntimeError:  # inference tensors carry no version counter
@@ -53,7 +53,7 @@ def _memoized(sources: tuple[torch.Tensor, ...], tag: tuple, make: Callable[[], 
     # Every FP8 op call looks its weight up here, outside CUDA graphs on the host's critical
     # path: first by the identity of the tensors passed (a dict hit and a version check).
     fast_key = (tuple(map(id, sources)), tag)
-    versions = tuple(_version(w) for w in sources)
+    versions = tuple(version(w) for w in sources)
     hit = _BY_ID.get(fast_key)
     if hit is not None and hit[1] == versions and all(ref() is w for ref, w in zip(hit[0], sources)):
         return hit[2]

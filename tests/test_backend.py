@@ -80,10 +80,39 @@ def test_weights_are_quantized_once_at_compile_time_not_per_call(monkeypatch, ca
                 assert len(calls) == 2  # gate|up stacked (one GEMM) and down, during the first compile
     assert len(calls) == 2
     assert len(captured) == 2
-    for g in captured:  # the run-time graph quantizes no weight: it reads the parameters
+    for g in captured:  # the run-time graph quantizes no weight: it reads their FP8 copies as inputs
         assert g.ops(torch.ops.fp8compile.quant_weight.default) == []
-        for node in g.ops(torch.ops.fp8compile.linear.default):
+        for node in g.ops(torch.ops.fp8compile.qlinear.default):
             assert node.args[1].op == "placeholder"
+
+
+def test_fp8_weights_are_graph_inputs_looked_up_only_when_the_parameters_passed_change(monkeypatch):
+    """The compiled graph takes each weight's FP8 copy as an input of its own (static for CUDA
+    graphs); per call the wrapper checks the parameters passed (identity and version) and asks the
+    weight memo again only when one changed."""
+    from fp8compile.derived import CallWithDerivedInputs
+    from fp8compile.passes import linear as linear_pass_module
+
+    lookups = []
+    real = linear_pass_module.fp8_weight
+    monkeypatch.setattr(linear_pass_module, "fp8_weight", lambda *a: lookups.append(a[0].shape) or real(*a))
+    wrappers = []
+    real_init = CallWithDerivedInputs.__init__
+    monkeypatch.setattr(CallWithDerivedInputs, "__init__", lambda self, *a: wrappers.append(self) or real_init(self, *a))
+    model = GatedMLP().to(BF16)
+    compiled = torch.compile(model, backend="fp8")
+    x = randn(8, 256)
+    with torch.no_grad():
+        compiled(x)
+        (wrapper,) = wrappers
+        assert [d.count for d in wrapper.derived] == [2, 2]  # (w_fp8, w_scale) of gate|up, of down
+        after_first = len(lookups)
+        for _ in range(3):
+            compiled(x)
+        assert len(lookups) == after_first  # same parameters, same versions: nothing looked up
+        model.down_proj.weight.mul_(2)
+        assert fp8compile.calc_diff(compiled(x), model(x)) < GATED_MLP
+        assert len(lookups) == after_first + 2  # one change: both copies asked for again (the memo makes one)
 
 
 def test_compiled_model_follows_an_in_place_weight_change():
@@ -124,7 +153,7 @@ def test_debug_dir_gets_graphs_before_and_after_and_decompiled_code(tmp_path):
         torch.compile(model, backend=fp8compile.backend(debug_dir=str(tmp_path)))(randn(8, 256))
     files = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("graph_"))
     assert files == ["graph_000_aten_after.py", "graph_000_aten_before.py", "graph_000_diff.txt", "graph_000_dynamo.py"]
-    assert "torch.ops.fp8compile.linear" in (tmp_path / "graph_000_aten_after.py").read_text()
+    assert "torch.ops.fp8compile.qlinear" in (tmp_path / "graph_000_aten_after.py").read_text()
     assert "-mm = aten.mm" in (tmp_path / "graph_000_diff.txt").read_text()
     (code,) = [p for p in tmp_path.iterdir() if p.name.startswith("__transformed_code_")]
     assert "def " in code.read_text() and "could not decompile" not in code.read_text()

@@ -10,7 +10,7 @@ from torch import nn
 import fp8compile
 from tests.conftest import BF16, CountingBackend, randn
 
-FP8_LINEAR = torch.ops.fp8compile.linear.default
+FP8_LINEAR = torch.ops.fp8compile.qlinear.default
 
 
 def run(model, backend, ms, dynamic=True):
@@ -169,3 +169,26 @@ def test_prepare_hooks_make_real_tensors_while_the_compiler_traces_with_fake_one
     with torch.no_grad():
         torch.compile(nn.Linear(256, 384).to(BF16), backend=fp8compile.backend(backends=["probe", "reference"]))(x)
     assert len(made) == 1 and not isinstance(made[0], FakeTensor) and made[0].shape == (384,)
+
+
+def test_a_traced_call_is_inlined_with_inductors_decompositions_over_the_graphs_symbolic_sizes():
+    """passes/inline.py copies a function traced as AOTAutograd would into a graph after it: here
+    one over a dynamic M, with an aten.zeros that Inductor only accepts decomposed (the decode
+    kernel's split-K counters are one)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fp8compile.passes.inline import inline_traced
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    x_real = torch.randn(5, 8)
+    x_fake = mode.from_tensor(x_real, symbolic_context=None, static_shapes=False)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = x_fake
+    fn = lambda t: torch.zeros(t.shape[0], 4, dtype=torch.int32) + t[:, :4].to(torch.int32)  # noqa: E731
+    graph.output(inline_traced(graph, fn, [x]))
+    targets = {node.target for node in graph.nodes if node.op == "call_function"}
+    assert torch.ops.aten.zeros.default not in targets and torch.ops.aten.sym_size.int in targets
+    assert isinstance(x_fake.shape[0], torch.SymInt)
+    assert torch.equal(torch.fx.GraphModule(torch.nn.Module(), graph)(x_real), fn(x_real))

@@ -10,8 +10,13 @@ from fp8compile import weights
 from tests.conftest import BF16, GATED_MLP, randn
 from tests.models import FusedGateUpMLP, GatedMLP
 
-LINEAR = torch.ops.fp8compile.linear.default
-FUSED = torch.ops.fp8compile.gated_linear.default
+LINEAR = torch.ops.fp8compile.qlinear.default
+FUSED = torch.ops.fp8compile.gated_qlinear.default
+
+
+def stacked_rows(qlinear: torch.fx.Node) -> int:
+    """N of the FP8 weight a qlinear node reads (a graph input): the rows of every weight stacked in it."""
+    return qlinear.args[1].meta["val"].shape[0]
 
 
 def compile_and_run(model, x, **options):
@@ -26,7 +31,7 @@ def test_gate_and_up_over_one_x_become_one_gemm_and_give_the_same_numbers(captur
     merged, report = compile_and_run(model, x.clone())
     (g,) = captured
     (gemm,) = g.ops(LINEAR)
-    assert gemm.kwargs["w_next"] is not None and len(g.ops(FUSED)) == 1
+    assert stacked_rows(gemm) == 2 * model.gate_proj.out_features and len(g.ops(FUSED)) == 1
     assert {(r.name, r.detail) for r in report.rewrites if r.kind == "linear"} == {
         ("gate_proj", "one GEMM with up_proj"), ("up_proj", "one GEMM with gate_proj")}
     assert report.counts() == {"linear": 2, "silu_mul": 1, "moe": 0}  # still two linears, as the model has
@@ -41,13 +46,13 @@ def test_gate_and_up_over_one_x_become_one_gemm_and_give_the_same_numbers(captur
 def test_without_the_fusion_gate_and_up_stay_two_gemms(captured):
     compile_and_run(GatedMLP().to(BF16), randn(2, 9, 256), fusions=("silu_mul",))
     gemms = captured[0].ops(LINEAR)
-    assert len(gemms) == 2 and all(n.kwargs.get("w_next") is None for n in gemms)
+    assert len(gemms) == 2 and all(stacked_rows(n) == 512 for n in gemms)
 
 
 def test_a_fused_gate_up_linear_is_one_gemm_already_and_is_left_as_it_is(captured):
     _, report = compile_and_run(FusedGateUpMLP("chunk").to(BF16), randn(2, 9, 256))
     (gemm,) = captured[0].ops(LINEAR)
-    assert gemm.kwargs.get("w_next") is None
+    assert stacked_rows(gemm) == 1024  # the fused gate_up weight, as it is
     assert [r.detail for r in report.rewrites if r.kind == "linear"] == [""]
 
 
@@ -68,7 +73,7 @@ def test_pairs_that_cannot_share_a_gemm_stay_two(options, bias, why, captured):
     if bias == "gate":
         model.up = nn.Linear(256, 512, bias=False).to(BF16)
     out, report = compile_and_run(model, randn(2, 9, 256), fusions=("gate_up", "silu_mul"), **options)
-    assert all(n.kwargs.get("w_next") is None for n in captured[0].ops(LINEAR)), why
+    assert all(stacked_rows(n) == 512 for n in captured[0].ops(LINEAR)), why
     assert not any(r.detail.startswith("one GEMM") for r in report.rewrites)
     if options:
         assert [s.name for s in report.skipped("linear")] == ["up"]
@@ -78,7 +83,7 @@ def test_gate_and_up_with_biases_share_a_gemm_and_their_stacked_biases(captured)
     model, x = gated(bias=True), randn(2, 9, 256)
     merged, report = compile_and_run(model, x.clone())
     (gemm,) = captured[0].ops(LINEAR)
-    assert len(gemm.kwargs["w_next"]) == 1 and len(gemm.kwargs["bias_next"]) == 1
+    assert stacked_rows(gemm) == 1024 and gemm.args[3].name.endswith("bias_stacked")
     torch._dynamo.reset()
     separate, _ = compile_and_run(model, x.clone(), fusions=("silu_mul",))
     assert torch.equal(merged, separate)

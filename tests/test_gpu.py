@@ -278,7 +278,9 @@ def test_reduce_overhead_mode_replays_a_cuda_graph_per_m_with_the_bits_of_the_de
         model, shape = model.to(BF16).cuda(), lambda m: (m, 1024)
     fp8 = fp8compile.backend()
     graphed = torch.compile(model, backend=fp8, dynamic=True, mode="reduce-overhead")
-    plain = torch.compile(model, backend=fp8compile.backend(), dynamic=True)
+    # Default mode with the decode kernel behind the op too (not launched by Inductor), so that
+    # the op bodies each M's graph runs can be counted.
+    plain = torch.compile(model, backend=fp8compile.backend(inductor_launch=False), dynamic=True)
     counters.clear()
     held = None  # an output kept across calls of other Ms, as a caller may (Inductor checks its memory pool)
     with torch.no_grad():
@@ -328,14 +330,12 @@ def test_inductor_launches_the_linear_decode_op_from_its_own_wrapper():
     from torch._inductor.utils import run_and_get_code
 
     from fp8compile.ops import decode_op  # noqa: F401  (registers the op)
-    from fp8compile.ops import triton_gemm
 
     w_fp8, w_scale = reference.quant_weight_block(weight(4096, 4096))
-    arrivals = triton_gemm._arrival_counters(torch.device("cuda"), 4096)
 
     def two_linears(x):
-        h = torch.ops.fp8compile.linear_decode(x, w_fp8, w_scale, arrivals, max_m=32)
-        return torch.ops.fp8compile.linear_decode(h, w_fp8, w_scale, arrivals, max_m=32)
+        h = torch.ops.fp8compile.linear_decode(x, w_fp8, w_scale, max_m=32)
+        return torch.ops.fp8compile.linear_decode(h, w_fp8, w_scale, max_m=32)
 
     compiled = torch.compile(two_linears, dynamic=True)
     for m in (1, 7, 32):
@@ -347,5 +347,32 @@ def test_inductor_launches_the_linear_decode_op_from_its_own_wrapper():
             assert "_linear_small_m_kernel" in wrapper and "fp8compile.linear_decode" not in wrapper
     # Not test_schema: its mode reruns the op's FP8 inputs through ATen math that has no e4m3 kernels.
     torch.library.opcheck(torch.ops.fp8compile.linear_decode, (randn(3, 4096, device="cuda"), w_fp8, w_scale,
-                                                               arrivals, None, False, 16),
+                                                               None, False, 16),
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_default_mode_decode_side_is_launched_by_inductor_with_the_numbers_of_the_op():
+    """Outside CUDA graphs the decode kernel's side of every (gated) linear is the traced launch
+    (passes/inline.py): a static M = 1 graph calls no fp8compile op at all, and a dynamic graph
+    gives the numbers of the op path (inductor_launch=False) at every M of the decode range and
+    above it."""
+    from torch._inductor.utils import run_and_get_code
+
+    from tests.models import GatedMLP
+
+    model = GatedMLP(512, 1024).to(BF16).cuda()
+    x1 = randn(1, 512, device="cuda")
+    with torch.no_grad():
+        out, code = run_and_get_code(torch.compile(model, backend=fp8compile.backend()), x1)
+        wrapper = "\n".join(code)
+        assert wrapper.count("_linear_small_m_kernel") >= 2 and "torch.ops.fp8compile" not in wrapper
+        xs = [randn(m, 512, device="cuda") for m in (1, 5, 16, 32, 33, 300)]
+        torch._dynamo.reset()
+        op_path = torch.compile(model, backend=fp8compile.backend(inductor_launch=False), dynamic=True)
+        expected = [op_path(x) for x in xs]
+        torch._dynamo.reset()
+        launched = torch.compile(model, backend=fp8compile.backend(), dynamic=True)
+        for x, want in zip(xs, expected):
+            got = launched(x)
+            assert calc_diff(got, want) < 1e-5, x.shape  # the same kernel; tiles may split K another way
+            assert calc_diff(got, model(x)) < GATED_MLP

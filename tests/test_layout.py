@@ -5,6 +5,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fp8compile"
 RUN_TIME = [*sorted((PACKAGE / "ops").glob("*.py")), PACKAGE / "registry.py", PACKAGE / "weights.py",
+            PACKAGE / "derived.py",
             PACKAGE / "numerics.py"]
 COMPILE_TIME = ("passes", "backend", "config", "report", "debug")
 

@@ -14,7 +14,7 @@ from tests.conftest import ATTENTION, BF16, SIX_IN_SERIES, TWO_GEMMS, randn
 from tests.models import Attention, GatedMLP, LinearForms, OddDims, TinyLM, TwoLayer
 
 aten = torch.ops.aten
-FP8_LINEAR = torch.ops.fp8compile.linear.default
+FP8_LINEAR = torch.ops.fp8compile.qlinear.default
 BF16_MATMULS = (aten.mm.default, aten.addmm.default)
 
 # One block-FP8 linear on unit-normal data: calc_diff ~7e-4 against fp32 (design.md, DeepGEMM's

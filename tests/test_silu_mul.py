@@ -13,8 +13,8 @@ from tests.conftest import BF16, GATED_MLP, randn
 from tests.models import FusedGateUpMLP, GatedMLP, GeluGatedMLP, GptOssStyleMLP, SigmoidMLP, SiLUModuleMLP
 
 aten = torch.ops.aten
-FUSED = torch.ops.fp8compile.gated_linear.default
-LINEAR = torch.ops.fp8compile.linear.default
+FUSED = torch.ops.fp8compile.gated_qlinear.default
+LINEAR = torch.ops.fp8compile.qlinear.default
 # Nodes of the bf16 gated product; none may survive the rewrite.
 PRODUCT_OPS = (aten.mul.Tensor, aten.sigmoid.default, aten.silu.default, aten.div.Tensor, aten.exp.default)
 
@@ -102,7 +102,19 @@ def test_opcheck_gated_linear():
     utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     for args in [(randn(5, 256), randn(5, 256), randn(384, 256), randn(384), False),
                  (randn(2, 3, 256), randn(2, 3, 256), randn(256, 384), None, True, "reference", True)]:
-        torch.library.opcheck(FUSED, args, test_utils=utils)
+        torch.library.opcheck(torch.ops.fp8compile.gated_linear.default, args, test_utils=utils)
+
+
+def test_opcheck_the_ops_the_passes_emit_on_fp8_weights():
+    """qlinear and gated_qlinear: the same ops on the weight's FP8 copy, passed in as a tensor.
+    (opcheck's schema test compares inputs with arithmetic the CPU has no float8 kernels for.)"""
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    w_fp8, w_scale = reference.quant_weight_block(randn(384, 256, scale=0.05))
+    torch.library.opcheck(LINEAR, (randn(2, 3, 256), w_fp8, w_scale, randn(384), False), test_utils=utils)
+    torch.library.opcheck(FUSED, (randn(5, 256), randn(5, 256), w_fp8, w_scale, None, True, "reference", "swigluoai"),
+                          test_utils=utils)
+    out = torch.ops.fp8compile.gated_qlinear(*(a := randn(5, 256), b := randn(5, 256)), w_fp8, w_scale)
+    assert torch.equal(out, reference.gated_linear_block(a, b, w_fp8, w_scale))
 
 
 def test_passes_run_fusion_before_the_plain_linear_pass():
@@ -147,5 +159,6 @@ def test_swigluoai_reference_is_gpt_oss_apply_gate():
 def test_opcheck_gated_linear_swigluoai():
     gate_up = randn(4, 512)
     args = (gate_up[:, ::2], gate_up[:, 1::2], randn(256, 256), randn(256), False, "reference", False, "swigluoai", 1.702, 7.0)
-    torch.library.opcheck(FUSED, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
-                                                   "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(torch.ops.fp8compile.gated_linear.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))

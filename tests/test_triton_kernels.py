@@ -156,10 +156,19 @@ def test_linear_decode_op_is_the_decode_kernel_on_prequantized_weights(m, max_m,
     x = activation(m, 256)
     w_fp8, w_scale = reference.quant_weight_block(randn(200, 256, scale=0.02, device=DEVICE), e8m0)
     b = randn(200, device=DEVICE)
-    arrivals = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    out = torch.ops.fp8compile.linear_decode(x, w_fp8, w_scale, arrivals, b, e8m0, max_m)
+    out = torch.ops.fp8compile.linear_decode(x, w_fp8, w_scale, b, e8m0, max_m)
     assert_bf16_close(out, reference_linear(x, w_fp8, w_scale, b, e8m0))
-    assert not arrivals.any()  # the split-K counters are left zeroed for the next call
+
+
+@pytest.mark.parametrize("activation_name", ["silu", "swigluoai"])
+def test_linear_decode_op_with_b_is_the_gated_down_projection(activation_name):
+    from fp8compile.ops import decode_op  # noqa: F401  (registers the op)
+
+    # The same kernel as the eager gated decode path, at the tiles of the same M: the same bits.
+    a, b, _ = gated_inputs(16, 256)
+    w_fp8, w_scale = reference.quant_weight_block(randn(384, 256, scale=0.02, device=DEVICE))
+    out = torch.ops.fp8compile.linear_decode(a, w_fp8, w_scale, None, False, 16, b, activation_name)
+    assert torch.equal(out, triton_gemm.gated_linear_small_m(a, b, w_fp8, w_scale, activation=activation_name))
 
 
 def test_linear_decode_op_refuses_more_rows_than_the_decode_kernel_serves():
@@ -167,11 +176,10 @@ def test_linear_decode_op_refuses_more_rows_than_the_decode_kernel_serves():
 
     x = activation(20, 256)
     w_fp8, w_scale = reference.quant_weight_block(randn(128, 256, scale=0.02, device=DEVICE))
-    arrivals = torch.zeros(64, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="M <= 64"):
-        torch.ops.fp8compile.linear_decode(x, w_fp8, w_scale, arrivals, max_m=65)
-    with pytest.raises(RuntimeError, match="built for M <= 16"):
-        torch.ops.fp8compile.linear_decode(x, w_fp8, w_scale, arrivals, max_m=16)
+        torch.ops.fp8compile.linear_decode(x, w_fp8, w_scale, max_m=65)
+    with pytest.raises(ValueError, match="built for M <= 16"):
+        torch.ops.fp8compile.linear_decode(x, w_fp8, w_scale, max_m=16)
 
 
 def test_small_m_kernel_uses_tma_only_where_a_descriptor_can_address_the_weight():

@@ -192,6 +192,7 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path):
     assert accuracy["bf16"] == 0 and 0 < accuracy["fp8"] < 1.15 * accuracy["fp8_unfused_eager"]
     assert "fp8_ro/bf16_inductor_ro" in model_table(rows) and (tmp_path / "bench_model.json").exists()
     assert "generate" in (tmp_path / "profile_tiny-llama_fp8_b2.txt").read_text()  # --profile: host time by function
+    assert "step" in (tmp_path / "profile_tiny-llama_fp8_prefill.txt").read_text()  # and of one prefill
 
 
 def test_bench_model_splits_gpu_time_by_kernel_kind_attention_and_experts_before_gemm_names():

@@ -7,14 +7,16 @@ the wall time per call (the same with a sync at the end), layer by layer of the 
 
     bf16_eager        F.linear (one cuBLAS call through the C++ dispatcher): the floor
     bf16_inductor     nn.Linear compiled by Inductor, default mode
-    fp8compile        nn.Linear compiled with backend="fp8", default mode: cond, op, kernel
+    fp8compile        nn.Linear compiled with backend="fp8", default mode: the decode side of the
+                      dispatch launched by Inductor (passes/inline.py)
+    fp8compile_op_launch  the same with inductor_launch=False: cond, op, kernel
     fp8_inductor_launch  fp8compile::linear_decode (ops/decode_op.py) compiled by Inductor, the
                       FP8 weight a module buffer: Inductor launches the decode kernel itself
     fp8_op            torch.ops.fp8compile.linear with the decode backend: dispatcher + op body
     fp8_kernel        the decode kernel's Python entry (ops/triton_gemm.linear_small_m)
     fp8_kernel_triton the same with the direct relaunch off (ops/launch.py): Triton's own path
 
-With chain=L the three compiled variants run L linears (of different weights) in one graph, and
+With chain=L the four compiled variants run L linears (of different weights) in one graph, and
 the times are per linear: the graph's own call cost spread over L, as in a model's layer.
 Writes a cProfile of the compiled FP8 linear (host_profile.txt) beside the JSON.
 """
@@ -51,7 +53,7 @@ class _DecodeChain(torch.nn.Module):
 
     def __init__(self, linears, max_m: int):
         super().__init__()
-        from fp8compile.ops import decode_op, triton_gemm  # noqa: F401  (decode_op registers the op)
+        from fp8compile.ops import decode_op  # noqa: F401  (registers the op)
         from fp8compile.weights import fp8_weight
 
         self.max_m = max_m
@@ -60,12 +62,11 @@ class _DecodeChain(torch.nn.Module):
             self.register_buffer(f"w_fp8_{i}", w_fp8)
             self.register_buffer(f"w_scale_{i}", w_scale)
         self.layers = len(linears)
-        self.register_buffer("arrivals", triton_gemm._arrival_counters(linears[0].weight.device, 4096))
 
     def forward(self, x):
         for i in range(self.layers):
             x = torch.ops.fp8compile.linear_decode(x, getattr(self, f"w_fp8_{i}"), getattr(self, f"w_scale_{i}"),
-                                                   self.arrivals, max_m=self.max_m)
+                                                   max_m=self.max_m)
         return x
 
 
@@ -86,6 +87,7 @@ def bench_host(out_dir: Path, ms=(1, 16), n: int = 4096, k: int = 4096, calls: i
     w_fp8, w_scale = fp8_weight(w)
     inductor = torch.compile(model, dynamic=True)
     fp8 = torch.compile(model, backend=fp8compile.backend(), dynamic=True)
+    fp8_op_launch = torch.compile(model, backend=fp8compile.backend(inductor_launch=False), dynamic=True)
     decode = torch.compile(_DecodeChain(linears, max(ms)), dynamic=True)
     launcher = triton_gemm._small_m_launch
     rows = []
@@ -96,11 +98,12 @@ def bench_host(out_dir: Path, ms=(1, 16), n: int = 4096, k: int = 4096, calls: i
                 "bf16_eager": lambda: F.linear(x, w),
                 "bf16_inductor": lambda: inductor(x),
                 "fp8compile": lambda: fp8(x),
+                "fp8compile_op_launch": lambda: fp8_op_launch(x),
                 "fp8_inductor_launch": lambda: decode(x),
                 "fp8_op": lambda: torch.ops.fp8compile.linear(x, w, backend="triton_small_m"),
                 "fp8_kernel": lambda: triton_gemm.linear_small_m(x, w_fp8, w_scale),
             }
-            compiled = ("bf16_inductor", "fp8compile", "fp8_inductor_launch")
+            compiled = ("bf16_inductor", "fp8compile", "fp8compile_op_launch", "fp8_inductor_launch")
             for name, fn in variants.items():
                 host, wall = _host_and_wall_us(fn, calls)
                 per = chain if name in compiled else 1

@@ -54,7 +54,8 @@ MODELS = {
         hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=1024, num_hidden_layers=2, max_position_embeddings=512)),
 }
-VARIANTS = ("bf16", "bf16_inductor", "bf16_inductor_ro", "fp8", "fp8_ro", "torchao_rowwise_ro")
+# fp8_op_launch: fp8 with Fp8Config(inductor_launch=False), the decode kernel behind our op (for an A/B)
+VARIANTS = ("bf16", "bf16_inductor", "bf16_inductor_ro", "fp8", "fp8_ro", "fp8_op_launch", "torchao_rowwise_ro")
 BATCHES = (1, 4, 16, 64)
 
 
@@ -138,6 +139,8 @@ def _variant(name: str):
         return Variant(name, None)
     if name.startswith("bf16_inductor"):
         return Variant(name, "inductor", mode)
+    if name == "fp8_op_launch":
+        return Variant(name, fp8compile.backend(inductor_launch=False), mode)
     if name.startswith("fp8"):
         return Variant(name, fp8compile.backend(), mode)
     if name.startswith("torchao"):
@@ -240,11 +243,16 @@ def decode(model, variant: Variant, batch: int, context: int, steps: int, device
         if device.type == "cuda":
             every = _kernel_ms(lambda: model.generate(ids, **kwargs))
             prompt = _kernel_ms(lambda: model.generate(ids, **{**kwargs, "max_new_tokens": 1}))
-            per_step = {name: (ms - prompt.get(name, 0.0)) / steps for name, ms in every.items()}
-            row["kernel_ms_per_step"] = by_kind(per_step)
-            top = sorted(per_step.items(), key=lambda item: -item[1])[:12]
-            row["top_kernels_ms_per_step"] = [[name[:120], kernel_kind(name), ms] for name, ms in top]
+            _kernel_split(row, {name: ms - prompt.get(name, 0.0) for name, ms in every.items()}, steps)
     return row
+
+
+def _kernel_split(row: dict, kernel_ms: dict[str, float], steps: int) -> None:
+    """row gets the GPU time per step by kernel kind and its top kernels by name."""
+    per_step = {name: ms / steps for name, ms in kernel_ms.items()}
+    row["kernel_ms_per_step"] = by_kind(per_step)
+    top = sorted(per_step.items(), key=lambda item: -item[1])[:12]
+    row["top_kernels_ms_per_step"] = [[name[:120], kernel_kind(name), ms] for name, ms in top]
 
 
 def _time_ms(fn, device, repeat: int) -> float:
@@ -264,8 +272,11 @@ def _time_ms(fn, device, repeat: int) -> float:
     return statistics.median(times)
 
 
-def prefill_and_accuracy(model, variant: Variant, tokens: int, device, eager_logits, ids_acc) -> list[dict]:
-    """Logits calc_diff against bf16 eager (64 tokens), then prefill of `tokens` tokens, timed."""
+def prefill_and_accuracy(model, variant: Variant, tokens: int, device, eager_logits, ids_acc,
+                         profile: Path | None = None) -> list[dict]:
+    """Logits calc_diff against bf16 eager (64 tokens), then prefill of `tokens` tokens, timed;
+    if asked, one more under cProfile (written to `profile`) and, on a GPU, its GPU time by
+    kind of kernel."""
     compiled = model if variant.backend is None else torch.compile(model, backend=variant.backend, mode=variant.mode)
     start = time.perf_counter()
     logits = compiled(ids_acc, use_cache=False).logits.float()
@@ -281,7 +292,12 @@ def prefill_and_accuracy(model, variant: Variant, tokens: int, device, eager_log
     for _ in range(2):
         step()
     ms = _time_ms(step, device, repeat=5)
-    return [acc, dict(kind="prefill", batch=1, tokens=tokens, ms=ms, tokens_per_s=tokens * 1e3 / ms)]
+    row = dict(kind="prefill", batch=1, tokens=tokens, ms=ms, tokens_per_s=tokens * 1e3 / ms)
+    if profile is not None:
+        profiled(step, profile)
+        if device.type == "cuda":
+            _kernel_split(row, _kernel_ms(step), 1)
+    return [acc, row]
 
 
 def bench_model(out_dir: Path, models=None, layers: int | None = None, batches=None, context: int = 1024,
@@ -322,7 +338,8 @@ def bench_model(out_dir: Path, models=None, layers: int | None = None, batches=N
                 if name.startswith("torchao"):
                     _torchao_rowwise(model)
                 progress.set_postfix_str(f"{model_name} {name}")
-                for row in prefill_and_accuracy(model, variant, prefill, device, eager_logits, ids_acc):
+                path = out_dir / f"profile_{model_name}_{name}_prefill.txt" if profile else None
+                for row in prefill_and_accuracy(model, variant, prefill, device, eager_logits, ids_acc, path):
                     rows.append(dict(base, variant=name, **row))
                 progress.update()
                 for batch in batches:
@@ -383,14 +400,18 @@ def model_table(rows: list[dict]) -> str:
         split = [r for r in mine if r.get("kernel_ms_per_step")]
         if split:
             kinds = list(split[0]["kernel_ms_per_step"])
-            lines.append("GPU time per decode step by kernel kind, ms (--profile): " + ", ".join(kinds))
-            lines += [f"{r['variant']:<20}{'B=' + str(r['batch']):>6}"
+            lines.append("GPU time per decode step (or prefill) by kernel kind, ms (--profile): " + ", ".join(kinds))
+            lines += [f"{r['variant']:<20}{_step_name(r):>8}"
                       + "".join(f"{r['kernel_ms_per_step'][k]:>10.2f}" for k in kinds) for r in split]
             for r in split:
-                lines.append(f"top kernels, {r['variant']} B={r['batch']}, ms per step: "
+                lines.append(f"top kernels, {r['variant']} {_step_name(r)}, ms per step: "
                              + "; ".join(f"{name[:60]} ({kind}) {ms:.3f}"
                                          for name, kind, ms in r.get("top_kernels_ms_per_step", [])[:6]))
     return "\n".join(lines)
+
+
+def _step_name(row: dict) -> str:
+    return "prefill" if row["kind"] == "prefill" else f"B={row['batch']}"
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -112,7 +112,7 @@ def linear(
     bias_next then holds their biases (given exactly when bias is).
     """
     w_fp8, w_scale = fp8_weight(w, w_kn, e8m0, w_next)
-    return registry.implementation("linear", backend)(x, w_fp8, w_scale, stacked_bias(bias, bias_next), e8m0)
+    return qlinear(x, w_fp8, w_scale, stacked_bias(bias, bias_next), e8m0, backend)
 
 
 @_fake(linear)
@@ -127,6 +127,24 @@ def _(x, w, bias=None, e8m0=False, backend="reference", w_kn=False, w_next=None,
 
 
 @_op
+def qlinear(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None = None, e8m0: bool = False,
+            backend: str = "reference") -> Tensor:
+    """linear on the weight's FP8 copy, passed in: bf16 x (..., K) times w_fp8 (N, K) e4m3fn in
+    128x128 blocks with scales w_scale (ceil(N/128), K/128) (+ bias (N,)) -> bf16 (..., N).
+
+    What the passes emit: the compiled graph takes the FP8 copies as inputs, which the backend
+    looks up once per call from the parameters passed (backend.py), so the op itself looks up
+    nothing."""
+    return registry.implementation("linear", backend)(x, w_fp8, w_scale, bias, e8m0)
+
+
+@_fake(qlinear)
+def _(x, w_fp8, w_scale, bias=None, e8m0=False, backend="reference"):
+    _check_linear_shapes(x, w_fp8, w_scale, bias)
+    return x.new_empty(*x.shape[:-1], w_fp8.shape[0])
+
+
+@_op
 def gated_linear(
     a: Tensor, b: Tensor, w: Tensor, bias: Tensor | None = None, e8m0: bool = False, backend: str = "reference",
     w_kn: bool = False, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
@@ -138,7 +156,7 @@ def gated_linear(
     GEMM for the decode kernel): the bf16 product is never written, never quantized twice.
     """
     w_fp8, w_scale = fp8_weight(w, w_kn, e8m0)
-    return registry.implementation("gated_linear", backend)(a, b, w_fp8, w_scale, bias, e8m0, activation, alpha, limit)
+    return gated_qlinear(a, b, w_fp8, w_scale, bias, e8m0, backend, activation, alpha, limit)
 
 
 @_fake(gated_linear)
@@ -147,6 +165,23 @@ def _(a, b, w, bias=None, e8m0=False, backend="reference", w_kn=False, activatio
     torch._check(activation in reference.GATED_ACTIVATIONS,
                  lambda: f"activation {activation!r}: valid gated activations are {reference.GATED_ACTIVATIONS}")
     return a.new_empty(*a.shape[:-1], _weight_out_features(a, w, bias, w_kn))
+
+
+@_op
+def gated_qlinear(a: Tensor, b: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None = None, e8m0: bool = False,
+                  backend: str = "reference", activation: str = "silu", alpha: float = 1.702,
+                  limit: float = 7.0) -> Tensor:
+    """gated_linear on the weight's FP8 copy, passed in (as qlinear is to linear)."""
+    return registry.implementation("gated_linear", backend)(a, b, w_fp8, w_scale, bias, e8m0, activation, alpha, limit)
+
+
+@_fake(gated_qlinear)
+def _(a, b, w_fp8, w_scale, bias=None, e8m0=False, backend="reference", activation="silu", alpha=1.702, limit=7.0):
+    torch._check(a.shape == b.shape, lambda: f"act(a, b) needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
+    torch._check(activation in reference.GATED_ACTIVATIONS,
+                 lambda: f"activation {activation!r}: valid gated activations are {reference.GATED_ACTIVATIONS}")
+    _check_linear_shapes(a, w_fp8, w_scale, bias)
+    return a.new_empty(*a.shape[:-1], w_fp8.shape[0])
 
 
 def _check_moe_args(x, topk_ids, topk_weights, w13, w2, w3, b13, w_kn, gate_up, activation) -> None:

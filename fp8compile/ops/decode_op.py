@@ -22,32 +22,37 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from ..numerics import AMAX_EPS, BLOCK, FP8_MAX
-from . import triton_gemm
+from . import triton_gemm, triton_quant
 
 
 @triton_op("fp8compile::linear_decode", mutates_args=())
-def linear_decode(x: Tensor, w_fp8: Tensor, w_scale: Tensor, arrivals: Tensor, bias: Tensor | None = None,
-                  e8m0: bool = False, max_m: int = 16) -> Tensor:
+def linear_decode(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None = None, e8m0: bool = False,
+                  max_m: int = 16, b: Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
+                  limit: float = 7.0) -> Tensor:
     """bf16 x (M, K), M <= max_m <= 64, times the block-quantized weight (w_fp8 (N, K) e4m3fn,
-    w_scale (ceil(N/128), K/128) fp32) (+ bias) -> bf16 (M, N): 1x128 activation quantization
-    fused, split-K over `arrivals` (zeroed int32 counters, at least one per 128-row N tile,
-    left zeroed: triton_gemm._arrival_counters)."""
+    w_scale (ceil(N/128), K/128) fp32) (+ bias) -> bf16 (M, N), 1x128 activation quantization
+    fused. With b (M, K): the gated MLP's down projection, on act(x, b) (reference.gated).
+    Split-K programs meet on zeroed int32 counters it allocates (one small fill per call, which
+    keeps the op functional: nothing outside it is written)."""
     if not 1 <= max_m <= triton_gemm.SMALL_M_MAX:
         raise ValueError(f"linear_decode serves 1 <= M <= {triton_gemm.SMALL_M_MAX}, asked for M up to {max_m}")
     m = x.shape[0]
     n, k = (int(size) for size in w_fp8.shape)  # the grid and the split are fixed at trace time
+    gated = b is not None
+    torch._check(not gated or b.shape == x.shape, lambda: "act(x, b) needs x and b of one shape")
     # The eager decode path's tiles for its largest M (the same cached choice linear_small_m makes).
-    block_m, block_n, split, n_tiles = triton_gemm._small_m_tiles(max_m, n, k, False, x.device, None, None)
-    torch._check(arrivals.numel() >= n_tiles, lambda: f"{arrivals.numel()} split-K counters for {n_tiles} N tiles")
-    torch._check(m <= max_m, lambda: f"linear_decode was built for M <= {max_m}")
+    block_m, block_n, split, n_tiles = triton_gemm._small_m_tiles(max_m, n, k, gated, x.device, None, None)
+    if isinstance(m, int) and m > max_m:  # traced, M is the dispatch's symbol: its cond branch bounds it
+        raise ValueError(f"linear_decode was built for M <= {max_m}, got M = {m}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    arrivals = torch.zeros(n_tiles, dtype=torch.int32, device=x.device) if split > 1 else out
     launch = {} if x.device.type == "cpu" else dict(num_warps=4, num_stages=triton_gemm.SMALL_M_NUM_STAGES)
-    bias_arg = bias if bias is not None else w_scale
+    b_ = x if b is None else b
     wrap_triton(triton_gemm._linear_small_m_kernel)[(n_tiles, split)](
-        x, x, x, w_fp8, w_fp8, w_scale, bias_arg, out, partial, arrivals, m, n, k,
-        x.stride(0), x.stride(1), x.stride(0), x.stride(1), w_fp8.stride(0), w_scale.stride(0), w_scale.stride(1),
-        out.stride(0), AMAX_EPS, FP8_MAX, 1.702, 7.0, E8M0=e8m0, ACT=0, HAS_BIAS=bias is not None, TMA=False,
-        ACT_TMA=False, PDL=False, TRIGGER=False, PREFETCH=1, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n,
-        GROUP=BLOCK, **launch)
+        x, x, b_, w_fp8, w_fp8, w_scale, bias if bias is not None else w_scale, out, partial, arrivals, m, n, k,
+        x.stride(0), x.stride(1), b_.stride(0), b_.stride(1), w_fp8.stride(0), w_scale.stride(0), w_scale.stride(1),
+        out.stride(0), AMAX_EPS, FP8_MAX, float(alpha), float(limit), E8M0=e8m0,
+        ACT=triton_quant.activation_code(b, activation), HAS_BIAS=bias is not None, TMA=False, ACT_TMA=False,
+        PDL=False, TRIGGER=False, PREFETCH=1, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=BLOCK, **launch)
     return out

@@ -21,6 +21,7 @@ def run_passes(ctx: PassContext) -> None:
             fusion(ctx)
     linear_pass(ctx)
     ctx.gm.graph.eliminate_dead_code()
+    ctx.drop_unused_derived_inputs()
     ctx.gm.graph.lint()
     ctx.gm.recompile()
 

@@ -5,13 +5,14 @@ Invariants every pass keeps: each node it adds carries meta["val"] (a FakeTensor
 the graph's fake mode), and so does every node downstream of a replaced one (replace_uses
 re-derives it: a torch.cond branch is compiled for the strides its operands' meta says, so a
 stale stride there is a crash or wrong numbers); no weight values enter the graph (weights
-stay inputs; their FP8 copies live in fp8compile/weights.py); no new aliasing.
+stay inputs, and their FP8 copies are inputs the backend derives from them per call:
+derived_inputs, fp8compile/derived.py); no new aliasing.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..config import Fp8Config
+from ..derived import DerivedInput
 from ..report import Report, Rewrite, Skip
 
 
@@ -82,15 +84,70 @@ class GraphInputs:
 
 class PassContext:
     def __init__(self, gm: fx.GraphModule, inputs: dict[fx.Node, tuple[Any, str | None]], config: Fp8Config,
-                 report: Report, graph_index: int, fake_mode):
+                 report: Report, graph_index: int, fake_mode, cuda_graphs: bool = False):
         self.gm = gm
         self.inputs = inputs
         self.config = config
         self.report = report
         self.graph_index = graph_index
         self.fake_mode = fake_mode
+        # Decode-kernel sides of the dispatch as launches Inductor makes itself (passes/inline.py):
+        # as the config says, else outside CUDA graphs, where every call pays its host cost.
+        self.inductor_launch = config.inductor_launch if config.inductor_launch is not None else not cuda_graphs
         # matmul node -> why a fusion pass wants it left bf16 (linear_pass records the reason)
         self.keep_bf16: dict[fx.Node, str] = {}
+        self._index = {node: i for i, node in enumerate(inputs)}  # placeholder -> its position among the inputs
+        # Inputs the backend appends to the graph and computes per call (derived_inputs).
+        self.derived: list[DerivedInput] = []
+        self._derived_nodes: dict[tuple, tuple[fx.Node, ...]] = {}
+
+    def derived_inputs(self, key: tuple, names: Sequence[str], sources: Sequence[fx.Node],
+                       make: Callable[..., tuple[torch.Tensor, ...]]) -> tuple[fx.Node, ...]:
+        """Placeholders (one per name) for make(*the real tensors behind sources), appended to the graph's
+        inputs: made once now (compile time, so the FP8 copy of a weight is ready before any
+        call), then by the compiled graph's wrapper per call from the tensors passed. The same
+        key over the same sources gives the same placeholders."""
+        memo_key = (key, tuple(sources))
+        if memo_key in self._derived_nodes:
+            return self._derived_nodes[memo_key]
+        values = make(*[self.inputs[node][0] for node in sources])
+        graph = self.gm.graph
+        last = list(graph.find_nodes(op="placeholder"))[-1]
+        nodes = []
+        for name, value in zip(names, values, strict=True):
+            with graph.inserting_after(last):
+                last = graph.placeholder(self._fresh_placeholder_name(name))
+            last.meta["val"] = self.fake_mode.from_tensor(value, static_shapes=True)
+            nodes.append(last)
+        self.derived.append(DerivedInput(tuple(self._index[node] for node in sources), make, len(nodes)))
+        self._derived_nodes[memo_key] = tuple(nodes)
+        return tuple(nodes)
+
+    def drop_unused_derived_inputs(self) -> None:
+        """Forget derived inputs no node reads (a rewrite that gave up after asking for them)."""
+        kept = []
+        for record, nodes in zip(self.derived, self._derived_nodes.values()):
+            if any(node.users for node in nodes):
+                kept.append(record)
+            else:
+                for node in nodes:
+                    self.gm.graph.erase_node(node)
+        self.derived = kept
+        self._derived_nodes = {}
+
+    def derived_example_inputs(self) -> list[torch.Tensor]:
+        """The fake values of the derived inputs, in input order (for Inductor)."""
+        nodes = list(self.gm.graph.find_nodes(op="placeholder"))[len(self._index):]
+        return [node.meta["val"] for node in nodes]
+
+    def _fresh_placeholder_name(self, hint: str) -> str:
+        base = re.sub(r"[^0-9a-zA-Z_]", "_", hint)
+        base = base if base[:1].isalpha() else "m" + base  # "0.weight" of an nn.Sequential: no identifier
+        taken = {node.name for node in self.gm.graph.nodes}
+        name, i = base, 1
+        while name in taken:
+            name, i = f"{base}_{i}", i + 1
+        return name
 
     def parameter(self, node: fx.Node) -> tuple[torch.nn.Parameter, str] | None:
         """The model parameter a placeholder stands for, with its name; None if not a parameter."""

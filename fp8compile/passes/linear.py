@@ -5,8 +5,9 @@ After AOTAutograd every linear form (nn.Linear, F.linear, x @ w.t(), torch.matmu
     mm(x, permute(w, [1, 0]))          addmm(bias, x, permute(w, [1, 0]))      w stored (N, K)
     mm(x, w)                           addmm(bias, x, w)                       w stored (K, N)
 with 3-D activations flattened by a view before and after. The transpose may also appear as
-aten.t or aten.transpose. The weight is quantized once here, at compile time, into the
-per-parameter memo the op reads; the op quantizes only the activation at run time.
+aten.t or aten.transpose. The weight is quantized once here, at compile time; its FP8 copy
+becomes a graph input (passes/context.py, derived_inputs) and the op quantizes only the
+activation at run time.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from ..weights import fp8_weight
 
 aten = torch.ops.aten
 MATMULS = (aten.mm.default, aten.addmm.default)
+# the ops the passes emit -> the registry's name for what their kernels compute
+REGISTRY_OPS = {torch.ops.fp8compile.qlinear.default: "linear", torch.ops.fp8compile.gated_qlinear.default: "gated_linear"}
 
 
 @dataclasses.dataclass
@@ -105,47 +108,55 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
     return None
 
 
+def fp8_weight_inputs(ctx: PassContext, name: str, weights: list[fx.Node], kn: bool) -> tuple[fx.Node, fx.Node]:
+    """Graph inputs (w_fp8, w_scale) for the FP8 copy of these weight parameters (more than one:
+    stacked along N, weights.fp8_weight), quantized now and looked up per call."""
+    e8m0 = ctx.config.e8m0
+    return ctx.derived_inputs(("linear", kn, e8m0), (f"{name}_fp8", f"{name}_fp8_scale"), weights,
+                              lambda w, *more: fp8_weight(w, kn, e8m0, more or None))
+
+
 def emit_fp8(ctx: PassContext, match: LinearMatch, name: str, kind: str, target, activations: tuple[fx.Node, ...],
-             op_kwargs: dict, n: int, k: int, before: fx.Node | None = None, record_skip: bool = True):
-    """Insert target(*activations, w, bias, **op_kwargs) before `before` (default match.node), the
-    activations viewed as the matmul's (M, K), behind the M dispatch for an (N, K) weight.
-    Returns (output node, dispatch sides), or None (after recording why, if record_skip) when no
-    M dispatch can be built."""
+             weights: list[fx.Node], bias: fx.Node | None, op_kwargs: dict, before: fx.Node | None = None,
+             record_skip: bool = True):
+    """Insert target(*activations, w_fp8, w_scale, bias, **op_kwargs) before `before` (default
+    match.node), the activations viewed as the matmul's (M, K), behind the M dispatch; w_fp8 and
+    w_scale are the graph inputs of the weights' FP8 copy (fp8_weight_inputs). Returns
+    (output node, dispatch sides, (N, K)), or None (after recording why, if record_skip) when
+    no M dispatch can be built."""
     m = match.x.meta["val"].shape[0]
-    sides = dispatch.plan(ctx, target._schema.name.split("::")[1], match.weight.meta["val"].device, n, k, m)
     with ctx.gm.graph.inserting_before(before or match.node):
+        w_fp8, w_scale = fp8_weight_inputs(ctx, name, weights, match.transposed)
+        n, k = w_fp8.meta["val"].shape
+        sides = dispatch.plan(ctx, REGISTRY_OPS[target], match.weight.meta["val"].device, n, k, m)
         flat = [dispatch.flatten(ctx, a) for a in activations]  # unused if NoDispatch: removed as dead code
-        kwargs = {"e8m0": ctx.config.e8m0, "w_kn": match.transposed, **op_kwargs}
         try:
-            out = dispatch.emit(ctx, target, (*flat, match.weight, match.bias), kwargs, m_source=flat[0],
-                                sides=sides, name=name)
+            out = dispatch.emit(ctx, target, (*flat, w_fp8, w_scale, bias), {"e8m0": ctx.config.e8m0, **op_kwargs},
+                                m_source=flat[0], sides=sides, name=name)
         except dispatch.NoDispatch as reason:
             if record_skip:
                 ctx.skipped(kind, name, str(reason), f"{n}x{k}")
             return None
-    return out, sides
+    return out, sides, (n, k)
 
 
-def replace_with_fp8(ctx: PassContext, match: LinearMatch, param: torch.nn.Parameter, param_name: str,
-                     kind: str, target, activations: tuple[fx.Node, ...], op_kwargs: dict | None = None,
-                     detail: str = "") -> None:
-    """match.node -> target(*activations, w, bias) behind the M dispatch. The weight's FP8 copy is
-    made here, at compile time, into the per-parameter memo the op reads; the graph keeps w, the
-    parameter, as its input."""
+def replace_with_fp8(ctx: PassContext, match: LinearMatch, param_name: str, kind: str, target,
+                     activations: tuple[fx.Node, ...], op_kwargs: dict | None = None, detail: str = "") -> None:
+    """match.node -> target(*activations, w_fp8, w_scale, bias) behind the M dispatch. The
+    weight's FP8 copy is made here, at compile time, and becomes a graph input the backend looks
+    up per call from the parameter passed."""
     name = module_name(param_name)
-    w_fp8, _ = fp8_weight(param, match.transposed, ctx.config.e8m0)
-    n, k = w_fp8.shape
-    emitted = emit_fp8(ctx, match, name, kind, target, activations, op_kwargs or {}, n, k)
+    emitted = emit_fp8(ctx, match, name, kind, target, activations, [match.weight], match.bias, op_kwargs or {})
     if emitted is None:
         return
-    out, sides = emitted
+    out, sides, (n, k) = emitted
     ctx.replace_uses(match.node, out)
     ctx.gm.graph.erase_node(match.node)
     ctx.rewrote(kind, name, match.x.meta["val"].shape[0], n, k, [(s.label, s.kernel) for s in sides], detail)
 
 
 def linear_replacement(ctx: PassContext, match: LinearMatch, param: torch.nn.Parameter, param_name: str) -> None:
-    replace_with_fp8(ctx, match, param, param_name, "linear", torch.ops.fp8compile.linear.default, (match.x,))
+    replace_with_fp8(ctx, match, param_name, "linear", torch.ops.fp8compile.qlinear.default, (match.x,))
 
 
 def linear_pass(ctx: PassContext) -> None:

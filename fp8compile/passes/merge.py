@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from .context import PassContext
-from .linear import LinearMatch, emit_fp8, module_name
-from ..weights import fp8_weight, stacked_bias
+from .linear import LinearMatch, emit_fp8, fp8_weight_inputs, module_name
+from ..weights import stacked_bias
 
 aten = torch.ops.aten
 
@@ -32,23 +32,21 @@ def merge_linears(ctx: PassContext, matches: list[LinearMatch]) -> bool:
     biases = [ctx.parameter(m.bias) for m in matches if m.bias is not None]
     if None in biases:
         return False  # a bias that is no parameter may change between calls: it cannot be stacked once
-    # Both stacks are made now, at compile time: made at a first call inside a CUDA graph's
-    # warm-up run instead, they would land in the graph's memory pool.
-    w_fp8, _ = fp8_weight(params[0][0], head.transposed, ctx.config.e8m0, w_next=[p for p, _ in params[1:]])
-    if biases:
-        stacked_bias(biases[0][0], [b for b, _ in biases[1:]])
-    n, k = w_fp8.shape
+    # Both stacks are made now, at compile time (fp8_weight_inputs, derived_inputs): made at a
+    # first call inside a CUDA graph's warm-up run instead, they would land in the graph's memory pool.
+    fp8_weight_inputs(ctx, names[0], [m.weight for m in matches], head.transposed)
+    bias = None
+    if head.bias is not None:
+        bias, = ctx.derived_inputs(("bias",), (f"{names[0]}_bias_stacked",), [m.bias for m in matches],
+                                   lambda b, *more: (stacked_bias(b, more),))
     sizes = [m.weight.meta["val"].shape[1 if m.transposed else 0] for m in matches]
     order = {node: i for i, node in enumerate(ctx.gm.graph.nodes)}
     first = min(matches, key=lambda match: order[match.node])  # its x is defined before every matmul
-    kwargs = {"w_next": [m.weight for m in matches[1:]]}
-    if head.bias is not None:
-        kwargs["bias_next"] = [m.bias for m in matches[1:]]
-    emitted = emit_fp8(ctx, head, names[0], "linear", torch.ops.fp8compile.linear.default, (first.x,), kwargs, n, k,
-                       before=first.node, record_skip=False)
+    emitted = emit_fp8(ctx, head, names[0], "linear", torch.ops.fp8compile.qlinear.default, (first.x,),
+                       [m.weight for m in matches], bias, {}, before=first.node, record_skip=False)
     if emitted is None:
         return False
-    out, sides = emitted
+    out, sides, (n, k) = emitted
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     with ctx.gm.graph.inserting_before(first.node):
         parts = [ctx.gm.graph.call_function(aten.slice.Tensor, (out, 1, lo, lo + size))

@@ -1,4 +1,4 @@
-"""silu_mul pass: down(act(a, b)) -> fp8compile::gated_linear(a, b, w_down), act silu or swigluoai.
+"""silu_mul pass: down(act(a, b)) -> fp8compile::gated_qlinear(a, b, w_down's FP8 copy), act silu or swigluoai.
 
 A gated MLP writes the bf16 product silu(gate(x)) * up(x) to memory only to read it back and
 quantize it for the down projection. The fused op computes the product in fp32 and quantizes
@@ -136,7 +136,7 @@ def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
 
 
 # where a gated MLP's gate and up come from: bf16 matmuls, or the FP8 GEMM that gate_up or qkv made of them
-_PROJECTIONS = (*MATMULS, torch.ops.fp8compile.linear.default)
+_PROJECTIONS = (*MATMULS, torch.ops.fp8compile.qlinear.default)
 _ACTIVATIONS = ((aten.erf.default, "gelu"), (aten.tanh.default, "tanh / gelu-tanh"), (aten.relu.default, "relu"),
                 (aten.sigmoid.default, "sigmoid"))
 
@@ -165,7 +165,7 @@ def _chain(node, targets, depth: int = 12) -> bool:
 
 def silu_mul_replacement(ctx: PassContext, match: LinearMatch, a: fx.Node, b: fx.Node, act: dict,
                          param: torch.nn.Parameter, param_name: str) -> None:
-    replace_with_fp8(ctx, match, param, param_name, "silu_mul", torch.ops.fp8compile.gated_linear.default, (a, b),
+    replace_with_fp8(ctx, match, param_name, "silu_mul", torch.ops.fp8compile.gated_qlinear.default, (a, b),
                      act, detail=act.get("activation", "silu"))
 
 

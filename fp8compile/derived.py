@@ -1,0 +1,67 @@
+"""Graph inputs computed per call from the model's tensors: the FP8 copies of its weights.
+
+The passes rewrite a linear into an op on the weight's FP8 copy, which the graph takes as an
+input of its own, appended after the inputs Dynamo passes. Per call, the compiled graph's
+wrapper computes those inputs from the tensors Dynamo passed (the bf16 parameters), through
+the weight memo (weights.py): no quantization after the first, and still right where Dynamo
+reuses the graph for another module's parameters or a parameter changed in place. While the
+parameters passed are the same tensors at the same versions as the call before (every call of
+a model, in practice), the wrapper reuses that call's inputs after one identity and version
+check per parameter, which is all it adds to the host's time per call.
+
+The appended inputs are static for Inductor's CUDA graphs (static_input_idxs), like the
+parameters: replayed graphs read them where they are, never copied in.
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .weights import version
+
+
+@dataclasses.dataclass(frozen=True)
+class DerivedInput:
+    """make(*[inputs[i] for i in sources]) -> the tensors of `count` appended graph inputs."""
+
+    sources: tuple[int, ...]
+    make: Callable[..., tuple[torch.Tensor, ...]]
+    count: int
+
+
+class CallWithDerivedInputs:
+    """A compiled graph (boxed calling convention: one list of inputs) whose last inputs are
+    `derived`, computed here from the inputs the caller passes."""
+
+    _boxed_call = True
+
+    def __init__(self, compiled: Callable, derived: list[DerivedInput]):
+        self.compiled = compiled
+        self.derived = derived
+        self._sources = sorted({i for d in derived for i in d.sources})
+        self._last: tuple[list[weakref.ref], list[int | None], list[torch.Tensor]] | None = None
+
+    def __call__(self, args: list[Any]) -> Any:
+        sources = [args[i] for i in self._sources]
+        versions = [version(t) for t in sources]
+        last = self._last
+        if last is not None and last[1] == versions and all(ref() is t for ref, t in zip(last[0], sources)):
+            values = last[2]
+        else:
+            values = [v for d in self.derived for v in d.make(*[args[i] for i in d.sources])]
+            self._last = ([weakref.ref(t, self._forget) for t in sources], versions, values)
+        full = list(args)
+        args.clear()  # the boxed convention: the callee owns the inputs from here
+        full.extend(values)
+        return self.compiled(full)
+
+    def _forget(self, _ref) -> None:
+        # A parameter of the last call is gone: so is the reason to keep its FP8 copies alive.
+        self._last = None
+
+    def __getattr__(self, name: str) -> Any:  # what Inductor and AOTAutograd read off a compiled graph
+        return getattr(self.__dict__["compiled"], name)
