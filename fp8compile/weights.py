@@ -1,8 +1,9 @@
-"""FP8 copies of model weights, made once per parameter and looked up by the FP8 ops.
+"""FP8 copies of model weights, made once per parameter and looked up by parameter.
 
-The compiled graph takes each weight as the bf16 parameter Dynamo passes in, and the FP8 op
-fetches that parameter's FP8 copy here. The pass fills this memo at compile time, so the
-normal run never quantizes a weight. Keying by the parameter actually passed at run time
+A compiled graph takes each weight's FP8 copy as an input, which its wrapper looks up here
+from the bf16 parameter Dynamo passes in (derived.py, only when a parameter changed); the
+eager ops on bf16 weights (linear, gated_linear, moe) look it up per call. The passes fill
+this memo at compile time, so the normal run never quantizes a weight. Keying by the parameter actually passed at run time
 (not by what was seen at compile time) keeps two cases correct that graph constants would
 get silently wrong:
   - Dynamo reusing one compiled graph for another module instance of the same class

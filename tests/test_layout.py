@@ -1,5 +1,6 @@
-"""The package's layering: run-time code (the ops, their kernels, the registry and the weight
-store they read) never imports compile-time code (the passes, the backend)."""
+"""The package's layering: run-time code (the ops, their kernels, the registry, the weight
+store they read and the per-call lookup of a graph's FP8 inputs) never imports compile-time
+code (the passes, the backend)."""
 import ast
 from pathlib import Path
 
