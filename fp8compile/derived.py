@@ -26,11 +26,10 @@ from .weights import version
 
 @dataclasses.dataclass(frozen=True)
 class DerivedInput:
-    """make(*[inputs[i] for i in sources]) -> the tensors of `count` appended graph inputs."""
+    """make(*[inputs[i] for i in sources]) -> the tensors of one or more appended graph inputs."""
 
     sources: tuple[int, ...]
     make: Callable[..., tuple[torch.Tensor, ...]]
-    count: int
 
 
 class CallWithDerivedInputs:

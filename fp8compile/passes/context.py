@@ -97,9 +97,14 @@ class PassContext:
         # matmul node -> why a fusion pass wants it left bf16 (linear_pass records the reason)
         self.keep_bf16: dict[fx.Node, str] = {}
         self._index = {node: i for i, node in enumerate(inputs)}  # placeholder -> its position among the inputs
-        # Inputs the backend appends to the graph and computes per call (derived_inputs).
-        self.derived: list[DerivedInput] = []
-        self._derived_nodes: dict[tuple, tuple[fx.Node, ...]] = {}
+        # Inputs the backend appends to the graph and computes per call (derived_inputs):
+        # (key, sources) -> (what computes them, their placeholders).
+        self._derived: dict[tuple, tuple[DerivedInput, tuple[fx.Node, ...]]] = {}
+
+    @property
+    def derived(self) -> list[DerivedInput]:
+        """How the backend computes the appended inputs, in input order."""
+        return [record for record, _ in self._derived.values()]
 
     def derived_inputs(self, key: tuple, names: Sequence[str], sources: Sequence[fx.Node],
                        make: Callable[..., tuple[torch.Tensor, ...]]) -> tuple[fx.Node, ...]:
@@ -108,8 +113,8 @@ class PassContext:
         call), then by the compiled graph's wrapper per call from the tensors passed. The same
         key over the same sources gives the same placeholders."""
         memo_key = (key, tuple(sources))
-        if memo_key in self._derived_nodes:
-            return self._derived_nodes[memo_key]
+        if memo_key in self._derived:
+            return self._derived[memo_key][1]
         values = make(*[self.inputs[node][0] for node in sources])
         graph = self.gm.graph
         last = list(graph.find_nodes(op="placeholder"))[-1]
@@ -119,26 +124,20 @@ class PassContext:
                 last = graph.placeholder(self._fresh_placeholder_name(name))
             last.meta["val"] = self.fake_mode.from_tensor(value, static_shapes=True)
             nodes.append(last)
-        self.derived.append(DerivedInput(tuple(self._index[node] for node in sources), make, len(nodes)))
-        self._derived_nodes[memo_key] = tuple(nodes)
+        self._derived[memo_key] = (DerivedInput(tuple(self._index[node] for node in sources), make), tuple(nodes))
         return tuple(nodes)
 
     def drop_unused_derived_inputs(self) -> None:
         """Forget derived inputs no node reads (a rewrite that gave up after asking for them)."""
-        kept = []
-        for record, nodes in zip(self.derived, self._derived_nodes.values()):
-            if any(node.users for node in nodes):
-                kept.append(record)
-            else:
+        for memo_key, (_, nodes) in list(self._derived.items()):
+            if not any(node.users for node in nodes):
                 for node in nodes:
                     self.gm.graph.erase_node(node)
-        self.derived = kept
-        self._derived_nodes = {}
+                del self._derived[memo_key]
 
     def derived_example_inputs(self) -> list[torch.Tensor]:
         """The fake values of the derived inputs, in input order (for Inductor)."""
-        nodes = list(self.gm.graph.find_nodes(op="placeholder"))[len(self._index):]
-        return [node.meta["val"] for node in nodes]
+        return [node.meta["val"] for _, nodes in self._derived.values() for node in nodes]
 
     def _fresh_placeholder_name(self, hint: str) -> str:
         base = re.sub(r"[^0-9a-zA-Z_]", "_", hint)

@@ -33,7 +33,7 @@ def wants_inductor_launch(ctx: PassContext, target, args: tuple, kwargs: dict, m
             and m_max is not None and args[0].meta["val"].device.type == "cuda")
 
 
-def emit_decode_launch(ctx: PassContext, graph: fx.Graph, target, args: tuple, kwargs: dict, m_max: int) -> fx.Node:
+def emit_decode_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m_max: int) -> fx.Node:
     """Into `graph`: target(*args, **kwargs) as the traced fp8compile::linear_decode (x 2-D, M <= m_max)."""
     from ..ops import decode_op  # noqa: F401  (registers fp8compile::linear_decode)
 
