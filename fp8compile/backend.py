@@ -78,7 +78,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8
         # The decode kernel Inductor launches itself (passes/inline.py) is a user-defined Triton
         # kernel, which Inductor otherwise launches through Triton's Python path (launch metadata,
         # hooks): 60.2 us of host time per linear at M = 1 that way, 28.7 statically, where bf16
-        # Inductor pays 33.2 (two lent H100s, `bench host --chain 8`; BENCHMARKS.md).
+        # Inductor pays 33.2 (two lent H100s, `bench host --chain 8`; BENCHMARKS.md). Measured with
+        # the environment variable TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=1; this
+        # patch alone did not give the speed (likely not seen by Inductor's compile workers).
         patches["static_launch_user_defined_triton_kernels"] = True
     if patches.get("triton.cudagraphs"):
         _specialize_float_inputs(gm)  # raises to make Dynamo trace the frame again, if there are any
