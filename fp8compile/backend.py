@@ -75,12 +75,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8
 
     patches = dict(list_mode_options(mode)) if mode else {}
     if hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels"):
-        # The decode kernel Inductor launches itself (passes/inline.py) is a user-defined Triton
-        # kernel, which Inductor otherwise launches through Triton's Python path (launch metadata,
-        # hooks): 60.2 us of host time per linear at M = 1 that way, 28.7 statically, where bf16
-        # Inductor pays 33.2 (two lent H100s, `bench host --chain 8`; BENCHMARKS.md). Measured with
-        # the environment variable TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=1; this
-        # patch alone did not give the speed (likely not seen by Inductor's compile workers).
+        # For a graph compiled in this process (compile_threads=1); compile workers read the
+        # environment (static_launch_for_user_kernels).
         patches["static_launch_user_defined_triton_kernels"] = True
     if patches.get("triton.cudagraphs"):
         _specialize_float_inputs(gm)  # raises to make Dynamo trace the frame again, if there are any
@@ -124,6 +120,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8
             first = len(aten_inputs)
             kwargs["static_input_idxs"] = [*kwargs.get("static_input_idxs", ()), *range(first, first + len(derived))]
             aten_inputs = [*aten_inputs, *derived]
+        if ctx.traced_launches:
+            static_launch_for_user_kernels()
         compiled = compile_fx_inner(aten_gm, aten_inputs, **kwargs)
         names = {node.name: name for node, (_, name) in bound.items() if name}
         report.cuda_graphs[graph_index] = _cuda_graph_state(asked, bool(getattr(box, "value", False)), compiled, mode,
@@ -143,6 +141,37 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8
         compiled = compile_fx(gm, example_inputs, inner_compile=fp8_inner_compile, config_patches=patches)
     log.info("fp8compile graph %d: %s", graph_index, report.counts())
     return compiled
+
+
+STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
+
+
+def static_launch_for_user_kernels() -> bool:
+    """Have Inductor launch user-defined Triton kernels (the decode kernel it launches for us,
+    passes/inline.py) through its static launcher; returns whether it will.
+
+    Otherwise Inductor launches them through Triton's Python path (launch metadata, hooks):
+    60.2 us of host time per linear at M = 1 where the static launcher takes 28.7 and bf16
+    Inductor's cuBLAS call 33.2 (lent H100s, `bench host --chain 8`; BENCHMARKS.md). The choice
+    is made where the kernel is compiled, mostly in Inductor's compile workers, which read
+    their config from the environment when they start and are passed no config patch of ours.
+    So the environment variable is set here, unless the user set it (their choice stands), and
+    workers already running (started by an earlier compile, say a bf16 model's) are shut down:
+    the next compile starts them again, with the variable."""
+    import os
+
+    if not hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels"):
+        return False  # an Inductor without the static launcher for user kernels
+    if STATIC_LAUNCH_ENV in os.environ:
+        return os.environ[STATIC_LAUNCH_ENV] == "1"
+    os.environ[STATIC_LAUNCH_ENV] = "1"
+    from torch._inductor import async_compile
+
+    if getattr(async_compile, "_pool_set", None):
+        log.info("fp8compile: restarting Inductor's compile workers so that they launch our Triton kernels "
+                 "statically (%s=1)", STATIC_LAUNCH_ENV)
+        async_compile.shutdown_compile_workers()
+    return True
 
 
 def _specialize_float_inputs(gm: fx.GraphModule) -> None:

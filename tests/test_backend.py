@@ -1,5 +1,6 @@
 """The backend as a user meets it: backend="fp8" by entry point, options, explain, debug_dir,
 and the promises about the eager model and its weights."""
+import os
 import subprocess
 import sys
 import textwrap
@@ -289,3 +290,34 @@ def test_compiling_with_the_m_dispatch_leaves_inductors_cond_lowering_as_it_was(
             torch.compile(model, backend=fp8, mode="reduce-overhead")(x)
     assert fp8.report.rewrites[0].kernels == (("M <= 32", "probe"), ("M > 32", "reference"))
     assert lowerings[cond] is before
+
+
+class _FakeWorkerPool:
+    def __init__(self):
+        self.shut = False
+
+    def shutdown(self):
+        self.shut = True
+
+
+@pytest.mark.parametrize("user_value", [None, "0", "1"])
+def test_static_launch_of_our_kernels_reaches_compile_workers_unless_the_user_chose(monkeypatch, user_value):
+    """Inductor's compile workers decide how a user-defined Triton kernel is launched from the
+    environment they started with: the backend sets the variable (and restarts workers started
+    without it); a value the user set is left as it is, workers included."""
+    from torch._inductor import async_compile
+
+    from fp8compile.backend import STATIC_LAUNCH_ENV, static_launch_for_user_kernels
+
+    if not hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels"):
+        pytest.skip("this Inductor has no static launcher for user-defined Triton kernels")
+    pool = _FakeWorkerPool()
+    monkeypatch.setattr(async_compile, "_pool_set", {pool})
+    monkeypatch.setattr(async_compile, "shutdown_compile_workers", lambda: [p.shutdown() for p in async_compile._pool_set])
+    if user_value is None:
+        monkeypatch.delenv(STATIC_LAUNCH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(STATIC_LAUNCH_ENV, user_value)
+    assert static_launch_for_user_kernels() == (user_value != "0")
+    assert os.environ[STATIC_LAUNCH_ENV] == (user_value or "1")
+    assert pool.shut == (user_value is None)

@@ -18,7 +18,7 @@ the wall time per call (the same with a sync at the end), layer by layer of the 
 
 With chain=L the four compiled variants run L linears (of different weights) in one graph, and
 the times are per linear: the graph's own call cost spread over L, as in a model's layer.
-Writes a cProfile of the compiled FP8 linear (host_profile.txt) beside the JSON.
+Writes cProfiles of fp8compile and fp8_inductor_launch per M (host_profile[_decode]_m{M}.txt) beside the JSON.
 """
 from __future__ import annotations
 
@@ -119,8 +119,8 @@ def bench_host(out_dir: Path, ms=(1, 16), n: int = 4096, k: int = 4096, calls: i
                 launcher.relaunch = True
             rows.append(dict(m=m, n=n, k=k, variant="fp8_kernel_triton", host_us=host, wall_us=wall))
             rows.append(dict(m=m, n=n, k=k, variant="direct_relaunch_used", value=relaunched))
-            if m == ms[0]:
-                profiled(lambda: [fp8(x) for _ in range(100)], out_dir / "host_profile.txt", lines=25)
+            profiled(lambda: [fp8(x) for _ in range(100)], out_dir / f"host_profile_m{m}.txt", lines=25)
+            profiled(lambda: [decode(x) for _ in range(100)], out_dir / f"host_profile_decode_m{m}.txt", lines=25)
     (out_dir / "bench_host.json").write_text(json.dumps(rows, indent=1))
     print(f"host cost of one linear N={n} K={k} on {torch.cuda.get_device_name(device)} ({calls} calls enqueued, "
           f"then one sync; compiled variants: a chain of {chain} linears, per linear): us per call")

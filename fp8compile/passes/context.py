@@ -94,6 +94,7 @@ class PassContext:
         # Decode-kernel sides of the dispatch as launches Inductor makes itself (passes/inline.py):
         # as the config says, else outside CUDA graphs, where every call pays its host cost.
         self.inductor_launch = config.inductor_launch if config.inductor_launch is not None else not cuda_graphs
+        self.traced_launches = 0  # how many it emitted: Inductor must launch them statically (backend.py)
         # matmul node -> why a fusion pass wants it left bf16 (linear_pass records the reason)
         self.keep_bf16: dict[fx.Node, str] = {}
         self._index = {node: i for i, node in enumerate(inputs)}  # placeholder -> its position among the inputs

@@ -142,6 +142,7 @@ def _dispatch(ctx, graph, owner, attr_name, target, operands, args, kwargs, m_so
     if len(sides) == 1:
         call_kwargs = {**kwargs, "backend": sides[0].kernel}
         if inline.wants_inductor_launch(ctx, target, args, call_kwargs, sides[0].m_max):
+            ctx.traced_launches += 1
             return inline.emit_decode_launch(graph, target, args, call_kwargs, sides[0].m_max)
         node = graph.call_function(target, args, call_kwargs)
         node.meta["val"] = ctx.fake(target, *args, **call_kwargs)
