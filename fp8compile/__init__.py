@@ -17,6 +17,7 @@ from . import ops  # noqa: F401  (registers torch.ops.fp8compile.*)
 from .backend import Fp8Backend, fp8_backend, last_report
 from .config import Fp8Config, make_config
 from .numerics import calc_diff
+from .release import restore as restore_bf16_weights
 from .report import Report
 
 __version__ = "0.1.0"
@@ -39,4 +40,4 @@ def explain(model: torch.nn.Module, *example_args: Any, config: Fp8Config | dict
 
 
 __all__ = ["Fp8Backend", "Fp8Config", "Report", "backend", "calc_diff", "explain", "fp8_backend",
-           "last_report", "make_config"]
+           "last_report", "make_config", "restore_bf16_weights"]

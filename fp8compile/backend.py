@@ -114,19 +114,28 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8
             dump.after(aten_gm)
         box = kwargs.get("cudagraphs")  # Inductor's: it turns False where CUDA graphs cannot be used
         asked = bool(getattr(box, "value", False))
+        keep, dropped = ctx.drop_unused_inputs()
+        if len(keep) < len(aten_inputs):
+            position = {old: new for new, old in enumerate(keep)}
+            kwargs["static_input_idxs"] = [position[i] for i in kwargs.get("static_input_idxs", ()) if i in position]
+            aten_inputs = [aten_inputs[i] for i in keep]
         if ctx.derived:
             # The FP8 copies of the weights are the graph's last inputs, static like the parameters.
             derived = ctx.derived_example_inputs()
             first = len(aten_inputs)
             kwargs["static_input_idxs"] = [*kwargs.get("static_input_idxs", ()), *range(first, first + len(derived))]
             aten_inputs = [*aten_inputs, *derived]
+        if config.release_bf16_weights:
+            _release_weights(ctx, dropped)
         if ctx.traced_launches:
             static_launch_for_user_kernels()
         compiled = compile_fx_inner(aten_gm, aten_inputs, **kwargs)
         names = {node.name: name for node, (_, name) in bound.items() if name}
         report.cuda_graphs[graph_index] = _cuda_graph_state(asked, bool(getattr(box, "value", False)), compiled, mode,
                                                             names)
-        return CallWithDerivedInputs(compiled, ctx.derived) if ctx.derived else compiled
+        if ctx.derived or len(keep) < len(bound):
+            return CallWithDerivedInputs(compiled, ctx.derived, keep if len(keep) < len(bound) else None)
+        return compiled
 
     if patches.get("triton.cudagraphs") and hasattr(torch._inductor.config, "graph_partition"):
         # Graph partitioning records CUDA graphs between the ops it cannot record, and a
@@ -141,6 +150,24 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8
         compiled = compile_fx(gm, example_inputs, inner_compile=fp8_inner_compile, config_patches=patches)
     log.info("fp8compile graph %d: %s", graph_index, report.counts())
     return compiled
+
+
+def _release_weights(ctx, dropped: list[torch.nn.Parameter]) -> None:
+    """Fp8Config.release_bf16_weights: the parameters this graph reads in bf16 stay on their
+    device (brought back if an earlier graph released them); those it dropped for their FP8
+    copies are released (release.py)."""
+    from . import release
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    values = [value for value, _ in ctx.inputs.values()]
+    with_copies = {id(values[i]) for d in ctx.derived for i in d.sources}
+    with unset_fake_temporarily():  # real host buffers, not the compiler's fakes
+        release.keep_resident(value for node, (value, _) in ctx.inputs.items()
+                              if isinstance(value, torch.nn.Parameter) and node.users)
+        freed = release.release(p for p in dropped if id(p) in with_copies)
+    if freed:
+        log.info("fp8compile graph %d: released %.2f GB of bf16 weights", ctx.graph_index, freed / 2**30)
 
 
 STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"

@@ -52,6 +52,10 @@ class Fp8Config:
     inductor_launch: the decode kernel as a launch in Inductor's generated code (no Python op
                      around it, passes/inline.py) instead of the fp8compile op; None = where
                      CUDA graphs are not asked for (there every call pays the host's cost).
+    release_bf16_weights: give back the device memory of the bf16 weights no compiled graph reads
+                     (those with an FP8 copy): their values move to host memory (release.py)
+                     and the eager modules holding them refuse to run until
+                     fp8compile.restore_bf16_weights().
     """
 
     recipe: str = "block"
@@ -65,11 +69,12 @@ class Fp8Config:
     fusions: tuple[str, ...] = FUSIONS
     debug_dir: str | None = dataclasses.field(default_factory=_debug_dir_from_env)
     inductor_launch: bool | None = None
+    release_bf16_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
             raise ValueError(f"recipe={self.recipe!r} is not supported; valid recipes: {', '.join(RECIPES)}")
-        for name in ("e8m0", "batch_invariant", "autotune"):
+        for name in ("e8m0", "batch_invariant", "autotune", "release_bf16_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.inductor_launch is not None and not isinstance(self.inductor_launch, bool):

@@ -10,7 +10,9 @@ a model, in practice), the wrapper reuses that call's inputs after one identity 
 check per parameter, which is all it adds to the host's time per call.
 
 The appended inputs are static for Inductor's CUDA graphs (static_input_idxs), like the
-parameters: replayed graphs read them where they are, never copied in.
+parameters: replayed graphs read them where they are, never copied in. Inputs the graph no
+longer reads after the passes (the bf16 weights of rewritten linears) are not passed on at all:
+no per-call check of them in the compiled code, and their memory can be given back (release.py).
 """
 from __future__ import annotations
 
@@ -33,27 +35,31 @@ class DerivedInput:
 
 
 class CallWithDerivedInputs:
-    """A compiled graph (boxed calling convention: one list of inputs) whose last inputs are
-    `derived`, computed here from the inputs the caller passes."""
+    """A compiled graph (boxed calling convention: one list of inputs) that takes the inputs the
+    caller passes at positions `keep` (the ones it reads), then `derived`, computed here from
+    the inputs passed."""
 
     _boxed_call = True
 
-    def __init__(self, compiled: Callable, derived: list[DerivedInput]):
+    def __init__(self, compiled: Callable, derived: list[DerivedInput], keep: list[int] | None = None):
         self.compiled = compiled
         self.derived = derived
+        self.keep = keep  # None: all of them
         self._sources = sorted({i for d in derived for i in d.sources})
         self._last: tuple[list[weakref.ref], list[int | None], list[torch.Tensor]] | None = None
 
     def __call__(self, args: list[Any]) -> Any:
-        sources = [args[i] for i in self._sources]
-        versions = [version(t) for t in sources]
-        last = self._last
-        if last is not None and last[1] == versions and all(ref() is t for ref, t in zip(last[0], sources)):
-            values = last[2]
-        else:
-            values = [v for d in self.derived for v in d.make(*[args[i] for i in d.sources])]
-            self._last = ([weakref.ref(t, self._forget) for t in sources], versions, values)
-        full = list(args)
+        values: list[torch.Tensor] = []
+        if self.derived:
+            sources = [args[i] for i in self._sources]
+            versions = [version(t) for t in sources]
+            last = self._last
+            if last is not None and last[1] == versions and all(ref() is t for ref, t in zip(last[0], sources)):
+                values = last[2]
+            else:
+                values = [v for d in self.derived for v in d.make(*[args[i] for i in d.sources])]
+                self._last = ([weakref.ref(t, self._forget) for t in sources], versions, values)
+        full = list(args) if self.keep is None else [args[i] for i in self.keep]
         args.clear()  # the boxed convention: the callee owns the inputs from here
         full.extend(values)
         return self.compiled(full)

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from . import release
+
 log = logging.getLogger("fp8compile")
 
 # key -> (weak refs to the source tensors, their versions when converted, the converted tensors);
@@ -46,6 +48,8 @@ def version(w: torch.Tensor) -> int | None:
 
 
 def _key(w: torch.Tensor) -> tuple:
+    if release.is_released(w):  # no storage to key by while its values are in host memory (release.py)
+        return ("released", id(w))
     return (w.device, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype)
 
 
@@ -67,7 +71,7 @@ def _memoized(sources: tuple[torch.Tensor, ...], tag: tuple, make: Callable[[], 
         if entry is not None:
             log.info("fp8compile: converting weights %s at first use (%s)", [tuple(w.shape) for w in sources],
                      "modified in place" if alive else "new weight in a reused graph")
-        with unset_fake_temporarily(), torch.no_grad():
+        with unset_fake_temporarily(), torch.no_grad(), release.temporarily_resident(sources):
             value = make()
 
         def forget(_, key=key):

@@ -184,9 +184,11 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path):
     from fp8compile.bench.model import bench_model, model_table
 
     rows = bench_model(tmp_path, models=["tiny-llama"], batches=[2], context=4, steps=2, prefill=8,
-                       variants=["bf16", "fp8", "fp8_ro"], device="cpu", profile=True)
+                       variants=["bf16", "fp8", "fp8_ro", "fp8_ro_release"], device="cpu", profile=True)
     decode = {r["variant"]: r for r in rows if r["kind"] == "decode"}
-    assert set(decode) == {"bf16", "fp8", "fp8_ro"}
+    # fp8_ro_release: the user's own compile of model.forward (the prompt through the graphs too),
+    # with the bf16 weights released, then restored for what follows
+    assert set(decode) == {"bf16", "fp8", "fp8_ro", "fp8_ro_release"}
     assert all(r["recompiles"] == 0 and r["tokens_per_s"] > 0 for r in decode.values())
     accuracy = {r["variant"]: r["calc_diff"] for r in rows if r["kind"] == "accuracy"}
     assert accuracy["bf16"] == 0 and 0 < accuracy["fp8"] < 1.15 * accuracy["fp8_unfused_eager"]

@@ -6,6 +6,11 @@ said in the output). Variants, in this order (torchao last: it quantizes the mod
     bf16                  eager
     bf16_inductor[_ro]    torch.compile, default mode / mode="reduce-overhead"
     fp8[_ro]              torch.compile(backend=fp8compile.backend()), the same two modes
+    *_own                 (bf16_inductor_ro_own, fp8_ro_own) decode with the user's own compile:
+                          model.forward = torch.compile(model.forward, ...), generate() with
+                          compiling off, so the prompt runs through compiled graphs too
+    fp8_ro_release        fp8_ro_own with Fp8Config(release_bf16_weights=True): the bf16 weights'
+                          device memory given back (restored after the variant)
     torchao_rowwise_ro    torchao float8 dynamic rowwise, then Inductor reduce-overhead (if importable)
 
 Decode is timed the way a transformers user runs it: model.generate() with a static KV cache and
@@ -55,7 +60,8 @@ MODELS = {
         vocab_size=1024, num_hidden_layers=2, max_position_embeddings=512)),
 }
 # fp8_op_launch: fp8 with Fp8Config(inductor_launch=False), the decode kernel behind our op (for an A/B)
-VARIANTS = ("bf16", "bf16_inductor", "bf16_inductor_ro", "fp8", "fp8_ro", "fp8_op_launch", "torchao_rowwise_ro")
+VARIANTS = ("bf16", "bf16_inductor", "bf16_inductor_ro", "fp8", "fp8_ro", "fp8_op_launch", "bf16_inductor_ro_own",
+            "fp8_ro_own", "fp8_ro_release", "torchao_rowwise_ro")
 BATCHES = (1, 4, 16, 64)
 
 
@@ -121,11 +127,12 @@ class Variant:
     name: str
     backend: object  # None = eager
     mode: str | None = None
+    own: bool = False  # decode through the user's own torch.compile of model.forward, not a CompileConfig
 
     def compile_config(self, device):
         from transformers.generation.configuration_utils import CompileConfig
 
-        if self.backend is None:
+        if self.backend is None or self.own:
             return None
         config = CompileConfig(backend=self.backend, mode=self.mode or "default")
         config._compile_all_devices = device.type != "cuda"  # transformers compiles generate() on GPUs only otherwise
@@ -134,13 +141,18 @@ class Variant:
 
 def _variant(name: str):
     """The Variant for a name, or None where it cannot run here (with the reason printed)."""
-    mode = "reduce-overhead" if name.endswith("_ro") else None
+    mode = "reduce-overhead" if "_ro" in name else None
+    own = name.endswith(("_own", "_release"))
     if name == "bf16":
         return Variant(name, None)
     if name.startswith("bf16_inductor"):
-        return Variant(name, "inductor", mode)
+        return Variant(name, "inductor", mode, own)
     if name == "fp8_op_launch":
         return Variant(name, fp8compile.backend(inductor_launch=False), mode)
+    if name == "fp8_ro_release":
+        return Variant(name, fp8compile.backend(release_bf16_weights=True), mode, own)
+    if name == "fp8_ro_own":
+        return Variant(name, fp8compile.backend(), mode, own)
     if name.startswith("fp8"):
         return Variant(name, fp8compile.backend(), mode)
     if name.startswith("torchao"):
@@ -224,12 +236,16 @@ def decode(model, variant: Variant, batch: int, context: int, steps: int, device
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1, do_sample=False,
                   cache_implementation="static", compile_config=variant.compile_config(device),
-                  disable_compile=variant.backend is None)
+                  disable_compile=variant.backend is None or variant.own)
     start = time.perf_counter()
     model.generate(ids, **kwargs)
     _sync(device)
     first_s = time.perf_counter() - start
     clock, graphs = StepClock(device), _graphs()
+    compile_peak_gb = None
+    if device.type == "cuda":  # the peak so far (weights, compile, first call) kept, then the timed call's own
+        compile_peak_gb = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     model.generate(ids, logits_processor=[clock], **kwargs)
     _sync(device)
@@ -238,6 +254,9 @@ def decode(model, variant: Variant, batch: int, context: int, steps: int, device
     row = dict(kind="decode", batch=batch, context=context, steps=steps, ms_per_step=ms,
                tokens_per_s=batch * 1e3 / ms, first_call_s=first_s, warm_call_s=second_s,
                recompiles=_graphs() - graphs)
+    if device.type == "cuda":  # after warm-up: the weights, the cache and this call's activations
+        row["warm_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        row["peak_before_gb"] = compile_peak_gb
     if profile is not None:
         profiled(lambda: model.generate(ids, **kwargs), profile)
         if device.type == "cuda":
@@ -342,13 +361,25 @@ def bench_model(out_dir: Path, models=None, layers: int | None = None, batches=N
                 for row in prefill_and_accuracy(model, variant, prefill, device, eager_logits, ids_acc, path):
                     rows.append(dict(base, variant=name, **row))
                 progress.update()
-                for batch in batches:
-                    path = out_dir / f"profile_{model_name}_{name}_b{batch}.txt" if profile else None
-                    rows.append(dict(base, variant=name, **decode(model, variant, batch, context, steps, device, path)))
-                    progress.update()
+                if variant.own:
+                    model.forward = torch.compile(type(model).forward.__get__(model), backend=variant.backend,
+                                                  mode=variant.mode)
+                try:
+                    for batch in batches:
+                        path = out_dir / f"profile_{model_name}_{name}_b{batch}.txt" if profile else None
+                        rows.append(dict(base, variant=name, **decode(model, variant, batch, context, steps, device,
+                                                                     path)))
+                        progress.update()
+                finally:
+                    if variant.own:
+                        del model.forward
                 if device.type == "cuda":
-                    rows.append(dict(base, variant=name, kind="memory",
-                                     peak_gb=torch.cuda.max_memory_allocated(device) / 2**30))
+                    mine = [r for r in rows if r["variant"] == name and r.get("model") == model_name]
+                    warm = max((r.get("warm_peak_gb") or 0.0 for r in mine), default=0.0)
+                    peak = max([torch.cuda.max_memory_allocated(device) / 2**30]
+                               + [r.get(key) or 0.0 for r in mine for key in ("warm_peak_gb", "peak_before_gb")])
+                    rows.append(dict(base, variant=name, kind="memory", warm_peak_gb=warm, peak_gb=peak))
+                fp8compile.restore_bf16_weights()  # fp8_ro_release gave them back: the next variant needs them
                 if isinstance(variant.backend, fp8compile.Fp8Backend):
                     report = variant.backend.report
                     print(f"{name}: {report.counts()} over {report.graphs} graphs; CUDA graphs: "
@@ -375,7 +406,7 @@ def model_table(rows: list[dict]) -> str:
         lines += [f"\n{model}, {mine[0]['layers']} layers, {mine[0]['device']}: decode tokens/s (ms/step), "
                   f"prefill tokens/s, logits calc_diff vs bf16 eager",
                   f"{'variant':<20}" + "".join(f"{'B=' + str(b):>18}" for b in batches)
-                  + f"{'prefill':>10}{'1st call s':>11}{'peak GB':>9}{'calc_diff':>10}{'recompiles':>11}"]
+                  + f"{'prefill':>10}{'1st call s':>11}{'peak GB':>9}{'warm GB':>9}{'calc_diff':>10}{'recompiles':>11}"]
         for v in variants:
             cells = ""
             for b in batches:
@@ -386,10 +417,11 @@ def model_table(rows: list[dict]) -> str:
             recompiles = sum(r.get("recompiles", 0) for r in mine if r["variant"] == v)
             cells += f"{pre['tokens_per_s']:>10.0f}" if pre else f"{'-':>10}"
             cells += f"{first:>11.1f}" if first is not None else f"{'-':>11}"
-            cells += f"{mem['peak_gb']:>9.1f}" if mem else f"{'-':>9}"
+            cells += f"{mem['peak_gb']:>9.1f}{mem.get('warm_peak_gb', 0.0):>9.1f}" if mem else f"{'-':>9}{'-':>9}"
             cells += f"{acc['calc_diff']:>10.2e}" if acc else f"{'-':>10}"
             lines.append(f"{v:<20}{cells}{recompiles:>11}")
-        for fp8, bf16 in (("fp8", "bf16_inductor"), ("fp8_ro", "bf16_inductor_ro")):
+        for fp8, bf16 in (("fp8", "bf16_inductor"), ("fp8_ro", "bf16_inductor_ro"), ("fp8_ro_own", "bf16_inductor_ro_own"),
+                          ("fp8_ro_release", "bf16_inductor_ro_own")):
             ratios = []
             for b in batches:
                 a, z = get.get((fp8, "decode", b)), get.get((bf16, "decode", b))

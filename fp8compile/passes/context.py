@@ -136,6 +136,21 @@ class PassContext:
                     self.gm.graph.erase_node(node)
                 del self._derived[memo_key]
 
+    def drop_unused_inputs(self) -> tuple[list[int], list[torch.Tensor]]:
+        """Remove the tensor inputs (of those Dynamo passes) that no node reads any more, the bf16
+        weights of rewritten linears among them; returns the positions of the inputs kept, and
+        the parameters dropped. Sizes stay: the compiled code binds its symbols from them."""
+        keep, dropped = [], []
+        for node, i in list(self._index.items()):
+            value = self.inputs[node][0]
+            if node.users or not isinstance(value, torch.Tensor) or not isinstance(node.meta.get("val"), torch.Tensor):
+                keep.append(i)
+                continue
+            self.gm.graph.erase_node(node)
+            if isinstance(value, torch.nn.Parameter):
+                dropped.append(value)
+        return keep, dropped
+
     def derived_example_inputs(self) -> list[torch.Tensor]:
         """The fake values of the derived inputs, in input order (for Inductor)."""
         return [node.meta["val"] for _, nodes in self._derived.values() for node in nodes]

@@ -1,0 +1,65 @@
+"""Fp8Config(release_bf16_weights=True): the compiled graphs read rewritten linears' FP8 copies
+only, so the bf16 weights' memory is given back; nothing is lost, and the eager model says what
+to do instead of reading freed memory."""
+import pytest
+import torch
+
+import fp8compile
+from fp8compile import release
+from tests.conftest import BF16
+from tests.models import TinyLM
+
+
+@pytest.fixture(autouse=True)
+def restore_after():
+    yield
+    fp8compile.restore_bf16_weights()
+
+
+def _model():
+    torch.manual_seed(0)
+    return TinyLM(vocab=1024).to(BF16).eval()
+
+
+def test_released_weights_give_the_same_numbers_through_recompiles_and_the_embedding_stays():
+    model, ids = _model(), torch.randint(0, 1024, (1, 5))
+    kept = torch.compile(model, backend=fp8compile.backend(), dynamic=False)
+    freed = torch.compile(model, backend=fp8compile.backend(release_bf16_weights=True), dynamic=False)
+    with torch.no_grad():
+        expected = [kept(x) for x in (ids, ids[:, :3])]
+        got = freed(ids)
+        rewritten = [model.mlp.gate_proj.weight, model.mlp.up_proj.weight, model.mlp.down_proj.weight,
+                     model.lm_head.weight]
+        assert all(release.is_released(w) and w.untyped_storage().nbytes() == 0 for w in rewritten)
+        assert not release.is_released(model.embed.weight)  # the graph reads it in bf16
+        got = [got, freed(ids[:, :3])]  # a new static shape: Dynamo traces again, the passes see released weights
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+
+def test_eager_call_of_a_released_module_says_what_to_do_and_restore_brings_it_back():
+    model, ids = _model(), torch.randint(0, 1024, (2, 4))
+    with torch.no_grad():
+        eager = model(ids)
+        compiled = torch.compile(model, backend=fp8compile.backend(release_bf16_weights=True))
+        out = compiled(ids)
+        with pytest.raises(RuntimeError, match="restore_bf16_weights"):
+            model(ids)
+        assert fp8compile.restore_bf16_weights() > 0
+        assert torch.equal(model(ids), eager)  # the same values, back in the same tensors
+        assert torch.equal(compiled(ids), out)
+
+
+def test_a_parameter_read_in_bf16_by_a_later_graph_is_brought_back_and_kept():
+    """A released weight a graph compiled later reads in bf16 (here: that graph skips the
+    lm_head) is made resident again before that graph runs, and never released after."""
+    model, ids = _model(), torch.randint(0, 1024, (1, 4))
+    with torch.no_grad():
+        expected = model(ids)
+        torch.compile(model, backend=fp8compile.backend(release_bf16_weights=True))(ids)
+        assert release.is_released(model.lm_head.weight)
+        torch._dynamo.reset()
+        out = torch.compile(model, backend=fp8compile.backend(release_bf16_weights=True, skip=("lm_head",)))(ids)
+        assert not release.is_released(model.lm_head.weight)
+        assert torch.equal(model.lm_head.weight, _model().lm_head.weight)
+    assert fp8compile.calc_diff(out.float(), expected.float()) < 0.02
