@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -156,9 +157,9 @@ def _release_weights(ctx, dropped: list[torch.nn.Parameter]) -> None:
     """Fp8Config.release_bf16_weights: the parameters this graph reads in bf16 stay on their
     device (brought back if an earlier graph released them); those it dropped for their FP8
     copies are released (release.py)."""
-    from . import release
-
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from . import release
 
     values = [value for value, _ in ctx.inputs.values()]
     with_copies = {id(values[i]) for d in ctx.derived for i in d.sources}
@@ -185,8 +186,6 @@ def static_launch_for_user_kernels() -> bool:
     So the environment variable is set here, unless the user set it (their choice stands), and
     workers already running (started by an earlier compile, say a bf16 model's) are shut down:
     the next compile starts them again, with the variable."""
-    import os
-
     if not hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels"):
         return False  # an Inductor without the static launcher for user kernels
     if STATIC_LAUNCH_ENV in os.environ:
