@@ -149,12 +149,8 @@ def _variant(name: str):
         return Variant(name, "inductor", mode, own)
     if name == "fp8_op_launch":
         return Variant(name, fp8compile.backend(inductor_launch=False), mode)
-    if name == "fp8_ro_release":
-        return Variant(name, fp8compile.backend(release_bf16_weights=True), mode, own)
-    if name == "fp8_ro_own":
-        return Variant(name, fp8compile.backend(), mode, own)
     if name.startswith("fp8"):
-        return Variant(name, fp8compile.backend(), mode)
+        return Variant(name, fp8compile.backend(release_bf16_weights=name.endswith("_release")), mode, own)
     if name.startswith("torchao"):
         try:
             import torchao  # noqa: F401
