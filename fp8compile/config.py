@@ -49,9 +49,10 @@ class Fp8Config:
     fusions:         fusion passes to run (default: all); () runs the plain linear pass only.
     debug_dir:       write graphs before/after our passes and depyf-decompiled code here
                      (default: $FP8COMPILE_DEBUG_DIR).
-    inductor_launch: the decode kernel as a launch in Inductor's generated code (no Python op
-                     around it, passes/inline.py) instead of the fp8compile op; None = where
-                     CUDA graphs are not asked for (there every call pays the host's cost).
+    inductor_launch: the decode kernel, and the quantization and cuBLAS call of the cuBLAS side,
+                     as launches in Inductor's generated code (no Python op around them,
+                     passes/inline.py) instead of the fp8compile op; None = where CUDA graphs
+                     are not asked for (there every call pays the host's cost).
     release_bf16_weights: give back the device memory of the bf16 weights no compiled graph reads
                      (those with an FP8 copy): their values move to host memory (release.py)
                      and the eager modules holding them refuse to run until

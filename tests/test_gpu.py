@@ -351,6 +351,41 @@ def test_inductor_launches_the_linear_decode_op_from_its_own_wrapper():
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
 
 
+def _launched_and_op_path(model, xs):
+    """(x, out, out of the op path) per x: model compiled with dynamic M in default mode (the
+    traced launches) and with inductor_launch=False (our ops)."""
+    torch._dynamo.reset()
+    op_path = torch.compile(model, backend=fp8compile.backend(inductor_launch=False), dynamic=True)
+    expected = [op_path(x) for x in xs]
+    torch._dynamo.reset()
+    launched = torch.compile(model, backend=fp8compile.backend(), dynamic=True)
+    return [(x, launched(x), want) for x, want in zip(xs, expected)]
+
+
+def test_default_mode_cublas_side_is_launched_by_inductor_with_the_bits_of_the_op():
+    """Outside CUDA graphs the cuBLAS side of every (gated) linear is traced too
+    (ops/scaled_mm_op.py): a static M = 300 graph calls no fp8compile op, only our quantization
+    kernel and aten._scaled_mm, and a dynamic graph gives the op path's bits through the medium
+    range of M, M not a multiple of 4 included (padded rows)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from fp8compile.ops import scaled_mm_op  # noqa: F401  (registers the op)
+    from tests.models import GatedMLP
+
+    model = GatedMLP(512, 1024).to(BF16).cuda()
+    with torch.no_grad():
+        out, code = run_and_get_code(torch.compile(model, backend=fp8compile.backend()), randn(300, 512, device="cuda"))
+        wrapper = "\n".join(code)
+        assert "_quant_act_kernel" in wrapper and "_scaled_mm" in wrapper and "torch.ops.fp8compile" not in wrapper
+        xs = [randn(m, 512, device="cuda") for m in (33, 66, 300, 1001)]
+        for x, got, want in _launched_and_op_path(model, xs):
+            assert torch.equal(got, want), x.shape  # the same quantization kernel and the same cuBLAS call
+            assert calc_diff(got, model(x)) < GATED_MLP
+    w_fp8, w_scale = reference.quant_weight_block(weight(256, 512))
+    torch.library.opcheck(torch.ops.fp8compile.linear_scaled_mm, (randn(13, 512, device="cuda"), w_fp8, w_scale),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
 def test_default_mode_decode_side_is_launched_by_inductor_with_the_numbers_of_the_op():
     """Outside CUDA graphs the decode kernel's side of every (gated) linear is the traced launch
     (passes/inline.py): a static M = 1 graph calls no fp8compile op at all, and a dynamic graph
@@ -367,12 +402,6 @@ def test_default_mode_decode_side_is_launched_by_inductor_with_the_numbers_of_th
         wrapper = "\n".join(code)
         assert wrapper.count("_linear_small_m_kernel") >= 2 and "torch.ops.fp8compile" not in wrapper
         xs = [randn(m, 512, device="cuda") for m in (1, 5, 16, 32, 33, 300)]
-        torch._dynamo.reset()
-        op_path = torch.compile(model, backend=fp8compile.backend(inductor_launch=False), dynamic=True)
-        expected = [op_path(x) for x in xs]
-        torch._dynamo.reset()
-        launched = torch.compile(model, backend=fp8compile.backend(), dynamic=True)
-        for x, want in zip(xs, expected):
-            got = launched(x)
+        for x, got, want in _launched_and_op_path(model, xs):
             assert calc_diff(got, want) < 1e-5, x.shape  # the same kernel; tiles may split K another way
             assert calc_diff(got, model(x)) < GATED_MLP

@@ -71,40 +71,48 @@ def test_transformers_model_runs_every_range_of_m_in_both_modes_within_its_fp8_b
         assert all(state.startswith("on:") for state in backend.report.cuda_graphs.values()), backend.report.cuda_graphs
 
 
-@pytest.mark.parametrize("path", ["compile_config", "user_compile"])
+@pytest.mark.parametrize("path", ["compile_config", "user_compile", "user_compile_lazy_cache"])
 @pytest.mark.parametrize("make", [llama, qwen3_moe])
 def test_generate_with_a_static_cache_in_cuda_graphs_does_not_recompile_after_warm_up(make, path):
     from torch._dynamo.utils import counters
     from transformers.generation.configuration_utils import CompileConfig
 
+    from fp8compile.bench.model import static_cache
+
     model = make()
     model.generation_config.eos_token_id = None
     backend = CountingBackend()
-    if path == "compile_config":
+    if path == "compile_config":  # transformers compiles the decode step; the prompt runs eagerly
         kwargs = dict(compile_config=CompileConfig(backend=backend, mode="reduce-overhead"))
-    else:
+    else:  # the user's own compile: the prompt runs compiled too
         model.forward = torch.compile(model.forward, backend=backend, mode="reduce-overhead")
         kwargs = dict(disable_compile=True)
     counters.clear()
     with torch.no_grad():
         for batch in (1, 16):
             ids = torch.randint(0, 32000, (batch, 40), device="cuda")
-            gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                       cache_implementation="static", **kwargs)
-            first = model.generate(ids, **gen)
+            gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, **kwargs)
+            cache = static_cache(model, batch, 72, "cuda") if path == "user_compile" else None
+
+            def generate():
+                if cache is None:
+                    return model.generate(ids, cache_implementation="static", **gen)
+                cache.reset()
+                return model.generate(ids, past_key_values=cache, **gen)
+
+            first = generate()
             warm = backend.compiles
-            again = model.generate(ids, **gen)
+            again = generate()
             assert backend.compiles == warm, f"batch {batch}: generate() recompiled after warm-up"
             assert torch.equal(first, again)
     states = backend.report.cuda_graphs.values()
-    if path == "compile_config":  # transformers runs the prompt eagerly and compiles the decode step
+    if path != "user_compile_lazy_cache":  # the cache made before the first call (static_cache()) or by generate()
         assert counters["inductor"]["cudagraph_skips"] == 0
         assert all(state.startswith("on:") for state in states), backend.report.cuda_graphs
     else:
-        # The user's torch.compile also compiles the prompt, in which transformers' static cache
-        # first moves a CPU counter (cumulative_length) to the GPU: the prompt's graphs run
-        # without CUDA graphs and the report names the CPU input (bf16 Inductor partitions
-        # around it; ours run unpartitioned, see backend.compile_graph). The decode steps' graphs
-        # are recorded.
+        # Left to generate(), the cache is first filled inside the compiled prompt, where its
+        # position counter (cumulative_length) is still a CPU tensor: that graph runs without CUDA
+        # graphs and the report names the input and says what to do.
         off = [state for state in states if not state.startswith("on:")]
-        assert all("cpu device" in state for state in off) and len(off) < len(states), backend.report.cuda_graphs
+        assert off and all("cumulative_length" in state and "early_initialization" in state for state in off), \
+            backend.report.cuda_graphs

@@ -64,6 +64,21 @@ def test_quant_act_is_bit_exact_with_the_reference(m, layout, e8m0):
         assert scale.stride() == (1, m)
 
 
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_quant_act_pads_rows_to_a_multiple_with_quantized_zeros_in_column_major_scales(m):
+    # cuBLAS's block scaling wants each scale column 16-byte aligned: the kernel writes the rows
+    # past M as quantized zeros (what a zero-padded copy of x would give) instead of a padded copy.
+    from fp8compile.numerics import AMAX_EPS, FP8_MAX
+
+    x = activation(m, 256)
+    x_fp8, scale = triton_quant.quant_act(x, False, "col", rows_multiple=4)
+    padded = (m + 3) // 4 * 4
+    ref_fp8, ref_scale = reference.quant_act_block(torch.nn.functional.pad(x, (0, 0, 0, padded - m)))
+    assert x_fp8.shape == (padded, 256) and scale.stride() == (1, padded)
+    assert torch.equal(x_fp8.view(torch.uint8), ref_fp8.view(torch.uint8)) and torch.equal(scale, ref_scale)
+    assert not x_fp8[m:].view(torch.uint8).any() and torch.all(scale[m:] == AMAX_EPS / FP8_MAX)
+
+
 LARGE_M_LOADS = {
     "pointer_loads": dict(tma=False),
     "tma_loads": dict(tma=True),

@@ -223,3 +223,60 @@ def test_the_report_names_the_model_input_that_keeps_a_graph_from_cuda_graphs():
                               {"arg3_1": "model.layers.0.input_layernorm.variance_epsilon", "arg13_1": "lm_head.weight"})
     assert state == ("off: Inductor skipped them: skipping cudagraphs due to cpu device "
                      "(arg3_1 = model.layers.0.input_layernorm.variance_epsilon)")
+
+
+def test_the_report_says_how_to_keep_transformers_static_cache_counter_off_the_cpu():
+    from fp8compile.backend import _cuda_graph_state
+
+    class Compiled:
+        device_types = {"cuda"}
+        disabled_cudagraphs_reason = "skipping cudagraphs due to cpu device (arg5_1)"
+
+    state = _cuda_graph_state(True, False, Compiled(), "reduce-overhead",
+                              {"arg5_1": "past_key_values.layers.0.cumulative_length"})
+    assert "(arg5_1 = past_key_values.layers.0.cumulative_length)" in state
+    assert "early_initialization" in state and "past_key_values" in state.split("(transformers'")[1]
+    Compiled.disabled_cudagraphs_reason = "skipping cudagraphs due to cpu device (arg3_1)"
+    other = _cuda_graph_state(True, False, Compiled(), "reduce-overhead", {"arg3_1": "model.norm.eps"})
+    assert "early_initialization" not in other  # the hint is for the cache's counter only
+
+
+def test_bench_model_static_cache_is_made_before_the_first_call_and_marked_static():
+    from fp8compile.bench.model import build, static_cache
+
+    model = build("tiny-llama", 1, "cpu")
+    cache = static_cache(model, 3, 20, "cpu")
+    layer = cache.layers[0]
+    assert layer.is_initialized and layer.keys.shape == (3, 2, 20, 64)
+    # Dynamo takes tensors marked here as static addresses: CUDA graphs need not copy them per call
+    assert all(getattr(t, "_dynamo_static_input_type", None) for t in (layer.keys, layer.values,
+                                                                        layer.cumulative_length))
+
+
+def test_generate_with_a_cache_made_before_the_call_builds_the_m_dispatch_when_dynamo_passes_the_batch_twice(
+        ranged_references):
+    # A user's own compile of model.forward, with the StaticCache made and initialized before
+    # generate() (how CUDA graphs stay on, bench.model.static_cache): Dynamo passes the batch
+    # symbol twice, once for the token ids and once for the cache tensors marked as static
+    # addresses, and the branches of the M dispatch must get the one the graph reads (the other
+    # fails in Inductor's codegen, "expected [s16] to have been codegen-ed", here as on the GPU).
+    from fp8compile.bench.model import static_cache
+
+    model = small_llama()
+    model.generation_config.eos_token_id = None
+    backend = CountingBackend(backends=ranged_references, **RANGES)
+    model.forward = torch.compile(model.forward, backend=backend, mode="reduce-overhead")
+    with torch.no_grad():
+        for batch in (1, 16):
+            ids = torch.randint(0, 32000, (batch, 12))
+            cache = static_cache(model, batch, 24, "cpu")
+
+            def generate():
+                cache.reset()
+                return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                                      past_key_values=cache, disable_compile=True)
+
+            first = generate()
+            warm = backend.compiles
+            assert torch.equal(generate(), first) and backend.compiles == warm, f"batch {batch}: recompiled"
+    assert {"ref_small", "ref_medium"} <= {k for r in backend.report.rewrites for _, k in r.kernels}

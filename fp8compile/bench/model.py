@@ -8,7 +8,8 @@ said in the output). Variants, in this order (torchao last: it quantizes the mod
     fp8[_ro]              torch.compile(backend=fp8compile.backend()), the same two modes
     *_own                 (bf16_inductor_ro_own, fp8_ro_own) decode with the user's own compile:
                           model.forward = torch.compile(model.forward, ...), generate() with
-                          compiling off, so the prompt runs through compiled graphs too
+                          compiling off, so the prompt runs through compiled graphs too; the
+                          static cache is made and initialized before the call (static_cache())
     fp8_ro_release        fp8_ro_own with Fp8Config(release_bf16_weights=True): the bf16 weights'
                           device memory given back (restored after the variant)
     torchao_rowwise_ro    torchao float8 dynamic rowwise, then Inductor reduce-overhead (if importable)
@@ -224,6 +225,23 @@ def by_kind(kernel_ms: dict[str, float]) -> dict[str, float]:
     return totals
 
 
+def static_cache(model, batch: int, max_len: int, device):
+    """A transformers StaticCache for `batch` sequences of up to max_len tokens, its tensors made
+    now, outside any compiled call: how a user who compiles model.forward (so the prompt runs
+    compiled too) must hand generate() its cache. Left to generate(), the cache is filled first
+    inside the compiled prompt: its position counter comes in as a CPU tensor (Inductor runs that
+    graph without CUDA graphs) and its keys and values are made there, not marked as static
+    addresses, so every decode step's graph takes them as ordinary inputs."""
+    from transformers import StaticCache
+
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache = StaticCache(config=model.config, max_cache_len=max_len)
+    cache.early_initialization(batch, heads, head_dim, model.dtype, device)
+    return cache
+
+
 def decode(model, variant: Variant, batch: int, context: int, steps: int, device, profile: Path | None = None) -> dict:
     """Two generate() calls at this batch size; the second is timed; if asked, a third under
     cProfile (host time by function, written to `profile`) and, on a GPU, the GPU time per step
@@ -231,10 +249,17 @@ def decode(model, variant: Variant, batch: int, context: int, steps: int, device
     prompt out, over the steps between)."""
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1, do_sample=False,
-                  cache_implementation="static", compile_config=variant.compile_config(device),
-                  disable_compile=variant.backend is None or variant.own)
+                  compile_config=variant.compile_config(device), disable_compile=variant.backend is None or variant.own)
+    cache = static_cache(model, batch, context + steps + 1, device) if variant.own else None
+
+    def generate(**more):
+        if cache is None:
+            return model.generate(ids, cache_implementation="static", **{**kwargs, **more})
+        cache.reset()  # generate() does not reset a cache it is given
+        return model.generate(ids, past_key_values=cache, **{**kwargs, **more})
+
     start = time.perf_counter()
-    model.generate(ids, **kwargs)
+    generate()
     _sync(device)
     first_s = time.perf_counter() - start
     clock, graphs = StepClock(device), _graphs()
@@ -243,7 +268,7 @@ def decode(model, variant: Variant, batch: int, context: int, steps: int, device
         compile_peak_gb = torch.cuda.max_memory_allocated(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    model.generate(ids, logits_processor=[clock], **kwargs)
+    generate(logits_processor=[clock])
     _sync(device)
     second_s = time.perf_counter() - start
     ms = clock.ms_per_step()
@@ -254,10 +279,10 @@ def decode(model, variant: Variant, batch: int, context: int, steps: int, device
         row["warm_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
         row["peak_before_gb"] = compile_peak_gb
     if profile is not None:
-        profiled(lambda: model.generate(ids, **kwargs), profile)
+        profiled(generate, profile)
         if device.type == "cuda":
-            every = _kernel_ms(lambda: model.generate(ids, **kwargs))
-            prompt = _kernel_ms(lambda: model.generate(ids, **{**kwargs, "max_new_tokens": 1}))
+            every = _kernel_ms(generate)
+            prompt = _kernel_ms(lambda: generate(max_new_tokens=1))
             _kernel_split(row, {name: ms - prompt.get(name, 0.0) for name, ms in every.items()}, steps)
     return row
 

@@ -63,17 +63,23 @@ def load_activation(x_ptr, b_ptr, rows, cols, stride_xm, stride_xk, stride_bm, s
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, b_ptr, q_ptr, s_ptr, M, stride_xm, stride_xk, stride_bm, stride_bk, stride_qm,
+def _quant_act_kernel(x_ptr, b_ptr, q_ptr, s_ptr, M, M_OUT, stride_xm, stride_xk, stride_bm, stride_bk, stride_qm,
                       stride_sm, stride_sg, eps, fp8_max, alpha, limit,
                       E8M0: tl.constexpr, ACT: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):
+    """Rows < M quantized from x; rows M..M_OUT - 1 written as quantized zeros (padding a GEMM
+    needs, without a padded copy of x)."""
+    # Float arguments in fp32 whatever the launcher typed them as (Inductor passes Python floats
+    # as fp64, and fp64 has no conversion to FP8: its compile fails in ConvertTritonGPUToLLVM).
+    eps, fp8_max = tl.cast(eps, tl.float32), tl.cast(fp8_max, tl.float32)
+    alpha, limit = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
-    mask = rows[:, None] < M
-    x = load_activation(x_ptr, b_ptr, rows, cols, stride_xm, stride_xk, stride_bm, stride_bk, mask, alpha, limit, ACT)
+    x = load_activation(x_ptr, b_ptr, rows, cols, stride_xm, stride_xk, stride_bm, stride_bk, rows[:, None] < M,
+                        alpha, limit, ACT)
     x_fp8, scale = quant_group(x, eps, fp8_max, E8M0)
-    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], x_fp8, mask=mask)
-    tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale, mask=rows < M)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], x_fp8, mask=rows[:, None] < M_OUT)
+    tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale, mask=rows < M_OUT)
 
 
 _quant_act_launch = Launcher(_quant_act_kernel)
@@ -97,25 +103,28 @@ def activation_code(b: torch.Tensor | None, activation: str) -> int:
 
 
 def quant_act(x: torch.Tensor, e8m0: bool = False, layout: str = "row", b: torch.Tensor | None = None,
-              activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) bf16 (or fp32), K a multiple of 128 -> (x_fp8 (M, K), x_scale (M, K/128)).
+              activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+              rows_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) bf16 (or fp32), K a multiple of 128 -> (x_fp8 (M', K), x_scale (M', K/128)),
+    M' = M rounded up to a multiple of rows_multiple, the rows past M quantized zeros.
 
     With b (M, K): quantizes the gated activation act(x, b) instead (reference.gated),
     computed in fp32 in the same pass."""
     m, k = x.shape
     if k % BLOCK:
         raise ValueError(f"K={k} is not a multiple of {BLOCK}")
-    x_fp8 = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    scale = empty_scales(m, k // BLOCK, layout, x.device)
-    if m:
+    m_out = triton.cdiv(m, rows_multiple) * rows_multiple
+    x_fp8 = torch.empty(m_out, k, dtype=FP8_DTYPE, device=x.device)
+    scale = empty_scales(m_out, k // BLOCK, layout, x.device)
+    if m_out:
         b_ = x if b is None else b
         # 16 rows x 128 per program. With 4-row tiles the compiled linear took 41 us more than
         # cuBLAS alone at M=4096, K=7168 on an H200 (88 MB moved: ~2.2 TB/s); with 16 rows, 25 us
         # (`bench gemm` runs of 2026-11-21, BENCHMARKS.md).
-        rows = min(QUANT_ROWS, triton.next_power_of_2(m))
+        rows = min(QUANT_ROWS, triton.next_power_of_2(m_out))
         _quant_act_launch(
-            (triton.cdiv(m, rows), k // BLOCK),
-            (x, b_, x_fp8, scale, m, x.stride(0), x.stride(1), b_.stride(0), b_.stride(1), x_fp8.stride(0),
+            (triton.cdiv(m_out, rows), k // BLOCK),
+            (x, b_, x_fp8, scale, m, m_out, x.stride(0), x.stride(1), b_.stride(0), b_.stride(1), x_fp8.stride(0),
              scale.stride(0), scale.stride(1), AMAX_EPS, FP8_MAX, float(alpha), float(limit)),
             dict(E8M0=e8m0, ACT=activation_code(b, activation), ROWS=rows, GROUP=BLOCK), num_warps=4,
         )

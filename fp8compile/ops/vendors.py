@@ -44,16 +44,12 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 def _quantized_activation(x, b, e8m0, layout, rows_multiple=1, act=("silu", 1.702, 7.0)):
     """(x_fp8, x_scale, M) for x (..., K), or for the gated act(x, b) when b is given (act =
-    (activation, alpha, limit)); rows padded with zeros (which quantize to zeros, whatever the
-    activation: 0 * sigmoid(0) * (0 + 1) = 0) up to a multiple of rows_multiple."""
+    (activation, alpha, limit)); the quantized rows padded with quantized zeros up to a
+    multiple of rows_multiple."""
     x2, b2 = _flat(x), None if b is None else _flat(b)
-    m = x2.shape[0]
-    if m % rows_multiple:
-        pad = (0, 0, 0, rows_multiple - m % rows_multiple)
-        x2 = torch.nn.functional.pad(x2, pad)
-        b2 = None if b2 is None else torch.nn.functional.pad(b2, pad)
-    x_fp8, x_scale = quant_act(x2, e8m0, layout, b=b2, activation=act[0], alpha=act[1], limit=act[2])
-    return x_fp8, x_scale, m
+    x_fp8, x_scale = quant_act(x2, e8m0, layout, b=b2, activation=act[0], alpha=act[1], limit=act[2],
+                               rows_multiple=rows_multiple)
+    return x_fp8, x_scale, x2.shape[0]
 
 
 def _finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -141,9 +141,10 @@ def _dispatch(ctx, graph, owner, attr_name, target, operands, args, kwargs, m_so
     cond(M <= first side's m_max, first side, the rest)."""
     if len(sides) == 1:
         call_kwargs = {**kwargs, "backend": sides[0].kernel}
-        if inline.wants_inductor_launch(ctx, target, args, call_kwargs, sides[0].m_max):
+        emit_launch = inline.inductor_launch(ctx, target, args, call_kwargs, sides[0].m_max)
+        if emit_launch is not None:
             ctx.traced_launches += 1
-            return inline.emit_decode_launch(graph, target, args, call_kwargs, sides[0].m_max)
+            return emit_launch(graph, target, args, call_kwargs, sides[0].m_max)
         node = graph.call_function(target, args, call_kwargs)
         node.meta["val"] = ctx.fake(target, *args, **call_kwargs)
         return node
@@ -177,7 +178,12 @@ def _symbol_operands(ctx: PassContext, operands: list[fx.Node]) -> list[fx.Node]
     for node in ctx.gm.graph.find_nodes(op="placeholder"):
         val = node.meta.get("val")
         if isinstance(val, torch.SymInt) and val.node.expr in symbols:
-            bound.setdefault(val.node.expr, node)
+            # Dynamo can pass one symbol twice (the batch of the token ids and of a KV cache marked
+            # as a static address): take the one the graph already reads. Branches handed the
+            # unread twin fail in Inductor's codegen ("For s16*s27, expected [s16] to have been
+            # codegen-ed"; tests/test_whole_model.py, the cache made before generate()).
+            if val.node.expr not in bound or (not bound[val.node.expr].users and node.users):
+                bound[val.node.expr] = node
     missing = symbols - bound.keys()
     if missing:
         raise NoDispatch(f"dynamic sizes {sorted(map(str, missing))} are not graph inputs (data-dependent?), "
