@@ -266,6 +266,17 @@ def _size_conds_keep_cuda_graphs():
         lowering.lowerings[op] = lower_cond
 
 
+# What to do about a known cause of "off", by the model input Inductor's reason names.
+_CUDA_GRAPH_HINTS = (
+    (re.compile(r"cpu device \(\w+ = [\w.]*cumulative_length"),
+     "transformers' static cache was first filled inside this compiled call, so its position counter "
+     "is still on the CPU and its keys and values are not static addresses: make the cache before "
+     "the first call, StaticCache(config=model.config, max_cache_len=...).early_initialization(batch, "
+     "kv_heads, head_dim, dtype, device), and pass it to generate() as past_key_values; or let "
+     "generate() compile the decode step (compile_config=CompileConfig(...))"),
+)
+
+
 def _cuda_graph_state(asked: bool, kept: bool, compiled: Any, mode: str | None, names: dict[str, str]) -> str:
     """One line for the report: are this graph's calls replayed from CUDA graphs, and if not, why.
     asked: the mode asked Inductor for them; kept: Inductor still had them after compiling;
@@ -285,17 +296,6 @@ def _cuda_graph_state(asked: bool, kept: bool, compiled: Any, mode: str | None, 
         hints = [hint for pattern, hint in _CUDA_GRAPH_HINTS if pattern.search(reason)]
         return f"off: Inductor skipped them: {reason[:300]}" + "".join(f" ({hint})" for hint in hints)
     return "off: Inductor skipped them (it gave no reason)"
-
-
-# What to do about a known cause of "off", by the model input Inductor's reason names.
-_CUDA_GRAPH_HINTS = (
-    (re.compile(r"cpu device \(\w+ = [\w.]*cumulative_length"),
-     "transformers' static cache was first filled inside this compiled call, so its position counter "
-     "is still on the CPU and its keys and values are not static addresses: make the cache before "
-     "the first call, StaticCache(config=model.config, max_cache_len=...).early_initialization(batch, "
-     "kv_heads, head_dim, dtype, device), and pass it to generate() as past_key_values; or let "
-     "generate() compile the decode step (compile_config=CompileConfig(...))"),
-)
 
 
 def fp8_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None,

@@ -236,7 +236,8 @@ def test_autotuned_linear_serves_every_m_in_one_graph_with_kernels_that_serve_th
             torch._dynamo.mark_dynamic(x, 0)
             assert calc_diff(compiled(x), model(x)) < 1e-3
     (rewrite,) = fp8.report.rewrites
-    bounds = [1] + [int(label.rsplit(" ", 1)[1]) + 1 for label, _ in rewrite.kernels[:-1]]  # "M <= 8", "8 < M <= 64", "M = 1"
+    # Labels read "M <= 8", "8 < M <= 64", ..., "M > 64".
+    bounds = [1] + [int(label.rsplit(" ", 1)[1]) + 1 for label, _ in rewrite.kernels[:-1]]
     assert rewrite.kernels[-1][0].startswith("M > ")
     for (label, kernel), lo, hi in zip(rewrite.kernels, bounds, [*bounds[1:], None]):
         request = registry.Request("linear", torch.device("cuda"), 4096, 7168, lo, None if hi is None else hi - 1)

@@ -94,7 +94,8 @@ def test_large_m_gemm_matches_the_reference(m, n, bias, loads):
     x_fp8, x_scale = reference.quant_act_block(activation(m, 256))
     w_fp8, w_scale = reference.quant_weight_block(randn(n, 256, scale=0.02, device=DEVICE))
     b = randn(n, device=DEVICE) if bias else None
-    config = {**(triton_gemm.INTERPRETER_CONFIG if DEVICE == "cpu" else triton_gemm.LARGE_M_CONFIG), **LARGE_M_LOADS[loads]}
+    tile = triton_gemm.INTERPRETER_CONFIG if DEVICE == "cpu" else triton_gemm.LARGE_M_CONFIG
+    config = {**tile, **LARGE_M_LOADS[loads]}
     out = triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, b, config=config)
     assert_bf16_close(out, reference_gemm(x_fp8, x_scale, w_fp8, w_scale, b))
 
@@ -369,3 +370,43 @@ def test_swigluoai_on_interleaved_halves_equals_the_plain_kernels_on_the_fp32_pr
     fused = triton_gemm.gated_linear_small_m(a, b, w_fp8, w_scale, activation="swigluoai")
     plain = triton_gemm.linear_small_m(h, w_fp8, w_scale)
     assert_bf16_close(fused, to_bf16_as_the_device_does(plain))
+
+
+def test_linear_scaled_mm_traces_to_one_quantization_launch_and_one_scaled_mm():
+    # What passes/inline.py copies into a default-mode graph for the cuBLAS side: the op's body
+    # traced as AOTAutograd traces it (functionalized, symbolic M). It must be our quantization
+    # kernel and aten._scaled_mm and nothing that copies (a written view would come back as a
+    # slice_scatter). Traced in a process without Triton's interpreter, which wrap_triton cannot
+    # trace through; on the CPU, as nothing runs.
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    pytest.importorskip("triton")
+    script = textwrap.dedent("""
+        import json
+        import torch
+        from torch._inductor.decomposition import select_decomp_table
+        from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
+        from torch.fx.experimental.proxy_tensor import make_fx
+        from fp8compile.ops import scaled_mm_op  # noqa: F401
+        x = torch.empty(300, 512, dtype=torch.bfloat16)
+        w, s = torch.empty(256, 512, dtype=torch.float8_e4m3fn), torch.empty(2, 4)
+        bias = torch.empty(256, dtype=torch.bfloat16)
+        for b in (None, x):
+            call = lambda x, w, s, bias, b: torch.ops.fp8compile.linear_scaled_mm(x, w, s, bias, False, b)
+            traced = make_fx(dispatch_functionalize(call, FunctionalTensorMode()),
+                             decomposition_table=select_decomp_table(), tracing_mode="symbolic")(x, w, s, bias, b)
+            print(json.dumps(sorted(str(n.target) for n in traced.graph.nodes if n.op == "call_function"
+                         and isinstance(n.target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)))))
+    """)
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in done.stdout.strip().splitlines():
+        targets = json.loads(line)
+        assert targets.count("triton_kernel_wrapper_functional") == 1, targets
+        assert targets.count("aten._scaled_mm.default") == 1, targets
+        assert not [t for t in targets if "scatter" in t or "copy" in t or "clone" in t], targets

@@ -12,6 +12,8 @@ The same numbers as the cuBLAS op (vendors.linear_cublas): the same kernel quant
 gated MLP's act(x, b)) 1x128 into column-major scales, M padded to a multiple of 4 with
 quantized zeros (cuBLAS wants 16-byte aligned scale columns), then cuBLAS's 1x128 / 128x128
 block-scaled GEMM. It serves M >= 8 (cuBLAS refuses fewer rows; the dispatch gives it none).
+Its definition is the cuBLAS backend's, which tests/test_gpu.py holds to the fp32 product; the
+traced op gives that backend's bits (tests/test_gpu.py, the default-mode cuBLAS side).
 """
 from __future__ import annotations
 
@@ -19,11 +21,8 @@ import torch
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from ..numerics import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX
+from ..numerics import BLOCK, FP8_DTYPE
 from . import triton_quant
-
-ROWS_MULTIPLE = 4  # fp32 scales per 16 bytes: cuBLAS's alignment of each scale column
-
 
 @triton_op("fp8compile::linear_scaled_mm", mutates_args=())
 def linear_scaled_mm(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None = None, e8m0: bool = False,
@@ -33,17 +32,15 @@ def linear_scaled_mm(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | N
     (ceil(N/128), K/128) fp32) (+ bias) -> bf16 (M, N), through cuBLAS. With b (M, K): the gated
     MLP's down projection, on act(x, b) (reference.gated), never rounded to bf16."""
     m, k = x.shape
-    groups = k // BLOCK
     torch._check(k % BLOCK == 0, lambda: f"K={k} is not a multiple of {BLOCK}")
     torch._check(b is None or b.shape == x.shape, lambda: "act(x, b) needs x and b of one shape")
-    m_out = (m + ROWS_MULTIPLE - 1) // ROWS_MULTIPLE * ROWS_MULTIPLE
+    align = triton_quant.TMA_ALIGN
+    m_out = (m + align - 1) // align * align
     x_fp8 = torch.empty(m_out, k, dtype=FP8_DTYPE, device=x.device)
-    x_scale = torch.empty(groups, m_out, dtype=torch.float32, device=x.device).t()  # (M', K/128), strides (1, M')
-    b_ = x if b is None else b
-    rows = triton_quant.QUANT_ROWS
-    wrap_triton(triton_quant._quant_act_kernel)[((m_out + rows - 1) // rows, groups)](
-        x, b_, x_fp8, x_scale, m, m_out, x.stride(0), x.stride(1), b_.stride(0), b_.stride(1), x_fp8.stride(0),
-        x_scale.stride(0), x_scale.stride(1), AMAX_EPS, FP8_MAX, float(alpha), float(limit), E8M0=e8m0,
-        ACT=triton_quant.activation_code(b, activation), ROWS=rows, GROUP=BLOCK, num_warps=4)
+    # (M', K/128) with strides (1, M'), as empty_scales(m_out, ..., "col") makes it but without its
+    # [:m] slice: traced, a written slice comes back as a slice_scatter, one more kernel.
+    x_scale = torch.empty(k // BLOCK, m_out, dtype=torch.float32, device=x.device).t()
+    grid, args, constexprs = triton_quant.quant_act_arguments(x, b, x_fp8, x_scale, e8m0, activation, alpha, limit)
+    wrap_triton(triton_quant._quant_act_kernel)[grid](*args, **constexprs, num_warps=4)
     out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)[:m]
     return out if bias is None else out + bias

@@ -18,7 +18,7 @@ import triton.language as tl
 from ..numerics import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX
 from .launch import Launcher
 
-TMA_ALIGN = 4  # fp32 elements per 16 bytes
+TMA_ALIGN = 4  # fp32 elements per 16 bytes: the alignment TMA and cuBLAS want of a scale column
 QUANT_ROWS = 16
 
 
@@ -117,18 +117,27 @@ def quant_act(x: torch.Tensor, e8m0: bool = False, layout: str = "row", b: torch
     x_fp8 = torch.empty(m_out, k, dtype=FP8_DTYPE, device=x.device)
     scale = empty_scales(m_out, k // BLOCK, layout, x.device)
     if m_out:
-        b_ = x if b is None else b
         # 16 rows x 128 per program. With 4-row tiles the compiled linear took 41 us more than
         # cuBLAS alone at M=4096, K=7168 on an H200 (88 MB moved: ~2.2 TB/s); with 16 rows, 25 us
         # (`bench gemm` runs of 2026-11-21, BENCHMARKS.md).
         rows = min(QUANT_ROWS, triton.next_power_of_2(m_out))
-        _quant_act_launch(
-            (triton.cdiv(m_out, rows), k // BLOCK),
-            (x, b_, x_fp8, scale, m, m_out, x.stride(0), x.stride(1), b_.stride(0), b_.stride(1), x_fp8.stride(0),
-             scale.stride(0), scale.stride(1), AMAX_EPS, FP8_MAX, float(alpha), float(limit)),
-            dict(E8M0=e8m0, ACT=activation_code(b, activation), ROWS=rows, GROUP=BLOCK), num_warps=4,
-        )
+        grid, args, constexprs = quant_act_arguments(x, b, x_fp8, scale, e8m0, activation, alpha, limit, rows)
+        _quant_act_launch(grid, args, constexprs, num_warps=4)
     return x_fp8, scale
+
+
+def quant_act_arguments(x, b, x_fp8, scale, e8m0, activation, alpha, limit, rows=QUANT_ROWS):
+    """(grid, args, constexprs) of _quant_act_kernel quantizing x (M, K) (or act(x, b)) into
+    x_fp8 (M', K) and scale (M', K/128), M' >= M rows (the rows past M quantized zeros), `rows`
+    rows per program. The one place the kernel's arguments are laid out: quant_act launches
+    them through our Launcher (_quant_act_launch), ops/scaled_mm_op.py through wrap_triton for Inductor."""
+    m, k = x.shape
+    m_out = x_fp8.shape[0]
+    b_ = x if b is None else b
+    grid = ((m_out + rows - 1) // rows, k // BLOCK)  # SymInt-safe: no branch on a traced M
+    args = (x, b_, x_fp8, scale, m, m_out, x.stride(0), x.stride(1), b_.stride(0), b_.stride(1), x_fp8.stride(0),
+            scale.stride(0), scale.stride(1), AMAX_EPS, FP8_MAX, float(alpha), float(limit))
+    return grid, args, dict(E8M0=e8m0, ACT=activation_code(b, activation), ROWS=rows, GROUP=BLOCK)
 
 
 def quant_act_row(x: torch.Tensor, e8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ import importlib
 
 import torch
 
-from .triton_quant import empty_scales, quant_act
+from .triton_quant import TMA_ALIGN, empty_scales, quant_act
 
 INSTALL = {
     "deep_gemm": "pip install 'fp8compile[deep_gemm]' (sgl-deep-gemm; 0.1.5.post1 loads on torch 2.11)",
@@ -75,7 +75,7 @@ def _cublas(x, b, w_fp8, w_scale, bias, e8m0, act=("silu", 1.702, 7.0)):
     columns 16-byte aligned (M = 31 and 33 fail with CUBLAS_STATUS_NOT_SUPPORTED on an H200,
     16 and 32 run), so M is padded to a multiple of 4 with zero rows. It rejects M < 8
     outright; the registry never routes those here."""
-    x_fp8, x_scale, m = _quantized_activation(x, b, e8m0, "col", rows_multiple=4, act=act)
+    x_fp8, x_scale, m = _quantized_activation(x, b, e8m0, "col", rows_multiple=TMA_ALIGN, act=act)
     out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)
     return _finish(out[:m], x, bias)
 
