@@ -10,7 +10,8 @@ from typing import Any
 from . import registry
 
 RECIPES = ("block",)  # "rowwise" and "tensor" join when their ops land
-FUSIONS = ("moe", "gate_up", "qkv", "silu_mul")  # fusion passes, run in this order before the linear pass
+# Fusion passes, run in this order before the linear pass.
+FUSIONS = ("gqa_attention", "moe", "gate_up", "qkv", "silu_mul")
 
 # Small/large-M threshold for the torch.cond dispatch: M <= SMALL_M takes the decode path.
 # 32 is where the anchors' decode kernels stop streaming weights and start being compute-bound
@@ -47,6 +48,8 @@ class Fp8Config:
     backends:        kernel backends in preference order; None = the measured default order.
     skip:            module-name globs left in bf16, e.g. ("lm_head", "*.mlp.down_proj").
     fusions:         fusion passes to run (default: all); () runs the plain linear pass only.
+                     "gqa_attention" is not FP8: grouped-query attention over a KV cache without
+                     repeat_kv's copy (passes/gqa_attention.py).
     debug_dir:       write graphs before/after our passes and depyf-decompiled code here
                      (default: $FP8COMPILE_DEBUG_DIR).
     inductor_launch: the decode kernel, and the quantization and cuBLAS call of the cuBLAS side,

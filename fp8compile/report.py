@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-KINDS = ("linear", "silu_mul", "moe")
+KINDS = ("linear", "silu_mul", "moe", "attention")
 
 
 @dataclasses.dataclass(frozen=True)

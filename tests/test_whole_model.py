@@ -184,15 +184,18 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path):
     from fp8compile.bench.model import bench_model, model_table
 
     rows = bench_model(tmp_path, models=["tiny-llama"], batches=[2], context=4, steps=2, prefill=8,
-                       variants=["bf16", "fp8", "fp8_ro", "fp8_ro_release"], device="cpu", profile=True)
+                       variants=["bf16", "bf16_gqa_ro", "fp8", "fp8_ro", "fp8_ro_release"], device="cpu", profile=True)
     decode = {r["variant"]: r for r in rows if r["kind"] == "decode"}
     # fp8_ro_release: the user's own compile of model.forward (the prompt through the graphs too),
     # with the bf16 weights released, then restored for what follows
-    assert set(decode) == {"bf16", "fp8", "fp8_ro", "fp8_ro_release"}
+    assert set(decode) == {"bf16", "bf16_gqa_ro", "fp8", "fp8_ro", "fp8_ro_release"}
     assert all(r["recompiles"] == 0 and r["tokens_per_s"] > 0 for r in decode.values())
     accuracy = {r["variant"]: r["calc_diff"] for r in rows if r["kind"] == "accuracy"}
     assert accuracy["bf16"] == 0 and 0 < accuracy["fp8"] < 1.15 * accuracy["fp8_unfused_eager"]
-    assert "fp8_ro/bf16_inductor_ro" in model_table(rows) and (tmp_path / "bench_model.json").exists()
+    # fp8 over the bf16 anchor with the same attention rewrite; a ratio needs both of its variants
+    table = model_table(rows)
+    assert "fp8_ro/bf16_gqa_ro" in table and "fp8_ro/bf16_inductor_ro" not in table
+    assert (tmp_path / "bench_model.json").exists()
     assert "generate" in (tmp_path / "profile_tiny-llama_fp8_b2.txt").read_text()  # --profile: host time by function
     assert "step" in (tmp_path / "profile_tiny-llama_fp8_prefill.txt").read_text()  # and of one prefill
 
@@ -220,7 +223,8 @@ def test_the_report_names_the_model_input_that_keeps_a_graph_from_cuda_graphs():
         disabled_cudagraphs_reason = "skipping cudagraphs due to cpu device (arg3_1)"
 
     state = _cuda_graph_state(True, False, Compiled(), "reduce-overhead",
-                              {"arg3_1": "model.layers.0.input_layernorm.variance_epsilon", "arg13_1": "lm_head.weight"})
+                              {"arg3_1": "model.layers.0.input_layernorm.variance_epsilon",
+                               "arg13_1": "lm_head.weight"})
     assert state == ("off: Inductor skipped them: skipping cudagraphs due to cpu device "
                      "(arg3_1 = model.layers.0.input_layernorm.variance_epsilon)")
 

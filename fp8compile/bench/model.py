@@ -60,9 +60,12 @@ MODELS = {
         hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=1024, num_hidden_layers=2, max_position_embeddings=512)),
 }
-# fp8_op_launch: fp8 with Fp8Config(inductor_launch=False), the decode kernel behind our op (for an A/B)
-VARIANTS = ("bf16", "bf16_inductor", "bf16_inductor_ro", "fp8", "fp8_ro", "fp8_op_launch", "bf16_inductor_ro_own",
-            "fp8_ro_own", "fp8_ro_release", "torchao_rowwise_ro")
+# fp8_op_launch: fp8 with Fp8Config(inductor_launch=False), the decode kernel behind our op (for an A/B).
+# bf16_gqa(_ro): bf16 Inductor plus our gqa_attention pass alone (every linear left bf16), the
+# anchor that tells FP8's share of a speedup from the attention rewrite's; fp8_ro_repeat_kv: fp8
+# without that pass.
+VARIANTS = ("bf16", "bf16_inductor", "bf16_inductor_ro", "bf16_gqa", "bf16_gqa_ro", "fp8", "fp8_ro", "fp8_op_launch",
+            "fp8_ro_repeat_kv", "bf16_inductor_ro_own", "fp8_ro_own", "fp8_ro_release", "torchao_rowwise_ro")
 BATCHES = (1, 4, 16, 64)
 
 
@@ -148,8 +151,13 @@ def _variant(name: str):
         return Variant(name, None)
     if name.startswith("bf16_inductor"):
         return Variant(name, "inductor", mode, own)
+    if name.startswith("bf16_gqa"):
+        return Variant(name, fp8compile.backend(fusions=("gqa_attention",), skip=("*",)), mode)
     if name == "fp8_op_launch":
         return Variant(name, fp8compile.backend(inductor_launch=False), mode)
+    if name == "fp8_ro_repeat_kv":
+        fusions = tuple(f for f in fp8compile.Fp8Config().fusions if f != "gqa_attention")
+        return Variant(name, fp8compile.backend(fusions=fusions), mode)
     if name.startswith("fp8"):
         return Variant(name, fp8compile.backend(release_bf16_weights=name.endswith("_release")), mode, own)
     if name.startswith("torchao"):
@@ -356,7 +364,8 @@ def bench_model(out_dir: Path, models=None, layers: int | None = None, batches=N
         for model_name in models:
             model = build(model_name, layers, device)
             n_layers = model.config.num_hidden_layers
-            print(f"{model_name}: {n_layers} layers ({MODELS[model_name][2]['num_hidden_layers']} in the released model), "
+            released = MODELS[model_name][2]["num_hidden_layers"]
+            print(f"{model_name}: {n_layers} layers ({released} in the released model), "
                   f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, on {device_name}")
             ids_acc = torch.randint(0, model.config.vocab_size, (1, 64), device=device)
             eager_logits = model(ids_acc, use_cache=False).logits.float()
@@ -441,8 +450,12 @@ def model_table(rows: list[dict]) -> str:
             cells += f"{mem['peak_gb']:>9.1f}{mem.get('warm_peak_gb', 0.0):>9.1f}" if mem else f"{'-':>9}{'-':>9}"
             cells += f"{acc['calc_diff']:>10.2e}" if acc else f"{'-':>10}"
             lines.append(f"{v:<20}{cells}{recompiles:>11}")
-        for fp8, bf16 in (("fp8", "bf16_inductor"), ("fp8_ro", "bf16_inductor_ro"), ("fp8_ro_own", "bf16_inductor_ro_own"),
-                          ("fp8_ro_release", "bf16_inductor_ro_own")):
+        for fp8, bf16 in (("fp8", "bf16_inductor"), ("fp8_ro", "bf16_inductor_ro"),
+                          ("fp8_ro_own", "bf16_inductor_ro_own"), ("fp8_ro_release", "bf16_inductor_ro_own"),
+                          ("fp8_ro", "bf16_gqa_ro"), ("fp8_ro_repeat_kv", "bf16_inductor_ro"),
+                          ("bf16_gqa_ro", "bf16_inductor_ro")):
+            if fp8 not in variants or bf16 not in variants:
+                continue
             ratios = []
             for b in batches:
                 a, z = get.get((fp8, "decode", b)), get.get((bf16, "decode", b))

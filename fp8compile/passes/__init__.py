@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .context import GraphInputs, PassContext
 from .gate_up import gate_up_pass
+from .gqa_attention import gqa_attention_pass
 from .linear import linear_pass
 from .moe import moe_pass
 from .qkv import qkv_pass
@@ -11,7 +12,8 @@ from .silu_mul import silu_mul_pass
 
 # Order matters: a fusion claims its down projection before linear_pass sees it as a plain linear.
 # Each fusion runs when its name is in Fp8Config.fusions; linear_pass always runs, last.
-FUSION_PASSES = {"moe": moe_pass, "gate_up": gate_up_pass, "qkv": qkv_pass, "silu_mul": silu_mul_pass}
+FUSION_PASSES = {"gqa_attention": gqa_attention_pass, "moe": moe_pass, "gate_up": gate_up_pass, "qkv": qkv_pass,
+                 "silu_mul": silu_mul_pass}
 PASSES = (*FUSION_PASSES.values(), linear_pass)
 
 

@@ -1,0 +1,76 @@
+"""The gqa_attention pass: transformers' grouped-query attention over a static cache reads each
+K/V head once (no repeat_kv copy), with the numbers of the attention it replaces."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp8compile
+from fp8compile import calc_diff
+from fp8compile.passes.gqa_attention import MAX_QUERY_ROWS, SDPA_OPS, grouped_sdpa, repeated_kv
+
+pytest.importorskip("transformers")
+from fp8compile.bench.model import static_cache  # noqa: E402
+from fp8compile.demo import small_llama  # noqa: E402
+
+
+def repeat_kv(x, rep):
+    b, kv, length, d = x.shape
+    return x[:, :, None].expand(b, kv, rep, length, d).reshape(b, kv * rep, length, d)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("mask", [None, "per_sequence", "per_head", "2d"])
+@pytest.mark.parametrize("heads_outer", [True, False])
+def test_grouped_query_rows_give_the_attention_over_repeated_kv(rows, mask, heads_outer):
+    b, heads, kv, length, d = 2, 8, 2, 24, 16
+    q, k, v = (torch.randn(b, n, s, d) for n, s in ((heads, rows), (kv, length), (kv, length)))
+    bias = {None: None, "per_sequence": torch.randn(b, 1, rows, length),
+            "per_head": torch.randn(b, heads, rows, length), "2d": torch.randn(rows, length)}[mask]
+    want = F.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=bias, scale=0.3)
+    got = grouped_sdpa(q, k, v, bias, 0.3, 4, heads_outer)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    order = (b, heads, rows, d) if heads_outer else (b, rows, heads, d)
+    assert got.permute(*((0, 1, 2, 3) if heads_outer else (0, 2, 1, 3))).is_contiguous(), (got.stride(), order)
+
+
+def _generate(model, ids, backend, steps=6):
+    torch._dynamo.reset()
+    model.forward = torch.compile(type(model).forward.__get__(model), backend=backend)
+    try:
+        cache = static_cache(model, ids.shape[0], ids.shape[1] + steps, "cpu")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
+                             past_key_values=cache, output_logits=True, return_dict_in_generate=True)
+    finally:
+        del model.forward
+    return out.sequences, out.logits
+
+
+def test_static_cache_decode_reads_each_kv_head_once_with_the_numbers_of_repeat_kv(captured):
+    model = small_llama()  # 4 query heads on 2 K/V heads
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(0, 32000, (2, 12))
+    rewritten = fp8compile.backend(fusions=("gqa_attention",), skip=("*",))  # linears stay bf16: attention only
+    with torch.no_grad():
+        tokens, logits = _generate(model, ids, rewritten)
+        want_tokens, want_logits = _generate(model, ids, fp8compile.backend(fusions=(), skip=("*",)))
+    layers = model.config.num_hidden_layers
+    assert [(r.name, r.detail) for r in rewritten.report.rewrites if r.graph == 1] == [
+        (f"model.layers.{i}.self_attn", "gqa 4/2 heads") for i in range(layers)]
+    for graph in captured[:2]:  # the prompt's graph and the decode step's
+        sdpa = [node for node in graph.after.graph.nodes if node.target in SDPA_OPS]
+        assert len(sdpa) == layers and all(node.args[1].meta["val"].shape[1] == 2 for node in sdpa)
+        assert not [node for node in graph.after.graph.nodes if repeated_kv(node)], "repeat_kv's copy is still there"
+    assert torch.equal(tokens, want_tokens)
+    # The same softmax over the same keys, tiled differently: bf16 rounding of the output.
+    assert max(calc_diff(a.float(), b.float()) for a, b in zip(logits, want_logits)) < 1e-4
+
+
+def test_a_query_longer_than_the_grouped_rows_pay_for_keeps_repeat_kv_and_says_why():
+    model = small_llama(layers=1)
+    model.generation_config.eos_token_id = None
+    backend = fp8compile.backend(fusions=("gqa_attention",), skip=("*",))
+    with torch.no_grad():
+        _generate(model, torch.randint(0, 32000, (1, MAX_QUERY_ROWS + 1)), backend, steps=2)
+    (skip,) = [s for s in backend.report.skips if s.kind == "attention"]
+    assert skip.name == "model.layers.0.self_attn" and f"<= {MAX_QUERY_ROWS}" in skip.reason
+    assert [r.graph for r in backend.report.rewrites if r.kind == "attention"] == [1]  # the decode step's
