@@ -70,21 +70,24 @@ def _cuda_why_not(request: Request, min_capability: tuple[int, int], exact_major
 
 
 def _triton_device_why_not(request: Request) -> str | None:
-    if request.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        return None  # Triton's CPU interpreter: correctness tests at small sizes
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
+    if request.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return None  # Triton's CPU interpreter: correctness tests at small sizes
     return _cuda_why_not(request, (8, 9))  # FP8 tensor-core dot: Ada / Hopper and newer
 
 
 def _triton_small_m_why_not(request: Request) -> str | None:
-    from .ops.triton_gemm import SMALL_M_MAX
-
     if request.batch_invariant:
         return "split-K sums partials in whatever order the SMs finish: not batch-invariant"
+    why = _triton_device_why_not(request)  # first: the kernel's module imports triton
+    if why is not None:
+        return why
+    from .ops.triton_gemm import SMALL_M_MAX
+
     if request.m_max is None or request.m_max > SMALL_M_MAX:
         return f"decode kernel: serves M <= {SMALL_M_MAX} ({request.m_range} asked)"
-    return _triton_device_why_not(request)
+    return None
 
 
 def _vendor_why_not(module: str, request: Request, min_capability, exact_major=None) -> str | None:

@@ -183,6 +183,30 @@ def test_backends_command_names_the_chosen_backend_and_why_not_the_others():
     assert any("cublas" in line and "fails below M = 8" in line for line in lines)
 
 
+def test_cli_runs_on_an_install_without_triton():
+    # CPU-only torch comes without triton: `backends` says why the Triton kernels do not serve,
+    # `bench` (but `bench model`) says in one line that it needs a GPU.
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["triton"] = None  # as if not installed
+        from fp8compile.__main__ import main
+        main(["backends", "-m", "1"])
+        import torch
+        if not torch.cuda.is_available():
+            try:
+                main(["bench", "gemm"])
+            except SystemExit as e:
+                print("bench:", e)
+    """)
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "triton_small_m  not used: triton is not installed" in result.stdout
+    assert any(line.strip().endswith("CHOSEN") for line in result.stdout.splitlines())
+    if "bench:" in result.stdout:
+        assert "bench: bench gemm needs a CUDA GPU" in result.stdout
+
+
 def test_missing_vendor_library_error_says_what_to_install(monkeypatch):
     from fp8compile.ops import vendors
 

@@ -34,3 +34,49 @@ def test_run_time_modules_never_import_compile_time_ones():
 def test_the_layering_check_sees_relative_and_lazy_imports():
     ops = _imported(PACKAGE / "ops" / "custom.py")
     assert {"weights", "registry", "ops.reference"} <= ops  # `from ..weights import`, `from . import reference`
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports_of(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules path imports: `from . import reference` is ops.reference, not ops."""
+    package = path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = list(package[:len(package) - node.level + 1]) if node.level else []
+            module = ".".join(base + ([node.module] if node.module else [])).removeprefix("fp8compile").lstrip(".")
+            for alias in node.names:
+                sub = f"{module}.{alias.name}".lstrip(".")
+                found.add(sub if sub in modules else module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.removeprefix("fp8compile").lstrip(".") for alias in node.names}
+    return found & modules
+
+
+def _import_cycles() -> list[list[str]]:
+    """Circles in the graph of the package's imports (module level and lazy alike)."""
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {name: sorted(_imports_of(path, set(modules)) - {name}) for name, path in modules.items()}
+    cycles, state = [], {}  # state: 1 on the current path, 2 done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in graph[name]:
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target):] + [name, target] if target in path else [name, target])
+            elif target not in state:
+                visit(target, path + [name])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    return cycles
+
+
+def test_no_two_modules_import_each_other_even_lazily():
+    assert _import_cycles() == []

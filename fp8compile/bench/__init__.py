@@ -2,42 +2,15 @@
 
 model.py times whole transformers models (what users judge); host.py the host cost of one
 decode linear outside CUDA graphs, layer by layer of the FP8 path; kernels.py times single linears,
-MLPs, MoE layers and tile sweeps against the anchors. Vendor libraries and triton are imported
-by the benchmark that uses them, never here.
+MLPs, MoE layers and tile sweeps against the anchors; output.py holds what they all write besides
+JSON (plots, host profiles). Vendor libraries and triton are imported by the benchmark that uses
+them, never here.
 """
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
-
-
-def pyplot():
-    """matplotlib.pyplot on a file backend, or None (with a line saying so) where it is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
-        return None
-    return plt
-
-
-def profiled(fn, path: Path, lines: int = 40) -> None:
-    """Run fn under cProfile; the functions with the most own time, then the most cumulative, to path."""
-    import cProfile
-    import io
-    import pstats
-
-    profiler = cProfile.Profile()
-    profiler.runcall(fn)
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("tottime").print_stats(lines)
-    stats.sort_stats("cumulative").print_stats(lines)
-    path.write_text(text.getvalue())
 
 
 def main(args) -> int:
@@ -49,7 +22,8 @@ def main(args) -> int:
         from .model import bench_model
 
         bench_model(out, models=args.model, layers=args.layers, batches=args.batch, context=args.context,
-                    steps=args.steps, prefill=args.prefill, variants=args.variant, device=args.device, profile=args.profile)
+                    steps=args.steps, prefill=args.prefill, variants=args.variant, device=args.device,
+                    profile=args.profile)
     else:
         if not torch.cuda.is_available():
             raise SystemExit(f"bench {args.what} needs a CUDA GPU")

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import fp8compile
 from fp8compile.numerics import calc_diff
 
-from . import profiled
+from .output import profiled
 
 
 def _host_and_wall_us(fn, calls: int) -> tuple[float, float]:

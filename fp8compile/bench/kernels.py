@@ -18,7 +18,7 @@ import torch
 
 import fp8compile
 
-from . import pyplot
+from .output import pyplot
 
 SHAPES = [(4096, 7168), (14336, 4096), (4096, 14336), (24576, 1536), (7168, 2048)]  # (N, K)
 MS = [1, 16, 32, 128, 1024, 4096]

@@ -40,7 +40,7 @@ import torch
 
 import fp8compile
 
-from . import profiled, pyplot
+from .output import profiled, pyplot
 
 # name -> (transformers model class, config class, config fields). Real widths; layer counts of
 # the released models (cut with --layers).

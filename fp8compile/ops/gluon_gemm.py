@@ -37,7 +37,7 @@ import torch
 import triton
 
 from ..numerics import BLOCK
-from .triton_gemm import _num_sms
+from .launch import num_sms
 
 try:
     from triton.experimental import gluon
@@ -301,7 +301,7 @@ def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None):
     the kernel on a CPU from them too. config: keys of CONFIG to override; default pick_config's."""
     m, k = x_fp8.shape
     n = w_fp8.shape[0]
-    sms = _num_sms(out.device.index or 0) if out.device.type == "cuda" else 132
+    sms = num_sms(out.device.index or 0) if out.device.type == "cuda" else 132
     cfg = {**pick_config(m, n, sms), **(config or {})}
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     consumers = bm // 64

@@ -13,6 +13,7 @@ every call after a relaunch the installed Triton refuses (its launcher taking ot
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -24,6 +25,12 @@ except ImportError:  # no Triton, or one without knobs: every launch takes Trito
     _knobs = _driver = None
 
 log = logging.getLogger("fp8compile")
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """The GPU's streaming multiprocessors: what persistent and split-K grids are sized by."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _arg_key(a):

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..numerics import AMAX_EPS, BLOCK, FP8_MAX
-from .launch import Launcher
+from .launch import Launcher, num_sms
 from .triton_quant import activation_code, load_activation, quant_act, quant_group
 
 
@@ -222,11 +222,6 @@ def _interpreting(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bfloat16, config=None, tma=None):
     """Block-scaled x_fp8 (M, K) @ w_fp8 (N, K).T (+ bias) -> (M, N) out_dtype.
 
@@ -253,7 +248,7 @@ def gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bflo
     if BLOCK % cfg["BLOCK_N"]:
         raise ValueError(f"BLOCK_N={cfg['BLOCK_N']} must divide the {BLOCK}-row weight scale block")
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
-    sms = 1 if _interpreting(x_fp8) else _num_sms(x_fp8.device.index or 0)  # the interpreter: 1 "SM"
+    sms = 1 if _interpreting(x_fp8) else num_sms(x_fp8.device.index or 0)  # the interpreter: 1 "SM"
     programs = min(tiles, per_sm * sms) if per_sm else tiles
     descriptors = (_descriptor(x_fp8, cfg["BLOCK_M"]), _descriptor(w_fp8, cfg["BLOCK_N"])) if tma else (x_fp8, w_fp8)
     _gemm_large_m_kernel[(programs,)](
@@ -278,7 +273,7 @@ def large_m_kernel(m: int, n: int, device: torch.device) -> str:
     if m > TILE_SWITCH_M and USE_GLUON and device.type == "cuda" and n % 8 == 0:
         from . import gluon_gemm
         if gluon_gemm.IMPORT_ERROR is None and torch.cuda.get_device_capability(device)[0] == 9:
-            cfg = gluon_gemm.pick_config(m, n, _num_sms(device.index or 0))
+            cfg = gluon_gemm.pick_config(m, n, num_sms(device.index or 0))
             return f"Gluon warp-specialized GEMM, {cfg['BLOCK_M']}x{cfg['BLOCK_N']} tiles"
     cfg = SMALL_TILE_CONFIG if m <= TILE_SWITCH_M else LARGE_M_CONFIG
     return f"Triton GEMM, {cfg['BLOCK_M']}x{cfg['BLOCK_N']} tiles"
@@ -298,7 +293,7 @@ def small_m_split(n: int, k: int, device: torch.device, block_n: int = SMALL_M_B
     if device.type != "cuda":
         return 2  # exercise the split path under the interpreter
     n_blocks = triton.cdiv(n, block_n)
-    target = programs_per_sm * _num_sms(device.index or 0)
+    target = programs_per_sm * num_sms(device.index or 0)
     return max(1, min(k // BLOCK, round(target / n_blocks)))
 
 
