@@ -21,13 +21,14 @@ def repeat_kv(x, rep):
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("mask", [None, "per_sequence", "per_head", "2d"])
 @pytest.mark.parametrize("heads_outer", [True, False])
-def test_grouped_query_rows_give_the_attention_over_repeated_kv(rows, mask, heads_outer):
-    b, heads, kv, length, d = 2, 8, 2, 24, 16
+@pytest.mark.parametrize("kv, rep", [(2, 4), (4, 7), (1, 8)], ids=["llama", "qwen2.5", "mqa"])
+def test_grouped_query_rows_give_the_attention_over_repeated_kv(rows, mask, heads_outer, kv, rep):
+    b, heads, length, d = 2, kv * rep, 24, 16
     q, k, v = (torch.randn(b, n, s, d) for n, s in ((heads, rows), (kv, length), (kv, length)))
     bias = {None: None, "per_sequence": torch.randn(b, 1, rows, length),
             "per_head": torch.randn(b, heads, rows, length), "2d": torch.randn(rows, length)}[mask]
-    want = F.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=bias, scale=0.3)
-    got = grouped_sdpa(q, k, v, bias, 0.3, 4, heads_outer)
+    want = F.scaled_dot_product_attention(q, repeat_kv(k, rep), repeat_kv(v, rep), attn_mask=bias, scale=0.3)
+    got = grouped_sdpa(q, k, v, bias, 0.3, rep, heads_outer)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     order = (b, heads, rows, d) if heads_outer else (b, rows, heads, d)
     assert got.permute(*((0, 1, 2, 3) if heads_outer else (0, 2, 1, 3))).is_contiguous(), (got.stride(), order)
