@@ -103,7 +103,8 @@ def tuned_ranges(base: registry.Request, order: tuple[str, ...], time: Callable[
     return chosen
 
 
-def plan(base: registry.Request, order: tuple[str, ...] | None, static_m: int | None) -> list[tuple[int, int | None, str]]:
+def plan(base: registry.Request, order: tuple[str, ...] | None,
+         static_m: int | None) -> list[tuple[int, int | None, str]]:
     """tuned_ranges for one call site, timing with this GPU (order: Fp8Config.backends, or every
     backend but the reference, which stays the fallback)."""
     if order is None:

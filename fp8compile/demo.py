@@ -48,7 +48,8 @@ def main(device: str | None = None, batch: int = 2, seq: int = 24, **options) ->
         start = time.perf_counter()
         logits = compiled(ids).logits
         compile_s = time.perf_counter() - start
-    print(f"device: {device}  model: LlamaForCausalLM hidden=256 intermediate=512 layers=2 vocab=32000  input: {batch}x{seq}")
+    print(f"device: {device}  model: LlamaForCausalLM hidden=256 intermediate=512 layers=2 vocab=32000  "
+          f"input: {batch}x{seq}")
     print(fp8.report)
     print(f"\nfirst call (compile + run): {compile_s:.1f} s")
     print(f"logits calc_diff vs eager bf16: {calc_diff(logits, reference):.2e}  "

@@ -2,7 +2,8 @@
 
 Every backend says, for a request, either that it can serve it or why not; the registry
 walks the preference order (Fp8Config.backends, or the default order of the request's range of
-M, DEFAULT_ORDERS) and takes the first that can. Vendor libraries are imported here only, lazily, when a backend is asked about.
+M, DEFAULT_ORDERS) and takes the first that can. Vendor libraries are imported here only, lazily,
+when a backend is asked about.
 """
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def _cuda_why_not(request: Request, min_capability: tuple[int, int], exact_major
         return f"needs a CUDA GPU (device is {request.device.type})"
     cap = torch.cuda.get_device_capability(request.device)
     if cap < min_capability or (exact_major is not None and cap[0] != exact_major):
-        return f"needs compute capability {'sm_%d0 exactly' % exact_major if exact_major else '>= %d.%d' % min_capability}, device has {cap[0]}.{cap[1]}"
+        needed = f"sm_{exact_major}0 exactly" if exact_major else ">= %d.%d" % min_capability
+        return f"needs compute capability {needed}, device has {cap[0]}.{cap[1]}"
     return None
 
 

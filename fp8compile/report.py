@@ -51,11 +51,12 @@ class Report:
         return [s for s in self.skips if kind is None or s.kind == kind]
 
     def __str__(self) -> str:
-        head = f"fp8compile report: {len(self.rewrites)} rewritten, {len(self.skips)} left in bf16, {self.graphs} graph(s)"
+        head = (f"fp8compile report: {len(self.rewrites)} rewritten, {len(self.skips)} left in bf16, "
+                f"{self.graphs} graph(s)")
         if self.config is not None:
             c = self.config
-            head += (f"\nconfig: recipe={c.recipe} e8m0={c.e8m0} batch_invariant={c.batch_invariant} small_m={c.small_m} "
-                     f"large_m={c.large_m} autotune={c.autotune}")
+            head += (f"\nconfig: recipe={c.recipe} e8m0={c.e8m0} batch_invariant={c.batch_invariant} "
+                     f"small_m={c.small_m} large_m={c.large_m} autotune={c.autotune}")
         lines = [head]
         if self.rewrites:
             rows = [

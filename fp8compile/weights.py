@@ -3,8 +3,8 @@
 A compiled graph takes each weight's FP8 copy as an input, which its wrapper looks up here
 from the bf16 parameter Dynamo passes in (derived.py, only when a parameter changed); the
 eager ops on bf16 weights (linear, gated_linear, moe) look it up per call. The passes fill
-this memo at compile time, so the normal run never quantizes a weight. Keying by the parameter actually passed at run time
-(not by what was seen at compile time) keeps two cases correct that graph constants would
+this memo at compile time, so the normal run never quantizes a weight. Keying by the parameter
+actually passed at run time (not by what was seen at compile time) keeps two cases correct that graph constants would
 get silently wrong:
   - Dynamo reusing one compiled graph for another module instance of the same class
     (inline_inbuilt_nn_modules; regional compilation of repeated layers does exactly this);
@@ -95,7 +95,8 @@ def fp8_weight(w: torch.Tensor, kn: bool = False, e8m0: bool = False,
         parts = [p.detach().t() if kn else p.detach() for p in sources]
         for i, part in enumerate(parts[:-1]):
             if part.shape[0] % 128:
-                raise ValueError(f"stacking weights along N needs whole 128-row blocks, weight {i} has N={part.shape[0]}")
+                raise ValueError(f"stacking weights along N needs whole 128-row blocks, "
+                                 f"weight {i} has N={part.shape[0]}")
         return _quantize(torch.cat(parts).contiguous() if len(parts) > 1 else parts[0].contiguous(), e8m0)
 
     return _memoized(sources, ("linear", kn, e8m0), make)
@@ -138,7 +139,8 @@ def fp8_experts(w: torch.Tensor, kn: bool = False, e8m0: bool = False, gate_up: 
         stacked = canonical_experts(w.detach(), kn, gate_up, None if w_up is None else w_up.detach())
         e, n, k = stacked.shape
         if n % 128 or k % 128:
-            raise ValueError(f"expert weights ({e}, {n}, {k}): N and K must be multiples of 128 (128x128 blocks per expert)")
+            raise ValueError(f"expert weights ({e}, {n}, {k}): N and K must be multiples of 128 "
+                             "(128x128 blocks per expert)")
         w_fp8, w_scale = _quantize(stacked.reshape(e * n, k).contiguous(), e8m0)
         return w_fp8.reshape(e, n, k), w_scale.reshape(e, n // 128, k // 128)
 

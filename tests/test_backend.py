@@ -99,7 +99,8 @@ def test_fp8_weights_are_graph_inputs_looked_up_only_when_the_parameters_passed_
     monkeypatch.setattr(linear_pass_module, "fp8_weight", lambda *a: lookups.append(a[0].shape) or real(*a))
     wrappers = []
     real_init = CallWithDerivedInputs.__init__
-    monkeypatch.setattr(CallWithDerivedInputs, "__init__", lambda self, *a: wrappers.append(self) or real_init(self, *a))
+    monkeypatch.setattr(CallWithDerivedInputs, "__init__",
+                        lambda self, *a: wrappers.append(self) or real_init(self, *a))
     model = GatedMLP().to(BF16)
     compiled = torch.compile(model, backend="fp8")
     x = randn(8, 256)
@@ -168,7 +169,8 @@ def test_debug_dir_from_environment(tmp_path, monkeypatch):
 
 
 def test_import_does_not_touch_cuda_or_vendor_libraries():
-    script = "import sys, torch, fp8compile; print(torch.cuda.is_initialized(), [m for m in ('deep_gemm', 'flashinfer', 'triton') if m in sys.modules])"
+    script = ("import sys, torch, fp8compile; vendors = ('deep_gemm', 'flashinfer', 'triton'); "
+              "print(torch.cuda.is_initialized(), [m for m in vendors if m in sys.modules])")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "False []", result.stderr[-2000:]
 
@@ -337,7 +339,8 @@ def test_static_launch_of_our_kernels_reaches_compile_workers_unless_the_user_ch
         pytest.skip("this Inductor has no static launcher for user-defined Triton kernels")
     pool = _FakeWorkerPool()
     monkeypatch.setattr(async_compile, "_pool_set", {pool})
-    monkeypatch.setattr(async_compile, "shutdown_compile_workers", lambda: [p.shutdown() for p in async_compile._pool_set])
+    monkeypatch.setattr(async_compile, "shutdown_compile_workers",
+                        lambda: [p.shutdown() for p in async_compile._pool_set])
     if user_value is None:
         monkeypatch.delenv(STATIC_LAUNCH_ENV, raising=False)
     else:

@@ -34,7 +34,8 @@ def test_gate_and_up_over_one_x_become_one_gemm_and_give_the_same_numbers(captur
     assert stacked_rows(gemm) == 2 * model.gate_proj.out_features and len(g.ops(FUSED)) == 1
     assert {(r.name, r.detail) for r in report.rewrites if r.kind == "linear"} == {
         ("gate_proj", "one GEMM with up_proj"), ("up_proj", "one GEMM with gate_proj")}
-    assert report.counts() == {"linear": 2, "silu_mul": 1, "moe": 0, "attention": 0}  # still two linears, as the model has
+    # still two linears, as the model has
+    assert report.counts() == {"linear": 2, "silu_mul": 1, "moe": 0, "attention": 0}
     torch._dynamo.reset()
     separate, _ = compile_and_run(model, x.clone(), fusions=("silu_mul",))
     # Same activation quantization, same weight blocks: the reference kernel gives the same bits.

@@ -80,3 +80,17 @@ def _import_cycles() -> list[list[str]]:
 
 def test_no_two_modules_import_each_other_even_lazily():
     assert _import_cycles() == []
+
+
+def test_the_package_and_its_tests_pass_the_linter():
+    # pyproject.toml's [tool.ruff]: pycodestyle errors and warnings, pyflakes, 120 columns.
+    import shutil
+    import subprocess
+
+    import pytest
+
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed (pip install -e '.[test]')")
+    done = subprocess.run([ruff, "check", "fp8compile", "tests"], cwd=PACKAGE.parent, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:]

@@ -61,7 +61,8 @@ def test_attention_projections_become_fp8_and_attention_itself_stays(captured):
     assert bf16_matmuls(g.after) == 0
     assert report.counts()["linear"] == 4
     assert {r.name for r in report.rewrites} == {"q_proj", "k_proj", "v_proj", "o_proj"}
-    assert any("scaled_dot_product" in line or "_flash_attention" in line or "bmm" in line for line in graph_listing(g.after))
+    assert any("scaled_dot_product" in line or "_flash_attention" in line or "bmm" in line
+               for line in graph_listing(g.after))
     assert calc_diff(out, eager) < ATTENTION
 
 

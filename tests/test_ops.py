@@ -151,8 +151,8 @@ def _op_samples():
         (fp8.linear.default, (randn(2, 3, 256), randn(256, 384), None, True, "reference", True)),
         (fp8.linear.default, (x, randn(256, 256), None, False, "reference", False, [randn(128, 256)])),  # w_next
         # q, k, v with biases, the last weight's N not a whole block
-        (fp8.linear.default, (x, randn(256, 256), randn(256), False, "reference", False, [randn(128, 256), randn(100, 256)],
-                              [randn(128), randn(100)])),
+        (fp8.linear.default, (x, randn(256, 256), randn(256), False, "reference", False,
+                              [randn(128, 256), randn(100, 256)], [randn(128), randn(100)])),
     ]
 
 

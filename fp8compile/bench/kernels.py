@@ -57,7 +57,7 @@ class _Shape:
         torch._dynamo.reset()
         self.n, self.k = n, k
         r8, r16 = _copies(n * k), _copies(2 * n * k)
-        self.w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(max(r8, r16))][:max(r8, r16)]
+        self.w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(max(r8, r16))]
         self.r16 = r16
         self.w8 = [reference.quant_weight_block(w) for w in self.w16[:r8]]
         self.linears, self.tuned = [], []
@@ -117,7 +117,8 @@ def bench_gemm(out_dir: Path, shapes=SHAPES, ms=MS, skip=()) -> list[dict]:
                     us = _time_us(fns)
                     rows.append(dict(device=device, n=n, k=k, m=m, variant=name, us=us,
                                      tflops=None if us is None else 2 * m * n * k / us / 1e6,
-                                     weight_tbps=None if us is None else n * k * (2 if name == "bf16" else 1) / us / 1e6))
+                                     weight_tbps=None if us is None
+                                     else n * k * (2 if name == "bf16" else 1) / us / 1e6))
                 progress.update()
             del shape
             torch.cuda.empty_cache()
@@ -397,7 +398,8 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 for block_n, ppsm, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (3, 4)):
                     n_blocks = math.ceil(n / block_n)
-                    split = max(1, min(k // 128, round(ppsm * torch.cuda.get_device_properties(0).multi_processor_count / n_blocks)))
+                    sms = torch.cuda.get_device_properties(0).multi_processor_count
+                    split = max(1, min(k // 128, round(ppsm * sms / n_blocks)))
                     us = _time_us([lambda q=q: triton_gemm.linear_small_m(x, *q, split_k=split, block_n=block_n,
                                                                           num_stages=stages) for q in w8])
                     results["small_m"].append(dict(n=n, k=k, m=m, block_n=block_n, ppsm=ppsm, stages=stages,

@@ -76,7 +76,8 @@ def _(w: Tensor, e8m0: bool = False) -> tuple[Tensor, Tensor]:
 
 @_op
 def gemm(
-    x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None = None, backend: str = "reference"
+    x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None = None,
+    backend: str = "reference",
 ) -> Tensor:
     """Block-scaled x_fp8 (M, K) @ w_fp8 (N, K).T (+ bias) -> (M, N) bf16."""
     return registry.implementation("gemm", backend)(x_fp8, x_scale, w_fp8, w_scale, bias)
@@ -100,8 +101,8 @@ def _weight_out_features(x: Tensor, w: Tensor, bias: Tensor | None, w_kn: bool) 
 @_op(schema="(Tensor x, Tensor w, Tensor? bias=None, bool e8m0=False, str backend='reference', bool w_kn=False, "
             "Tensor[]? w_next=None, Tensor[]? bias_next=None) -> Tensor")
 def linear(
-    x: Tensor, w: Tensor, bias: Tensor | None = None, e8m0: bool = False, backend: str = "reference", w_kn: bool = False,
-    w_next: list[Tensor] | None = None, bias_next: list[Tensor] | None = None,
+    x: Tensor, w: Tensor, bias: Tensor | None = None, e8m0: bool = False, backend: str = "reference",
+    w_kn: bool = False, w_next: list[Tensor] | None = None, bias_next: list[Tensor] | None = None,
 ) -> Tensor:
     """FP8 linear: bf16 x (..., K) times the bf16 weight w (N, K), or (K, N) if w_kn -> bf16 (..., N).
 
@@ -197,7 +198,8 @@ def _check_moe_args(x, topk_ids, topk_weights, w13, w2, w3, b13, w_kn, gate_up, 
     hidden = w2.shape[2] if w_kn else w2.shape[1]
     torch._check(w13.dim() == 3 and w2.dim() == 3 and x.shape[1] == (w13.shape[1] if w_kn else w13.shape[2])
                  and hidden == x.shape[1],
-                 lambda: f"expert weights {tuple(w13.shape)}, {tuple(w2.shape)} (w_kn={w_kn}) do not fit x {tuple(x.shape)}")
+                 lambda: f"expert weights {tuple(w13.shape)}, {tuple(w2.shape)} (w_kn={w_kn}) "
+                         f"do not fit x {tuple(x.shape)}")
 
 
 @_op

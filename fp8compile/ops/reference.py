@@ -138,7 +138,8 @@ def dequant_act_block(x_fp8: torch.Tensor, x_scale: torch.Tensor) -> torch.Tenso
 
 
 
-def _routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, expert) -> torch.Tensor:
+def _routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+            expert) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert(topk_ids[t, j], x[t]) in fp32, written in x.dtype; slots
     routed outside [0, num_experts) (expert-parallel sentinels) contribute nothing."""
     t, k = topk_ids.shape

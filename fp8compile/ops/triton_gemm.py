@@ -172,8 +172,9 @@ def _linear_small_m_kernel(x_ptr, x_desc, b_ptr, w_ptr, w_desc, w_s_ptr, bias_pt
 LARGE_M_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3, persistent=1)
 # Up to TILE_SWITCH_M rows the 64-row tiles of the earlier config: 128-row tiles leave SMs
 # idle there (M = 128, N = 4096, K = 7168: 32 tiles for 132 SMs, 37.4 us against 24.6 us with
-# 64-row tiles; 1.05-1.59x at M <= 256 on the five shapes, BENCHMARKS.md). Both tilings give every output element the same instruction sequence
-# (same bits, tests/test_triton_kernels.py), so the switch keeps the kernel batch-invariant.
+# 64-row tiles; 1.05-1.59x at M <= 256 on the five shapes, BENCHMARKS.md). Both tilings give
+# every output element the same instruction sequence (same bits, tests/test_triton_kernels.py),
+# so the switch keeps the kernel batch-invariant.
 # `bench tune --kernels tiles` chose the threshold.
 SMALL_TILE_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
 TILE_SWITCH_M = 512
@@ -376,7 +377,8 @@ def _small_m_tiles(m: int, n: int, k: int, gated: bool, device: torch.device, bl
 
 
 def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block_n=None, num_stages=None,
-                   b=None, activation="silu", alpha=1.702, limit=7.0, tma=None, pdl=None, prefetch=SMALL_M_PDL_PREFETCH):
+                   b=None, activation="silu", alpha=1.702, limit=7.0, tma=None, pdl=None,
+                   prefetch=SMALL_M_PDL_PREFETCH):
     """Fused 1x128 activation quantization + block-scaled GEMM for M <= 64, in one launch:
     bf16 x (..., K) -> bf16 (..., N). With b (same shape as x) the activation is act(x, b).
     tma, pdl: force TMA weight loads / a dependent launch on or off (default: tma_pays_off(),

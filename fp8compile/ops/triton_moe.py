@@ -49,7 +49,8 @@ def route_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     device = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     bucket = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # E: dropped
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(0, bucket, torch.ones_like(bucket))
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
     padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     capacity = route_capacity(s, num_experts, block_m)
@@ -266,7 +267,8 @@ def _topk_sum_kernel(c_ptr, rows_ptr, ids_ptr, weights_ptr, bias_ptr, out_ptr, H
 
 
 def topk_sum(c: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-             bias: torch.Tensor | None = None, rows: torch.Tensor | None = None, out_dtype=torch.bfloat16) -> torch.Tensor:
+             bias: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+             out_dtype=torch.bfloat16) -> torch.Tensor:
     """Step 6: (T, H) from the per-slot outputs c (rows[slot], or row = slot if rows is None)."""
     t, k = topk_ids.shape
     h = c.shape[1]
@@ -321,6 +323,7 @@ def moe_triton(x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scale, 
     x_fp8, x_scale = quant_act(x.contiguous(), e8m0, "row")
     c1 = grouped_gemm(x_fp8, x_scale, w13_fp8, w13_scale, b13, slots, block_expert, s, k, block_m)
     half = two_i // 2
-    h_fp8, h_scale = quant_act(c1[:, :half], e8m0, "row", b=c1[:, half:], activation=activation, alpha=alpha, limit=limit)
+    h_fp8, h_scale = quant_act(c1[:, :half], e8m0, "row", b=c1[:, half:], activation=activation, alpha=alpha,
+                               limit=limit)
     c2 = grouped_gemm(h_fp8, h_scale, w2_fp8, w2_scale, None, slots, block_expert, s, 1, block_m)
     return topk_sum(c2, topk_ids, topk_weights, num_experts, b2, out_dtype=x.dtype)

@@ -76,7 +76,8 @@ class GraphInputs:
         for node, value in zip(placeholders, self.values):
             fake = node.meta.get("val")
             if isinstance(value, torch.Tensor) != isinstance(fake, torch.Tensor):
-                return f"input {node.name} is a {type(fake).__name__} in the graph but {type(value).__name__} from Dynamo"
+                return (f"input {node.name} is a {type(fake).__name__} in the graph but {type(value).__name__} "
+                        "from Dynamo")
             if isinstance(value, torch.Tensor) and value.dtype != fake.dtype:
                 return f"input {node.name} has dtype {fake.dtype} in the graph but {value.dtype} from Dynamo"
         return {node: (value, name) for node, value, name in zip(placeholders, self.values, self.names)}

@@ -25,7 +25,8 @@ from ..weights import fp8_weight
 aten = torch.ops.aten
 MATMULS = (aten.mm.default, aten.addmm.default)
 # the ops the passes emit -> the registry's name for what their kernels compute
-REGISTRY_OPS = {torch.ops.fp8compile.qlinear.default: "linear", torch.ops.fp8compile.gated_qlinear.default: "gated_linear"}
+REGISTRY_OPS = {torch.ops.fp8compile.qlinear.default: "linear",
+                torch.ops.fp8compile.gated_qlinear.default: "gated_linear"}
 
 
 @dataclasses.dataclass
@@ -90,7 +91,8 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
     x_val, w_val, out_val = match.x.meta["val"], match.weight.meta["val"], match.node.meta["val"]
     dtypes = {x_val.dtype, w_val.dtype, out_val.dtype}
     if dtypes != {torch.bfloat16}:
-        return f"dtype {'/'.join(sorted(str(d).replace('torch.', '') for d in dtypes))}: only bfloat16 linears are rewritten"
+        names = "/".join(sorted(str(d).replace("torch.", "") for d in dtypes))
+        return f"dtype {names}: only bfloat16 linears are rewritten"
     if (pattern := _skip_pattern(name, ctx.config.skip)) is not None:
         return f"matches skip pattern {pattern!r}"
     if match.node in ctx.keep_bf16:
@@ -98,7 +100,8 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
     k, n = w_val.shape if match.transposed else reversed(w_val.shape)
     for dim, size in (("K", k), ("N", n)):
         if size % BLOCK:
-            return f"{dim}={size} is not a multiple of {BLOCK} (block recipe: 1x{BLOCK} activation groups, {BLOCK}x{BLOCK} weight blocks)"
+            return (f"{dim}={size} is not a multiple of {BLOCK} (block recipe: 1x{BLOCK} activation groups, "
+                    f"{BLOCK}x{BLOCK} weight blocks)")
     if match.bias is not None:
         alpha, beta = match.node.kwargs.get("alpha", 1), match.node.kwargs.get("beta", 1)
         if alpha != 1 or beta != 1:
@@ -172,10 +175,12 @@ def linear_pass(ctx: PassContext) -> None:
         name = module_name(param[1] if param else (input_name or weight.name))
         shape = "x".join(map(str, weight.meta["val"].shape))
         if not isinstance(found, LinearMatch):
-            ctx.skipped("linear", name, f"weight reaches the matmul through {_path(node, weight)}; only a plain transpose is supported", shape)
+            ctx.skipped("linear", name, f"weight reaches the matmul through {_path(node, weight)}; "
+                        "only a plain transpose is supported", shape)
         elif param is None:
             kind = "buffer or input" if isinstance(value, torch.Tensor) else "graph input"
-            ctx.skipped("linear", name, f"weight is a {kind}, not a parameter: it may change between calls, so it is not quantized at compile time", shape)
+            ctx.skipped("linear", name, f"weight is a {kind}, not a parameter: it may change between calls, "
+                        "so it is not quantized at compile time", shape)
         elif (reason := linear_extra_check(ctx, found, name)) is not None:
             ctx.skipped("linear", name, reason, shape)
         else:

@@ -195,7 +195,8 @@ def _gemm_of(ctx: PassContext, node, gemms: dict[fx.Node, ExpertGemm]):
     return gemms[node], bias
 
 
-def _gate_up(ctx: PassContext, a: fx.Node, b: fx.Node, gemms) -> tuple[ExpertGemm, ExpertGemm | None, fx.Node | None, str]:
+def _gate_up(ctx: PassContext, a: fx.Node, b: fx.Node,
+             gemms) -> tuple[ExpertGemm, ExpertGemm | None, fx.Node | None, str]:
     """(gate/up GEMM, separate up GEMM or None, gate/up bias, layout) of act(a, b)."""
     ha, hb = _half(a), _half(b)
     if ha is not None and hb is not None and ha[1] == hb[1] and (ha[2], hb[2]) == (0, 1):
@@ -235,7 +236,8 @@ def _forward_to_output(ctx: PassContext, gemm: fx.Node) -> tuple[fx.Node, fx.Nod
         elif weights is None and user.target == aten.bmm.default and len(other) == 1:
             weights, reduced = other[0], True  # einsum("tki,tk->ti", expert_out, topk_weights)
         else:
-            raise NoMatch(f"expert outputs go through {getattr(user.target, '__name__', user.target)} before the sum over experts")
+            op = getattr(user.target, "__name__", user.target)
+            raise NoMatch(f"expert outputs go through {op} before the sum over experts")
         node = user
     raise NoMatch("no sum over experts found after the down projection")
 
@@ -319,7 +321,8 @@ def _check(m: MoeMatch) -> tuple[int, int, int]:
     x, w13, w2 = _val(m.hidden), _val(m.w13), _val(m.w2)
     dtypes = {x.dtype, w13.dtype, w2.dtype, _val(m.output).dtype}
     if dtypes != {torch.bfloat16}:
-        raise NoMatch(f"dtype {'/'.join(sorted(str(d).replace('torch.', '') for d in dtypes))}: only bfloat16 experts are rewritten")
+        names = "/".join(sorted(str(d).replace("torch.", "") for d in dtypes))
+        raise NoMatch(f"dtype {names}: only bfloat16 experts are rewritten")
     e, h = w13.shape[0], x.shape[1]
     inter = (w13.shape[1] * w13.shape[2] // h) // (1 if m.gate_up == "separate" else 2)
     for dim, size in (("hidden size", h), ("expert intermediate size", inter)):
@@ -332,7 +335,8 @@ def _orientations(m: MoeMatch, e: int, inter: int, h: int) -> list[bool]:
     """w_kn values the weight shapes allow (both when I == H: the shapes cannot tell)."""
     n13 = inter if m.gate_up == "separate" else 2 * inter
     w13, w2 = tuple(_val(m.w13).shape), tuple(_val(m.w2).shape)
-    return [kn for kn in (False, True) if w13 == ((e, h, n13) if kn else (e, n13, h)) and w2 == ((e, inter, h) if kn else (e, h, inter))]
+    return [kn for kn in (False, True)
+            if w13 == ((e, h, n13) if kn else (e, n13, h)) and w2 == ((e, inter, h) if kn else (e, h, inter))]
 
 
 def _concrete(size, values: dict) -> int:
@@ -425,8 +429,8 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
     expert_bias(param.get(m.b13), m.gate_up)
     device = param[m.w13].device
     sides = dispatch.plan(ctx, "moe", device, 2 * inter, h, _val(m.hidden).shape[0])
-    kwargs = {"e8m0": ctx.config.e8m0, "w_kn": w_kn, "gate_up": m.gate_up, "batch_invariant": ctx.config.batch_invariant,
-              **m.act}
+    kwargs = {"e8m0": ctx.config.e8m0, "w_kn": w_kn, "gate_up": m.gate_up,
+              "batch_invariant": ctx.config.batch_invariant, **m.act}
     with ctx.gm.graph.inserting_before(m.output):
         try:
             out = dispatch.emit(ctx, torch.ops.fp8compile.moe.default,
@@ -499,14 +503,16 @@ def moe_pass(ctx: PassContext) -> None:
         name = _block_name(ctx, down.weight)
         try:
             if _val(down.weight).dtype != torch.bfloat16:
-                raise NoMatch(f"dtype {str(_val(down.weight).dtype).replace('torch.', '')}: only bfloat16 experts are rewritten")
+                dtype = str(_val(down.weight).dtype).replace("torch.", "")
+                raise NoMatch(f"dtype {dtype}: only bfloat16 experts are rewritten")
             if role == "non-gated":
                 raise NoMatch("the down projection's input is not a gated product act(gate) * up (non-gated experts)")
             m = match_block(ctx, down, gemms)
             e, inter, h = _check(m)
             orientations = _orientations(m, e, inter, h)
             if not orientations:
-                raise NoMatch(f"expert weight shapes {tuple(_val(m.w13).shape)}, {tuple(_val(m.w2).shape)} do not fit H={h}")
+                shapes = f"{tuple(_val(m.w13).shape)}, {tuple(_val(m.w2).shape)}"
+                raise NoMatch(f"expert weight shapes {shapes} do not fit H={h}")
             diffs = [verify(ctx, m, w_kn) for w_kn in orientations]
             diffs = [d if d == d else float("inf") for d in diffs]  # NaN: did not verify
             if min(diffs) >= VERIFY_BOUND:

@@ -48,9 +48,9 @@ def _is_exp_neg_plus_one(node, x) -> bool:
     """1 + exp(-x), in either operand order."""
     if not _is(node, aten.add.Tensor):
         return False
-    l, r = node.args[:2]
+    a, b = node.args[:2]
     return any(_is(e, aten.exp.default) and _is(e.args[0], aten.neg.default, x) and o == 1
-               for e, o in ((l, r), (r, l)))
+               for e, o in ((a, b), (b, a)))
 
 
 def _is_sigmoid_of(node, x) -> bool:
@@ -127,7 +127,8 @@ def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
             continue
         a_val, b_val = a.meta["val"], b.meta["val"]
         if a_val.shape != b_val.shape or {a_val.dtype, b_val.dtype} != {torch.bfloat16}:
-            return f"act(a, b) over {a_val.dtype}/{b_val.dtype} tensors of shapes {tuple(a_val.shape)}, {tuple(b_val.shape)}"
+            return (f"act(a, b) over {a_val.dtype}/{b_val.dtype} tensors of shapes {tuple(a_val.shape)}, "
+                    f"{tuple(b_val.shape)}")
         return a, b, kwargs
     if all(_chain(p, _PROJECTIONS) for p in h.args[:2]):  # a gated MLP with another activation
         found = [name for p in h.args[:2] for target, name in _ACTIVATIONS if _reaches(p, target)]
