@@ -191,7 +191,7 @@ def test_moe_backend_matches_the_reference_and_the_unquantized_block(backend, to
     out = run_moe(backend, *case)
     assert out.shape == case[0].shape and out.dtype == BF16
     # The FP8 definition up to accumulation order: 3.3e-6..1.9e-5 measured on an H200
-    # (scripts/moe_diag.py); a wrong expert, scale or slot costs 1e-1 or more.
+    # (9d201bf:scripts/moe_diag.py); a wrong expert, scale or slot costs 1e-1 or more.
     assert calc_diff(out, torch.ops.fp8compile.moe(*case[:5], backend="reference")) < 1e-4
     # Two block-FP8 GEMMs in series, like a gated MLP (conftest.GATED_MLP).
     assert calc_diff(out, reference.moe_dense(*case)) < GATED_MLP
@@ -205,7 +205,7 @@ def test_moe_backend_with_biases_and_both_activations(backend, activation):
     ref = torch.ops.fp8compile.moe(*case[:5], None, *case[5:], backend="reference", activation=activation)
     # DeepGEMM writes gate|up in bf16 before our bias add, so it rounds twice, and each FP8
     # rounding of the activation that this flips costs more: 1.35e-4..1.68e-4 measured on an
-    # H200 (scripts/moe_diag.py), against 3.6e-6..1.5e-5 for the kernels that add the bias in fp32.
+    # H200 (9d201bf:scripts/moe_diag.py), against 3.6e-6..1.5e-5 for the kernels that add the bias in fp32.
     assert calc_diff(out, ref) < (3e-4 if backend == "deep_gemm" else 1e-4)
 
 

@@ -144,7 +144,7 @@ def test_moe_triton_equals_its_stages_composed_from_the_reference_gemm(tokens, a
         # The reference sums GEMM 1 exactly, the tensor cores in (reduced-precision) fp32: a gate|up
         # value can land one bf16 ulp apart and flip an FP8 rounding of the activation, which moves
         # some outputs by more than an ulp, so the elementwise check cannot hold there. The op
-        # against the reference op measured 3.3e-6..1.5e-5 on an H200 (scripts/moe_diag.py).
+        # against the reference op measured 3.3e-6..1.5e-5 on an H200 (9d201bf:scripts/moe_diag.py).
         assert calc_diff(out, staged_reference(*args, activation)) < 1e-4
     else:
         assert_bf16_close(out, staged_reference(*args, activation))

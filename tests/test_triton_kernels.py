@@ -42,7 +42,7 @@ def assert_bf16_close(out, ref):
     The kernels accumulate in fp32 (on the GPU through FP8 tensor cores, whose accumulators
     keep fewer bits than fp32: ~14 per DeepSeek-V3's report), the reference sums exactly in
     fp64. So a few outputs near zero move by more than one bf16 ulp, while the whole stays
-    within calc_diff 1.5e-7 (measured on an H200 by scripts/gpu_diag.py, M 1..64, split-K 1/2,
+    within calc_diff 1.5e-7 (measured on an H200 by 9d201bf:scripts/gpu_diag.py, M 1..64, split-K 1/2,
     E8M0 on/off). A wrong scale, layout or group lands at 1e-3 or worse."""
     assert out.dtype == ref.dtype == torch.bfloat16 and out.shape == ref.shape
     assert calc_diff(out, ref) < 1e-6

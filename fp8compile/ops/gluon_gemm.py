@@ -14,7 +14,7 @@ the kernel say which warps do what:
   group's wgmma it releases the buffer. The consumers are independent warps, so while one
   promotes, another's wgmma runs. Two groups per buffer halve the barrier waits, releases and
   their warpgroup syncs: 0.79-0.94x DeepGEMM at M = 4096, 0.80-1.11x at 2048
-  (scripts/gluon_probe.py, four runs).
+  (9d201bf:scripts/gluon_probe.py, four runs).
 - With OVERLAP, each consumer also keeps one of its own wgmmas in flight while it promotes the
   other group of the buffer (two register tiles taking groups in turn).
 
@@ -53,7 +53,7 @@ else:
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
-# H200, scripts/gluon_probe.py (BENCHMARKS.md), DeepGEMM timed in the same runs, M = 2048, 4096:
+# H200, 9d201bf:scripts/gluon_probe.py (BENCHMARKS.md), DeepGEMM timed in the same runs, M = 2048, 4096:
 # - CONFIG: 128 x 128 tiles, two consumers each taking one K group at a time, two K groups per
 #   ring buffer (STAGE_GROUPS: one barrier wait and one release per pair), 2 buffers (the bytes of
 #   the 4 one-group buffers before), grouped tile order GROUP_M = 16. In four runs 0.995-1.07x the

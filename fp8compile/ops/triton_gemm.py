@@ -186,12 +186,12 @@ INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=4)
 # five benchmark shapes at M = 1, 16, 32, and within 3% of the best config at every point except
 # N=7168 K=2048 at M = 16 and 32 (8% and 5%; benchmarks/tune_small_m_h200.json). TMA weight
 # loads at the same config: 3-8% faster than pointer loads on all ten points of
-# scripts/decode_probe.py (M = 1, 16), geometric mean 5.5%; also the best of 24 variants there.
+# 9d201bf:scripts/decode_probe.py (M = 1, 16), geometric mean 5.5%; also the best of 24 variants there.
 SMALL_M_BLOCK_N = 128
 SMALL_M_PROGRAMS_PER_SM = 2
 # Gated (act(a, b) fused, the MLP's down projection): every weight tile also costs two activation
 # loads, the activation and the quantization of its group; 256-row tiles, one program per SM,
-# halve that per weight byte. scripts/decode_tiles_probe.py on an H200: 1.02-1.29x faster than
+# halve that per weight byte. 9d201bf:scripts/decode_tiles_probe.py on an H200: 1.02-1.29x faster than
 # (128, 2) at all 14 gated points (7 shapes, M = 1 and 16), 0.90-1.00x on the plain ones.
 SMALL_M_GATED_BLOCK_N = 256
 SMALL_M_GATED_PROGRAMS_PER_SM = 1
@@ -201,7 +201,7 @@ SMALL_M_MAX = 64  # the kernel pads M to 16, 32 or 64 rows
 # launch as soon as it starts (after its own wait), and the gated kernel (the MLP's down
 # projection after the gate|up GEMM) is launched as a dependent: it starts while its predecessor
 # drains, pulls its first SMALL_M_PDL_PREFETCH weight groups into L2, then waits.
-# scripts/decode_options_probe.py on an H200 (BENCHMARKS.md), two runs: the MLP's gate|up + down
+# 9d201bf:scripts/decode_options_probe.py on an H200 (BENCHMARKS.md), two runs: the MLP's gate|up + down
 # pair 1.01-1.02x at M <= 16 (1.00x at 32), gated kernels back to back 0.98-1.10x; prefetching
 # 4 groups gains less on the pair (0.98-1.01x). Plain kernels stay plain launches: launched as
 # dependents they measured 0.78-1.02x. USE_PDL = False turns all of it off.
@@ -215,7 +215,7 @@ SMALL_M_PDL_PREFETCH = 1
 ACT_TMA = True
 # Above TILE_SWITCH_M rows on sm_90, gemm_large_m runs the warp-specialized Gluon kernel
 # (gluon_gemm.py): 0.79-0.95x DeepGEMM at M = 4096 against this kernel's 0.64-0.71x, and the same
-# bits (scripts/gluon_probe.py, BENCHMARKS.md). False keeps this file's kernel everywhere.
+# bits (9d201bf:scripts/gluon_probe.py, BENCHMARKS.md). False keeps this file's kernel everywhere.
 USE_GLUON = True
 
 
