@@ -1,11 +1,16 @@
 """The gqa_attention pass: transformers' grouped-query attention over a static cache reads each
 K/V head once (no repeat_kv copy), with the numbers of the attention it replaces."""
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import fp8compile
 from fp8compile import calc_diff
+from fp8compile.debug import graph_diff, graph_listing
 from fp8compile.passes.gqa_attention import MAX_QUERY_ROWS, SDPA_OPS, grouped_sdpa, repeated_kv
 
 pytest.importorskip("transformers")
@@ -76,3 +81,42 @@ def test_a_query_longer_than_the_grouped_rows_pay_for_keeps_repeat_kv_and_says_w
     (skip,) = [s for s in backend.report.skips if s.kind == "attention"]
     assert skip.name == "model.layers.0.self_attn" and f"<= {MAX_QUERY_ROWS}" in skip.reason
     assert [r.graph for r in backend.report.rewrites if r.kind == "attention"] == [1]  # the decode step's
+
+
+class DecodeAttention(nn.Module):
+    """transformers' sdpa attention of one decode token over a cache: repeat_kv, then sdpa with a mask."""
+
+    def forward(self, q, k, v, mask):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=mask, scale=0.125)
+
+
+GOLDEN = Path(__file__).parent / "golden" / "gqa_attention.diff"
+
+
+def test_golden_graph_diff_of_decode_attention_over_a_grouped_cache(monkeypatch):
+    """4 query heads on 2 K/V heads, one query token: repeat_kv's unsqueeze/expand/clone/view
+    chains leave, q and the mask are regrouped into rows of each K/V head, and the output is
+    put back as (B, H, S, D). Regenerate with FP8COMPILE_UPDATE_GOLDEN=1 after an intended
+    change, and read the diff."""
+    import fp8compile.passes
+
+    listings = []
+    real = fp8compile.passes.run_passes
+
+    def spy(ctx):
+        before = graph_listing(ctx.gm)
+        real(ctx)
+        listings.append(graph_diff(before, graph_listing(ctx.gm)) + "\n")
+
+    monkeypatch.setattr(fp8compile.passes, "run_passes", spy)
+    q, k, v = torch.randn(2, 4, 1, 32), torch.randn(2, 2, 16, 32), torch.randn(2, 2, 16, 32)
+    mask = torch.rand(2, 1, 1, 16) > 0.3
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(DecodeAttention(), backend=fp8compile.backend(fusions=("gqa_attention",)),
+                            dynamic=False)(q, k, v, mask)
+    torch.testing.assert_close(out, DecodeAttention()(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    (diff,) = listings
+    if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):
+        GOLDEN.write_text(diff)
+    assert diff == GOLDEN.read_text()

@@ -24,6 +24,7 @@ from torch.library import triton_op, wrap_triton
 from ..numerics import BLOCK, FP8_DTYPE
 from . import triton_quant
 
+
 @triton_op("fp8compile::linear_scaled_mm", mutates_args=())
 def linear_scaled_mm(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None = None, e8m0: bool = False,
                      b: Tensor | None = None, activation: str = "silu", alpha: float = 1.702,

@@ -6,7 +6,7 @@ copied once per query head that reads it (in ATen, unsqueeze -> expand -> clone 
 the attention then reads the copy. At decode that is the most expensive part of a step at
 larger batches: on an H100, Llama-3-8B widths, 32 layers, prompt 1024, batch 16, the copy takes
 3.9 ms and the attention 3.5 ms of an 18.6 ms bf16 step (14.2 ms in FP8), where reading the cache
-once takes 0.7 ms (BENCHMARKS.md, "Sixteenth session"). The same kernels run in bf16 and FP8, so
+once would take 0.7 ms at 3.35 TB/s (BENCHMARKS.md, "Sixteenth session"). The same kernels run in bf16 and FP8, so
 this caps what FP8 linears can give a whole model there.
 
 For a few query tokens the copy is not needed: the rep query heads that share a K/V head become
@@ -123,11 +123,11 @@ def grouped_sdpa(query, key, value, mask, scale, rep, heads_outer):
     kv = key.shape[1]
     q = query.reshape(b, kv, rep * s, d)
     if mask is not None:  # broadcastable to (B, H, S, L); rows regrouped like the queries'
-        mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
-        heads = kv if mask.shape[1] != 1 else 1
-        length = mask.shape[-1]
-        mask = mask.expand(mask.shape[0], mask.shape[1], s, length).reshape(mask.shape[0], heads, -1, s, length)
-        mask = mask.expand(mask.shape[0], heads, rep, s, length).reshape(mask.shape[0], heads, rep * s, length)
+        if mask.dim() < 4:
+            mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        n, heads, length = mask.shape[0], kv if mask.shape[1] != 1 else 1, mask.shape[-1]
+        mask = mask.expand(n, mask.shape[1], s, length).reshape(n, heads, -1, s, length)
+        mask = mask.expand(n, heads, rep, s, length).reshape(n, heads, rep * s, length)
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
     out = out.reshape(b, kv, rep, s, d)
     if heads_outer:
