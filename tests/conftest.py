@@ -16,7 +16,7 @@ import pytest
 import fp8compile
 import fp8compile.passes
 from fp8compile import registry
-from fp8compile.debug import graph_listing
+from fp8compile.debug import graph_diff, graph_listing
 
 BF16 = torch.bfloat16
 
@@ -85,6 +85,22 @@ def captured(monkeypatch) -> list[Captured]:
 
     monkeypatch.setattr(fp8compile.passes, "run_passes", spy)
     return graphs
+
+
+@pytest.fixture
+def pass_diffs(monkeypatch) -> list[str]:
+    """The diff our passes make to each compiled graph, taken right after them (Inductor rewrites
+    the graph in place afterwards, or not: a hit in its FX graph cache), for golden files."""
+    diffs: list[str] = []
+    real = fp8compile.passes.run_passes
+
+    def spy(ctx):
+        before = graph_listing(ctx.gm)
+        real(ctx)
+        diffs.append(graph_diff(before, graph_listing(ctx.gm)) + "\n")
+
+    monkeypatch.setattr(fp8compile.passes, "run_passes", spy)
+    return diffs
 
 
 @pytest.fixture

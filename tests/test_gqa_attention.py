@@ -10,7 +10,6 @@ from torch import nn
 
 import fp8compile
 from fp8compile import calc_diff
-from fp8compile.debug import graph_diff, graph_listing
 from fp8compile.passes.gqa_attention import MAX_QUERY_ROWS, SDPA_OPS, grouped_sdpa, repeated_kv
 
 pytest.importorskip("transformers")
@@ -93,22 +92,11 @@ class DecodeAttention(nn.Module):
 GOLDEN = Path(__file__).parent / "golden" / "gqa_attention.diff"
 
 
-def test_golden_graph_diff_of_decode_attention_over_a_grouped_cache(monkeypatch):
+def test_golden_graph_diff_of_decode_attention_over_a_grouped_cache(pass_diffs):
     """4 query heads on 2 K/V heads, one query token: repeat_kv's unsqueeze/expand/clone/view
     chains leave, q and the mask are regrouped into rows of each K/V head, and the output is
     put back as (B, H, S, D). Regenerate with FP8COMPILE_UPDATE_GOLDEN=1 after an intended
     change, and read the diff."""
-    import fp8compile.passes
-
-    listings = []
-    real = fp8compile.passes.run_passes
-
-    def spy(ctx):
-        before = graph_listing(ctx.gm)
-        real(ctx)
-        listings.append(graph_diff(before, graph_listing(ctx.gm)) + "\n")
-
-    monkeypatch.setattr(fp8compile.passes, "run_passes", spy)
     q, k, v = torch.randn(2, 4, 1, 32), torch.randn(2, 2, 16, 32), torch.randn(2, 2, 16, 32)
     mask = torch.rand(2, 1, 1, 16) > 0.3
     torch._dynamo.reset()
@@ -116,7 +104,7 @@ def test_golden_graph_diff_of_decode_attention_over_a_grouped_cache(monkeypatch)
         out = torch.compile(DecodeAttention(), backend=fp8compile.backend(fusions=("gqa_attention",)),
                             dynamic=False)(q, k, v, mask)
     torch.testing.assert_close(out, DecodeAttention()(q, k, v, mask), atol=1e-5, rtol=1e-5)
-    (diff,) = listings
+    (diff,) = pass_diffs
     if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):
         GOLDEN.write_text(diff)
     assert diff == GOLDEN.read_text()
