@@ -54,6 +54,39 @@ def test_three_ranges_of_m_become_nested_conds_in_one_graph(probe_backend, captu
         assert fp8compile.calc_diff(y, model(x)) < 1e-3
 
 
+class Layers(nn.Module):
+    """Three linears of one shape (a model's repeated layers), one of another, and one of the first
+    shape reading a strided view (the left half of a wider tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.same = nn.ModuleList(nn.Linear(256, 256) for _ in range(3))
+        self.wider = nn.Linear(256, 512)
+        self.strided = nn.Linear(256, 256)
+
+    def forward(self, x):
+        for layer in self.same:
+            x = layer(x)
+        return self.strided(self.wider(x)[:, :256])
+
+
+def test_call_sites_of_one_signature_share_their_branch_modules(probe_backend, captured):
+    """Inductor lowers and compiles a cond's branch once per module name, so the repeated
+    layers' sites read the first one's branches: weights are operands, and only a site with
+    another shape or stride has its own."""
+    model = Layers().to(BF16)
+    backend = CountingBackend(backends=["probe", "mid", "reference"], large_m=100)
+    outs = run(model, backend, [3, 45, 500, 32, 100])
+    assert backend.compiles == 1 and len(backend.report.rewrites) == 5
+    (g,) = captured
+    conds = g.after.graph.find_nodes(op="call_function", target=torch.ops.higher_order.cond)
+    branches = [tuple(branch.target for branch in cond.args[1:3]) for cond in conds]
+    assert len(branches) == 5 and branches[0] == branches[1] == branches[2]
+    assert len(set(branches)) == 3  # the repeated layers', the wider one's, the strided one's
+    for x, y in outs.values():  # every layer's own weights, in every range of M
+        assert fp8compile.calc_diff(y, model(x)) < 5 * 1e-3
+
+
 def test_ranges_that_get_the_same_kernel_share_one_call(probe_backend, captured):
     # "mid" serves 33..2048, and the reference serves the rest: without "mid" the two upper
     # ranges both get the reference, so there is one cond, not two.
@@ -169,26 +202,3 @@ def test_prepare_hooks_make_real_tensors_while_the_compiler_traces_with_fake_one
     with torch.no_grad():
         torch.compile(nn.Linear(256, 384).to(BF16), backend=fp8compile.backend(backends=["probe", "reference"]))(x)
     assert len(made) == 1 and not isinstance(made[0], FakeTensor) and made[0].shape == (384,)
-
-
-def test_a_traced_call_is_inlined_with_inductors_decompositions_over_the_graphs_symbolic_sizes():
-    """passes/inline.py copies a function traced as AOTAutograd would into a graph after it: here
-    one over a dynamic M, with an aten.zeros that Inductor only accepts decomposed (the decode
-    kernel's split-K counters are one)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    from fp8compile.passes.inline import inline_traced
-
-    mode = FakeTensorMode(shape_env=ShapeEnv())
-    x_real = torch.randn(5, 8)
-    x_fake = mode.from_tensor(x_real, symbolic_context=None, static_shapes=False)
-    graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    x.meta["val"] = x_fake
-    fn = lambda t: torch.zeros(t.shape[0], 4, dtype=torch.int32) + t[:, :4].to(torch.int32)  # noqa: E731
-    graph.output(inline_traced(graph, fn, [x]))
-    targets = {node.target for node in graph.nodes if node.op == "call_function"}
-    assert torch.ops.aten.zeros.default not in targets and torch.ops.aten.sym_size.int in targets
-    assert isinstance(x_fake.shape[0], torch.SymInt)
-    assert torch.equal(torch.fx.GraphModule(torch.nn.Module(), graph)(x_real), fn(x_real))

@@ -387,6 +387,27 @@ def test_default_mode_cublas_side_is_launched_by_inductor_with_the_bits_of_the_o
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
+@pytest.mark.parametrize("m", [8, 33, 300])
+def test_linear_scaled_mm_op_is_the_reference_block_linear(m, gated):
+    """fp8compile::linear_scaled_mm called as an op (its eager body: our quantization kernel
+    writing the padding rows, then cuBLAS) against the pure-PyTorch definition, M not a multiple
+    of 4 included, with and without the gated MLP's second operand b and a bias."""
+    from fp8compile.ops import scaled_mm_op  # noqa: F401  (registers the op)
+
+    w = weight(384, 512)
+    w_fp8, w_scale = reference.quant_weight_block(w)
+    x, b = randn(m, 512, device="cuda"), randn(m, 512, device="cuda") if gated else None
+    bias = randn(384, device="cuda")
+    got = torch.ops.fp8compile.linear_scaled_mm(x, w_fp8, w_scale, bias, False, b)
+    want = (reference.gated_linear_block(x, b, w_fp8, w_scale, bias) if gated
+            else reference.linear_block(x, w_fp8, w_scale, bias))
+    assert got.shape == (m, 384) and got.dtype == BF16
+    # The same quantized operands; cuBLAS accumulates in fp32 where the reference sums in fp64.
+    assert calc_diff(got, want) < 1e-5
+    assert calc_diff(got, (reference.gated(x, b) if gated else x.float()) @ w.float().t() + bias.float()) < 1e-3
+
+
 def test_default_mode_decode_side_is_launched_by_inductor_with_the_numbers_of_the_op():
     """Outside CUDA graphs the decode kernel's side of every (gated) linear is the traced launch
     (passes/inline.py): a static M = 1 graph calls no fp8compile op at all, and a dynamic graph

@@ -82,6 +82,23 @@ def test_a_query_longer_than_the_grouped_rows_pay_for_keeps_repeat_kv_and_says_w
     assert [r.graph for r in backend.report.rewrites if r.kind == "attention"] == [1]  # the decode step's
 
 
+def test_every_layers_attention_after_the_first_is_a_copy_of_its_trace(monkeypatch):
+    """Tracing is most of a default-mode compile's time in our passes (passes/trace.py): the
+    layers of a model repeat one signature, so a graph traces its attention once."""
+    from fp8compile.passes import trace
+
+    traced, real = [], trace._trace
+    monkeypatch.setattr(trace, "_trace", lambda fn, vals: traced.append(fn) or real(fn, vals))
+    model = small_llama(layers=3)
+    model.generation_config.eos_token_id = None
+    backend = fp8compile.backend(fusions=("gqa_attention",), skip=("*",))
+    with torch.no_grad():
+        _generate(model, torch.randint(0, 32000, (2, 5)), backend, steps=2)
+    # The prompt (5 tokens, static) and the decode step: three layers each, one trace each.
+    assert [r.graph for r in backend.report.rewrites if r.kind == "attention"] == [0, 0, 0, 1, 1, 1]
+    assert len(traced) == 2
+
+
 class DecodeAttention(nn.Module):
     """transformers' sdpa attention of one decode token over a cache: repeat_kv, then sdpa with a mask."""
 

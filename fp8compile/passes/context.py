@@ -22,6 +22,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from ..config import Fp8Config
 from ..derived import DerivedInput
 from ..report import Report, Rewrite, Skip
+from .trace import TraceCache
 
 
 def qualified_name(source_name: str) -> str:
@@ -96,6 +97,8 @@ class PassContext:
         # as the config says, else outside CUDA graphs, where every call pays its host cost.
         self.inductor_launch = config.inductor_launch if config.inductor_launch is not None else not cuda_graphs
         self.traced_launches = 0  # how many it emitted: Inductor must launch them statically (backend.py)
+        self.traces = TraceCache()  # inline_traced's traces, one per call signature (passes/inline.py)
+        self.dispatch_branches: dict[tuple, list[str]] = {}  # M dispatch: call signature -> branch modules
         # matmul node -> why a fusion pass wants it left bf16 (linear_pass records the reason)
         self.keep_bf16: dict[fx.Node, str] = {}
         self._index = {node: i for i, node in enumerate(inputs)}  # placeholder -> its position among the inputs

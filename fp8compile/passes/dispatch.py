@@ -19,6 +19,7 @@ import torch.fx as fx
 from .. import autotune, registry
 from . import inline
 from .context import PassContext
+from .trace import signature
 
 
 class NoDispatch(Exception):
@@ -149,11 +150,17 @@ def _dispatch(ctx, graph, owner, attr_name, target, operands, args, kwargs, m_so
         node.meta["val"] = ctx.fake(target, *args, **call_kwargs)
         return node
     first, rest = sides[0], sides[1:]
-    branches = []
+    names = []
     for side_name, part in ((f"m_le_{first.m_max}", [first]), (f"m_gt_{first.m_max}", rest)):
-        name = attr_name(side_name)
-        owner.add_module(name, _branch(ctx, target, operands, args, kwargs, part, m_source))
-        branches.append(graph.get_attr(name))
+        names.append(attr_name(side_name))
+        owner.add_module(names[-1], _branch(ctx, target, operands, args, kwargs, part, m_source))
+    return _cond(ctx, graph, names, target, operands, args, kwargs, m_source, first)
+
+
+def _cond(ctx, graph, names, target, operands, args, kwargs, m_source, first: Side) -> fx.Node:
+    """Emit into `graph` cond(M <= first.m_max, *names)(operands)[0]: the branch modules
+    `names` (attributes of the graph's module) over this call site's operands."""
+    branches = [graph.get_attr(name) for name in names]
     m = rows_node(ctx, m_source, graph)
     pred = graph.call_function(operator.le, (m, first.m_max))
     pred.meta["val"] = _val(m) <= first.m_max
@@ -202,5 +209,25 @@ def emit(ctx: PassContext, target, args: tuple, kwargs: dict, m_source: fx.Node,
         # and strides (the dynamic M) must come in as operands too, as Dynamo does when it traces torch.cond.
         # Checked before anything is added to the graph, so NoDispatch leaves it as it was.
         operands = _symbol_operands(ctx, operands) + operands
-    return _dispatch(ctx, ctx.gm.graph, ctx.gm, lambda side: ctx.attr_name(f"{name}_{side}"), target, operands,
-                     args, kwargs, m_source, sides)
+        # Call sites of one signature (every layer's same projection) share the first one's
+        # branch modules: Inductor lowers and compiles a subgraph once per attribute name.
+        key = _signature(target, operands, args, kwargs, m_source, sides)
+        if key in ctx.dispatch_branches:
+            return _cond(ctx, ctx.gm.graph, ctx.dispatch_branches[key], target, operands, args, kwargs, m_source,
+                         sides[0])
+    out = _dispatch(ctx, ctx.gm.graph, ctx.gm, lambda side: ctx.attr_name(f"{name}_{side}"), target, operands,
+                    args, kwargs, m_source, sides)
+    if len(sides) > 1:
+        cond = out.args[0]
+        ctx.dispatch_branches[key] = [branch.target for branch in cond.args[1:3]]
+    return out
+
+
+def _signature(target, operands: list[fx.Node], args: tuple, kwargs: dict, m_source: fx.Node,
+               sides: list[Side]) -> tuple:
+    """What a call site's branches depend on: the op, its constants and where each operand goes,
+    the kernels per side, and each operand's dtype, sizes and strides (symbolic expressions)."""
+    position = {node: i for i, node in enumerate(operands)}
+    where = fx.node.map_arg((args, kwargs), lambda node: f"operand {position[node]}")
+    return (target, repr(where), position[m_source], tuple(sides),
+            tuple(signature(node.meta["val"]) for node in operands))

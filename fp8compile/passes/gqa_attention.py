@@ -32,7 +32,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..report import Rewrite, Skip
 from .context import PassContext, qualified_name
-from .inline import inline_traced
+from .trace import inline_traced
 
 aten = torch.ops.aten
 # The sdpa kernels AOTAutograd leaves in an inference graph, and the name of their mask argument.
@@ -160,7 +160,7 @@ def gqa_attention_pass(ctx: PassContext) -> None:
         call = functools.partial(call, heads_outer=layouts[0])
         before = node.prev
         with graph.inserting_before(node):
-            out = inline_traced(graph, call, inputs)
+            out = inline_traced(graph, call, inputs, ctx.traces, ("grouped_sdpa", match.scale, match.rep, layouts[0]))
         kernel = next((n.target.__name__.split(".")[0].removeprefix("_scaled_dot_product_")
                        for n in _between(before, node) if n.target in SDPA_OPS), "sdpa")
         ctx.replace_uses(match.out, out)

@@ -10,20 +10,22 @@ graph's fake tensors), their bodies become the kernel launches themselves
 (triton_kernel_wrapper_functional nodes, and aten._scaled_mm for cuBLAS), which Inductor
 compiles and calls from its generated code like its own.
 
-Our passes run after AOTAutograd, so the branch traces that body here and copies the nodes
-in. Used where the call site's side of the dispatch runs the decode kernel or cuBLAS and the
-config asks for it (Fp8Config.inductor_launch; by default, outside CUDA graphs, where the host
-cost is paid; inside them the decode op's own launch keeps TMA loads and programmatic dependent
-launch).
+Our passes run after AOTAutograd, so the branch traces that body (passes/trace.py: once per
+call signature, the layers after the first copy it) and copies the nodes in. Used where the
+call site's side of the dispatch runs the decode kernel or cuBLAS and the config asks for it
+(Fp8Config.inductor_launch; by default, outside CUDA graphs, where the host cost is paid;
+inside them the decode op's own launch keeps TMA loads and programmatic dependent launch).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
 from .context import PassContext
+from .trace import TraceCache, inline_traced
 
 _QLINEAR = torch.ops.fp8compile.qlinear.default
 _GATED_QLINEAR = torch.ops.fp8compile.gated_qlinear.default
@@ -40,9 +42,9 @@ def inductor_launch(ctx: PassContext, target, args: tuple, kwargs: dict, m_max: 
         return None
     backend = kwargs.get("backend")
     if backend == DECODE_BACKEND and m_max is not None:
-        return emit_decode_launch
+        return functools.partial(emit_decode_launch, cache=ctx.traces)
     if backend == CUBLAS_BACKEND:
-        return emit_scaled_mm_launch
+        return functools.partial(emit_scaled_mm_launch, cache=ctx.traces)
     return None
 
 
@@ -58,7 +60,8 @@ def _operands(target, args: tuple, kwargs: dict):
     return present, act, kwargs.get("e8m0", False)
 
 
-def emit_decode_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m_max: int | None) -> fx.Node:
+def emit_decode_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m_max: int | None,
+                       cache: TraceCache | None = None) -> fx.Node:
     """Into `graph`: target(*args, **kwargs) as the traced fp8compile::linear_decode (x 2-D, M <= m_max)."""
     from ..ops import decode_op  # noqa: F401  (registers fp8compile::linear_decode)
 
@@ -69,10 +72,12 @@ def emit_decode_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m_max
         return torch.ops.fp8compile.linear_decode(v["x"], v["w_fp8"], v["w_scale"], v.get("bias"), e8m0, m_max,
                                                   v.get("b"), **act)
 
-    return inline_traced(graph, call, [node for _, node in present])
+    key = ("linear_decode", tuple(name for name, _ in present), e8m0, m_max, tuple(sorted(act.items())))
+    return inline_traced(graph, call, [node for _, node in present], cache, key)
 
 
-def emit_scaled_mm_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m_max: int | None) -> fx.Node:
+def emit_scaled_mm_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m_max: int | None,
+                          cache: TraceCache | None = None) -> fx.Node:
     """Into `graph`: target(*args, **kwargs) as the traced fp8compile::linear_scaled_mm (x 2-D)."""
     from ..ops import scaled_mm_op  # noqa: F401  (registers fp8compile::linear_scaled_mm)
 
@@ -83,22 +88,5 @@ def emit_scaled_mm_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m_
         return torch.ops.fp8compile.linear_scaled_mm(v["x"], v["w_fp8"], v["w_scale"], v.get("bias"), e8m0,
                                                      v.get("b"), **act)
 
-    return inline_traced(graph, call, [node for _, node in present])
-
-
-def inline_traced(graph: fx.Graph, fn, inputs: list[fx.Node]) -> fx.Node:
-    """fn(*inputs) traced as AOTAutograd traces for Inductor (functionalized, with Inductor's
-    decompositions, over the inputs' fake values: the graph's fake mode and shape environment),
-    its nodes copied into `graph` at the current insertion point; returns the node of fn's (one
-    tensor) result."""
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    traced = make_fx(dispatch_functionalize(fn, FunctionalTensorMode()), decomposition_table=select_decomp_table(),
-                     tracing_mode="symbolic")(*[node.meta["val"] for node in inputs])
-    placeholders = list(traced.graph.find_nodes(op="placeholder"))
-    out = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
-    if not isinstance(out, fx.Node):
-        raise AssertionError(f"expected one tensor from the traced call, got {out!r}")
-    return out
+    key = ("linear_scaled_mm", tuple(name for name, _ in present), e8m0, tuple(sorted(act.items())))
+    return inline_traced(graph, call, [node for _, node in present], cache, key)
