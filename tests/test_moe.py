@@ -17,7 +17,8 @@ EXPERT_GEMMS = (aten._grouped_mm.default, aten.bmm.default)
 
 # An expert is a gated MLP: block-FP8 gate/up, the activation, block-FP8 down, like
 # conftest.GATED_MLP. calc_diff of the blocks below against eager bf16, seeds 0-2: GPT-OSS
-# 1.30e-3..1.35e-3, Qwen3-MoE 1.92e-3..2.07e-3, gpt-fast 1.89e-3..2.15e-3.
+# 1.30e-3..1.35e-3, Qwen3-MoE 1.92e-3..2.07e-3, gpt-fast 1.89e-3..2.15e-3, Mixtral (fp32 routing
+# weights) 1.92e-3..2.14e-3.
 MOE_BLOCK = 3.5 * ONE_GEMM
 
 
@@ -51,6 +52,15 @@ def gpt_oss_mlp(impl: str):
     cfg = transformers.GptOssConfig(hidden_size=256, intermediate_size=384, num_local_experts=8, num_experts_per_tok=2)
     cfg._experts_implementation = impl
     return init_normal(GptOssMLP(cfg).to(BF16))
+
+
+def mixtral_block(impl: str):
+    """Mixtral's block: its router hands the experts fp32 routing weights (a softmax in fp32)."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    cfg = transformers.MixtralConfig(hidden_size=256, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2)
+    cfg._experts_implementation = impl
+    return init_normal(MixtralSparseMoeBlock(cfg).to(BF16))
 
 
 def compile_block(model, x, **options):
@@ -97,6 +107,23 @@ def test_gpt_oss_experts_interleaved_transposed_with_bias_and_swigluoai_are_rewr
     assert (r.name, r.detail, r.n, r.k) == ("experts", "8 experts, top-2, interleave, bias, swigluoai", 768, 256)
     (g,) = captured
     assert sum(g.count(t) for t in EXPERT_GEMMS) == 0
+    assert calc_diff(out, eager) < MOE_BLOCK
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_experts_with_fp32_routing_weights_are_rewritten_and_give_the_blocks_dtype(impl, captured):
+    """The op takes the routing weights in the router's dtype (fp32 here) and sums in fp32; the
+    block's product with them was fp32, so the op's bf16 result is cast to fp32 where that
+    product was (the model casts it back to bf16 next: one rounding, as before)."""
+    torch.manual_seed(0)
+    out, eager, report = compile_block(mixtral_block(impl), randn(1, 37, 256))
+    (r,) = [r for r in report.rewrites if r.kind == "moe"]
+    assert r.detail == "8 experts, top-2, concat, silu"
+    (g,) = captured
+    (op,) = g.ops(MOE)
+    assert op.args[2].meta["val"].dtype == torch.float32
+    assert sum(g.count(t) for t in EXPERT_GEMMS) == 0
+    assert out.dtype == eager.dtype == BF16
     assert calc_diff(out, eager) < MOE_BLOCK
 
 

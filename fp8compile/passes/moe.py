@@ -319,10 +319,17 @@ def _ids(ctx: PassContext, gate_up: ExpertGemm, down: ExpertGemm) -> fx.Node:
 def _check(m: MoeMatch) -> tuple[int, int, int]:
     """(E, I, H) of a matched block, or NoMatch saying why it stays bf16."""
     x, w13, w2 = _val(m.hidden), _val(m.w13), _val(m.w2)
-    dtypes = {x.dtype, w13.dtype, w2.dtype, _val(m.output).dtype}
+    dtypes = {x.dtype, w13.dtype, w2.dtype}
     if dtypes != {torch.bfloat16}:
         names = "/".join(sorted(str(d).replace("torch.", "") for d in dtypes))
         raise NoMatch(f"dtype {names}: only bfloat16 experts are rewritten")
+    # Routing weights come as the router made them (fp32 from a softmax in many models); their
+    # product with the experts' output, and so the block's output, is then fp32 too, cast back
+    # to bf16 after the sum over the k slots. The op takes the weights as they are and sums in fp32.
+    for what, node in (("routing weights", m.topk_weights), ("output", m.output)):
+        if _val(node).dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise NoMatch(f"{what} of dtype {str(_val(node).dtype).replace('torch.', '')}: bfloat16, float16 or "
+                          "float32 are rewritten")
     e, h = w13.shape[0], x.shape[1]
     inter = (w13.shape[1] * w13.shape[2] // h) // (1 if m.gate_up == "separate" else 2)
     for dim, size in (("hidden size", h), ("expert intermediate size", inter)):
@@ -438,6 +445,12 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
                                 m_source=m.hidden, sides=sides, name=name)
         except dispatch.NoDispatch as reason:
             raise NoMatch(str(reason)) from None
+        dtype = _val(m.output).dtype
+        if dtype != _val(out).dtype:
+            # The op writes x.dtype from its fp32 sum; the block gave the weights' dtype (fp32),
+            # which the model casts to bf16 next: the same rounding, once.
+            out = ctx.gm.graph.call_function(prims.convert_element_type.default, (out, dtype))
+            out.meta["val"] = ctx.fake(prims.convert_element_type.default, out.args[0], dtype)
     ctx.replace_uses(m.output, out)
     router = _router(m.topk_ids)
     if router is not None:
