@@ -447,8 +447,8 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
             raise NoMatch(str(reason)) from None
         dtype = _val(m.output).dtype
         if dtype != _val(out).dtype:
-            # The op writes x.dtype from its fp32 sum; the block gave the weights' dtype (fp32),
-            # which the model casts to bf16 next: the same rounding, once.
+            # The op writes x.dtype from its fp32 sum; the block gave the weights' dtype (fp32).
+            # Mixtral and DeepSeek-V3 cast that to bf16 next, so their numbers round once, as before.
             out = ctx.gm.graph.call_function(prims.convert_element_type.default, (out, dtype))
             out.meta["val"] = ctx.fake(prims.convert_element_type.default, out.args[0], dtype)
     ctx.replace_uses(m.output, out)
