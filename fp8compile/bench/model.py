@@ -24,8 +24,9 @@ Prefill: torch.compile(model) on one sequence of `prefill` tokens (logits of the
 median of CUDA-event-timed calls. First calls are cold: the compiler's process-wide start-up is
 paid before the first variant, and Inductor's FX graph and AOTAutograd caches are off, so no
 variant reuses what an earlier one compiled. Accuracy: logits of a 64-token forward against
-bf16 eager, in calc_diff; for dense models beside the unfused FP8 composition (every nn.Linear run by the
-reference block-FP8 linear, eagerly), which is the bound the compiled FP8 model answers to.
+bf16 eager, in calc_diff; for dense models beside the unfused FP8 composition (every nn.Linear
+run by the reference block-FP8 linear, eagerly), which is the bound the compiled FP8 model
+answers to.
 """
 from __future__ import annotations
 
