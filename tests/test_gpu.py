@@ -218,6 +218,19 @@ def test_moe_backend_drops_slots_routed_outside_the_experts(backend):
     assert calc_diff(out, torch.ops.fp8compile.moe(x, ids, weights, w13, w2, backend="reference")) < 1e-4
 
 
+@pytest.mark.parametrize("tokens", [1, 33, 1000, 4096])
+@pytest.mark.parametrize("backend", MOE_BACKENDS)
+def test_moe_backend_takes_fp32_routing_weights_as_they_come(backend, tokens):
+    """Mixtral's and DeepSeek-V3's routers give fp32 weights; the moe pass hands them on as they
+    are (passes/moe.py), and every kernel sums in fp32, so the result is the bf16 weights' up to
+    the weights' own rounding."""
+    x, ids, weights, w13, w2, _, _ = moe_case(tokens)
+    fp32 = weights.float() + 1e-3  # values bf16 cannot hold
+    out = run_moe(backend, x, ids, fp32, w13, w2)
+    assert out.dtype == BF16
+    assert calc_diff(out, torch.ops.fp8compile.moe(x, ids, fp32, w13, w2, backend="reference")) < 1e-4
+
+
 def test_moe_batch_invariant_rows_are_bitwise_independent_of_the_token_count():
     x, ids, weights, w13, w2, _, _ = moe_case(300)
     full = run_moe("triton", x, ids, weights, w13, w2, batch_invariant=True)

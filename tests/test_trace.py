@@ -22,6 +22,9 @@ def _graph_over_a_dynamic_m(rows=5, cols=8):
     return graph, x, y
 
 
+_real_trace = trace._trace
+
+
 def _run(graph, *args):
     return torch.fx.GraphModule(torch.nn.Module(), graph)(*args)
 
@@ -58,8 +61,6 @@ def test_call_sites_of_one_signature_are_traced_once_and_copied_with_their_own_f
     a, b = _run(graph, x_real)
     assert torch.equal(a, fn(x_real)) and torch.equal(b, fn(x_real * 2))
 
-
-_real_trace = trace._trace
 
 
 @pytest.mark.parametrize("change", ["key", "strides", "dtype"])
