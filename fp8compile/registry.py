@@ -197,19 +197,30 @@ def names() -> tuple[str, ...]:
 # - medium: cuBLAS for linears (DeepGEMM was 2.2-2.6x slower than cuBLAS at M = 1024 for
 #   N = 4096 and at M = 128 for N = 24576), Triton for MoE (DeepGEMM pads every expert to 128
 #   rows: slower up to 1024 tokens);
-# - large (M > large_m): DeepGEMM (8-14% faster than cuBLAS at M = 4096 on every shape, and
-#   faster than Triton for MoE at 4096 tokens).
+# - large (M > large_m): DeepGEMM (8-14% faster than cuBLAS at M = 4096 on every shape).
 # reference always last.
 DEFAULT_ORDERS = {
     "small": ("triton_small_m", "triton", "cublas", "deep_gemm", "flashinfer", "reference"),
     "medium": ("cublas", "triton", "deep_gemm", "flashinfer", "reference"),
     "large": ("deep_gemm", "cublas", "triton", "flashinfer", "reference"),
 }
+# Where one op's order departs from its tier's: (op, tier) -> (backend, the backend it comes after).
+# MoE above large_m: our grouped Gluon GEMMs (the triton backend from 32 slots per expert) give
+# DeepGEMM's numbers (calc_diff 0.0) faster, with 64-row expert blocks where DeepGEMM pads to
+# 128: on an H100, 431 against 565 us at 2048 tokens, 642 / 758 at 4096 and 1136 / 1195 at 8192
+# (Qwen3-30B-A3B), 5893 / 7924 at 4096 (DeepSeek-V3) (BENCHMARKS.md, "Eighteenth session").
+ORDER_EXCEPTIONS = {("moe", "large"): ("deep_gemm", "triton")}
 
 
-def default_order(tier: str) -> tuple[str, ...]:
-    """The preference order of a range of M: "small", "medium" or "large"."""
-    return DEFAULT_ORDERS[tier]
+def default_order(tier: str, op: str | None = None) -> tuple[str, ...]:
+    """The preference order of a range of M ("small", "medium" or "large"), for `op` if given."""
+    order = DEFAULT_ORDERS[tier]
+    moved, after = ORDER_EXCEPTIONS.get((op, tier), (None, None))
+    if moved in order and after in order and order.index(moved) < order.index(after):
+        order = tuple(name for name in order if name != moved)
+        at = order.index(after) + 1
+        order = order[:at] + (moved, ) + order[at:]
+    return order
 
 
 def why_not(backend: str, request: Request) -> str | None:
@@ -226,7 +237,7 @@ def choose(request: Request, order: tuple[str, ...] | None = None, tier: str = "
     RuntimeError naming every reason if none."""
     if order is None:
         # On the CPU the reference is the product; Triton's interpreter runs only when asked for.
-        order = default_order(tier) if request.device.type != "cpu" else ("reference",)
+        order = default_order(tier, request.op) if request.device.type != "cpu" else ("reference",)
     rejected = []
     for name in order:
         reason = why_not(name, request)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import fp8compile
+from fp8compile import registry
 from tests.conftest import BF16, CountingBackend, randn
 
 FP8_LINEAR = torch.ops.fp8compile.qlinear.default
@@ -172,8 +173,6 @@ def test_each_chosen_kernel_prepares_its_call_site_at_compile_time(probe_backend
     # A backend's prepare hook allocates the state its kernels keep between calls while the
     # model compiles: allocated in a CUDA graph's warm-up run instead, it would land in the
     # graph's memory pool (tests/test_gpu.py runs that case on a GPU).
-    from fp8compile import registry
-
     prepared = []
     probe = registry._BACKENDS["probe"]
     monkeypatch.setitem(registry._BACKENDS, "probe", dataclasses.replace(probe, prepare=prepared.append))
@@ -191,8 +190,6 @@ def test_each_chosen_kernel_prepares_its_call_site_at_compile_time(probe_backend
 def test_prepare_hooks_make_real_tensors_while_the_compiler_traces_with_fake_ones(probe_backend, monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensor
 
-    from fp8compile import registry
-
     made = []
     probe = registry._BACKENDS["probe"]
     monkeypatch.setitem(registry._BACKENDS, "probe",
@@ -202,3 +199,14 @@ def test_prepare_hooks_make_real_tensors_while_the_compiler_traces_with_fake_one
     with torch.no_grad():
         torch.compile(nn.Linear(256, 384).to(BF16), backend=fp8compile.backend(backends=["probe", "reference"]))(x)
     assert len(made) == 1 and not isinstance(made[0], FakeTensor) and made[0].shape == (384,)
+
+
+def test_moe_above_large_m_prefers_our_grouped_gemms_to_deep_gemm_while_linears_keep_deep_gemm_first():
+    """The large-M order puts DeepGEMM first (linears); for the MoE op the triton backend, whose
+    grouped Gluon GEMMs give DeepGEMM's numbers faster, comes before it. Nothing else moves."""
+    large = registry.default_order("large")
+    assert large[0] == "deep_gemm" and registry.default_order("large", "linear") == large
+    moe = registry.default_order("large", "moe")
+    assert moe.index("triton") + 1 == moe.index("deep_gemm")
+    assert sorted(moe) == sorted(large) and moe[-1] == "reference"
+    assert registry.default_order("medium", "moe") == registry.default_order("medium")

@@ -39,6 +39,29 @@ def test_kernel_compiles_for_hopper_without_spills_or_serialized_wgmma(config):
 
 
 @needs_gluon
+@pytest.mark.parametrize("config", [gluon_gemm.CONFIG, gluon_gemm.WIDE_CONFIG], ids=["128_rows", "64_rows_256_columns"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_kernel_compiles_for_hopper_without_spills_or_serialized_wgmma(config, bias):
+    """The grouped variant (the routed experts' GEMMs) skips row blocks of no expert in both the
+    producer and the consumers; the branch around a tile must not cost spills or wgmma
+    serialization, with the consumers splitting a tile's rows or its columns."""
+    kernel = gluon_gemm.compile_sm90(m=32768, n=1536, k=2048, bias=bias, experts=128, config=config)
+    report = gluon_gemm.ptxas_report(kernel.asm["ptx"])
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert not re.search(r"serialized|C751[4-9]", report), report
+    assert kernel.metadata.shared <= 227 * 1024
+
+
+def test_grouped_gemms_take_64_row_blocks_where_256_column_tiles_divide_every_experts_n():
+    """Qwen3-30B-A3B's 1536 and 2048 (and DeepSeek-V3's 4096 and 7168) take the 64-row tiles that
+    pad each expert's rows half as much; GPT-OSS's 5760 does not divide, so both of its GEMMs
+    (one routing) take 128-row ones."""
+    assert gluon_gemm.grouped_config(1536, 2048) is gluon_gemm.WIDE_CONFIG
+    assert gluon_gemm.grouped_config(4096, 7168) is gluon_gemm.WIDE_CONFIG
+    assert gluon_gemm.grouped_config(5760, 2880) is gluon_gemm.CONFIG
+
+
+@needs_gluon
 def test_two_groups_per_buffer_wait_and_sync_once_per_pair_in_the_main_loop():
     """The point of STAGE_GROUPS = 2, read from the SASS: the consumers' main loop covers two K
     groups (8 wgmma of 64 x 128 x 32) with one mbarrier wait, and the warpgroup bar.sync that
@@ -123,6 +146,31 @@ def test_matches_the_reference_and_the_triton_kernel_bit_for_bit(config, m, n, k
     assert_bf16_close(out, reference_gemm(x_fp8, x_scale, w_fp8, w_scale, b))
     triton = triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, b, config=triton_gemm.LARGE_M_CONFIG)
     assert torch.equal(out, triton)
+
+
+@needs_hopper
+@pytest.mark.parametrize("config", [gluon_gemm.CONFIG, gluon_gemm.WIDE_CONFIG], ids=["128_rows", "64_rows_256_columns"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_gemm_gives_each_row_block_its_experts_gemm_bit_for_bit(config, bias):
+    """Row block i of the grouped GEMM is gemm() of those rows with expert block_expert[i]'s
+    weights (scales, bias), to the bit; blocks of expert -1 are skipped (their rows keep what
+    was there). N = 512 is two 256-column or four 128-column tiles per expert, K = 640 an odd
+    count of groups."""
+    experts, n, k, bm = 5, 512, 640, config["BLOCK_M"]
+    block_expert = torch.tensor([3, 0, 0, -1, 4, 1, -1, 3], dtype=torch.int32, device=DEVICE)
+    m = block_expert.numel() * bm
+    x_fp8, x_scale = triton_quant.quant_act(randn(m, k, device=DEVICE))
+    w_fp8, w_scale = reference.quant_weight_block(randn(experts * n, k, scale=0.02, device=DEVICE))
+    w_fp8, w_scale = w_fp8.reshape(experts, n, k), w_scale.reshape(experts, n // 128, k // 128)
+    b = randn(experts, n, device=DEVICE) if bias else None
+    out = gluon_gemm.grouped_gemm(x_fp8, x_scale, w_fp8, w_scale, block_expert, b, config=config)
+    for i, e in enumerate(block_expert.tolist()):
+        if e >= 0:
+            rows = slice(bm * i, bm * (i + 1))
+            want = gluon_gemm.gemm(x_fp8[rows], x_scale[rows], w_fp8[e], w_scale[e], None if b is None else b[e])
+            assert torch.equal(out[rows], want), (i, e)
+    with pytest.raises(ValueError, match=f"one expert per {bm}-row block"):
+        gluon_gemm.grouped_gemm(x_fp8, x_scale, w_fp8, w_scale, block_expert[:-1], config=config)
 
 
 @needs_hopper

@@ -97,6 +97,27 @@ def test_grouped_gemm_writes_each_slot_the_block_gemm_of_its_token_and_expert(to
         assert_bf16_close(out[rows], to_bf16_as_the_device_does(exact))
 
 
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_gather_rows_puts_each_slots_token_on_its_row_with_zeros_on_padding(routing):
+    """What the grouped Gluon GEMM reads: row r holds the quantized token of slot slots[r] (and
+    its scales), padding rows are zeros, and rows[slot] points back at the slot's row."""
+    tokens, num_experts, top_k, block_m = 37, 4, 3, 16
+    ids = ROUTINGS[routing](tokens, num_experts, top_k).to(DEVICE)
+    x_fp8, x_scale = reference.quant_act_block(randn(tokens, 256, device=DEVICE))
+    slots, block_expert = triton_moe.route(ids, num_experts, block_m)
+    s = ids.numel()
+    a, a_scale, rows = triton_moe.gather_rows(x_fp8, x_scale, slots, block_expert, s, top_k, block_m)
+    in_use = (block_expert >= 0).repeat_interleave(block_m)
+    real = in_use & (slots < s)
+    pad = in_use & (slots >= s)
+    token = slots[real].long() // top_k
+    assert torch.equal(a[real].view(torch.uint8), x_fp8[token].view(torch.uint8))
+    assert torch.equal(a_scale[real], x_scale[token])
+    assert not a[pad].view(torch.uint8).any() and not a_scale[pad].any()
+    routed = slots[real].long()
+    assert torch.equal(rows[routed].long(), real.nonzero().squeeze(1))
+
+
 def test_topk_sum_weights_and_sums_each_tokens_slots_in_fp32_skipping_sentinels():
     t, k, h, num_experts = 6, 3, 384, 4
     c = randn(t * k, h, device=DEVICE)
@@ -151,3 +172,30 @@ def test_moe_triton_equals_its_stages_composed_from_the_reference_gemm(tokens, a
     if ON_GPU:  # (the interpreter's float -> e4m3 error on the intermediate would dominate here)
         ref = reference.moe_block(*[a.cpu() if a is not None else None for a in args], False, activation=activation)
         assert calc_diff(out.cpu(), ref) < 1e-4
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel runs on an sm_90 GPU only")
+@pytest.mark.parametrize("activation, bias", [("silu", False), ("swigluoai", True)])
+def test_moe_triton_takes_the_gluon_gemms_from_64_slots_per_expert_with_the_same_numbers(monkeypatch, activation,
+                                                                                         bias):
+    """300 tokens x top-2 over 4 experts is 150 slots per expert: the GEMMs are the grouped Gluon
+    kernel's on gathered rows (64-row blocks: N = 512 and 256 take 256-column tiles), with the
+    numbers of the staged reference and of the Triton kernel's path (the same 128-wide products,
+    scaled per group; calc_diff as in the test above)."""
+    from fp8compile.ops import gluon_gemm
+    if gluon_gemm.why_not_grouped(torch.empty(0, 256, dtype=torch.float8_e4m3fn, device=DEVICE),
+                                  torch.empty(4, 512, 256, dtype=torch.float8_e4m3fn, device=DEVICE)):
+        pytest.skip("needs an sm_90 GPU and Gluon")
+    calls = []
+    real = triton_moe.moe_gluon
+    monkeypatch.setattr(triton_moe, "moe_gluon", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    args = moe_inputs(300, bias=bias)
+    out = triton_moe.moe_triton(*args, False, activation=activation)
+    assert calls == [args[1].shape]
+    assert calc_diff(out, staged_reference(*args, activation)) < 1e-4
+    # 128-row blocks (experts whose N 256-column tiles do not divide): the same bits
+    assert torch.equal(triton_moe.moe_gluon(*args, False, activation=activation, config=gluon_gemm.CONFIG), out)
+    calls.clear()
+    triton_path = triton_moe.moe_triton(*args, False, activation=activation, batch_invariant=True)
+    assert calls == []  # batch-invariant: the Triton kernel's fixed 64-row blocks
+    assert calc_diff(out, triton_path) < 1e-4

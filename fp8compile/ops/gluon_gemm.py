@@ -32,6 +32,7 @@ Shape letters: M tokens, N output features, K input features, G = K / 128.
 """
 from __future__ import annotations
 
+import functools
 
 import torch
 import triton
@@ -67,6 +68,10 @@ else:
 #   tiles make 5.3 waves on 132 SMs.
 CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, STAGE_GROUPS=2, GROUP_M=16, OVERLAP=False)
 TALL_CONFIG = dict(BLOCK_M=192, BLOCK_N=128, STAGES=2, STAGE_GROUPS=2, GROUP_M=16, OVERLAP=False)
+# - WIDE_CONFIG: 64 x 256 tiles, the two consumers splitting the columns (one shared activation
+#   box, a weight box each). For the routed experts' grouped GEMM, whose 64-row blocks pad each
+#   expert's rows half as much as 128-row ones. (BENCHMARKS.md, "Eighteenth session")
+WIDE_CONFIG = dict(BLOCK_M=64, BLOCK_N=256, STAGES=2, STAGE_GROUPS=2, GROUP_M=16, OVERLAP=False)
 # A 192-row tile takes this many times a 128-row tile's time (same probe, shapes whose waves are
 # full either way: 1.41 and 1.42, and 1.43 with two groups per buffer); pick_config compares whole
 # waves with it.
@@ -116,37 +121,51 @@ if IMPORT_ERROR is None:
         return (s + 1) * (1 - wrap), phase ^ wrap
 
     @gluon.jit
-    def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M: gl.constexpr,
-                 STAGE_GROUPS: gl.constexpr):
+    def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, expert_ptr, M, N, K, GROUP_M: gl.constexpr,
+                 STAGE_GROUPS: gl.constexpr, GROUPED: gl.constexpr, A_BOXES: gl.constexpr, B_BOXES: gl.constexpr):
         """Producer warp: every K group of every tile of this program, into the buffer ring. A
-        buffer holds STAGE_GROUPS K groups, each one 64-row activation box per consumer and the
-        weight tile, behind one `ready` barrier."""
+        buffer holds STAGE_GROUPS K groups, each A_BOXES 64-row activation boxes and B_BOXES
+        weight boxes (one of the two per consumer), behind one `ready` barrier. Grouped: the
+        weight rows of the tile's expert."""
         ROWS: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        BOX_N: gl.constexpr = b_desc.block_type.shape[0]
         STAGES: gl.constexpr = ready.shape[0]
-        CONSUMERS: gl.constexpr = a_bufs.type.shape[0] // b_bufs.type.shape[0]
-        BLOCK_M: gl.constexpr = CONSUMERS * ROWS
-        BYTES: gl.constexpr = STAGE_GROUPS * (CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-        num_m = gl.cdiv(M, BLOCK_M)
-        num_n = gl.cdiv(N, BLOCK_N)
+        TILE_M: gl.constexpr = A_BOXES * ROWS
+        TILE_N: gl.constexpr = B_BOXES * BOX_N
+        BYTES: gl.constexpr = STAGE_GROUPS * (A_BOXES * a_desc.block_type.nbytes + B_BOXES * b_desc.block_type.nbytes)
+        num_m = gl.cdiv(M, TILE_M)
+        num_n = gl.cdiv(N, TILE_N)
         s = 0
         phase = 0
         for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
-            for g in range(0, K // BLOCK_K, STAGE_GROUPS):
-                # A fresh mbarrier counts as having completed the phase before 0: the first
-                # pass over the ring does not wait.
-                mbarrier.wait(empty.index(s), phase ^ 1)
-                bar = ready.index(s)
-                mbarrier.expect(bar, BYTES)
-                # Rows past M or N arrive as zeros (and still count their bytes).
-                for j in gl.static_range(STAGE_GROUPS):
-                    for part in gl.static_range(CONSUMERS):
-                        _tma_load(a_desc, [pid_m * BLOCK_M + part * ROWS, (g + j) * BLOCK_K], bar,
-                                  a_bufs.index((s * STAGE_GROUPS + j) * CONSUMERS + part))
-                    _tma_load(b_desc, [pid_n * BLOCK_N, (g + j) * BLOCK_K], bar, b_bufs.index(s * STAGE_GROUPS + j))
-                s, phase = _advance(s, phase, STAGES)
+            e = _expert(expert_ptr, pid_m, GROUPED)
+            if e >= 0:  # the consumers skip the same tiles
+                for g in range(0, K // BLOCK_K, STAGE_GROUPS):
+                    # A fresh mbarrier counts as having completed the phase before 0: the first
+                    # pass over the ring does not wait.
+                    mbarrier.wait(empty.index(s), phase ^ 1)
+                    bar = ready.index(s)
+                    mbarrier.expect(bar, BYTES)
+                    # Rows past M or N arrive as zeros (and still count their bytes).
+                    for j in gl.static_range(STAGE_GROUPS):
+                        for part in gl.static_range(A_BOXES):
+                            _tma_load(a_desc, [pid_m * TILE_M + part * ROWS, (g + j) * BLOCK_K], bar,
+                                      a_bufs.index((s * STAGE_GROUPS + j) * A_BOXES + part))
+                        for part in gl.static_range(B_BOXES):
+                            _tma_load(b_desc, [e * N + pid_n * TILE_N + part * BOX_N, (g + j) * BLOCK_K], bar,
+                                      b_bufs.index((s * STAGE_GROUPS + j) * B_BOXES + part))
+                    s, phase = _advance(s, phase, STAGES)
+
+    @gluon.jit
+    def _expert(expert_ptr, pid_m, GROUPED: gl.constexpr):
+        """The expert whose weights row block pid_m multiplies (-1: no rows, the tile is skipped);
+        0 for a plain GEMM."""
+        e = 0
+        if GROUPED:
+            e = gl.load(expert_ptr + pid_m)
+        return e
 
     @gluon.jit
     def _scales(a_s_rows, b_s, g, stride_asg, stride_bsg):
@@ -154,12 +173,13 @@ if IMPORT_ERROR is None:
         return gl.load(a_s_rows + g * stride_asg), gl.load(b_s + g * stride_bsg)
 
     @gluon.jit
-    def _mma(a_bufs, b_bufs, buf, PART: gl.constexpr, into):
-        """Start consumer PART's wgmma on K-group buffer `buf`: its 64-row activation box by the
-        weight tile, into into's registers (overwritten)."""
-        CONSUMERS: gl.constexpr = a_bufs.type.shape[0] // b_bufs.type.shape[0]
-        return warpgroup_mma(a_bufs.index(buf * CONSUMERS + PART), b_bufs.index(buf).permute((1, 0)), into,
-                             use_acc=False, is_async=True)
+    def _mma(a_bufs, b_bufs, buf, PART: gl.constexpr, into, A_BOXES: gl.constexpr, B_BOXES: gl.constexpr):
+        """Start consumer PART's wgmma on K-group buffer `buf`: its 64-row activation box (its own
+        or the shared one) by its weight box (the shared one or its own), into into's registers
+        (overwritten)."""
+        return warpgroup_mma(a_bufs.index(buf * A_BOXES + PART % A_BOXES),
+                             b_bufs.index(buf * B_BOXES + PART % B_BOXES).permute((1, 0)), into, use_acc=False,
+                             is_async=True)
 
     @gluon.jit
     def _finish(pending, empty, s):
@@ -169,21 +189,26 @@ if IMPORT_ERROR is None:
         return done
 
     @gluon.jit
-    def _consume(a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm, stride_asg,
-                 stride_bsn, stride_bsg, PART: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                 OVERLAP: gl.constexpr, STAGE_GROUPS: gl.constexpr):
-        """One consumer warpgroup: rows [PART * 64, PART * 64 + 64) of every tile of this program."""
+    def _consume(a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, expert_ptr, M, N, K, stride_asm,
+                 stride_asg, stride_bse, stride_bsn, stride_bsg, stride_be, PART: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 GROUP_M: gl.constexpr, OVERLAP: gl.constexpr, STAGE_GROUPS: gl.constexpr, GROUPED: gl.constexpr,
+                 A_BOXES: gl.constexpr, B_BOXES: gl.constexpr):
+        """One consumer warpgroup: its 64 x BLOCK_N part of every tile of this program, rows
+        [PART * 64, PART * 64 + 64) where the consumers split a tile's rows (A_BOXES of them),
+        columns [PART * BLOCK_N, ...) where they split its columns (B_BOXES). Grouped: the tile's
+        expert's weight scales and bias."""
         STAGES: gl.constexpr = ready.shape[0]
         ROWS: gl.constexpr = a_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
         BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-        BLOCK_M: gl.constexpr = a_bufs.type.shape[0] // b_bufs.type.shape[0] * ROWS
+        TILE_M: gl.constexpr = A_BOXES * ROWS
+        TILE_N: gl.constexpr = B_BOXES * BLOCK_N
         # wgmma: 16-row instructions, one warpgroup of 4 warps stacked along M; k = 32 for FP8.
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
         c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-        num_m = gl.cdiv(M, BLOCK_M)
-        num_n = gl.cdiv(N, BLOCK_N)
+        num_m = gl.cdiv(M, TILE_M)
+        num_n = gl.cdiv(N, TILE_N)
         groups = K // BLOCK_K
         x_free = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)  # the wgmmas' register tiles
         y_free = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
@@ -191,122 +216,155 @@ if IMPORT_ERROR is None:
         phase = 0
         for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
-            off_m = pid_m * BLOCK_M + PART * ROWS
-            off_n = pid_n * BLOCK_N
-            rows = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-            # Rows past M read the last row's scales; their outputs are never stored.
-            a_s_rows = a_s_ptr + gl.minimum(rows, M - 1) * stride_asm
-            # BLOCK_N divides the 128-row weight block: one weight scale per (tile, group).
-            b_s = b_s_ptr + (off_n // BLOCK_K) * stride_bsn
-            acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
-            if OVERLAP:
-                # Two register tiles, x and y, take the two groups of each buffer (STAGE_GROUPS is
-                # 2), and each is promoted while the other's wgmma runs: y's of the previous buffer
-                # while x's runs. No wgmma is in flight across the loop's back edge: LLVM's copies
-                # there would touch its registers, and ptxas then serializes every wgmma. Scales
-                # load at the top of an iteration.
-                gl.static_assert(STAGE_GROUPS == 2, "the overlapped loop takes a buffer's two groups in turn")
-                x_a, x_b = _scales(a_s_rows, b_s, 0, stride_asg, stride_bsg)
-                y_a, y_b = _scales(a_s_rows, b_s, 1, stride_asg, stride_bsg)
-                mbarrier.wait(ready.index(s), phase)
-                x = _mma(a_bufs, b_bufs, 2 * s, PART, x_free)
-                y = _mma(a_bufs, b_bufs, 2 * s + 1, PART, y_free)
-                x_free = warpgroup_mma_wait(num_outstanding=1, deps=(x, ))
-                acc += x_free * (x_a * x_b)[:, None]
-                y_free = _finish(y, empty, s)
-                s, phase = _advance(s, phase, STAGES)
-                for g in range(2, groups, 2):  # issue g (x), promote g - 1 (y), issue g + 1 (y), promote g
-                    x_a, x_b = _scales(a_s_rows, b_s, g, stride_asg, stride_bsg)
-                    next_a, next_b = _scales(a_s_rows, b_s, g + 1, stride_asg, stride_bsg)
+            e = _expert(expert_ptr, pid_m, GROUPED)
+            if e >= 0:
+                off_m = pid_m * TILE_M + PART % A_BOXES * ROWS
+                off_n = pid_n * TILE_N + PART % B_BOXES * BLOCK_N
+                rows = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+                # Rows past M read the last row's scales; their outputs are never stored.
+                a_s_rows = a_s_ptr + gl.minimum(rows, M - 1) * stride_asm
+                # BLOCK_N divides the 128-row weight block: one weight scale per (tile, group).
+                b_s = b_s_ptr + e * stride_bse + (off_n // BLOCK_K) * stride_bsn
+                acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
+                if OVERLAP:
+                    # Two register tiles, x and y, take the two groups of each buffer (STAGE_GROUPS is
+                    # 2), and each is promoted while the other's wgmma runs: y's of the previous buffer
+                    # while x's runs. No wgmma is in flight across the loop's back edge: LLVM's copies
+                    # there would touch its registers, and ptxas then serializes every wgmma. Scales
+                    # load at the top of an iteration.
+                    gl.static_assert(STAGE_GROUPS == 2, "the overlapped loop takes a buffer's two groups in turn")
+                    x_a, x_b = _scales(a_s_rows, b_s, 0, stride_asg, stride_bsg)
+                    y_a, y_b = _scales(a_s_rows, b_s, 1, stride_asg, stride_bsg)
                     mbarrier.wait(ready.index(s), phase)
-                    x = _mma(a_bufs, b_bufs, 2 * s, PART, x_free)
-                    acc += y_free * (y_a * y_b)[:, None]
-                    y = _mma(a_bufs, b_bufs, 2 * s + 1, PART, y_free)
+                    x = _mma(a_bufs, b_bufs, 2 * s, PART, x_free, A_BOXES, B_BOXES)
+                    y = _mma(a_bufs, b_bufs, 2 * s + 1, PART, y_free, A_BOXES, B_BOXES)
                     x_free = warpgroup_mma_wait(num_outstanding=1, deps=(x, ))
                     acc += x_free * (x_a * x_b)[:, None]
                     y_free = _finish(y, empty, s)
                     s, phase = _advance(s, phase, STAGES)
-                    y_a, y_b = next_a, next_b
-                acc += y_free * (y_a * y_b)[:, None]
-            else:
-                # One group at a time: wait for its wgmma, promote it, then the buffer's next group;
-                # the other consumers' wgmmas fill the tensor cores meanwhile. One barrier wait and
-                # one release per buffer: after the wgmma of its last group, before that promotion.
-                for g in range(0, groups, STAGE_GROUPS):
-                    mbarrier.wait(ready.index(s), phase)
-                    for j in gl.static_range(STAGE_GROUPS):
-                        a_scale, b_scale = _scales(a_s_rows, b_s, g + j, stride_asg, stride_bsg)
-                        x = _mma(a_bufs, b_bufs, s * STAGE_GROUPS + j, PART, x_free)
-                        if j == STAGE_GROUPS - 1:
-                            x_free = _finish(x, empty, s)
-                        else:
-                            x_free = warpgroup_mma_wait(num_outstanding=0, deps=(x, ))
-                        acc += x_free * (a_scale * b_scale)[:, None]
-                    s, phase = _advance(s, phase, STAGES)
-            if HAS_BIAS:
-                cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-                acc += gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
-            tma.store_wait(0)  # the previous tile's store has read c_smem
-            c_smem.store(acc.to(c_desc.dtype))
-            fence_async_shared()
-            _tma_store(c_desc, [off_m, off_n], c_smem)  # rows past M and columns past N are clipped
+                    for g in range(2, groups, 2):  # issue g (x), promote g - 1 (y), issue g + 1 (y), promote g
+                        x_a, x_b = _scales(a_s_rows, b_s, g, stride_asg, stride_bsg)
+                        next_a, next_b = _scales(a_s_rows, b_s, g + 1, stride_asg, stride_bsg)
+                        mbarrier.wait(ready.index(s), phase)
+                        x = _mma(a_bufs, b_bufs, 2 * s, PART, x_free, A_BOXES, B_BOXES)
+                        acc += y_free * (y_a * y_b)[:, None]
+                        y = _mma(a_bufs, b_bufs, 2 * s + 1, PART, y_free, A_BOXES, B_BOXES)
+                        x_free = warpgroup_mma_wait(num_outstanding=1, deps=(x, ))
+                        acc += x_free * (x_a * x_b)[:, None]
+                        y_free = _finish(y, empty, s)
+                        s, phase = _advance(s, phase, STAGES)
+                        y_a, y_b = next_a, next_b
+                    acc += y_free * (y_a * y_b)[:, None]
+                else:
+                    # One group at a time: wait for its wgmma, promote it, then the buffer's next group;
+                    # the other consumers' wgmmas fill the tensor cores meanwhile. One barrier wait and
+                    # one release per buffer: after the wgmma of its last group, before that promotion.
+                    for g in range(0, groups, STAGE_GROUPS):
+                        mbarrier.wait(ready.index(s), phase)
+                        for j in gl.static_range(STAGE_GROUPS):
+                            a_scale, b_scale = _scales(a_s_rows, b_s, g + j, stride_asg, stride_bsg)
+                            x = _mma(a_bufs, b_bufs, s * STAGE_GROUPS + j, PART, x_free, A_BOXES, B_BOXES)
+                            if j == STAGE_GROUPS - 1:
+                                x_free = _finish(x, empty, s)
+                            else:
+                                x_free = warpgroup_mma_wait(num_outstanding=0, deps=(x, ))
+                            acc += x_free * (a_scale * b_scale)[:, None]
+                        s, phase = _advance(s, phase, STAGES)
+                if HAS_BIAS:
+                    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+                    acc += gl.load(bias_ptr + e * stride_be + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
+                tma.store_wait(0)  # the previous tile's store has read c_smem
+                c_smem.store(acc.to(c_desc.dtype))
+                fence_async_shared()
+                _tma_store(c_desc, [off_m, off_n], c_smem)  # rows past M and columns past N are clipped
         tma.store_wait(0)
 
     @gluon.jit
-    def _gemm_kernel(a_desc, b_desc, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm, stride_asg, stride_bsn,
-                     stride_bsg, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                     OVERLAP: gl.constexpr, STAGE_GROUPS: gl.constexpr, CONSUMERS: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-        # STAGES ring buffers of STAGE_GROUPS K groups; the tiles of K group j of buffer s sit at
-        # index s * STAGE_GROUPS + j (times CONSUMERS, plus the consumer, for the activation boxes).
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES * STAGE_GROUPS * CONSUMERS] + a_desc.block_type.shape,
+    def _gemm_kernel(a_desc, b_desc, c_desc, a_s_ptr, b_s_ptr, bias_ptr, expert_ptr, M, N, K, stride_asm, stride_asg,
+                     stride_bse, stride_bsn, stride_bsg, stride_be, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+                     STAGES: gl.constexpr, OVERLAP: gl.constexpr, STAGE_GROUPS: gl.constexpr, CONSUMERS: gl.constexpr,
+                     GROUPED: gl.constexpr, SPLIT_N: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     PRODUCER_REGS: gl.constexpr):
+        # The consumers split a tile's rows (one 64-row activation box each, one shared weight
+        # box) or, SPLIT_N, its columns (one shared activation box, a weight box each).
+        A_BOXES: gl.constexpr = 1 if SPLIT_N else CONSUMERS
+        B_BOXES: gl.constexpr = CONSUMERS if SPLIT_N else 1
+        # STAGES ring buffers of STAGE_GROUPS K groups; the boxes of K group j of buffer s sit at
+        # index s * STAGE_GROUPS + j (times the boxes per group, plus the box).
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES * STAGE_GROUPS * A_BOXES] + a_desc.block_type.shape,
                                            a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES * STAGE_GROUPS] + b_desc.block_type.shape,
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES * STAGE_GROUPS * B_BOXES] + b_desc.block_type.shape,
                                            b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)  # the producer's expect; TMA completes the bytes
             mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
-        # The default partition (the kernel's own 4 warps) is the first consumer.
+        # (Written out per consumer: Triton 3.6 cannot concatenate tuples inside a kernel.)
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
-                            stride_asg, stride_bsn, stride_bsg, 0, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS)),
-                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
-                            stride_asg, stride_bsn, stride_bsg, 1, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS)),
-                (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M, STAGE_GROUPS)),
+                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, expert_ptr, M, N, K,
+                            stride_asm, stride_asg, stride_bse, stride_bsn, stride_bsg, stride_be, 0, HAS_BIAS,
+                            GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
+                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, expert_ptr, M, N, K,
+                            stride_asm, stride_asg, stride_bse, stride_bsn, stride_bsg, stride_be, 1, HAS_BIAS,
+                            GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
+                (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, expert_ptr, M, N, K, GROUP_M, STAGE_GROUPS,
+                            GROUPED, A_BOXES, B_BOXES)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
             gl.warp_specialize([
-                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
-                            stride_asg, stride_bsn, stride_bsg, 0, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS)),
-                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
-                            stride_asg, stride_bsn, stride_bsg, 1, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS)),
-                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, M, N, K, stride_asm,
-                            stride_asg, stride_bsn, stride_bsg, 2, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS)),
-                (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M, STAGE_GROUPS)),
+                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, expert_ptr, M, N, K,
+                            stride_asm, stride_asg, stride_bse, stride_bsn, stride_bsg, stride_be, 0, HAS_BIAS,
+                            GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
+                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, expert_ptr, M, N, K,
+                            stride_asm, stride_asg, stride_bse, stride_bsn, stride_bsg, stride_be, 1, HAS_BIAS,
+                            GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
+                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, expert_ptr, M, N, K,
+                            stride_asm, stride_asg, stride_bse, stride_bsn, stride_bsg, stride_be, 2, HAS_BIAS,
+                            GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
+                (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, expert_ptr, M, N, K, GROUP_M, STAGE_GROUPS,
+                            GROUPED, A_BOXES, B_BOXES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 def _layout(block_shape, dtype: torch.dtype):
+    return _shared_layout(tuple(block_shape), dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block_shape: tuple[int, ...], dtype: torch.dtype):
+    """The TMA boxes' shared-memory layout, built once per (box, dtype): three per launch
+    otherwise, on the host's critical path outside CUDA graphs."""
     gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
                 torch.float32: gl.float32}[dtype]
-    return gl.NVMMASharedLayout.get_default_for(block_shape, gl_dtype)
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl_dtype)
 
 
-def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None):
+def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None, block_expert=None):
     """(grid, args, constexprs and launch options as keywords) of one launch; scripts compile
-    the kernel on a CPU from them too. config: keys of CONFIG to override; default pick_config's."""
+    the kernel on a CPU from them too. config: keys of CONFIG to override; default pick_config's
+    (grouped: grouped_config's).
+
+    Grouped (block_expert given): w_fp8 (E, N, K), w_scale (E, N/128, G), bias (E, N); row block
+    i of x_fp8 (BLOCK_M rows) is multiplied by expert block_expert[i]'s weights, or skipped where
+    it is -1 (its output rows are left unwritten)."""
     m, k = x_fp8.shape
-    n = w_fp8.shape[0]
+    grouped = block_expert is not None
+    n = w_fp8.shape[-2]
     sms = num_sms(out.device.index or 0) if out.device.type == "cuda" else 132
-    cfg = {**pick_config(m, n, sms), **(config or {})}
+    cfg = {**(grouped_config(n) if grouped else pick_config(m, n, sms)), **(config or {})}
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    consumers = bm // 64
-    if bm not in (128, 192) or bn not in (64, 128):
-        raise ValueError(f"tiles are 128 or 192 rows (64 per consumer warpgroup) by 64 or 128 columns; got {bm}x{bn}")
+    split_n = bm == 64
+    consumers = bn // 128 if split_n else bm // 64
+    box_n = 128 if split_n else bn
+    if not ((bm in (128, 192) and bn in (64, 128)) or (bm, bn) == (64, 256)):
+        raise ValueError("tiles are 128 or 192 rows (64 per consumer warpgroup) by 64 or 128 columns, or 64 rows by "
+                         f"256 columns (128 per consumer); got {bm}x{bn}")
+    if grouped and (n % bn or block_expert.numel() != triton.cdiv(m, bm)):
+        raise ValueError(f"a grouped launch takes one expert per {bm}-row block ({triton.cdiv(m, bm)} of them, got "
+                         f"{block_expert.numel()}) and N={n} in whole {bn}-column tiles")
     if cfg["OVERLAP"] and consumers != 2:
         raise ValueError("the overlapped loop keeps three 64 x BLOCK_N fp32 tiles per thread: two consumers only")
     stages, stage_groups, overlap = cfg["STAGES"], cfg["STAGE_GROUPS"], cfg["OVERLAP"]
@@ -316,19 +374,22 @@ def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None):
         raise ValueError("the overlapped loop takes the two K groups of a buffer in turn: STAGE_GROUPS=2 only")
     if k // BLOCK % stage_groups:  # an odd number of K groups: one per buffer (as many), one at a time (same bits)
         stages, stage_groups, overlap = stages * stage_groups, 1, False
+    w_rows = w_fp8.reshape(-1, k)  # grouped: the experts' weights one after another, expert e at rows e * N
     a_desc = TensorDescriptor.from_tensor(x_fp8, [64, BLOCK], _layout([64, BLOCK], x_fp8.dtype))
-    b_desc = TensorDescriptor.from_tensor(w_fp8, [bn, BLOCK], _layout([bn, BLOCK], w_fp8.dtype))
-    c_desc = TensorDescriptor.from_tensor(out, [64, bn], _layout([64, bn], out.dtype))
+    b_desc = TensorDescriptor.from_tensor(w_rows, [box_n, BLOCK], _layout([box_n, BLOCK], w_fp8.dtype))
+    c_desc = TensorDescriptor.from_tensor(out, [64, box_n], _layout([64, box_n], out.dtype))
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    args = (a_desc, b_desc, c_desc, x_scale, w_scale, bias if bias is not None else w_scale, m, n, k,
-            x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1))
+    stride_bse, stride_be = (w_scale.stride(0), 0 if bias is None else bias.stride(0)) if grouped else (0, 0)
+    args = (a_desc, b_desc, c_desc, x_scale, w_scale, bias if bias is not None else w_scale,
+            block_expert if grouped else w_scale, m, n, k, x_scale.stride(0), x_scale.stride(1), stride_bse,
+            w_scale.stride(-2), w_scale.stride(-1), stride_be)
     # Registers: at launch every warpgroup (the producer's warp counts as one) gets an equal share
     # of the SM's 64K; setmaxnreg then gives the producer PRODUCER_REGS and the consumers the rest.
     launch = 65536 // ((consumers + 1) * 128) // 8 * 8
     consumer_regs = min(MAX_REGS, (launch * (consumers + 1) - PRODUCER_REGS) // consumers // 8 * 8)
     meta = dict(HAS_BIAS=bias is not None, GROUP_M=cfg["GROUP_M"], STAGES=stages, STAGE_GROUPS=stage_groups,
-                OVERLAP=overlap, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=PRODUCER_REGS,
-                num_warps=4, maxnreg=launch)
+                OVERLAP=overlap, CONSUMERS=consumers, GROUPED=grouped, SPLIT_N=split_n, CONSUMER_REGS=consumer_regs,
+                PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=launch)
     return (min(tiles, sms),), args, meta
 
 
@@ -356,20 +417,55 @@ def gemm(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bfloat16, co
     return out
 
 
-def compile_sm90(m=4096, n=4096, k=7168, bias=False, config=None):
-    """Compile the kernel for sm_90a as gemm() would launch it, without a GPU (a CPU is enough):
-    returns Triton's compiled kernel (PTX and cubin in .asm). Catches Gluon API drift between
-    Triton versions; ptxas_report() says what ptxas made of it."""
+def grouped_config(*ns: int) -> dict:
+    """The grouped GEMM's tiles for experts of N output features (each of ns, for GEMMs that
+    share one routing): WIDE_CONFIG's 64 rows where its 256-column tiles divide every N (a tile
+    must not straddle two experts' weights), else CONFIG's 128."""
+    return WIDE_CONFIG if all(n % WIDE_CONFIG["BLOCK_N"] == 0 for n in ns) else CONFIG
+
+
+def why_not_grouped(x_fp8: torch.Tensor, w_fp8: torch.Tensor) -> str | None:
+    """None if grouped_gemm() can run on these operands (w_fp8 (E, N, K)), else why not."""
+    why = why_not(x_fp8, w_fp8.reshape(-1, w_fp8.shape[-1]))
+    if why is None and w_fp8.shape[1] % CONFIG["BLOCK_N"]:
+        why = f"N={w_fp8.shape[1]}: a tile must not straddle two experts ({CONFIG['BLOCK_N']}-column tiles)"
+    return why
+
+
+def grouped_gemm(x_fp8, x_scale, w_fp8, w_scale, block_expert, bias=None, out_dtype=torch.bfloat16, config=None):
+    """Row block i of x_fp8 (M, K) @ w_fp8[block_expert[i]].T (+ bias[e]) -> (M, N) out_dtype;
+    blocks of expert -1 are skipped and their rows left unwritten. A block is the tile's rows:
+    grouped_config(N)'s BLOCK_M unless config says. w_fp8 (E, N, K), w_scale (E, N/128, G),
+    bias (E, N); x_scale (M, G), any strides. The numbers of each row are those of gemm() on
+    that row and its expert's weights."""
+    why = why_not_grouped(x_fp8, w_fp8)
+    if why is not None:
+        raise RuntimeError(f"the Gluon grouped GEMM cannot run here: {why}")
+    out = torch.empty(x_fp8.shape[0], w_fp8.shape[1], dtype=out_dtype, device=x_fp8.device)
+    if x_fp8.shape[0] == 0:
+        return out
+    grid, args, meta = launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config, block_expert)
+    _gemm_kernel[grid](*args, **meta)
+    return out
+
+
+def compile_sm90(m=4096, n=4096, k=7168, bias=False, config=None, experts=0):
+    """Compile the kernel for sm_90a as gemm() (or, with experts > 0, grouped_gemm()) would launch
+    it, without a GPU (a CPU is enough): returns Triton's compiled kernel (PTX and cubin in .asm).
+    Catches Gluon API drift between Triton versions; ptxas_report() says what ptxas made of it."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
+    lead = (experts, ) if experts else ()
     x = torch.empty(m, k, dtype=torch.float8_e4m3fn)
-    w = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    w = torch.empty(*lead, n, k, dtype=torch.float8_e4m3fn)
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    scales = torch.empty(m, k // BLOCK), torch.empty(triton.cdiv(n, BLOCK), k // BLOCK)
-    b = torch.empty(n, dtype=torch.bfloat16) if bias else None
-    _, args, meta = launch_args(x, scales[0], w, scales[1], b, out, config)
+    scales = torch.empty(m, k // BLOCK), torch.empty(*lead, triton.cdiv(n, BLOCK), k // BLOCK)
+    b = torch.empty(*lead, n, dtype=torch.bfloat16) if bias else None
+    block_m = {**(grouped_config(n) if experts else CONFIG), **(config or {})}["BLOCK_M"]
+    block_expert = torch.empty(triton.cdiv(m, block_m), dtype=torch.int32) if experts else None
+    _, args, meta = launch_args(x, scales[0], w, scales[1], b, out, config, block_expert)
     options = {key: meta.pop(key) for key in ("num_warps", "maxnreg")}
     names = _gemm_kernel.arg_names
     signature = {name: mangle_type(a) for name, a in zip(names, args)}

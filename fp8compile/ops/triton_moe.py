@@ -17,6 +17,13 @@ One call, T tokens routed to k experts each (S = T * k slots):
               slot order: deterministic.
 Padding costs at most BLOCK_M - 1 rows per active expert; BLOCK_M follows the tokens per
 expert (16 for decode, up to 64), so decode does not pay for 128-row blocks.
+
+From GLUON_MIN_SLOTS_PER_EXPERT slots per expert on an sm_90 GPU (moe_gluon), steps 3 and 5 are
+gluon_gemm's warp-specialized grouped GEMM instead: TMA cannot gather rows through the slot map,
+so the quantized tokens are first copied into routed order (gather_rows), and the top-k sum reads
+each slot's row back through the inverse map. Same 128-wide products, scaled per group, as the
+Triton kernel's path (calc_diff < 1e-4 between them), and DeepGEMM's numbers (calc_diff 0.0
+between the two ops on an H100).
 """
 from __future__ import annotations
 
@@ -245,6 +252,51 @@ def _moe_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, c_ptr, slots_ptr,
 
 
 @triton.jit
+def _gather_rows_kernel(x_ptr, x_s_ptr, slots_ptr, block_expert_ptr, a_ptr, a_s_ptr, rows_ptr, num_slots, rows_per_a,
+                        G, stride_xm, stride_xsm, stride_xsg, stride_am, stride_asm,
+                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Rows [i * BLOCK_M, (i + 1) * BLOCK_M) of a: the K-chunk program_id(1) of x's row
+    slot // rows_per_a for each slot of block i, zeros on padding; chunk 0 also copies the
+    scales (0 on padding) and writes rows[slot], the slot's row of a. Blocks of no expert: nothing."""
+    i = tl.program_id(0)
+    if tl.load(block_expert_ptr + i) < 0:
+        return
+    offs_m = i * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(slots_ptr + offs_m)
+    valid = slots < num_slots
+    src = (tl.where(valid, slots, 0) // rows_per_a).to(tl.int64)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    v = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :], mask=valid[:, None], other=0)
+    tl.store(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :], v)
+    if tl.program_id(1) == 0:
+        tl.store(rows_ptr + slots, offs_m, mask=valid)
+        offs_g = tl.arange(0, BLOCK_G)
+        for g0 in range(0, G, BLOCK_G):
+            in_g = g0 + offs_g < G
+            sc = tl.load(x_s_ptr + src[:, None] * stride_xsm + (g0 + offs_g)[None, :] * stride_xsg,
+                         mask=valid[:, None] & in_g[None, :], other=0.0)
+            tl.store(a_s_ptr + offs_m[:, None] * stride_asm + (g0 + offs_g)[None, :], sc, mask=in_g[None, :])
+
+
+def gather_rows(x_fp8, x_scale, slots, block_expert, num_slots: int, rows_per_a: int, block_m: int):
+    """(a (R, K) fp8, a_scale (R, G) fp32, rows (S,) int32) in routed order: row r of a is x's row
+    slots[r] // rows_per_a (zeros on padding, rows of blocks of no expert unwritten), and
+    rows[slot] the row that holds slot (unwritten for slots routed nowhere). What the grouped
+    Gluon GEMM reads with TMA, which cannot gather rows through slots itself."""
+    r, k = slots.numel(), x_fp8.shape[1]
+    g = x_scale.shape[1]
+    a = torch.empty(r, k, dtype=x_fp8.dtype, device=x_fp8.device)
+    a_scale = torch.empty(r, g, dtype=x_scale.dtype, device=x_fp8.device)
+    rows = torch.empty(num_slots, dtype=torch.int32, device=x_fp8.device)
+    bytes_ = x_fp8.view(torch.uint8)  # padding loads `other=0` as the byte 0, FP8's +0
+    _gather_rows_kernel[(r // block_m, k // BLOCK)](
+        bytes_, x_scale, slots, block_expert, a.view(torch.uint8), a_scale, rows, num_slots, rows_per_a, g,
+        x_fp8.stride(0), x_scale.stride(0), x_scale.stride(1), a.stride(0), a_scale.stride(0),
+        BLOCK_M=block_m, BLOCK_K=BLOCK, BLOCK_G=min(64, triton.next_power_of_2(g)), num_warps=4)
+    return a, a_scale, rows
+
+
+@triton.jit
 def _topk_sum_kernel(c_ptr, rows_ptr, ids_ptr, weights_ptr, bias_ptr, out_ptr, H, num_experts,
                      stride_cm, stride_be, stride_om,
                      TOP_K: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -310,6 +362,47 @@ def block_m_for(num_slots: int, num_experts: int, batch_invariant: bool = False)
     return next((b for b in BLOCK_M_CHOICES if per_expert <= b), BLOCK_M_CHOICES[-1])
 
 
+# From this many slots per expert on average (and not batch-invariant), the GEMMs are the
+# warp-specialized Gluon kernel's on activations gathered into routed order (gluon_gemm.grouped_gemm).
+# Its blocks are 64 rows (128 where 256-column tiles do not divide N) and the gather costs a
+# pass: the op on an H100, uniform routing, Qwen3-30B-A3B widths: 299 against the Triton
+# kernel's 263 us at 16 slots per expert, 310 / 304 at 32, 349 / 413 at 64, 431 / 599 at 128;
+# DeepSeek-V3: 4626 / 4991 at 32 (BENCHMARKS.md, "Eighteenth session").
+GLUON_MIN_SLOTS_PER_EXPERT = 32
+
+
+def _gluon_runs(x, w13_fp8, w2_fp8, num_slots: int, batch_invariant: bool) -> bool:
+    if batch_invariant or num_slots < GLUON_MIN_SLOTS_PER_EXPERT * w13_fp8.shape[0] or not x.is_cuda:
+        return False
+    from . import gluon_gemm
+    return all(gluon_gemm.why_not_grouped(torch.empty(0, w.shape[2], dtype=w.dtype, device=x.device), w) is None
+               for w in (w13_fp8, w2_fp8))
+
+
+def moe_gluon(x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scale, b13=None, b2=None, e8m0=False,
+              activation="silu", alpha=1.702, limit=7.0, config=None):
+    """Steps 1-6 with the GEMMs of gluon_gemm.grouped_gemm: the quantized tokens are gathered
+    into routed order once (gather_rows), both GEMMs run on row blocks of that order (64 or 128
+    rows: gluon_gemm.grouped_config, or config), and the top-k sum reads each slot's row
+    through the `rows` map."""
+    from . import gluon_gemm
+
+    t, k = topk_ids.shape
+    num_experts, two_i, _ = w13_fp8.shape
+    s = t * k
+    config = config or gluon_gemm.grouped_config(two_i, w2_fp8.shape[1])
+    block_m = config["BLOCK_M"]
+    slots, block_expert = route(topk_ids, num_experts, block_m)
+    x_fp8, x_scale = quant_act(x.contiguous(), e8m0, "row")
+    a, a_scale, rows = gather_rows(x_fp8, x_scale, slots, block_expert, s, k, block_m)
+    c1 = gluon_gemm.grouped_gemm(a, a_scale, w13_fp8, w13_scale, block_expert, b13, config=config)
+    half = two_i // 2
+    h_fp8, h_scale = quant_act(c1[:, :half], e8m0, "row", b=c1[:, half:], activation=activation, alpha=alpha,
+                               limit=limit)
+    c2 = gluon_gemm.grouped_gemm(h_fp8, h_scale, w2_fp8, w2_scale, block_expert, config=config)
+    return topk_sum(c2, topk_ids, topk_weights, num_experts, b2, rows=rows, out_dtype=x.dtype)
+
+
 def moe_triton(x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scale, b13=None, b2=None, e8m0=False,
                activation="silu", alpha=1.702, limit=7.0, batch_invariant=False):
     """fp8compile::moe on the GPU (see the module docstring for the steps)."""
@@ -318,6 +411,9 @@ def moe_triton(x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scale, 
     s = t * k
     if s == 0:
         return x.new_zeros(x.shape)
+    if _gluon_runs(x, w13_fp8, w2_fp8, s, batch_invariant):
+        return moe_gluon(x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scale, b13, b2, e8m0, activation,
+                         alpha, limit)
     block_m = block_m_for(s, num_experts, batch_invariant)
     slots, block_expert = route(topk_ids, num_experts, block_m)
     x_fp8, x_scale = quant_act(x.contiguous(), e8m0, "row")
