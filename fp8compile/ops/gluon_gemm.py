@@ -17,6 +17,12 @@ the kernel say which warps do what:
   (9d201bf:scripts/gluon_probe.py, four runs).
 - With OVERLAP, each consumer also keeps one of its own wgmmas in flight while it promotes the
   other group of the buffer (two register tiles taking groups in turn).
+- The consumers may instead split a tile's columns (64 x 256 tiles, WIDE_CONFIG): one shared
+  activation box, a 128-row weight box each.
+
+grouped_gemm() is the routed experts' variant (ops/triton_moe.py, moe_gluon): row block i of the
+activations (rows gathered into routed order) is multiplied by expert block_expert[i]'s weights,
+scales and bias; blocks of expert -1 are skipped by the producer and the consumers alike.
 
 Numerics are those of triton_gemm's kernel and of the reference, to the bit: every output element
 is the same sequence of 128-wide fp32 products, each scaled once and added in K order, whatever
