@@ -195,14 +195,14 @@ if IMPORT_ERROR is None:
         return done
 
     @gluon.jit
-    def _consume(a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, expert_ptr, M, N, K, stride_asm,
-                 stride_asg, stride_bse, stride_bsn, stride_bsg, stride_be, PART: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 GROUP_M: gl.constexpr, OVERLAP: gl.constexpr, STAGE_GROUPS: gl.constexpr, GROUPED: gl.constexpr,
-                 A_BOXES: gl.constexpr, B_BOXES: gl.constexpr):
+    def _consume(shared, PART: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, OVERLAP: gl.constexpr,
+                 STAGE_GROUPS: gl.constexpr, GROUPED: gl.constexpr, A_BOXES: gl.constexpr, B_BOXES: gl.constexpr):
         """One consumer warpgroup: its 64 x BLOCK_N part of every tile of this program, rows
         [PART * 64, PART * 64 + 64) where the consumers split a tile's rows (A_BOXES of them),
         columns [PART * BLOCK_N, ...) where they split its columns (B_BOXES). Grouped: the tile's
-        expert's weight scales and bias."""
+        expert's weight scales and bias. `shared`: what every consumer takes (_gemm_kernel)."""
+        (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, expert_ptr, M, N, K, stride_asm, stride_asg,
+         stride_bse, stride_bsn, stride_bsg, stride_be) = shared
         STAGES: gl.constexpr = ready.shape[0]
         ROWS: gl.constexpr = a_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -306,30 +306,24 @@ if IMPORT_ERROR is None:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)  # the producer's expect; TMA completes the bytes
             mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
-        # (Written out per consumer: Triton 3.6 cannot concatenate tuples inside a kernel.)
+        # What every consumer takes, as one tuple (constexprs stay apart: a tuple variable would
+        # carry them as plain values).
+        shared = (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, expert_ptr, M, N, K, stride_asm,
+                  stride_asg, stride_bse, stride_bsn, stride_bsg, stride_be)
+        # The default partition (the kernel's own 4 warps) is the first consumer.
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, expert_ptr, M, N, K,
-                            stride_asm, stride_asg, stride_bse, stride_bsn, stride_bsg, stride_be, 0, HAS_BIAS,
-                            GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
-                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, expert_ptr, M, N, K,
-                            stride_asm, stride_asg, stride_bse, stride_bsn, stride_bsg, stride_be, 1, HAS_BIAS,
-                            GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
+                (_consume, (shared, 0, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
+                (_consume, (shared, 1, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
                 (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, expert_ptr, M, N, K, GROUP_M, STAGE_GROUPS,
                             GROUPED, A_BOXES, B_BOXES)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
             gl.warp_specialize([
-                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, expert_ptr, M, N, K,
-                            stride_asm, stride_asg, stride_bse, stride_bsn, stride_bsg, stride_be, 0, HAS_BIAS,
-                            GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
-                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, expert_ptr, M, N, K,
-                            stride_asm, stride_asg, stride_bse, stride_bsn, stride_bsg, stride_be, 1, HAS_BIAS,
-                            GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
-                (_consume, (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, expert_ptr, M, N, K,
-                            stride_asm, stride_asg, stride_bse, stride_bsn, stride_bsg, stride_be, 2, HAS_BIAS,
-                            GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
+                (_consume, (shared, 0, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
+                (_consume, (shared, 1, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
+                (_consume, (shared, 2, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
                 (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, expert_ptr, M, N, K, GROUP_M, STAGE_GROUPS,
                             GROUPED, A_BOXES, B_BOXES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
