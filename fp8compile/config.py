@@ -52,7 +52,8 @@ class Fp8Config:
                      repeat_kv's copy (passes/gqa_attention.py).
     debug_dir:       write graphs before/after our passes and depyf-decompiled code here
                      (default: $FP8COMPILE_DEBUG_DIR).
-    inductor_launch: the decode kernel, and the quantization and cuBLAS call of the cuBLAS side,
+    inductor_launch: the decode kernel, the quantization and cuBLAS call of the cuBLAS side, and
+                     the routed experts' kernels at decode sizes (fp8compile::moe_decode),
                      as launches in Inductor's generated code (no Python op around them,
                      passes/inline.py) instead of the fp8compile op; None = where CUDA graphs
                      are not asked for (there every call pays the host's cost).

@@ -19,6 +19,12 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1). For host code on every launch: Triton's
+    next_power_of_2 and cdiv are constexpr functions, 2.6 us a call against 0.04 for this."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def round_scale_e8m0(scale: torch.Tensor) -> torch.Tensor:
     """Round positive fp32 scales UP to the next power of two (UE8M0), exactly.
 

@@ -440,3 +440,40 @@ def test_default_mode_decode_side_is_launched_by_inductor_with_the_numbers_of_th
         for x, got, want in _launched_and_op_path(model, xs):
             assert calc_diff(got, want) < 1e-5, x.shape  # the same kernel; tiles may split K another way
             assert calc_diff(got, model(x)) < GATED_MLP
+
+
+@pytest.mark.parametrize("block", ["qwen3_moe", "gpt_oss", "gpt_fast"])
+def test_default_mode_moe_decode_side_is_launched_by_inductor_with_the_bits_of_the_op(block):
+    """Outside CUDA graphs the routed experts' decode side is fp8compile::moe_decode traced
+    (passes/inline.py): a static two-token graph calls no fp8compile op, only our routing,
+    quantization, grouped GEMM and top-k sum kernels; a dynamic graph gives the op path's bits
+    (the same kernels with the same choices) through the decode range and the op's above it.
+    GPT-OSS: biases and interleaved gate/up rows (its FP8 rows reordered); gpt-fast: separate
+    gate and up weights."""
+    from torch._inductor.utils import run_and_get_code
+
+    from fp8compile.ops import moe_decode_op
+    from tests.models import GptFastMoE
+    from tests.test_moe import gpt_oss_mlp, qwen3_moe_block
+
+    model = {"qwen3_moe": lambda: qwen3_moe_block("grouped_mm"), "gpt_oss": lambda: gpt_oss_mlp("grouped_mm"),
+             "gpt_fast": lambda: GptFastMoE().to(BF16)}[block]().cuda()
+    first = lambda y: y[0] if isinstance(y, tuple) else y  # noqa: E731  GptOssMLP also returns router scores
+    with torch.no_grad():
+        backend = fp8compile.backend()
+        out, code = run_and_get_code(torch.compile(model, backend=backend), randn(1, 2, 256, device="cuda"))
+        wrapper = "\n".join(code)
+        assert backend.report.counts().get("moe") == 1, backend.report
+        assert "_route_kernel" in wrapper and "_moe_gemm_kernel" in wrapper and "_topk_sum_kernel" in wrapper
+        assert "torch.ops.fp8compile" not in wrapper
+        xs = [randn(1, m, 256, device="cuda") for m in (3, 5, 16, 32, 33, 300)]
+        for x, got, want in _launched_and_op_path(model, xs):
+            assert torch.equal(first(got), first(want)), x.shape
+    from tests.test_moe_kernels import quant_experts
+
+    args = (randn(3, 256, device="cuda"), torch.randint(0, 8, (3, 2), device="cuda"), torch.rand(3, 2, device="cuda"),
+            *quant_experts(weight(8 * 512, 256).view(8, 512, 256)),
+            *quant_experts(weight(8 * 256, 256).view(8, 256, 256)))
+    assert moe_decode_op.decode_fits(8, 2, 16)
+    torch.library.opcheck(torch.ops.fp8compile.moe_decode, (*args, None, None, False, 16),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))

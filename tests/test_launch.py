@@ -123,3 +123,15 @@ def test_a_relaunch_the_installed_triton_refuses_falls_back_to_its_own_path_for_
     for _ in range(3):
         run((2,), (torch.zeros(4), 16, 1.0), {"BLOCK": 1, "ACT": 0})
     assert [e[0] for e in refusing.log] == ["triton", "triton", "triton"] and not run.relaunch
+
+
+def test_signatures_past_the_cap_are_forgotten_and_relearned(monkeypatch):
+    monkeypatch.setattr(launch, "MAX_SIGNATURES", 2)
+    kernel = FakeKernel()
+    run = launch.Launcher(kernel)
+    x = torch.zeros(64)
+    for n in (1, 32, 33, 32):  # three signatures: the third starts the table over, so 32 is new again
+        run((4,), (x, n, 0.5), {"ACT": 1, "BLOCK": 128})
+    assert [e[0] for e in kernel.log] == ["triton"] * 4 and len(run.compiled) == 2
+    run((4,), (x, 32, 0.5), {"ACT": 1, "BLOCK": 128})
+    assert kernel.log[-1][0] == "direct"

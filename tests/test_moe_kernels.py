@@ -97,23 +97,26 @@ def test_grouped_gemm_writes_each_slot_the_block_gemm_of_its_token_and_expert(to
         assert_bf16_close(out[rows], to_bf16_as_the_device_does(exact))
 
 
+@pytest.mark.parametrize("e8m0", [False, True])
 @pytest.mark.parametrize("routing", ROUTINGS)
-def test_gather_rows_puts_each_slots_token_on_its_row_with_zeros_on_padding(routing):
-    """What the grouped Gluon GEMM reads: row r holds the quantized token of slot slots[r] (and
-    its scales), padding rows are zeros, and rows[slot] points back at the slot's row."""
+def test_gather_quant_puts_each_slots_token_quantized_on_its_row(routing, e8m0):
+    """What the grouped Gluon GEMM reads: row r holds the token of slot slots[r] quantized bit
+    for bit as quant_act quantizes it (and its scales), padding rows are quantized zeros, and
+    rows[slot] points back at the slot's row."""
     tokens, num_experts, top_k, block_m = 37, 4, 3, 16
     ids = ROUTINGS[routing](tokens, num_experts, top_k).to(DEVICE)
-    x_fp8, x_scale = reference.quant_act_block(randn(tokens, 256, device=DEVICE))
+    x = randn(tokens, 256, device=DEVICE)
+    x_fp8, x_scale = triton_quant.quant_act(x, e8m0)
     slots, block_expert = triton_moe.route(ids, num_experts, block_m)
     s = ids.numel()
-    a, a_scale, rows = triton_moe.gather_rows(x_fp8, x_scale, slots, block_expert, s, top_k, block_m)
+    a, a_scale, rows = triton_moe.gather_quant(x, slots, block_expert, s, top_k, block_m, e8m0)
     in_use = (block_expert >= 0).repeat_interleave(block_m)
     real = in_use & (slots < s)
     pad = in_use & (slots >= s)
     token = slots[real].long() // top_k
     assert torch.equal(a[real].view(torch.uint8), x_fp8[token].view(torch.uint8))
     assert torch.equal(a_scale[real], x_scale[token])
-    assert not a[pad].view(torch.uint8).any() and not a_scale[pad].any()
+    assert not a[pad].view(torch.uint8).any()
     routed = slots[real].long()
     assert torch.equal(rows[routed].long(), real.nonzero().squeeze(1))
 
@@ -172,6 +175,31 @@ def test_moe_triton_equals_its_stages_composed_from_the_reference_gemm(tokens, a
     if ON_GPU:  # (the interpreter's float -> e4m3 error on the intermediate would dominate here)
         ref = reference.moe_block(*[a.cpu() if a is not None else None for a in args], False, activation=activation)
         assert calc_diff(out.cpu(), ref) < 1e-4
+
+
+@pytest.mark.parametrize("tokens, max_tokens", [(1, 1), (3, 16), (16, 16), (32, 32)])
+@pytest.mark.parametrize("activation, bias", [("silu", False), ("swigluoai", True)])
+def test_moe_decode_op_gives_the_bits_of_moe_triton(tokens, max_tokens, activation, bias):
+    """fp8compile::moe_decode (the op Inductor launches itself at decode sizes) routes in one
+    program sized for max_tokens and runs the Triton kernel's 16-row blocks: moe_triton's own
+    choices there, so the same bits for any token count up to max_tokens."""
+    from fp8compile.ops import moe_decode_op
+
+    args = moe_inputs(tokens, bias=bias)
+    assert moe_decode_op.decode_fits(4, 2, max_tokens)
+    out = torch.ops.fp8compile.moe_decode(*args, False, max_tokens, activation=activation)
+    assert torch.equal(out, triton_moe.moe_triton(*args, False, activation=activation))
+
+
+def test_moe_decode_fits_only_where_moe_triton_routes_in_one_program_with_its_smallest_blocks():
+    from fp8compile.ops import moe_decode_op
+
+    # Qwen3-30B-A3B (128 experts, top-8) up to 64 tokens: 512 slots, 4 per expert
+    assert moe_decode_op.decode_fits(128, 8, 64)
+    assert not moe_decode_op.decode_fits(128, 8, 65)  # 520 slots: past one program's sort
+    assert not moe_decode_op.decode_fits(8, 2, 128)  # Mixtral: 32 slots per expert take 32-row blocks
+    with pytest.raises(ValueError, match="past that"):
+        torch.ops.fp8compile.moe_decode(*moe_inputs(2), False, 1024)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel runs on an sm_90 GPU only")

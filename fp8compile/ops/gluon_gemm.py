@@ -43,8 +43,8 @@ import functools
 import torch
 import triton
 
-from ..numerics import BLOCK
-from .launch import num_sms
+from ..numerics import BLOCK, ceil_div
+from .launch import Launcher, capability, num_sms
 
 try:
     from triton.experimental import gluon
@@ -92,7 +92,7 @@ def why_not(x_fp8: torch.Tensor, w_fp8: torch.Tensor, out_dtype: torch.dtype = t
         return IMPORT_ERROR
     if x_fp8.device.type != "cuda":
         return "needs a CUDA device"
-    if torch.cuda.get_device_capability(x_fp8.device)[0] != 9:
+    if capability(x_fp8.get_device())[0] != 9:
         return "needs sm_90 (Hopper wgmma)"
     k = x_fp8.shape[1]
     n = w_fp8.shape[0]
@@ -328,6 +328,8 @@ if IMPORT_ERROR is None:
                             GROUPED, A_BOXES, B_BOXES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
+    _gemm_launch = Launcher(_gemm_kernel)
+
 
 def _layout(block_shape, dtype: torch.dtype):
     return _shared_layout(tuple(block_shape), dtype)
@@ -362,8 +364,8 @@ def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None, block_ex
     if not ((bm in (128, 192) and bn in (64, 128)) or (bm, bn) == (64, 256)):
         raise ValueError("tiles are 128 or 192 rows (64 per consumer warpgroup) by 64 or 128 columns, or 64 rows by "
                          f"256 columns (128 per consumer); got {bm}x{bn}")
-    if grouped and (n % bn or block_expert.numel() != triton.cdiv(m, bm)):
-        raise ValueError(f"a grouped launch takes one expert per {bm}-row block ({triton.cdiv(m, bm)} of them, got "
+    if grouped and (n % bn or block_expert.numel() != ceil_div(m, bm)):
+        raise ValueError(f"a grouped launch takes one expert per {bm}-row block ({ceil_div(m, bm)} of them, got "
                          f"{block_expert.numel()}) and N={n} in whole {bn}-column tiles")
     if cfg["OVERLAP"] and consumers != 2:
         raise ValueError("the overlapped loop keeps three 64 x BLOCK_N fp32 tiles per thread: two consumers only")
@@ -378,7 +380,7 @@ def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None, block_ex
     a_desc = TensorDescriptor.from_tensor(x_fp8, [64, BLOCK], _layout([64, BLOCK], x_fp8.dtype))
     b_desc = TensorDescriptor.from_tensor(w_rows, [box_n, BLOCK], _layout([box_n, BLOCK], w_fp8.dtype))
     c_desc = TensorDescriptor.from_tensor(out, [64, box_n], _layout([64, box_n], out.dtype))
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = ceil_div(m, bm) * ceil_div(n, bn)
     stride_bse, stride_be = (w_scale.stride(0), 0 if bias is None else bias.stride(0)) if grouped else (0, 0)
     args = (a_desc, b_desc, c_desc, x_scale, w_scale, bias if bias is not None else w_scale,
             block_expert if grouped else w_scale, m, n, k, x_scale.stride(0), x_scale.stride(1), stride_bse,
@@ -393,11 +395,21 @@ def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None, block_ex
     return (min(tiles, sms),), args, meta
 
 
+def _launch(grid: tuple, args: tuple, meta: dict) -> None:
+    """_gemm_kernel[grid](*args, **meta) through our Launcher (launch.py): outside CUDA graphs a
+    launch through Triton's own path cost 135 us of host time on an H100 lease's host."""
+    options = {key: meta[key] for key in _OPTIONS}
+    _gemm_launch(grid, args, {key: value for key, value in meta.items() if key not in _OPTIONS}, **options)
+
+
+_OPTIONS = ("num_warps", "maxnreg")
+
+
 def pick_config(m: int, n: int, sms: int) -> dict:
     """CONFIG or TALL_CONFIG, whichever needs less time in whole waves of persistent programs
     (a wave is one tile per SM; the last one is paid in full however few tiles it has)."""
     def waves(block_m: int) -> int:
-        return triton.cdiv(triton.cdiv(m, block_m) * triton.cdiv(n, CONFIG["BLOCK_N"]), sms)
+        return ceil_div(ceil_div(m, block_m) * ceil_div(n, CONFIG["BLOCK_N"]), sms)
 
     return TALL_CONFIG if waves(TALL_CONFIG["BLOCK_M"]) * TALL_TILE_COST < waves(CONFIG["BLOCK_M"]) else CONFIG
 
@@ -413,7 +425,7 @@ def gemm(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bfloat16, co
     if m == 0:
         return out
     grid, args, meta = launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config)
-    _gemm_kernel[grid](*args, **meta)
+    _launch(grid, args, meta)
     return out
 
 
@@ -445,7 +457,7 @@ def grouped_gemm(x_fp8, x_scale, w_fp8, w_scale, block_expert, bias=None, out_dt
     if x_fp8.shape[0] == 0:
         return out
     grid, args, meta = launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config, block_expert)
-    _gemm_kernel[grid](*args, **meta)
+    _launch(grid, args, meta)
     return out
 
 
@@ -461,10 +473,10 @@ def compile_sm90(m=4096, n=4096, k=7168, bias=False, config=None, experts=0):
     x = torch.empty(m, k, dtype=torch.float8_e4m3fn)
     w = torch.empty(*lead, n, k, dtype=torch.float8_e4m3fn)
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    scales = torch.empty(m, k // BLOCK), torch.empty(*lead, triton.cdiv(n, BLOCK), k // BLOCK)
+    scales = torch.empty(m, k // BLOCK), torch.empty(*lead, ceil_div(n, BLOCK), k // BLOCK)
     b = torch.empty(*lead, n, dtype=torch.bfloat16) if bias else None
     block_m = {**(grouped_config(n) if experts else CONFIG), **(config or {})}["BLOCK_M"]
-    block_expert = torch.empty(triton.cdiv(m, block_m), dtype=torch.int32) if experts else None
+    block_expert = torch.empty(ceil_div(m, block_m), dtype=torch.int32) if experts else None
     _, args, meta = launch_args(x, scales[0], w, scales[1], b, out, config, block_expert)
     options = {key: meta.pop(key) for key in ("num_warps", "maxnreg")}
     names = _gemm_kernel.arg_names

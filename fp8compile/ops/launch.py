@@ -25,6 +25,15 @@ except ImportError:  # no Triton, or one without knobs: every launch takes Trito
     _knobs = _driver = None
 
 log = logging.getLogger("fp8compile")
+# Signatures a Launcher keeps (a TMA descriptor's key holds its shape, so a GEMM over varying M
+# adds one per M); past this many it forgets them all and relearns from Triton's own path.
+MAX_SIGNATURES = 1024
+
+
+@functools.cache
+def capability(device_index: int) -> tuple[int, int]:
+    """The GPU's compute capability, asked of the driver once (what a kernel's why_not checks on every call)."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 @functools.cache
@@ -94,6 +103,8 @@ class Launcher:
             if compiled is not None and hasattr(compiled, "run"):  # None under the CPU interpreter
                 # Triton's launcher takes every parameter in signature order, constexprs included.
                 tail = tuple(constexprs[name] for name in self.kernel.arg_names[len(args):])
+                if len(self.compiled) >= MAX_SIGNATURES:  # shapes that vary call to call: start over
+                    self.compiled.clear()
                 self.compiled[key] = (compiled, tail)
             return
         compiled, tail = hit

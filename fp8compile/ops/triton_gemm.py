@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..numerics import AMAX_EPS, BLOCK, FP8_MAX
+from ..numerics import AMAX_EPS, BLOCK, FP8_MAX, ceil_div
 from .launch import Launcher, num_sms
 from .triton_quant import activation_code, load_activation, quant_act, quant_group
 
@@ -248,7 +248,7 @@ def gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bflo
     per_sm = cfg.pop("persistent", 0)
     if BLOCK % cfg["BLOCK_N"]:
         raise ValueError(f"BLOCK_N={cfg['BLOCK_N']} must divide the {BLOCK}-row weight scale block")
-    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    tiles = ceil_div(m, cfg["BLOCK_M"]) * ceil_div(n, cfg["BLOCK_N"])
     sms = 1 if _interpreting(x_fp8) else num_sms(x_fp8.device.index or 0)  # the interpreter: 1 "SM"
     programs = min(tiles, per_sm * sms) if per_sm else tiles
     descriptors = (_descriptor(x_fp8, cfg["BLOCK_M"]), _descriptor(w_fp8, cfg["BLOCK_N"])) if tma else (x_fp8, w_fp8)
@@ -293,7 +293,7 @@ def small_m_split(n: int, k: int, device: torch.device, block_n: int = SMALL_M_B
     """Split-K factor: enough programs to keep every SM streaming, never more splits than groups."""
     if device.type != "cuda":
         return 2  # exercise the split path under the interpreter
-    n_blocks = triton.cdiv(n, block_n)
+    n_blocks = ceil_div(n, block_n)
     target = programs_per_sm * num_sms(device.index or 0)
     return max(1, min(k // BLOCK, round(target / n_blocks)))
 
@@ -319,7 +319,7 @@ def prepare_small_m(request) -> None:
     """registry hook, at compile time: the split-K counters for a call site of N outputs (one per
     N tile of the plain or gated kernel), before any CUDA graph's warm-up could allocate them."""
     if request.device.type == "cuda":
-        _arrival_counters(request.device, triton.cdiv(request.n, min(SMALL_M_BLOCK_N, SMALL_M_GATED_BLOCK_N)))
+        _arrival_counters(request.device, ceil_div(request.n, min(SMALL_M_BLOCK_N, SMALL_M_GATED_BLOCK_N)))
 
 
 @functools.cache
@@ -373,7 +373,7 @@ def _small_m_tiles(m: int, n: int, k: int, gated: bool, device: torch.device, bl
     block_n = block_n or (32 if device.type == "cpu" else SMALL_M_GATED_BLOCK_N if gated else SMALL_M_BLOCK_N)
     split = split_k or small_m_split(n, k, device, block_n,
                                      SMALL_M_GATED_PROGRAMS_PER_SM if gated else SMALL_M_PROGRAMS_PER_SM)
-    return block_m, block_n, split, triton.cdiv(n, block_n)
+    return block_m, block_n, split, ceil_div(n, block_n)
 
 
 def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block_n=None, num_stages=None,

@@ -20,7 +20,7 @@ expert (16 for decode, up to 64), so decode does not pay for 128-row blocks.
 
 From GLUON_MIN_SLOTS_PER_EXPERT slots per expert on an sm_90 GPU (moe_gluon), steps 3 and 5 are
 gluon_gemm's warp-specialized grouped GEMM instead: TMA cannot gather rows through the slot map,
-so the quantized tokens are first copied into routed order (gather_rows), and the top-k sum reads
+so the tokens are quantized straight into routed order (gather_quant), and the top-k sum reads
 each slot's row back through the inverse map. Same 128-wide products, scaled per group, as the
 Triton kernel's path (calc_diff < 1e-4 between them), and DeepGEMM's numbers (calc_diff 0.0
 between the two ops on an H100).
@@ -31,8 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..numerics import BLOCK, ceil_div
-from .triton_quant import quant_act
+from ..numerics import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, ceil_div, next_pow2
+from .launch import Launcher
+from .triton_quant import quant_act, quant_group
 
 
 def route(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +115,9 @@ def _route_kernel(ids_ptr, slots_ptr, block_expert_ptr, num_slots, num_experts, 
     _store_block_experts(block_expert_ptr, padded_end, offs_e, num_experts, capacity, BLOCK_M, BLOCK_B)
 
 
+_route_launch = Launcher(_route_kernel)
+
+
 # Routing in one Triton program up to this many slots (T * k), the chunked kernels above. One
 # program sorts all slots itself: on an H200 (9d201bf:scripts/decode_probe.py) it took 3.0 us for 8 slots
 # and 6.8 us for 128, but 15.1 us for 1024 and 73.9 us for 4096, where the torch ops took 57-99 us.
@@ -136,10 +140,10 @@ def route_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
     capacity = route_capacity(s, num_experts, block_m)
     slots = torch.empty(capacity, dtype=torch.int32, device=topk_ids.device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=topk_ids.device)
-    block_s = max(16, triton.next_power_of_2(s))
-    _route_kernel[(1,)](topk_ids.contiguous(), slots, block_expert, s, num_experts, capacity, BLOCK_M=block_m,
-                        BLOCK_S=block_s, BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_B=32,
-                        num_warps=4 if block_s <= 1024 else 8)
+    block_s = max(16, next_pow2(s))
+    _route_launch((1,), (topk_ids.contiguous(), slots, block_expert, s, num_experts, capacity),
+                  dict(BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_E=next_pow2(num_experts + 1), BLOCK_B=32),
+                  num_warps=4 if block_s <= 1024 else 8)
     return slots, block_expert
 
 
@@ -151,6 +155,9 @@ def _route_count_kernel(ids_ptr, hist_ptr, num_slots, num_experts, CHUNK: tl.con
     ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1).to(tl.int32)
     bucket = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts)
     tl.store(hist_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), tl.histogram(bucket, BLOCK_E))
+
+
+_route_count_launch = Launcher(_route_count_kernel)
 
 
 @triton.jit
@@ -179,6 +186,9 @@ def _route_scan_kernel(hist_ptr, start_ptr, slots_ptr, block_expert_ptr, num_slo
     _store_block_experts(block_expert_ptr, padded_end, offs_e, num_experts, capacity, BLOCK_M, BLOCK_B)
 
 
+_route_scan_launch = Launcher(_route_scan_kernel)
+
+
 @triton.jit
 def _route_place_kernel(ids_ptr, hist_ptr, start_ptr, slots_ptr, num_slots, num_experts,
                         CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -197,6 +207,9 @@ def _route_place_kernel(ids_ptr, hist_ptr, start_ptr, slots_ptr, num_slots, num_
     tl.store(slots_ptr + row, slot, mask=routed)
 
 
+_route_place_launch = Launcher(_route_place_kernel)
+
+
 def route_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """route_torch in three launches over chunks of ROUTE_CHUNK slots (count, scan, place), for
     any number of slots: the same two tensors, element for element."""
@@ -205,16 +218,17 @@ def route_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tup
     capacity = route_capacity(s, num_experts, block_m)
     slots = torch.empty(capacity, dtype=torch.int32, device=device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
-    num_chunks = max(1, triton.cdiv(s, ROUTE_CHUNK))
-    block_e = triton.next_power_of_2(num_experts + 1)
+    num_chunks = max(1, ceil_div(s, ROUTE_CHUNK))
+    block_e = next_pow2(num_experts + 1)
     hist = torch.empty(num_chunks, block_e, dtype=torch.int32, device=device)
     start = torch.empty(block_e, dtype=torch.int32, device=device)
     ids = topk_ids.contiguous()
-    _route_count_kernel[(num_chunks,)](ids, hist, s, num_experts, CHUNK=ROUTE_CHUNK, BLOCK_E=block_e)
-    _route_scan_kernel[(1,)](hist, start, slots, block_expert, s, num_experts, num_chunks, capacity, BLOCK_M=block_m,
-                             BLOCK_C=max(1, 8192 // block_e), BLOCK_E=block_e, BLOCK_B=32, BLOCK_FILL=1024,
-                             num_warps=8)
-    _route_place_kernel[(num_chunks,)](ids, hist, start, slots, s, num_experts, CHUNK=ROUTE_CHUNK, BLOCK_E=block_e)
+    _route_count_launch((num_chunks,), (ids, hist, s, num_experts), dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e))
+    _route_scan_launch((1,), (hist, start, slots, block_expert, s, num_experts, num_chunks, capacity),
+                       dict(BLOCK_M=block_m, BLOCK_C=max(1, 8192 // block_e), BLOCK_E=block_e, BLOCK_B=32,
+                            BLOCK_FILL=1024), num_warps=8)
+    _route_place_launch((num_chunks,), (ids, hist, start, slots, s, num_experts),
+                        dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e))
     return slots, block_expert
 
 
@@ -251,48 +265,55 @@ def _moe_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, c_ptr, slots_ptr,
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None])
 
 
+_moe_gemm_launch = Launcher(_moe_gemm_kernel)
+
+
 @triton.jit
-def _gather_rows_kernel(x_ptr, x_s_ptr, slots_ptr, block_expert_ptr, a_ptr, a_s_ptr, rows_ptr, num_slots, rows_per_a,
-                        G, stride_xm, stride_xsm, stride_xsg, stride_am, stride_asm,
-                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Rows [i * BLOCK_M, (i + 1) * BLOCK_M) of a: the K-chunk program_id(1) of x's row
-    slot // rows_per_a for each slot of block i, zeros on padding; chunk 0 also copies the
-    scales (0 on padding) and writes rows[slot], the slot's row of a. Blocks of no expert: nothing."""
+def _gather_quant_kernel(x_ptr, slots_ptr, block_expert_ptr, a_ptr, a_s_ptr, rows_ptr, num_slots, rows_per_a,
+                         stride_xm, stride_am, stride_asm, eps, fp8_max, E8M0: tl.constexpr, BLOCK_M: tl.constexpr,
+                         GROUP: tl.constexpr):
+    """Rows [i * BLOCK_M, (i + 1) * BLOCK_M) of a, group program_id(1): x's row
+    slot // rows_per_a for each slot of block i, quantized (quant_group, the numbers of
+    quant_act on that row); padding rows quantize zeros. Group 0 also writes rows[slot], the
+    slot's row of a. Blocks of no expert: nothing."""
+    eps, fp8_max = tl.cast(eps, tl.float32), tl.cast(fp8_max, tl.float32)
     i = tl.program_id(0)
     if tl.load(block_expert_ptr + i) < 0:
         return
+    g = tl.program_id(1)
     offs_m = i * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.load(slots_ptr + offs_m)
     valid = slots < num_slots
     src = (tl.where(valid, slots, 0) // rows_per_a).to(tl.int64)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    v = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :], mask=valid[:, None], other=0)
-    tl.store(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :], v)
-    if tl.program_id(1) == 0:
+    cols = g * GROUP + tl.arange(0, GROUP)
+    x = tl.load(x_ptr + src[:, None] * stride_xm + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    x_fp8, scale = quant_group(x, eps, fp8_max, E8M0)
+    tl.store(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + cols[None, :], x_fp8)
+    tl.store(a_s_ptr + offs_m * stride_asm + g, scale)
+    if g == 0:
         tl.store(rows_ptr + slots, offs_m, mask=valid)
-        offs_g = tl.arange(0, BLOCK_G)
-        for g0 in range(0, G, BLOCK_G):
-            in_g = g0 + offs_g < G
-            sc = tl.load(x_s_ptr + src[:, None] * stride_xsm + (g0 + offs_g)[None, :] * stride_xsg,
-                         mask=valid[:, None] & in_g[None, :], other=0.0)
-            tl.store(a_s_ptr + offs_m[:, None] * stride_asm + (g0 + offs_g)[None, :], sc, mask=in_g[None, :])
 
 
-def gather_rows(x_fp8, x_scale, slots, block_expert, num_slots: int, rows_per_a: int, block_m: int):
-    """(a (R, K) fp8, a_scale (R, G) fp32, rows (S,) int32) in routed order: row r of a is x's row
-    slots[r] // rows_per_a (zeros on padding, rows of blocks of no expert unwritten), and
-    rows[slot] the row that holds slot (unwritten for slots routed nowhere). What the grouped
-    Gluon GEMM reads with TMA, which cannot gather rows through slots itself."""
-    r, k = slots.numel(), x_fp8.shape[1]
-    g = x_scale.shape[1]
-    a = torch.empty(r, k, dtype=x_fp8.dtype, device=x_fp8.device)
-    a_scale = torch.empty(r, g, dtype=x_scale.dtype, device=x_fp8.device)
-    rows = torch.empty(num_slots, dtype=torch.int32, device=x_fp8.device)
-    bytes_ = x_fp8.view(torch.uint8)  # padding loads `other=0` as the byte 0, FP8's +0
-    _gather_rows_kernel[(r // block_m, k // BLOCK)](
-        bytes_, x_scale, slots, block_expert, a.view(torch.uint8), a_scale, rows, num_slots, rows_per_a, g,
-        x_fp8.stride(0), x_scale.stride(0), x_scale.stride(1), a.stride(0), a_scale.stride(0),
-        BLOCK_M=block_m, BLOCK_K=BLOCK, BLOCK_G=min(64, triton.next_power_of_2(g)), num_warps=4)
+_gather_quant_launch = Launcher(_gather_quant_kernel)
+
+
+def gather_quant(x, slots, block_expert, num_slots: int, rows_per_a: int, block_m: int, e8m0: bool = False):
+    """(a (R, K) fp8, a_scale (R, K/128) fp32, rows (S,) int32) in routed order: row r of a is x's
+    row slots[r] // rows_per_a quantized 1x128 (bit for bit quant_act's row; zeros quantized on
+    padding; rows of blocks of no expert unwritten), and rows[slot] the row that holds slot
+    (unwritten for slots routed nowhere). What the grouped Gluon GEMM reads with TMA, which
+    cannot gather rows through slots itself; one pass where quantizing and gathering took two."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    r, k = slots.numel(), x.shape[1]
+    a = torch.empty(r, k, dtype=FP8_DTYPE, device=x.device)
+    a_scale = torch.empty(r, k // BLOCK, dtype=torch.float32, device=x.device)
+    rows = torch.empty(num_slots, dtype=torch.int32, device=x.device)
+    _gather_quant_launch(
+        (r // block_m, k // BLOCK),
+        (x, slots, block_expert, a, a_scale, rows, num_slots, rows_per_a, x.stride(0), a.stride(0), a_scale.stride(0),
+         AMAX_EPS, FP8_MAX),
+        dict(E8M0=e8m0, BLOCK_M=block_m, GROUP=BLOCK), num_warps=4)
     return a, a_scale, rows
 
 
@@ -318,6 +339,9 @@ def _topk_sum_kernel(c_ptr, rows_ptr, ids_ptr, weights_ptr, bias_ptr, out_ptr, H
     tl.store(out_ptr + t * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_topk_sum_launch = Launcher(_topk_sum_kernel)
+
+
 def topk_sum(c: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
              bias: torch.Tensor | None = None, rows: torch.Tensor | None = None,
              out_dtype=torch.bfloat16) -> torch.Tensor:
@@ -327,11 +351,12 @@ def topk_sum(c: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     out = torch.empty(t, h, dtype=out_dtype, device=c.device)
     if t:
         ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
-        block_h = min(1024, triton.next_power_of_2(h))
-        _topk_sum_kernel[(t, triton.cdiv(h, block_h))](
-            c, ids if rows is None else rows, ids, weights, c if bias is None else bias, out, h, num_experts,
-            c.stride(0), 0 if bias is None else bias.stride(0), out.stride(0),
-            TOP_K=k, HAS_ROWS=rows is not None, HAS_BIAS=bias is not None, BLOCK_H=block_h, num_warps=4)
+        block_h = min(1024, next_pow2(h))
+        _topk_sum_launch(
+            (t, ceil_div(h, block_h)),
+            (c, ids if rows is None else rows, ids, weights, c if bias is None else bias, out, h, num_experts,
+             c.stride(0), 0 if bias is None else bias.stride(0), out.stride(0)),
+            dict(TOP_K=k, HAS_ROWS=rows is not None, HAS_BIAS=bias is not None, BLOCK_H=block_h), num_warps=4)
     return out
 
 
@@ -342,11 +367,12 @@ def grouped_gemm(a, a_scale, w_fp8, w_scale, bias, slots, block_expert, num_slot
     num_experts, n, k = w_fp8.shape
     c = torch.empty(num_slots, n, dtype=torch.bfloat16, device=a.device)
     grid = (block_expert.numel(), n // BLOCK)
-    _moe_gemm_kernel[grid](
-        a, a_scale, w_fp8, w_scale, c if bias is None else bias, c, slots, block_expert, num_slots, k, rows_per_a,
-        a.stride(0), a_scale.stride(0), w_fp8.stride(0), w_fp8.stride(1), w_scale.stride(0), w_scale.stride(1),
-        0 if bias is None else bias.stride(0), c.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK, num_warps=4, num_stages=3)
+    _moe_gemm_launch(
+        grid,
+        (a, a_scale, w_fp8, w_scale, c if bias is None else bias, c, slots, block_expert, num_slots, k, rows_per_a,
+         a.stride(0), a_scale.stride(0), w_fp8.stride(0), w_fp8.stride(1), w_scale.stride(0), w_scale.stride(1),
+         0 if bias is None else bias.stride(0), c.stride(0)),
+        dict(HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK), num_warps=4, num_stages=3)
     return c
 
 
@@ -374,15 +400,30 @@ GLUON_MIN_SLOTS_PER_EXPERT = 32
 def _gluon_runs(x, w13_fp8, w2_fp8, num_slots: int, batch_invariant: bool) -> bool:
     if batch_invariant or num_slots < GLUON_MIN_SLOTS_PER_EXPERT * w13_fp8.shape[0] or not x.is_cuda:
         return False
-    from . import gluon_gemm
-    return all(gluon_gemm.why_not_grouped(torch.empty(0, w.shape[2], dtype=w.dtype, device=x.device), w) is None
-               for w in (w13_fp8, w2_fp8))
+    # What the Gluon kernel accepts depends on the weights' layouts and the GPU only: asked once
+    # per layout, not on every call (33 us of host time a call on an H100 lease's host).
+    key = (_layout_key(w13_fp8), _layout_key(w2_fp8), x.get_device())
+    fits = _GLUON_FITS.get(key)
+    if fits is None:
+        from . import gluon_gemm
+
+        fits = _GLUON_FITS[key] = all(
+            gluon_gemm.why_not_grouped(torch.empty(0, w.shape[2], dtype=w.dtype, device=x.device), w) is None
+            for w in (w13_fp8, w2_fp8))
+    return fits
+
+
+_GLUON_FITS: dict[tuple, bool] = {}
+
+
+def _layout_key(w: torch.Tensor) -> tuple:
+    return tuple(w.shape), w.stride(), w.dtype, w.data_ptr() % 16 == 0
 
 
 def moe_gluon(x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scale, b13=None, b2=None, e8m0=False,
               activation="silu", alpha=1.702, limit=7.0, config=None):
-    """Steps 1-6 with the GEMMs of gluon_gemm.grouped_gemm: the quantized tokens are gathered
-    into routed order once (gather_rows), both GEMMs run on row blocks of that order (64 or 128
+    """Steps 1-6 with the GEMMs of gluon_gemm.grouped_gemm: the tokens are quantized into
+    routed order in one pass (gather_quant), both GEMMs run on row blocks of that order (64 or 128
     rows: gluon_gemm.grouped_config, or config), and the top-k sum reads each slot's row
     through the `rows` map."""
     from . import gluon_gemm
@@ -393,8 +434,7 @@ def moe_gluon(x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scale, b
     config = config or gluon_gemm.grouped_config(two_i, w2_fp8.shape[1])
     block_m = config["BLOCK_M"]
     slots, block_expert = route(topk_ids, num_experts, block_m)
-    x_fp8, x_scale = quant_act(x.contiguous(), e8m0, "row")
-    a, a_scale, rows = gather_rows(x_fp8, x_scale, slots, block_expert, s, k, block_m)
+    a, a_scale, rows = gather_quant(x, slots, block_expert, s, k, block_m, e8m0)
     c1 = gluon_gemm.grouped_gemm(a, a_scale, w13_fp8, w13_scale, block_expert, b13, config=config)
     half = two_i // 2
     h_fp8, h_scale = quant_act(c1[:, :half], e8m0, "row", b=c1[:, half:], activation=activation, alpha=alpha,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..numerics import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX
+from ..numerics import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, ceil_div, next_pow2
 from .launch import Launcher
 
 TMA_ALIGN = 4  # fp32 elements per 16 bytes: the alignment TMA and cuBLAS want of a scale column
@@ -89,7 +89,7 @@ def empty_scales(m: int, groups: int, layout: str, device) -> torch.Tensor:
     if layout == "row":
         return torch.empty(m, groups, dtype=torch.float32, device=device)
     if layout in ("mn_major", "col"):
-        m_aligned = triton.cdiv(max(m, 1), TMA_ALIGN) * TMA_ALIGN if layout == "mn_major" else m
+        m_aligned = ceil_div(max(m, 1), TMA_ALIGN) * TMA_ALIGN if layout == "mn_major" else m
         return torch.empty(groups, m_aligned, dtype=torch.float32, device=device).t()[:m]
     raise ValueError(f"scale layout {layout!r}: valid layouts are 'row', 'mn_major' and 'col'")
 
@@ -113,14 +113,14 @@ def quant_act(x: torch.Tensor, e8m0: bool = False, layout: str = "row", b: torch
     m, k = x.shape
     if k % BLOCK:
         raise ValueError(f"K={k} is not a multiple of {BLOCK}")
-    m_out = triton.cdiv(m, rows_multiple) * rows_multiple
+    m_out = ceil_div(m, rows_multiple) * rows_multiple
     x_fp8 = torch.empty(m_out, k, dtype=FP8_DTYPE, device=x.device)
     scale = empty_scales(m_out, k // BLOCK, layout, x.device)
     if m_out:
         # 16 rows x 128 per program. With 4-row tiles the compiled linear took 41 us more than
         # cuBLAS alone at M=4096, K=7168 on an H200 (88 MB moved: ~2.2 TB/s); with 16 rows, 25 us
         # (`bench gemm` runs of 2026-11-21, BENCHMARKS.md).
-        rows = min(QUANT_ROWS, triton.next_power_of_2(m_out))
+        rows = min(QUANT_ROWS, next_pow2(m_out))
         grid, args, constexprs = quant_act_arguments(x, b, x_fp8, scale, e8m0, activation, alpha, limit, rows)
         _quant_act_launch(grid, args, constexprs, num_warps=4)
     return x_fp8, scale

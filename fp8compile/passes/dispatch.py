@@ -22,6 +22,12 @@ from .context import PassContext
 from .trace import signature
 
 
+def op_kwargs(kwargs: dict) -> dict:
+    """kwargs as the op itself takes them: without inline.LAUNCH_OPERANDS, operands only a traced
+    launch of one side reads, which ride along as operands of the conds."""
+    return {key: value for key, value in kwargs.items() if key != inline.LAUNCH_OPERANDS}
+
+
 class NoDispatch(Exception):
     """This call site cannot get an M dispatch; the caller leaves it in bf16 with this reason."""
 
@@ -146,6 +152,7 @@ def _dispatch(ctx, graph, owner, attr_name, target, operands, args, kwargs, m_so
         if emit_launch is not None:
             ctx.traced_launches += 1
             return emit_launch(graph, target, args, call_kwargs, sides[0].m_max)
+        call_kwargs = op_kwargs(call_kwargs)
         node = graph.call_function(target, args, call_kwargs)
         node.meta["val"] = ctx.fake(target, *args, **call_kwargs)
         return node
@@ -165,7 +172,7 @@ def _cond(ctx, graph, names, target, operands, args, kwargs, m_source, first: Si
     pred = graph.call_function(operator.le, (m, first.m_max))
     pred.meta["val"] = _val(m) <= first.m_max
     cond = graph.call_function(torch.ops.higher_order.cond, (pred, *branches, tuple(operands)))
-    out_val = ctx.fake(target, *args, **{**kwargs, "backend": first.kernel})
+    out_val = ctx.fake(target, *args, **op_kwargs({**kwargs, "backend": first.kernel}))
     cond.meta["val"] = (out_val,)
     out = graph.call_function(operator.getitem, (cond, 0))
     out.meta["val"] = out_val

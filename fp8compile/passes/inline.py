@@ -10,11 +10,18 @@ graph's fake tensors), their bodies become the kernel launches themselves
 (triton_kernel_wrapper_functional nodes, and aten._scaled_mm for cuBLAS), which Inductor
 compiles and calls from its generated code like its own.
 
+The routed experts' decode side too: fp8compile::moe paid 190-290 us of host time a call at
+one token on an H100 lease's host (six launches behind its Python), and fp8compile::moe_decode
+(ops/moe_decode_op.py) is the same six kernels as a triton_op. It reads the FP8 expert weights
+as graph values, which the moe pass adds to its call site under LAUNCH_OPERANDS (the op itself
+looks them up from the bf16 parameters).
+
 Our passes run after AOTAutograd, so the branch traces that body (passes/trace.py: once per
 call signature, the layers after the first copy it) and copies the nodes in. Used where the
-call site's side of the dispatch runs the decode kernel or cuBLAS and the config asks for it
-(Fp8Config.inductor_launch; by default, outside CUDA graphs, where the host cost is paid;
-inside them the decode op's own launch keeps TMA loads and programmatic dependent launch).
+call site's side of the dispatch runs the decode kernel, cuBLAS or (for MoE) the triton kernel
+at decode sizes, and the config asks for it (Fp8Config.inductor_launch; by default, outside
+CUDA graphs, where the host cost is paid; inside them the decode op's own launch keeps TMA
+loads and programmatic dependent launch).
 """
 from __future__ import annotations
 
@@ -29,23 +36,59 @@ from .trace import TraceCache, inline_traced
 
 _QLINEAR = torch.ops.fp8compile.qlinear.default
 _GATED_QLINEAR = torch.ops.fp8compile.gated_qlinear.default
+_MOE = torch.ops.fp8compile.moe.default
 DECODE_BACKEND = "triton_small_m"
 CUBLAS_BACKEND = "cublas"
+MOE_BACKEND = "triton"
+# The kwarg of a moe call site that carries the FP8 expert weights (w13_fp8, w13_scale, w2_fp8,
+# w2_scale, b13 in their row order or None): fp8compile::moe itself takes the bf16 parameters
+# and looks their FP8 copies up per call, a traced launch needs them as graph values.
+# dispatch.op_kwargs drops it from the op's own calls.
+LAUNCH_OPERANDS = "launch_operands"
 Emitter = Callable[[fx.Graph, Any, tuple, dict, "int | None"], fx.Node]
 
 
 def inductor_launch(ctx: PassContext, target, args: tuple, kwargs: dict, m_max: int | None) -> Emitter | None:
     """The emitter of the traced launch for this side of the dispatch, or None (the op stays):
-    asked for, a (gated) linear on the decode kernel's or cuBLAS's side, on a GPU (Inductor
-    launches no Triton kernel on the CPU, where these kernels run only in Triton's interpreter)."""
-    if not (ctx.inductor_launch and target in (_QLINEAR, _GATED_QLINEAR) and args[0].meta["val"].device.type == "cuda"):
+    asked for, on a GPU (Inductor launches no Triton kernel on the CPU, where these kernels run
+    only in Triton's interpreter), a (gated) linear on the decode kernel's or cuBLAS's side, or
+    routed experts on the triton kernel's side where moe_decode serves all of it."""
+    if not (ctx.inductor_launch and args[0].meta["val"].device.type == "cuda"):
         return None
     backend = kwargs.get("backend")
+    if target is _MOE:
+        if backend == MOE_BACKEND and m_max is not None and moe_decode_fits(args, kwargs, m_max):
+            return functools.partial(emit_moe_decode_launch, cache=ctx.traces)
+        return None
+    if target not in (_QLINEAR, _GATED_QLINEAR):
+        return None
     if backend == DECODE_BACKEND and m_max is not None:
         return functools.partial(emit_decode_launch, cache=ctx.traces)
     if backend == CUBLAS_BACKEND:
         return functools.partial(emit_scaled_mm_launch, cache=ctx.traces)
     return None
+
+
+def moe_launch_wanted(ctx: PassContext, sides, num_experts: int, top_k: int, device: torch.device) -> bool:
+    """Whether a moe call site on these sides of the dispatch gets a traced launch on one of them
+    (so its FP8 expert weights must enter the graph: LAUNCH_OPERANDS)."""
+    if not (ctx.inductor_launch and device.type == "cuda" and not ctx.config.batch_invariant):
+        return False
+    from ..ops.moe_decode_op import decode_fits
+
+    return any(side.kernel == MOE_BACKEND and side.m_max is not None and decode_fits(num_experts, top_k, side.m_max)
+               for side in sides)
+
+
+def moe_decode_fits(args: tuple, kwargs: dict, m_max: int) -> bool:
+    """Whether a moe call site (with its FP8 weights in kwargs) can be fp8compile::moe_decode for
+    up to m_max tokens: not batch-invariant (that keeps 64-row blocks), and decode_fits."""
+    from ..ops.moe_decode_op import decode_fits
+
+    if LAUNCH_OPERANDS not in kwargs or kwargs.get("batch_invariant"):
+        return False
+    num_experts = kwargs[LAUNCH_OPERANDS][0].meta["val"].shape[0]
+    return decode_fits(num_experts, args[1].meta["val"].shape[1], m_max)
 
 
 def _operands(target, args: tuple, kwargs: dict):
@@ -89,4 +132,31 @@ def emit_scaled_mm_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m_
                                                      v.get("b"), **act)
 
     key = ("linear_scaled_mm", tuple(name for name, _ in present), e8m0, tuple(sorted(act.items())))
+    return inline_traced(graph, call, [node for _, node in present], cache, key)
+
+
+def emit_moe_decode_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m_max: int | None,
+                           cache: TraceCache | None = None) -> fx.Node:
+    """Into `graph`: the moe call target(*args, **kwargs) as the traced fp8compile::moe_decode
+    (up to m_max tokens), on the FP8 expert weights kwargs[LAUNCH_OPERANDS] carries."""
+    from ..ops import moe_decode_op  # noqa: F401  (registers fp8compile::moe_decode)
+
+    x, topk_ids, topk_weights = args[:3]
+    w13_fp8, w13_scale, w2_fp8, w2_scale, b13 = kwargs[LAUNCH_OPERANDS]
+    b2 = args[7] if len(args) > 7 else kwargs.get("b2")
+    act = {key: kwargs[key] for key in ("activation", "alpha", "limit") if key in kwargs}
+    e8m0 = kwargs.get("e8m0", False)
+    present = [(name, node) for name, node in (
+        ("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13_fp8", w13_fp8),
+        ("w13_scale", w13_scale), ("w2_fp8", w2_fp8), ("w2_scale", w2_scale), ("b13", b13), ("b2", b2))
+        if node is not None]
+    names = tuple(name for name, _ in present)
+
+    def call(*values):
+        v = dict(zip(names, values))
+        return torch.ops.fp8compile.moe_decode(v["x"], v["topk_ids"], v["topk_weights"], v["w13_fp8"],
+                                               v["w13_scale"], v["w2_fp8"], v["w2_scale"], v.get("b13"), v.get("b2"),
+                                               e8m0, m_max, **act)
+
+    key = ("moe_decode", names, e8m0, m_max, tuple(sorted(act.items())))
     return inline_traced(graph, call, [node for _, node in present], cache, key)

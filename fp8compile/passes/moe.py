@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..numerics import BLOCK, calc_diff
 from ..ops import reference
-from . import dispatch
+from . import dispatch, inline
 from .context import PassContext
 from .silu_mul import silu_mul_pattern
 from ..weights import canonical_experts, expert_bias, fp8_experts
@@ -438,6 +438,8 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
     sides = dispatch.plan(ctx, "moe", device, 2 * inter, h, _val(m.hidden).shape[0])
     kwargs = {"e8m0": ctx.config.e8m0, "w_kn": w_kn, "gate_up": m.gate_up,
               "batch_invariant": ctx.config.batch_invariant, **m.act}
+    if inline.moe_launch_wanted(ctx, sides, e, _val(m.topk_ids).shape[1], device):
+        kwargs[inline.LAUNCH_OPERANDS] = _fp8_expert_inputs(ctx, m, w_kn, name)
     with ctx.gm.graph.inserting_before(m.output):
         try:
             out = dispatch.emit(ctx, torch.ops.fp8compile.moe.default,
@@ -460,6 +462,22 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
     detail += f", {m.act.get('activation', 'silu')}"
     m_desc = _val(m.hidden).shape[0]
     ctx.rewrote("moe", name, m_desc, 2 * inter, h, [(s.label, s.kernel) for s in sides], detail)
+
+
+def _fp8_expert_inputs(ctx: PassContext, m: MoeMatch, w_kn: bool, name: str) -> tuple:
+    """(w13_fp8, w13_scale, w2_fp8, w2_scale, b13 in their row order or None) as graph inputs the
+    backend derives per call from the parameters passed (what a traced launch reads)."""
+    e8m0, gate_up = ctx.config.e8m0, m.gate_up
+    w13 = ctx.derived_inputs(("experts", w_kn, e8m0, gate_up), (f"{name}_w13_fp8", f"{name}_w13_fp8_scale"),
+                             [m.w13] + ([m.w3] if m.w3 is not None else []),
+                             lambda w, w3=None: fp8_experts(w, w_kn, e8m0, gate_up, w3))
+    w2 = ctx.derived_inputs(("experts", w_kn, e8m0), (f"{name}_w2_fp8", f"{name}_w2_fp8_scale"), [m.w2],
+                            lambda w: fp8_experts(w, w_kn, e8m0))
+    b13 = m.b13
+    if b13 is not None and gate_up == "interleave":  # the bias rows follow the weight's reordered rows
+        b13, = ctx.derived_inputs(("expert_bias", gate_up), (f"{name}_b13_ordered",), [m.b13],
+                                  lambda b: (expert_bias(b, gate_up),))
+    return (*w13, *w2, b13)
 
 
 def _role(g: ExpertGemm, gemms) -> str | None:
