@@ -57,31 +57,26 @@ def moe_decode(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_fp8: Tenso
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()  # read as flat slot arrays
     s = t * top_k
     device = x.device
-    # 1. routing: triton_moe.route_capacity with a symbolic slot count
-    capacity = (s + torch.sym_min(num_experts, s) * (block_m - 1) + block_m - 1) // block_m * block_m
+    # 1. routing
+    capacity = triton_moe.route_capacity(s, num_experts, block_m)
     slots = torch.empty(capacity, dtype=torch.int32, device=device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
-    block_s = max(16, next_pow2(max_tokens * top_k))
-    wrap_triton(triton_moe._route_kernel)[(1,)](
-        topk_ids, slots, block_expert, s, num_experts, capacity, BLOCK_M=block_m, BLOCK_S=block_s,
-        BLOCK_E=next_pow2(num_experts + 1), BLOCK_B=32, num_warps=4 if block_s <= 1024 else 8)
+    _traced(triton_moe._route_kernel,
+            *triton_moe.route_kernel_arguments(topk_ids, slots, block_expert, num_experts, block_m, max_tokens * top_k))
     # 2. the tokens, quantized once
     rows = min(QUANT_ROWS, next_pow2(max_tokens))
     x_fp8, x_scale = _quantized(x, None, e8m0, activation, alpha, limit, rows)
     # 3. gate | up of every slot
-    c1 = _grouped_gemm(x_fp8, x_scale, w13_fp8, w13_scale, b13, slots, block_expert, s, top_k, capacity, block_m)
+    c1 = _grouped_gemm(x_fp8, x_scale, w13_fp8, w13_scale, b13, slots, block_expert, s, top_k, block_m)
     # 4. act(gate, up), quantized
     half = two_i // 2
     h_fp8, h_scale = _quantized(c1[:, :half], c1[:, half:], e8m0, activation, alpha, limit, rows)
     # 5. down
-    c2 = _grouped_gemm(h_fp8, h_scale, w2_fp8, w2_scale, None, slots, block_expert, s, 1, capacity, block_m)
+    c2 = _grouped_gemm(h_fp8, h_scale, w2_fp8, w2_scale, None, slots, block_expert, s, 1, block_m)
     # 6. the top-k sum, in slot order
     out = torch.empty(t, h, dtype=x.dtype, device=device)
-    block_h = min(1024, next_pow2(h))
-    wrap_triton(triton_moe._topk_sum_kernel)[(t, (h + block_h - 1) // block_h)](
-        c2, topk_ids, topk_ids, topk_weights, c2 if b2 is None else b2, out, h, num_experts, c2.stride(0),
-        0 if b2 is None else b2.stride(0), out.stride(0), TOP_K=top_k, HAS_ROWS=False, HAS_BIAS=b2 is not None,
-        BLOCK_H=block_h, num_warps=4)
+    _traced(triton_moe._topk_sum_kernel,
+            *triton_moe.topk_sum_arguments(c2, topk_ids, topk_weights, num_experts, b2, None, out))
     return out
 
 
@@ -92,17 +87,18 @@ def _quantized(x, b, e8m0, activation, alpha, limit, rows):
     scale = torch.empty(m, k // BLOCK, dtype=torch.float32, device=x.device)
     grid, args, constexprs = triton_quant.quant_act_arguments(x, b, x_fp8, scale, e8m0, activation, alpha, limit,
                                                               rows)
-    wrap_triton(triton_quant._quant_act_kernel)[grid](*args, **constexprs, num_warps=4)
+    _traced(triton_quant._quant_act_kernel, grid, args, constexprs, dict(num_warps=4))
     return x_fp8, scale
 
 
-def _grouped_gemm(a, a_scale, w_fp8, w_scale, bias, slots, block_expert, num_slots, rows_per_a, capacity, block_m):
+def _grouped_gemm(a, a_scale, w_fp8, w_scale, bias, slots, block_expert, num_slots, rows_per_a, block_m):
     """triton_moe.grouped_gemm as a traced launch: (S, N) bf16, row `slot` of its expert's product."""
-    n, k = int(w_fp8.shape[1]), int(w_fp8.shape[2])
-    c = torch.empty(num_slots, n, dtype=torch.bfloat16, device=a.device)
-    wrap_triton(triton_moe._moe_gemm_kernel)[(capacity // block_m, n // BLOCK)](
-        a, a_scale, w_fp8, w_scale, c if bias is None else bias, c, slots, block_expert, num_slots, k, rows_per_a,
-        a.stride(0), a_scale.stride(0), w_fp8.stride(0), w_fp8.stride(1), w_scale.stride(0), w_scale.stride(1),
-        0 if bias is None else bias.stride(0), c.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK, num_warps=4, num_stages=3)
+    c = torch.empty(num_slots, int(w_fp8.shape[1]), dtype=torch.bfloat16, device=a.device)
+    _traced(triton_moe._moe_gemm_kernel, *triton_moe.grouped_gemm_arguments(
+        a, a_scale, w_fp8, w_scale, bias, c, slots, block_expert, num_slots, rows_per_a, block_m))
     return c
+
+
+def _traced(kernel, grid, args, constexprs, options) -> None:
+    """kernel launched through wrap_triton (what tracing records) with a *_arguments layout."""
+    wrap_triton(kernel)[grid](*args, **constexprs, **options)

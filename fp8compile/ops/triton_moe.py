@@ -128,8 +128,8 @@ ROUTE_CHUNK = 64  # slots per program of the chunked routing
 
 def route_capacity(num_slots: int, num_experts: int, block_m: int) -> int:
     """Rows any routing of num_slots slots over num_experts experts can need (each expert's run
-    padded to a multiple of block_m)."""
-    return ceil_div(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
+    padded to a multiple of block_m). num_slots may be symbolic (moe_decode_op traces this)."""
+    return ceil_div(num_slots + torch.sym_min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
 
 
 def route_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,11 +140,23 @@ def route_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
     capacity = route_capacity(s, num_experts, block_m)
     slots = torch.empty(capacity, dtype=torch.int32, device=topk_ids.device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=topk_ids.device)
-    block_s = max(16, next_pow2(s))
-    _route_launch((1,), (topk_ids.contiguous(), slots, block_expert, s, num_experts, capacity),
-                  dict(BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_E=next_pow2(num_experts + 1), BLOCK_B=32),
-                  num_warps=4 if block_s <= 1024 else 8)
+    _run(_route_launch, *route_kernel_arguments(topk_ids.contiguous(), slots, block_expert, num_experts, block_m, s))
     return slots, block_expert
+
+
+def _run(launcher: Launcher, grid, args, constexprs, options) -> None:
+    """launcher(...) on what an *_arguments function below returns."""
+    launcher(grid, args, constexprs, **options)
+
+
+def route_kernel_arguments(topk_ids, slots, block_expert, num_experts: int, block_m: int, max_slots: int):
+    """(grid, args, constexprs, options) of _route_kernel routing topk_ids (contiguous) into slots
+    and block_expert, its sort sized for up to max_slots slots. The one place its arguments are
+    laid out: route_kernel launches them through our Launcher, moe_decode_op through wrap_triton."""
+    block_s = max(16, next_pow2(max_slots))
+    args = (topk_ids, slots, block_expert, topk_ids.numel(), num_experts, slots.shape[0])
+    constexprs = dict(BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_E=next_pow2(num_experts + 1), BLOCK_B=32)
+    return (1,), args, constexprs, dict(num_warps=4 if block_s <= 1024 else 8)
 
 
 @triton.jit
@@ -346,34 +358,46 @@ def topk_sum(c: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
              bias: torch.Tensor | None = None, rows: torch.Tensor | None = None,
              out_dtype=torch.bfloat16) -> torch.Tensor:
     """Step 6: (T, H) from the per-slot outputs c (rows[slot], or row = slot if rows is None)."""
+    t = topk_ids.shape[0]
+    out = torch.empty(t, c.shape[1], dtype=out_dtype, device=c.device)
+    if t:
+        _run(_topk_sum_launch, *topk_sum_arguments(c, topk_ids.contiguous(), topk_weights.contiguous(), num_experts,
+                                                   bias, rows, out))
+    return out
+
+
+def topk_sum_arguments(c, topk_ids, topk_weights, num_experts: int, bias, rows, out):
+    """(grid, args, constexprs, options) of _topk_sum_kernel writing out (T, H) (ids and weights
+    contiguous); the one place its arguments are laid out (topk_sum, moe_decode_op)."""
     t, k = topk_ids.shape
     h = c.shape[1]
-    out = torch.empty(t, h, dtype=out_dtype, device=c.device)
-    if t:
-        ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
-        block_h = min(1024, next_pow2(h))
-        _topk_sum_launch(
-            (t, ceil_div(h, block_h)),
-            (c, ids if rows is None else rows, ids, weights, c if bias is None else bias, out, h, num_experts,
-             c.stride(0), 0 if bias is None else bias.stride(0), out.stride(0)),
-            dict(TOP_K=k, HAS_ROWS=rows is not None, HAS_BIAS=bias is not None, BLOCK_H=block_h), num_warps=4)
-    return out
+    block_h = min(1024, next_pow2(h))
+    args = (c, topk_ids if rows is None else rows, topk_ids, topk_weights, c if bias is None else bias, out, h,
+            num_experts, c.stride(0), 0 if bias is None else bias.stride(0), out.stride(0))
+    constexprs = dict(TOP_K=k, HAS_ROWS=rows is not None, HAS_BIAS=bias is not None, BLOCK_H=block_h)
+    return (t, ceil_div(h, block_h)), args, constexprs, dict(num_warps=4)
 
 
 def grouped_gemm(a, a_scale, w_fp8, w_scale, bias, slots, block_expert, num_slots: int, rows_per_a: int,
                  block_m: int) -> torch.Tensor:
     """(S, N) bf16: row `slot` = a[slot // rows_per_a] @ w[expert of its block].T (+ bias); rows of
     slots routed nowhere are left unwritten."""
-    num_experts, n, k = w_fp8.shape
-    c = torch.empty(num_slots, n, dtype=torch.bfloat16, device=a.device)
-    grid = (block_expert.numel(), n // BLOCK)
-    _moe_gemm_launch(
-        grid,
-        (a, a_scale, w_fp8, w_scale, c if bias is None else bias, c, slots, block_expert, num_slots, k, rows_per_a,
-         a.stride(0), a_scale.stride(0), w_fp8.stride(0), w_fp8.stride(1), w_scale.stride(0), w_scale.stride(1),
-         0 if bias is None else bias.stride(0), c.stride(0)),
-        dict(HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK), num_warps=4, num_stages=3)
+    c = torch.empty(num_slots, w_fp8.shape[1], dtype=torch.bfloat16, device=a.device)
+    _run(_moe_gemm_launch, *grouped_gemm_arguments(a, a_scale, w_fp8, w_scale, bias, c, slots, block_expert,
+                                                   num_slots, rows_per_a, block_m))
     return c
+
+
+def grouped_gemm_arguments(a, a_scale, w_fp8, w_scale, bias, c, slots, block_expert, num_slots, rows_per_a,
+                           block_m: int):
+    """(grid, args, constexprs, options) of _moe_gemm_kernel writing c (S, N); the one place its
+    arguments are laid out (grouped_gemm, moe_decode_op)."""
+    k = w_fp8.shape[2]
+    args = (a, a_scale, w_fp8, w_scale, c if bias is None else bias, c, slots, block_expert, num_slots, k, rows_per_a,
+            a.stride(0), a_scale.stride(0), w_fp8.stride(0), w_fp8.stride(1), w_scale.stride(0), w_scale.stride(1),
+            0 if bias is None else bias.stride(0), c.stride(0))
+    constexprs = dict(HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK)
+    return (block_expert.shape[0], w_fp8.shape[1] // BLOCK), args, constexprs, dict(num_warps=4, num_stages=3)
 
 
 # Rows per block by average slots per expert: decode fills few rows of each expert's block.
