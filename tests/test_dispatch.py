@@ -210,3 +210,33 @@ def test_moe_above_large_m_prefers_our_grouped_gemms_to_deep_gemm_while_linears_
     assert moe.index("triton") + 1 == moe.index("deep_gemm")
     assert sorted(moe) == sorted(large) and moe[-1] == "reference"
     assert registry.default_order("medium", "moe") == registry.default_order("medium")
+
+
+def test_a_side_cut_at_a_token_count_keeps_its_kernel_on_both_parts():
+    """dispatch.split (what the moe pass does at the Gluon GEMMs' first token count, so the part
+    above can be a traced launch): the side that serves both at - 1 and at becomes two with its
+    kernel and bounds; a count at a side's edge or outside every side changes nothing."""
+    from fp8compile.passes.dispatch import Side, split
+
+    sides = [Side("M <= 32", "triton_small_m", 32, 1), Side("M > 32", "triton", None, 33)]
+    assert split(sides, 512) == [sides[0], Side("32 < M <= 511", "triton", 511, 33),
+                                 Side("M > 511", "triton", None, 512)]
+    assert split(sides, 20) == [Side("M <= 19", "triton_small_m", 19, 1),
+                                Side("19 < M <= 32", "triton_small_m", 32, 20), sides[1]]
+    assert split(sides, 33) == sides and split(sides, 1) == sides
+    assert split(sides, 512, "triton_small_m") == sides  # only a side of this kernel is cut
+    static = [Side("M = 300", "triton", 300, 300)]
+    assert split(static, 128) == static and split(static, 300) == static
+
+
+def test_moe_gluon_serves_from_32_slots_per_expert_and_only_where_the_kernel_can_run():
+    """moe_gluon_op.min_tokens: the fewest tokens moe_triton runs on the Gluon GEMMs (32 slots per
+    expert: 512 tokens for Qwen3-30B-A3B's 128 experts, top-8); fits is False below it, and on a
+    device the Gluon kernel cannot run on (here the CPU)."""
+    from fp8compile.ops import gluon_gemm, moe_gluon_op
+
+    assert moe_gluon_op.min_tokens(128, 8) == 512 and moe_gluon_op.min_tokens(8, 2) == 128
+    assert moe_gluon_op.min_tokens(256, 8) == 1024 and moe_gluon_op.min_tokens(32, 3) == 342
+    assert not moe_gluon_op.fits(128, 8, 511, 1536, 2048, torch.device("cpu"))
+    assert not moe_gluon_op.fits(128, 8, 512, 1536, 2048, torch.device("cpu"))
+    assert gluon_gemm.why_not_shape(2048, 1536, torch.device("cpu")) is not None

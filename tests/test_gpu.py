@@ -442,6 +442,31 @@ def test_default_mode_decode_side_is_launched_by_inductor_with_the_numbers_of_th
             assert calc_diff(got, model(x)) < GATED_MLP
 
 
+def _moe_block(block: str):
+    """An MoE block of 8 experts, top-2, hidden 256, on the GPU: transformers' Qwen3-MoE block,
+    GPT-OSS's MLP (biases, interleaved gate/up rows) or gpt-fast's (separate gate and up weights)."""
+    from tests.models import GptFastMoE
+    from tests.test_moe import gpt_oss_mlp, qwen3_moe_block
+
+    return {"qwen3_moe": lambda: qwen3_moe_block("grouped_mm"), "gpt_oss": lambda: gpt_oss_mlp("grouped_mm"),
+            "gpt_fast": lambda: GptFastMoE().to(BF16)}[block]().cuda()
+
+
+def _first(y):
+    return y[0] if isinstance(y, tuple) else y  # GptOssMLP also returns router scores
+
+
+def _default_mode_code(model, tokens: int) -> str:
+    """Inductor's generated code for model compiled in default mode on `tokens` tokens (static),
+    its one MoE block rewritten."""
+    from torch._inductor.utils import run_and_get_code
+
+    backend = fp8compile.backend()
+    _, code = run_and_get_code(torch.compile(model, backend=backend), randn(1, tokens, 256, device="cuda"))
+    assert backend.report.counts().get("moe") == 1, backend.report
+    return "\n".join(code)
+
+
 @pytest.mark.parametrize("block", ["qwen3_moe", "gpt_oss", "gpt_fast"])
 def test_default_mode_moe_decode_side_is_launched_by_inductor_with_the_bits_of_the_op(block):
     """Outside CUDA graphs the routed experts' decode side is fp8compile::moe_decode traced
@@ -450,25 +475,16 @@ def test_default_mode_moe_decode_side_is_launched_by_inductor_with_the_bits_of_t
     (the same kernels with the same choices) through the decode range and the op's above it.
     GPT-OSS: biases and interleaved gate/up rows (its FP8 rows reordered); gpt-fast: separate
     gate and up weights."""
-    from torch._inductor.utils import run_and_get_code
-
     from fp8compile.ops import moe_decode_op
-    from tests.models import GptFastMoE
-    from tests.test_moe import gpt_oss_mlp, qwen3_moe_block
 
-    model = {"qwen3_moe": lambda: qwen3_moe_block("grouped_mm"), "gpt_oss": lambda: gpt_oss_mlp("grouped_mm"),
-             "gpt_fast": lambda: GptFastMoE().to(BF16)}[block]().cuda()
-    first = lambda y: y[0] if isinstance(y, tuple) else y  # noqa: E731  GptOssMLP also returns router scores
+    model = _moe_block(block)
     with torch.no_grad():
-        backend = fp8compile.backend()
-        out, code = run_and_get_code(torch.compile(model, backend=backend), randn(1, 2, 256, device="cuda"))
-        wrapper = "\n".join(code)
-        assert backend.report.counts().get("moe") == 1, backend.report
+        wrapper = _default_mode_code(model, 2)
         assert "_route_kernel" in wrapper and "_moe_gemm_kernel" in wrapper and "_topk_sum_kernel" in wrapper
         assert "torch.ops.fp8compile" not in wrapper
         xs = [randn(1, m, 256, device="cuda") for m in (3, 5, 16, 32, 33, 300)]
         for x, got, want in _launched_and_op_path(model, xs):
-            assert torch.equal(first(got), first(want)), x.shape
+            assert torch.equal(_first(got), _first(want)), x.shape
     from tests.test_moe_kernels import quant_experts
 
     args = (randn(3, 256, device="cuda"), torch.randint(0, 8, (3, 2), device="cuda"), torch.rand(3, 2, device="cuda"),
@@ -476,4 +492,62 @@ def test_default_mode_moe_decode_side_is_launched_by_inductor_with_the_bits_of_t
             *quant_experts(weight(8 * 256, 256).view(8, 256, 256)))
     assert moe_decode_op.decode_fits(8, 2, 16)
     torch.library.opcheck(torch.ops.fp8compile.moe_decode, (*args, None, None, False, 16),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("block", ["qwen3_moe", "gpt_oss", "gpt_fast"])
+def test_default_mode_moe_gluon_side_is_launched_by_inductor_with_the_numbers_of_the_op(block):
+    """Outside CUDA graphs the routed experts from the Gluon GEMMs' first token count up are
+    fp8compile::moe_gluon traced (passes/inline.py): a static 300-token graph calls no
+    fp8compile::moe, only our routing, quantization and top-k sum kernels and the two Gluon
+    GEMM calls; a dynamic graph (its triton side cut at that count) gives the op path's numbers
+    below it, at it and above it. Eight experts, top-2: the Gluon path starts at 128 tokens.
+    Within one bf16 ulp in a few rows, not bit for bit: the bf16 router, which both graphs keep,
+    is fused differently by Inductor around the traced launches (at 300 tokens one row of 300
+    differed by one ulp on an H100); on the same routing the op is the op path's to the bit
+    (test_moe_gluon_op_gives_the_bits_of_the_op_path)."""
+    from fp8compile.ops import gluon_gemm, moe_gluon_op
+
+    if gluon_gemm.why_not_shape(256, 512, torch.device("cuda")) is not None:
+        pytest.skip(gluon_gemm.why_not_shape(256, 512, torch.device("cuda")))
+    model = _moe_block(block)
+    assert moe_gluon_op.min_tokens(8, 2) == 128
+    with torch.no_grad():
+        wrapper = _default_mode_code(model, 300)
+        for kernel in ("_route_count_kernel", "_gather_quant_kernel", "_quant_act_kernel", "_topk_sum_kernel",
+                       "fp8compile.gluon_grouped_gemm"):
+            assert kernel in wrapper, kernel
+        assert "fp8compile.moe." not in wrapper
+        xs = [randn(1, m, 256, device="cuda") for m in (100, 127, 128, 300, 1000)]
+        for x, got, want in _launched_and_op_path(model, xs):
+            assert calc_diff(_first(got), _first(want)) < 1e-6, x.shape
+
+
+def test_moe_gluon_op_gives_the_bits_of_the_op_path():
+    """fp8compile::moe_gluon, eager and compiled with dynamic T, against triton_moe.moe_gluon
+    (what fp8compile::moe runs from 32 slots per expert) on the same routing: the same kernels
+    with the same choices, bit for bit, at and above its first token count, with and without
+    biases; a count below it is refused; opcheck."""
+    from fp8compile.ops import gluon_gemm, moe_gluon_op, triton_moe
+    from tests.test_moe_kernels import quant_experts
+
+    if gluon_gemm.why_not_shape(256, 512, torch.device("cuda")) is not None:
+        pytest.skip(gluon_gemm.why_not_shape(256, 512, torch.device("cuda")))
+    w13 = quant_experts(weight(8 * 512, 256).view(8, 512, 256))
+    w2 = quant_experts(weight(8 * 256, 256).view(8, 256, 256))
+    b13, b2 = randn(8, 512, device="cuda"), randn(8, 256, device="cuda")
+    compiled = torch.compile(lambda *a: torch.ops.fp8compile.moe_gluon(*a, False, moe_gluon_op.min_tokens(8, 2)),
+                             dynamic=True)
+    for t, bias in ((128, False), (129, True), (300, False), (1000, True)):
+        x = randn(t, 256, device="cuda")
+        ids, weights = torch.randint(0, 8, (t, 2), device="cuda"), torch.rand(t, 2, device="cuda")
+        biases = (b13, b2) if bias else (None, None)
+        want = triton_moe.moe_gluon(x, ids, weights, *w13, *w2, *biases)
+        assert torch.equal(torch.ops.fp8compile.moe_gluon(x, ids, weights, *w13, *w2, *biases, False, 128), want), t
+        assert torch.equal(compiled(x, ids, weights, *w13, *w2, *biases), want), t
+    with pytest.raises(ValueError, match="128 tokens and more"):
+        torch.ops.fp8compile.moe_gluon(x, ids, weights, *w13, *w2, None, None, False, 64)
+    args = (randn(200, 256, device="cuda"), torch.randint(0, 8, (200, 2), device="cuda"),
+            torch.rand(200, 2, device="cuda"), *w13, *w2)
+    torch.library.opcheck(torch.ops.fp8compile.moe_gluon, (*args, None, None, False, 128),
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))

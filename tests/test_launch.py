@@ -35,8 +35,8 @@ class Hooks:
 @pytest.fixture(autouse=True)
 def fake_triton_runtime(monkeypatch):
     """The current stream and Triton's hook knobs, without a GPU."""
-    active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 1234)
-    monkeypatch.setattr(launch, "_driver", types.SimpleNamespace(active=active))
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_current_stream", lambda device: 1234)
     runtime = types.SimpleNamespace(launch_enter_hook=Hooks(), launch_exit_hook=Hooks())
     monkeypatch.setattr(launch, "_knobs", types.SimpleNamespace(runtime=runtime))
     return runtime

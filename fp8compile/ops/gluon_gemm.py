@@ -88,21 +88,28 @@ PRODUCER_REGS = 24  # the producer warp only computes addresses
 
 def why_not(x_fp8: torch.Tensor, w_fp8: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> str | None:
     """None if gemm() can run on these operands, else why not."""
+    why = why_not_shape(x_fp8.shape[1], w_fp8.shape[0], x_fp8.device, out_dtype)
+    if why is not None:
+        return why
+    for t in (x_fp8, w_fp8):
+        if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
+            return "operands must be row-major with 16-byte aligned rows (TMA)"
+    return None
+
+
+def why_not_shape(k: int, n: int, device: torch.device, out_dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """What why_not checks that holds for every call of these sizes on this device (no tensor
+    needed: what a compile-time decision can ask)."""
     if IMPORT_ERROR is not None:
         return IMPORT_ERROR
-    if x_fp8.device.type != "cuda":
+    if device.type != "cuda":
         return "needs a CUDA device"
-    if capability(x_fp8.get_device())[0] != 9:
+    if capability(device.index if device.index is not None else torch.cuda.current_device())[0] != 9:
         return "needs sm_90 (Hopper wgmma)"
-    k = x_fp8.shape[1]
-    n = w_fp8.shape[0]
     if k == 0 or k % BLOCK:  # K = 0: the consumers would wait for a first group that never comes
         return f"K={k} is not a positive multiple of {BLOCK}"
     if n % 8 or out_dtype.itemsize * n % 16:
         return f"N={n}: output rows must be 16-byte aligned for the TMA store"
-    for t in (x_fp8, w_fp8):
-        if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
-            return "operands must be row-major with 16-byte aligned rows (TMA)"
     return None
 
 
@@ -436,12 +443,26 @@ def grouped_config(*ns: int) -> dict:
     return WIDE_CONFIG if all(n % WIDE_CONFIG["BLOCK_N"] == 0 for n in ns) else CONFIG
 
 
+def config_of_rows(block_m: int) -> dict:
+    """The grouped config whose row blocks are block_m rows (what grouped_config picked for a routing)."""
+    config = next((c for c in (WIDE_CONFIG, CONFIG) if c["BLOCK_M"] == block_m), None)
+    if config is None:
+        raise ValueError(f"grouped row blocks are {WIDE_CONFIG['BLOCK_M']} or {CONFIG['BLOCK_M']} rows, got {block_m}")
+    return config
+
+
+def why_not_grouped_shape(k: int, n: int, device: torch.device) -> str | None:
+    """why_not_grouped for experts of n outputs over k inputs on this device, from sizes alone."""
+    why = why_not_shape(k, n, device)
+    if why is None and n % CONFIG["BLOCK_N"]:
+        why = f"N={n}: a tile must not straddle two experts ({CONFIG['BLOCK_N']}-column tiles)"
+    return why
+
+
 def why_not_grouped(x_fp8: torch.Tensor, w_fp8: torch.Tensor) -> str | None:
     """None if grouped_gemm() can run on these operands (w_fp8 (E, N, K)), else why not."""
     why = why_not(x_fp8, w_fp8.reshape(-1, w_fp8.shape[-1]))
-    if why is None and w_fp8.shape[1] % CONFIG["BLOCK_N"]:
-        why = f"N={w_fp8.shape[1]}: a tile must not straddle two experts ({CONFIG['BLOCK_N']}-column tiles)"
-    return why
+    return why if why is not None else why_not_grouped_shape(x_fp8.shape[1], w_fp8.shape[1], x_fp8.device)
 
 
 def grouped_gemm(x_fp8, x_scale, w_fp8, w_scale, block_expert, bias=None, out_dtype=torch.bfloat16, config=None):

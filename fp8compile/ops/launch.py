@@ -20,11 +20,14 @@ import torch
 
 try:
     from triton import knobs as _knobs
-    from triton.runtime import driver as _driver
 except ImportError:  # no Triton, or one without knobs: every launch takes Triton's own path
-    _knobs = _driver = None
+    _knobs = None
 
 log = logging.getLogger("fp8compile")
+# The current device and its current stream's handle, one C call each.
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
+    (lambda index: torch.cuda.current_stream(index).cuda_stream)
 # Signatures a Launcher keeps (a TMA descriptor's key holds its shape, so a GEMM over varying M
 # adds one per M); past this many it forgets them all and relearns from Triton's own path.
 MAX_SIGNATURES = 1024
@@ -112,9 +115,9 @@ class Launcher:
         try:
             if _no_hooks():
                 # What the compiled kernel's runner does, without building launch metadata for hooks
-                # that are not there: the current stream, then Triton's C launcher.
-                active = _driver.active
-                stream = active.get_current_stream(active.get_current_device())
+                # that are not there: the current stream (asked of torch's C API, as Inductor's
+                # launchers do), then Triton's C launcher.
+                stream = _current_stream(_current_device())
                 compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None,
                              None, None, *args, *tail)
             else:

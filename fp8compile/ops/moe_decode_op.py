@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
-from ..numerics import BLOCK, next_pow2
-from . import triton_moe, triton_quant
+from ..numerics import next_pow2
+from . import triton_moe
+from .traced import launch, quant_act
 from .triton_quant import QUANT_ROWS
 
 
@@ -61,44 +62,28 @@ def moe_decode(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_fp8: Tenso
     capacity = triton_moe.route_capacity(s, num_experts, block_m)
     slots = torch.empty(capacity, dtype=torch.int32, device=device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
-    _traced(triton_moe._route_kernel,
-            *triton_moe.route_kernel_arguments(topk_ids, slots, block_expert, num_experts, block_m, max_tokens * top_k))
+    launch(triton_moe._route_kernel,
+           *triton_moe.route_kernel_arguments(topk_ids, slots, block_expert, num_experts, block_m, max_tokens * top_k))
     # 2. the tokens, quantized once
     rows = min(QUANT_ROWS, next_pow2(max_tokens))
-    x_fp8, x_scale = _quantized(x, None, e8m0, activation, alpha, limit, rows)
+    x_fp8, x_scale = quant_act(x, None, e8m0, activation, alpha, limit, rows)
     # 3. gate | up of every slot
     c1 = _grouped_gemm(x_fp8, x_scale, w13_fp8, w13_scale, b13, slots, block_expert, s, top_k, block_m)
     # 4. act(gate, up), quantized
     half = two_i // 2
-    h_fp8, h_scale = _quantized(c1[:, :half], c1[:, half:], e8m0, activation, alpha, limit, rows)
+    h_fp8, h_scale = quant_act(c1[:, :half], c1[:, half:], e8m0, activation, alpha, limit, rows)
     # 5. down
     c2 = _grouped_gemm(h_fp8, h_scale, w2_fp8, w2_scale, None, slots, block_expert, s, 1, block_m)
     # 6. the top-k sum, in slot order
     out = torch.empty(t, h, dtype=x.dtype, device=device)
-    _traced(triton_moe._topk_sum_kernel,
-            *triton_moe.topk_sum_arguments(c2, topk_ids, topk_weights, num_experts, b2, None, out))
+    launch(triton_moe._topk_sum_kernel,
+           *triton_moe.topk_sum_arguments(c2, topk_ids, topk_weights, num_experts, b2, None, out))
     return out
-
-
-def _quantized(x, b, e8m0, activation, alpha, limit, rows):
-    """triton_quant.quant_act(x, e8m0, "row", b, ...) as a traced launch."""
-    m, k = x.shape
-    x_fp8 = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(m, k // BLOCK, dtype=torch.float32, device=x.device)
-    grid, args, constexprs = triton_quant.quant_act_arguments(x, b, x_fp8, scale, e8m0, activation, alpha, limit,
-                                                              rows)
-    _traced(triton_quant._quant_act_kernel, grid, args, constexprs, dict(num_warps=4))
-    return x_fp8, scale
 
 
 def _grouped_gemm(a, a_scale, w_fp8, w_scale, bias, slots, block_expert, num_slots, rows_per_a, block_m):
     """triton_moe.grouped_gemm as a traced launch: (S, N) bf16, row `slot` of its expert's product."""
     c = torch.empty(num_slots, int(w_fp8.shape[1]), dtype=torch.bfloat16, device=a.device)
-    _traced(triton_moe._moe_gemm_kernel, *triton_moe.grouped_gemm_arguments(
+    launch(triton_moe._moe_gemm_kernel, *triton_moe.grouped_gemm_arguments(
         a, a_scale, w_fp8, w_scale, bias, c, slots, block_expert, num_slots, rows_per_a, block_m))
     return c
-
-
-def _traced(kernel, grid, args, constexprs, options) -> None:
-    """kernel launched through wrap_triton (what tracing records) with a *_arguments layout."""
-    wrap_triton(kernel)[grid](*args, **constexprs, **options)

@@ -226,22 +226,42 @@ def route_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tup
     """route_torch in three launches over chunks of ROUTE_CHUNK slots (count, scan, place), for
     any number of slots: the same two tensors, element for element."""
     s = topk_ids.numel()
-    device = topk_ids.device
     capacity = route_capacity(s, num_experts, block_m)
-    slots = torch.empty(capacity, dtype=torch.int32, device=device)
-    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
-    num_chunks = max(1, ceil_div(s, ROUTE_CHUNK))
-    block_e = next_pow2(num_experts + 1)
-    hist = torch.empty(num_chunks, block_e, dtype=torch.int32, device=device)
-    start = torch.empty(block_e, dtype=torch.int32, device=device)
-    ids = topk_ids.contiguous()
-    _route_count_launch((num_chunks,), (ids, hist, s, num_experts), dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e))
-    _route_scan_launch((1,), (hist, start, slots, block_expert, s, num_experts, num_chunks, capacity),
-                       dict(BLOCK_M=block_m, BLOCK_C=max(1, 8192 // block_e), BLOCK_E=block_e, BLOCK_B=32,
-                            BLOCK_FILL=1024), num_warps=8)
-    _route_place_launch((num_chunks,), (ids, hist, start, slots, s, num_experts),
-                        dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e))
+    slots = torch.empty(capacity, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=topk_ids.device)
+    scratch = route_chunked_scratch(s, num_experts, topk_ids.device)
+    for launcher, launch in zip((_route_count_launch, _route_scan_launch, _route_place_launch),
+                                route_chunked_arguments(topk_ids.contiguous(), slots, block_expert, *scratch,
+                                                        num_experts, block_m)):
+        _run(launcher, *launch)
     return slots, block_expert
+
+
+def route_chunked_scratch(num_slots, num_experts: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hist (chunks, BLOCK_E), start (BLOCK_E,)) int32: the chunked routing's working memory.
+    num_slots >= 1 may be symbolic (moe_gluon_op traces this)."""
+    block_e = next_pow2(num_experts + 1)
+    chunks = ceil_div(num_slots, ROUTE_CHUNK)
+    if isinstance(chunks, int):  # no slots: one chunk still fills the padding and block_expert
+        chunks = max(1, chunks)
+    hist = torch.empty(chunks, block_e, dtype=torch.int32, device=device)
+    return hist, torch.empty(block_e, dtype=torch.int32, device=device)
+
+
+def route_chunked_arguments(topk_ids, slots, block_expert, hist, start, num_experts: int, block_m: int):
+    """The (grid, args, constexprs, options) of the count, scan and place launches routing
+    topk_ids (contiguous, at least one slot) into slots and block_expert; the one place their
+    arguments are laid out (route_chunked, moe_gluon_op)."""
+    s = topk_ids.numel()
+    num_chunks, block_e = hist.shape
+    capacity = slots.shape[0]
+    return (
+        ((num_chunks,), (topk_ids, hist, s, num_experts), dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e), {}),
+        ((1,), (hist, start, slots, block_expert, s, num_experts, num_chunks, capacity),
+         dict(BLOCK_M=block_m, BLOCK_C=max(1, 8192 // block_e), BLOCK_E=block_e, BLOCK_B=32, BLOCK_FILL=1024),
+         dict(num_warps=8)),
+        ((num_chunks,), (topk_ids, hist, start, slots, s, num_experts), dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e), {}),
+    )
 
 
 @triton.jit
@@ -321,12 +341,18 @@ def gather_quant(x, slots, block_expert, num_slots: int, rows_per_a: int, block_
     a = torch.empty(r, k, dtype=FP8_DTYPE, device=x.device)
     a_scale = torch.empty(r, k // BLOCK, dtype=torch.float32, device=x.device)
     rows = torch.empty(num_slots, dtype=torch.int32, device=x.device)
-    _gather_quant_launch(
-        (r // block_m, k // BLOCK),
-        (x, slots, block_expert, a, a_scale, rows, num_slots, rows_per_a, x.stride(0), a.stride(0), a_scale.stride(0),
-         AMAX_EPS, FP8_MAX),
-        dict(E8M0=e8m0, BLOCK_M=block_m, GROUP=BLOCK), num_warps=4)
+    _run(_gather_quant_launch, *gather_quant_arguments(x, slots, block_expert, a, a_scale, rows, rows_per_a, block_m,
+                                                       e8m0))
     return a, a_scale, rows
+
+
+def gather_quant_arguments(x, slots, block_expert, a, a_scale, rows, rows_per_a: int, block_m: int, e8m0: bool):
+    """(grid, args, constexprs, options) of _gather_quant_kernel (x row-major); the one place its
+    arguments are laid out (gather_quant, moe_gluon_op)."""
+    r, k = a.shape
+    args = (x, slots, block_expert, a, a_scale, rows, rows.shape[0], rows_per_a, x.stride(0), a.stride(0),
+            a_scale.stride(0), AMAX_EPS, FP8_MAX)
+    return (r // block_m, k // BLOCK), args, dict(E8M0=e8m0, BLOCK_M=block_m, GROUP=BLOCK), dict(num_warps=4)
 
 
 @triton.jit

@@ -37,6 +37,7 @@ class Side:
     label: str  # "M <= 32", "32 < M <= 2048", "M > 2048", "all M", "M = 7"
     kernel: str  # the registry backend whose kernel runs this side
     m_max: int | None = None  # the side serves M <= m_max (None: unbounded)
+    m_min: int = 1  # and M >= m_min
 
 
 def _label(lo: int, hi: int | None) -> str:
@@ -81,7 +82,21 @@ def plan(ctx: PassContext, op: str, device: torch.device, n: int, k: int, m: Any
                 chosen.append((lo, hi, kernel))
     for lo, hi, kernel in chosen:
         registry.prepare(kernel, dataclasses.replace(base, m_min=lo, m_max=hi))
-    return [Side(_label(lo, hi), kernel, hi) for lo, hi, kernel in chosen]
+    return [Side(_label(lo, hi), kernel, hi, lo) for lo, hi, kernel in chosen]
+
+
+def split(sides: list[Side], at: int, kernel: str | None = None) -> list[Side]:
+    """sides with the one that serves both at - 1 and at (if given, only a side of `kernel`) cut
+    in two there: the same kernel on each part, so the numbers do not change, but each part can
+    be compiled for its own range."""
+    out = []
+    for side in sides:
+        if side.m_min < at and (side.m_max is None or at <= side.m_max) and kernel in (None, side.kernel):
+            out += [Side(_label(side.m_min, at - 1), side.kernel, at - 1, side.m_min),
+                    Side(_label(at, side.m_max), side.kernel, side.m_max, at)]
+        else:
+            out.append(side)
+    return out
 
 
 def rows_node(ctx: PassContext, node: fx.Node, graph: fx.Graph | None = None):
@@ -148,7 +163,7 @@ def _dispatch(ctx, graph, owner, attr_name, target, operands, args, kwargs, m_so
     cond(M <= first side's m_max, first side, the rest)."""
     if len(sides) == 1:
         call_kwargs = {**kwargs, "backend": sides[0].kernel}
-        emit_launch = inline.inductor_launch(ctx, target, args, call_kwargs, sides[0].m_max)
+        emit_launch = inline.inductor_launch(ctx, target, args, call_kwargs, sides[0].m_max, sides[0].m_min)
         if emit_launch is not None:
             ctx.traced_launches += 1
             return emit_launch(graph, target, args, call_kwargs, sides[0].m_max)

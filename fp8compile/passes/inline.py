@@ -12,7 +12,10 @@ compiles and calls from its generated code like its own.
 
 The routed experts' decode side too: fp8compile::moe paid 190-290 us of host time a call at
 one token on an H100 lease's host (six launches behind its Python), and fp8compile::moe_decode
-(ops/moe_decode_op.py) is the same six kernels as a triton_op. It reads the FP8 expert weights
+(ops/moe_decode_op.py) is the same six kernels as a triton_op. From 32 routed rows per expert
+up, where the op runs the Gluon GEMMs, fp8compile::moe_gluon (ops/moe_gluon_op.py) is its
+routing, quantizations and top-k sum as launches around two calls of the Gluon GEMM: the moe
+pass cuts the triton side of the dispatch there (moe_gluon_cut). Both read the FP8 expert weights
 as graph values, which the moe pass adds to its call site under LAUNCH_OPERANDS (the op itself
 looks them up from the bf16 parameters).
 
@@ -48,17 +51,23 @@ LAUNCH_OPERANDS = "launch_operands"
 Emitter = Callable[[fx.Graph, Any, tuple, dict, "int | None"], fx.Node]
 
 
-def inductor_launch(ctx: PassContext, target, args: tuple, kwargs: dict, m_max: int | None) -> Emitter | None:
-    """The emitter of the traced launch for this side of the dispatch, or None (the op stays):
-    asked for, on a GPU (Inductor launches no Triton kernel on the CPU, where these kernels run
-    only in Triton's interpreter), a (gated) linear on the decode kernel's or cuBLAS's side, or
-    routed experts on the triton kernel's side where moe_decode serves all of it."""
+def inductor_launch(ctx: PassContext, target, args: tuple, kwargs: dict, m_max: int | None,
+                    m_min: int = 1) -> Emitter | None:
+    """The emitter of the traced launch for this side of the dispatch (M in [m_min, m_max]), or
+    None (the op stays): asked for, on a GPU (Inductor launches no Triton kernel on the CPU,
+    where these kernels run only in Triton's interpreter), a (gated) linear on the decode
+    kernel's or cuBLAS's side, or routed experts on the triton kernel's side where moe_decode
+    or moe_gluon serves all of it."""
     if not (ctx.inductor_launch and args[0].meta["val"].device.type == "cuda"):
         return None
     backend = kwargs.get("backend")
     if target is _MOE:
-        if backend == MOE_BACKEND and m_max is not None and moe_decode_fits(args, kwargs, m_max):
+        if backend != MOE_BACKEND or LAUNCH_OPERANDS not in kwargs or kwargs.get("batch_invariant"):
+            return None
+        if m_max is not None and moe_decode_fits(args, kwargs, m_max):
             return functools.partial(emit_moe_decode_launch, cache=ctx.traces)
+        if moe_gluon_fits(args, kwargs, m_min):
+            return functools.partial(emit_moe_gluon_launch, cache=ctx.traces, tokens_from=m_min)
         return None
     if target not in (_QLINEAR, _GATED_QLINEAR):
         return None
@@ -69,15 +78,34 @@ def inductor_launch(ctx: PassContext, target, args: tuple, kwargs: dict, m_max: 
     return None
 
 
-def moe_launch_wanted(ctx: PassContext, sides, num_experts: int, top_k: int, device: torch.device) -> bool:
+def moe_launch_wanted(ctx: PassContext, sides, num_experts: int, top_k: int, two_i: int, hidden: int,
+                      device: torch.device) -> bool:
     """Whether a moe call site on these sides of the dispatch gets a traced launch on one of them
     (so its FP8 expert weights must enter the graph: LAUNCH_OPERANDS)."""
     if not (ctx.inductor_launch and device.type == "cuda" and not ctx.config.batch_invariant):
         return False
+    from ..ops import moe_gluon_op
     from ..ops.moe_decode_op import decode_fits
 
-    return any(side.kernel == MOE_BACKEND and side.m_max is not None and decode_fits(num_experts, top_k, side.m_max)
+    return any(side.kernel == MOE_BACKEND
+               and (side.m_max is not None and decode_fits(num_experts, top_k, side.m_max)
+                    or moe_gluon_op.fits(num_experts, top_k, side.m_min, two_i, hidden, device))
                for side in sides)
+
+
+def moe_gluon_cut(ctx: PassContext, num_experts: int, top_k: int, two_i: int, hidden: int,
+                  device: torch.device) -> int | None:
+    """The token count at which a moe call site's triton side is cut (dispatch.split), so that
+    its part from there up can be moe_gluon's traced launch: the Gluon GEMMs' first count
+    (moe_gluon_op.min_tokens, where the op itself switches kernels: the numbers stay), or None
+    where no traced launch is wanted or the Gluon kernel cannot serve these experts."""
+    from ..ops import moe_gluon_op
+
+    at = moe_gluon_op.min_tokens(num_experts, top_k)
+    if (ctx.inductor_launch and device.type == "cuda" and not ctx.config.batch_invariant
+            and moe_gluon_op.fits(num_experts, top_k, at, two_i, hidden, device)):
+        return at
+    return None
 
 
 def moe_decode_fits(args: tuple, kwargs: dict, m_max: int) -> bool:
@@ -89,6 +117,18 @@ def moe_decode_fits(args: tuple, kwargs: dict, m_max: int) -> bool:
         return False
     num_experts = kwargs[LAUNCH_OPERANDS][0].meta["val"].shape[0]
     return decode_fits(num_experts, args[1].meta["val"].shape[1], m_max)
+
+
+def moe_gluon_fits(args: tuple, kwargs: dict, m_min: int) -> bool:
+    """Whether a moe call site (with its FP8 weights in kwargs) can be fp8compile::moe_gluon for
+    m_min tokens and more (moe_gluon_op.fits)."""
+    from ..ops import moe_gluon_op
+
+    if LAUNCH_OPERANDS not in kwargs or kwargs.get("batch_invariant"):
+        return False
+    num_experts, two_i, hidden = kwargs[LAUNCH_OPERANDS][0].meta["val"].shape
+    return moe_gluon_op.fits(num_experts, args[1].meta["val"].shape[1], m_min, two_i, hidden,
+                             args[0].meta["val"].device)
 
 
 def _operands(target, args: tuple, kwargs: dict):
@@ -141,6 +181,22 @@ def emit_moe_decode_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m
     (up to m_max tokens), on the FP8 expert weights kwargs[LAUNCH_OPERANDS] carries."""
     from ..ops import moe_decode_op  # noqa: F401  (registers fp8compile::moe_decode)
 
+    return _emit_moe(graph, args, kwargs, cache, torch.ops.fp8compile.moe_decode, "max_tokens", m_max)
+
+
+def emit_moe_gluon_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m_max: int | None,
+                          cache: TraceCache | None = None, tokens_from: int = 1) -> fx.Node:
+    """Into `graph`: the moe call target(*args, **kwargs) as the traced fp8compile::moe_gluon
+    (tokens_from tokens and more), on the FP8 expert weights kwargs[LAUNCH_OPERANDS] carries."""
+    from ..ops import moe_gluon_op  # noqa: F401  (registers fp8compile::moe_gluon)
+
+    return _emit_moe(graph, args, kwargs, cache, torch.ops.fp8compile.moe_gluon, "tokens_from", tokens_from)
+
+
+def _emit_moe(graph: fx.Graph, args: tuple, kwargs: dict, cache: TraceCache | None, op, bound: str,
+              value: int) -> fx.Node:
+    """op(x, topk_ids, topk_weights, <FP8 expert weights>, b13, b2, e8m0, **{bound: value}, act...)
+    traced into graph for a moe call site."""
     x, topk_ids, topk_weights = args[:3]
     w13_fp8, w13_scale, w2_fp8, w2_scale, b13 = kwargs[LAUNCH_OPERANDS]
     b2 = args[7] if len(args) > 7 else kwargs.get("b2")
@@ -154,9 +210,8 @@ def emit_moe_decode_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m
 
     def call(*values):
         v = dict(zip(names, values))
-        return torch.ops.fp8compile.moe_decode(v["x"], v["topk_ids"], v["topk_weights"], v["w13_fp8"],
-                                               v["w13_scale"], v["w2_fp8"], v["w2_scale"], v.get("b13"), v.get("b2"),
-                                               e8m0, m_max, **act)
+        return op(v["x"], v["topk_ids"], v["topk_weights"], v["w13_fp8"], v["w13_scale"], v["w2_fp8"],
+                  v["w2_scale"], v.get("b13"), v.get("b2"), e8m0, **{bound: value}, **act)
 
-    key = ("moe_decode", names, e8m0, m_max, tuple(sorted(act.items())))
+    key = (str(op), names, e8m0, bound, value, tuple(sorted(act.items())))
     return inline_traced(graph, call, [node for _, node in present], cache, key)

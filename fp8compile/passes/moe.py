@@ -435,10 +435,14 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
     fp8_experts(param[m.w2], w_kn, ctx.config.e8m0)
     expert_bias(param.get(m.b13), m.gate_up)
     device = param[m.w13].device
+    top_k = _val(m.topk_ids).shape[1]
     sides = dispatch.plan(ctx, "moe", device, 2 * inter, h, _val(m.hidden).shape[0])
+    cut = inline.moe_gluon_cut(ctx, e, top_k, 2 * inter, h, device)
+    if cut is not None:
+        sides = dispatch.split(sides, cut, inline.MOE_BACKEND)
     kwargs = {"e8m0": ctx.config.e8m0, "w_kn": w_kn, "gate_up": m.gate_up,
               "batch_invariant": ctx.config.batch_invariant, **m.act}
-    if inline.moe_launch_wanted(ctx, sides, e, _val(m.topk_ids).shape[1], device):
+    if inline.moe_launch_wanted(ctx, sides, e, top_k, 2 * inter, h, device):
         kwargs[inline.LAUNCH_OPERANDS] = _fp8_expert_inputs(ctx, m, w_kn, name)
     with ctx.gm.graph.inserting_before(m.output):
         try:
@@ -457,7 +461,6 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
     router = _router(m.topk_ids)
     if router is not None:
         ctx.keep_bf16[router] = ROUTER_STAYS_BF16
-    top_k = _val(m.topk_ids).shape[1]
     detail = f"{e} experts, top-{top_k}, {m.gate_up}{', bias' if m.b13 is not None or m.b2 is not None else ''}"
     detail += f", {m.act.get('activation', 'silu')}"
     m_desc = _val(m.hidden).shape[0]
