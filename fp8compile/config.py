@@ -53,7 +53,8 @@ class Fp8Config:
     debug_dir:       write graphs before/after our passes and depyf-decompiled code here
                      (default: $FP8COMPILE_DEBUG_DIR).
     inductor_launch: the decode kernel, the quantization and cuBLAS call of the cuBLAS side, and
-                     the routed experts' kernels at decode sizes (fp8compile::moe_decode),
+                     the routed experts' kernels at decode sizes (fp8compile::moe_decode) and
+                     around the Gluon GEMMs from 32 rows per expert (fp8compile::moe_gluon),
                      as launches in Inductor's generated code (no Python op around them,
                      passes/inline.py) instead of the fp8compile op; None = where CUDA graphs
                      are not asked for (there every call pays the host's cost).

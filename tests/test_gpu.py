@@ -527,7 +527,8 @@ def test_moe_gluon_op_gives_the_bits_of_the_op_path():
     """fp8compile::moe_gluon, eager and compiled with dynamic T, against triton_moe.moe_gluon
     (what fp8compile::moe runs from 32 slots per expert) on the same routing: the same kernels
     with the same choices, bit for bit, at and above its first token count, with and without
-    biases; a count below it is refused; opcheck."""
+    biases, and within 1e-4 of the pure-PyTorch definition (reference.moe_block); a count below
+    it is refused; opcheck."""
     from fp8compile.ops import gluon_gemm, moe_gluon_op, triton_moe
     from tests.test_moe_kernels import quant_experts
 
@@ -543,6 +544,8 @@ def test_moe_gluon_op_gives_the_bits_of_the_op_path():
         ids, weights = torch.randint(0, 8, (t, 2), device="cuda"), torch.rand(t, 2, device="cuda")
         biases = (b13, b2) if bias else (None, None)
         want = triton_moe.moe_gluon(x, ids, weights, *w13, *w2, *biases)
+        # the definition: the bound of moe_triton's Gluon path against the staged reference (test_moe_kernels.py)
+        assert calc_diff(want, reference.moe_block(x, ids, weights, *w13, *w2, *biases)) < 1e-4, t
         assert torch.equal(torch.ops.fp8compile.moe_gluon(x, ids, weights, *w13, *w2, *biases, False, 128), want), t
         assert torch.equal(compiled(x, ids, weights, *w13, *w2, *biases), want), t
     with pytest.raises(ValueError, match="128 tokens and more"):

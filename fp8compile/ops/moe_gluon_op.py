@@ -11,8 +11,9 @@ Inductor's wrapper makes with the buffers it allocates. The two grouped GEMMs st
 fp8compile::gluon_grouped_gemm, an opaque op: a Gluon kernel is not a function Inductor can
 compile and launch, and its TMA descriptors are built per call.
 
-Everything is decided at trace time from `min_tokens` (the bottom of the token range the call
-site's side of the M dispatch serves): from there up moe_triton takes the Gluon path (`fits`),
+Everything is decided at trace time from `tokens_from` (the bottom of the token range the call
+site's side of the M dispatch serves, min_tokens or more): from there up moe_triton takes the
+Gluon path (`fits`),
 and the body makes its choices (tiles, row blocks, chunked routing), so the numbers are the op's,
 bit for bit (tests/test_gpu.py).
 """

@@ -109,23 +109,19 @@ def moe_gluon_cut(ctx: PassContext, num_experts: int, top_k: int, two_i: int, hi
 
 
 def moe_decode_fits(args: tuple, kwargs: dict, m_max: int) -> bool:
-    """Whether a moe call site (with its FP8 weights in kwargs) can be fp8compile::moe_decode for
-    up to m_max tokens: not batch-invariant (that keeps 64-row blocks), and decode_fits."""
+    """Whether a moe call site (not batch-invariant, which keeps 64-row blocks; its FP8 weights in
+    kwargs: inductor_launch checks both) can be fp8compile::moe_decode for up to m_max tokens."""
     from ..ops.moe_decode_op import decode_fits
 
-    if LAUNCH_OPERANDS not in kwargs or kwargs.get("batch_invariant"):
-        return False
     num_experts = kwargs[LAUNCH_OPERANDS][0].meta["val"].shape[0]
     return decode_fits(num_experts, args[1].meta["val"].shape[1], m_max)
 
 
 def moe_gluon_fits(args: tuple, kwargs: dict, m_min: int) -> bool:
-    """Whether a moe call site (with its FP8 weights in kwargs) can be fp8compile::moe_gluon for
-    m_min tokens and more (moe_gluon_op.fits)."""
+    """Whether a moe call site (as for moe_decode_fits) can be fp8compile::moe_gluon for m_min
+    tokens and more (moe_gluon_op.fits)."""
     from ..ops import moe_gluon_op
 
-    if LAUNCH_OPERANDS not in kwargs or kwargs.get("batch_invariant"):
-        return False
     num_experts, two_i, hidden = kwargs[LAUNCH_OPERANDS][0].meta["val"].shape
     return moe_gluon_op.fits(num_experts, args[1].meta["val"].shape[1], m_min, two_i, hidden,
                              args[0].meta["val"].device)
