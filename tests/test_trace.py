@@ -1,5 +1,8 @@
 """passes/trace.py: a function traced as AOTAutograd traces for Inductor and copied into a graph
 after it, once per call signature."""
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -94,3 +97,85 @@ def test_without_a_key_nothing_is_reused():
     for node in (x, y):
         inline_traced(graph, torch.relu, [node], cache)
     assert (cache.traced, cache.copied) == (2, 0)
+
+
+def _traced_op_guards(op_call, hint: int, fixed: dict):
+    """The guards that tracing op_call(*inputs) adds to the shape environment, its inputs fake
+    tensors whose first dimension is a symbolic M (traced at M = hint), as a compiled graph
+    traces our triton_ops; returns (guards, the symbols of M: one per input that has it)."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+
+    def fake(shape, dtype, dynamic):
+        dims = [DimDynamic.DYNAMIC if dynamic and i == 0 else DimDynamic.STATIC for i in range(len(shape))]
+        return mode.from_tensor(torch.empty(shape, dtype=dtype),
+                                symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
+
+    inputs = [fake((hint, *shape[1:]) if shape[0] == "M" else shape, dtype, shape[0] == "M")
+              for shape, dtype in fixed.values()]
+    symbols = {t.shape[0].node.expr for t in inputs if isinstance(t.shape[0], torch.SymInt)}
+    trace._trace(op_call, inputs)
+    return [guard.expr for guard in mode.shape_env.guards], symbols
+
+
+E, TOP_K, H, INTER = 16, 4, 512, 256
+FP8 = torch.float8_e4m3fn
+MOE_INPUTS = {"x": (("M", H), torch.bfloat16), "topk_ids": (("M", TOP_K), torch.int32),
+              "topk_weights": (("M", TOP_K), torch.float32), "w13": ((E, 2 * INTER, H), FP8),
+              "s13": ((E, 2 * INTER // 128, H // 128), torch.float32), "w2": ((E, H, INTER), FP8),
+              "s2": ((E, H // 128, INTER // 128), torch.float32)}
+LINEAR_INPUTS = {"x": (("M", H), torch.bfloat16), "w": ((384, H), FP8), "s": ((3, H // 128), torch.float32)}
+
+
+def _traced_ops():
+    """(name, the op's call, its inputs, the token counts its side of the M dispatch serves)."""
+    pytest.importorskip("triton")
+    from fp8compile.ops import decode_op, moe_decode_op, moe_gluon_op, scaled_mm_op  # noqa: F401  (registers them)
+
+    ops = torch.ops.fp8compile
+    least = moe_gluon_op.min_tokens(E, TOP_K)
+    return [
+        ("moe_gluon", lambda *v: ops.moe_gluon(*v, None, None, False, tokens_from=least), MOE_INPUTS,
+         range(least, 8 * least)),
+        ("moe_decode", lambda *v: ops.moe_decode(*v, None, None, False, max_tokens=16), MOE_INPUTS, range(2, 17)),
+        ("linear_decode", lambda *v: ops.linear_decode(*v, None, False, max_m=16), LINEAR_INPUTS, range(2, 17)),
+        ("linear_scaled_mm", lambda *v: ops.linear_scaled_mm(*v), LINEAR_INPUTS, range(17, 5000)),
+    ]
+
+
+def failing_guards() -> dict[str, list[str]]:
+    """Per traced op, traced at M = 3 and at both ends of its side's range: the guards it added
+    that a token count of its side fails (with the first such count)."""
+    failing = {}
+    for name, call, inputs, served in _traced_ops():
+        failing[name] = []
+        for hint in (3, served.start, served.stop - 1):
+            guards, symbols = _traced_op_guards(call, hint, inputs)
+            for guard in guards:
+                first = next((v for v in served if not guard.subs({m: v for m in symbols})), None)
+                if first is not None:
+                    failing[name].append(f"traced at M={hint}: {guard} fails at M={first}")
+    return failing
+
+
+def test_a_traced_op_adds_no_guard_that_a_token_count_of_its_side_fails():
+    """A default-mode graph over a dynamic M traces each side's op with the graph's M at compile
+    time, which may lie outside that side's range (the cond picks the side per call). A guard the
+    body adds is a guard on the whole graph: one that fails inside the side's range recompiles the
+    model there (moe_gluon's (chunks, BLOCK_E) scratch guarded chunks == 1 when traced at M = 3:
+    the Qwen3-MoE test model recompiled at 33 tokens on the GPU). Traced in a process of its own:
+    wrap_triton does not trace the interpreter's kernels (TRITON_INTERPRET=1 in this one)."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    script = "import json; from tests.test_trace import failing_guards; print(json.dumps(failing_guards()))"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    failing = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(failing) == {"moe_gluon", "moe_decode", "linear_decode", "linear_scaled_mm"}
+    assert failing == {name: [] for name in failing}

@@ -238,13 +238,16 @@ def route_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tup
 
 
 def route_chunked_scratch(num_slots, num_experts: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hist (chunks, BLOCK_E), start (BLOCK_E,)) int32: the chunked routing's working memory.
-    num_slots >= 1 may be symbolic (moe_gluon_op traces this)."""
+    """(hist (chunks x BLOCK_E,), start (BLOCK_E,)) int32: the chunked routing's working memory,
+    hist one row of BLOCK_E per chunk. num_slots >= 1 may be symbolic (moe_gluon_op traces
+    this): hist is flat because a (chunks, BLOCK_E) tensor has a dimension that may be 1, and
+    checking its contiguity guards on it (chunks == 1, i.e. T <= 16 for top-4): the compiled
+    graph would then hold only on one side of that and recompile past it."""
     block_e = next_pow2(num_experts + 1)
     chunks = ceil_div(num_slots, ROUTE_CHUNK)
     if isinstance(chunks, int):  # no slots: one chunk still fills the padding and block_expert
         chunks = max(1, chunks)
-    hist = torch.empty(chunks, block_e, dtype=torch.int32, device=device)
+    hist = torch.empty(chunks * block_e, dtype=torch.int32, device=device)
     return hist, torch.empty(block_e, dtype=torch.int32, device=device)
 
 
@@ -253,7 +256,8 @@ def route_chunked_arguments(topk_ids, slots, block_expert, hist, start, num_expe
     topk_ids (contiguous, at least one slot) into slots and block_expert; the one place their
     arguments are laid out (route_chunked, moe_gluon_op)."""
     s = topk_ids.numel()
-    num_chunks, block_e = hist.shape
+    block_e = start.shape[0]
+    num_chunks = hist.shape[0] // block_e
     capacity = slots.shape[0]
     return (
         ((num_chunks,), (topk_ids, hist, s, num_experts), dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e), {}),
