@@ -222,7 +222,7 @@ def test_missing_vendor_library_error_says_what_to_install(monkeypatch):
 
 
 def test_benchmark_table_reports_speedups_of_the_compiled_linear():
-    from fp8compile.bench.kernels import gemm_table
+    from fp8compile.bench.gemm import gemm_table
 
     rows = [dict(n=4096, k=7168, m=1, variant=v, us=t) for v, t in
             [("bf16", 40.0), ("deep_gemm", 28.0), ("flashinfer", 20.0), ("cublas_fp8", None), ("fp8compile", 10.0),
@@ -265,7 +265,7 @@ def test_graph_breaks_give_several_graphs_in_one_report():
 
 
 def test_mlp_benchmark_table_reports_fp8_speedups():
-    from fp8compile.bench.kernels import mlp_table
+    from fp8compile.bench.mlp import mlp_table
 
     rows = [dict(model="llama3-8b", m=16, variant=v, us=t) for v, t in
             [("bf16_inductor", 90.0), ("fp8_unfused", 60.0), ("fp8_gate_up_apart", 50.0), ("fp8", 45.0)]]
@@ -278,11 +278,11 @@ def test_mlp_benchmark_plumbing_runs_every_variant(monkeypatch, tmp_path):
     JSON and table come out. Timing itself needs CUDA graphs and is stubbed here."""
     import json
 
-    from fp8compile.bench import kernels as bench
+    from fp8compile.bench import harness, mlp
 
-    monkeypatch.setattr(bench, "_copies", lambda nbytes: 2)
-    monkeypatch.setattr(bench, "_time_us", lambda fns: [fn() for fn in fns] and 1.0)
-    rows = bench.bench_mlp(tmp_path, ms=[3], mlps={"tiny": (256, 512)}, device="cpu")
+    monkeypatch.setattr(harness, "copies", lambda nbytes: 2)
+    monkeypatch.setattr(harness, "time_us", lambda fns: [fn() for fn in fns] and 1.0)
+    rows = mlp.bench_mlp(tmp_path, ms=[3], mlps={"tiny": (256, 512)}, device="cpu")
     assert sorted(r["variant"] for r in rows) == ["bf16_inductor", "fp8", "fp8_gate_up_apart", "fp8_unfused"]
     assert json.loads((tmp_path / "bench_mlp.json").read_text()) == rows
 

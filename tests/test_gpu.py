@@ -284,9 +284,9 @@ def test_reduce_overhead_mode_replays_a_cuda_graph_per_m_with_the_bits_of_the_de
     monkeypatch.setattr(triton_gemm, "_ARRIVALS", {})
     torch.manual_seed(0)
     if model_name == "qwen3_moe_block":
-        from fp8compile.bench.kernels import _moe_block
+        from fp8compile.bench.moe import moe_block
 
-        model, shape = _moe_block(1024, 256, 16, 4), lambda m: (1, m, 1024)
+        model, shape = moe_block(1024, 256, 16, 4), lambda m: (1, m, 1024)
     else:
         model = (torch.nn.Linear(1024, 2048, bias=False) if model_name == "linear" else GatedMLP(1024, 2048))
         model, shape = model.to(BF16).cuda(), lambda m: (m, 1024)

@@ -1,10 +1,11 @@
 """Benchmarks: `python -m fp8compile bench model | host | gemm | mlp | moe | tune`.
 
-model.py times whole transformers models (what users judge); host.py the host cost of one
-decode linear outside CUDA graphs, layer by layer of the FP8 path; kernels.py times single linears,
-MLPs, MoE layers and tile sweeps against the anchors; output.py holds what they all write besides
-JSON (plots, host profiles). Vendor libraries and triton are imported by the benchmark that uses
-them, never here.
+One module per bench: model.py times whole transformers models (what users judge); host.py the
+host cost of one decode linear outside CUDA graphs, layer by layer of the FP8 path; gemm.py,
+mlp.py and moe.py single linears, gated MLPs and MoE layers against the anchors; tune.py sweeps
+our kernels' tiles. harness.py is the kernel benches' timing (CUDA-graph replay, weights past
+L2); output.py what they all write (JSON with its table, plots, host profiles). Vendor
+libraries and triton are imported by the benchmark that uses them, never here.
 """
 from __future__ import annotations
 
@@ -27,20 +28,26 @@ def main(args) -> int:
     else:
         if not torch.cuda.is_available():
             raise SystemExit(f"bench {args.what} needs a CUDA GPU")
-        from . import kernels
-
         if args.what == "host":
             from .host import bench_host
 
             bench_host(out, ms=args.m or (1, 16), chain=args.chain)
         elif args.what == "gemm":
-            kernels.bench_gemm(out, ms=args.m or kernels.MS, skip=args.skip or ())
+            from . import gemm
+
+            gemm.bench_gemm(out, ms=args.m or gemm.MS, skip=args.skip or ())
         elif args.what == "mlp":
-            kernels.bench_mlp(out, ms=args.m or kernels.MLP_MS)
+            from . import mlp
+
+            mlp.bench_mlp(out, ms=args.m or mlp.MLP_MS)
         elif args.what == "moe":
-            kernels.bench_moe(out, tokens=args.m or kernels.MOE_TOKENS,
-                              layers={k: kernels.MOE_LAYERS[k] for k in (args.layer or kernels.MOE_LAYERS)})
+            from . import moe
+
+            moe.bench_moe(out, tokens=args.m or moe.MOE_TOKENS,
+                          layers={k: moe.MOE_LAYERS[k] for k in (args.layer or moe.MOE_LAYERS)})
         else:
-            kernels.tune(out, kernels=args.kernels)
+            from .tune import tune
+
+            tune(out, kernels=args.kernels)
     print(f"[{time.time() - start:.0f} s] results in {out}")
     return 0

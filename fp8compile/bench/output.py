@@ -1,6 +1,7 @@
-"""What the benches write besides JSON: plots (matplotlib where it is installed) and host profiles."""
+"""What the benches write: JSON with its table (save), plots (matplotlib where it is installed) and host profiles."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -30,3 +31,11 @@ def profiled(fn, path: Path, lines: int = 40) -> None:
     stats.sort_stats("tottime").print_stats(lines)
     stats.sort_stats("cumulative").print_stats(lines)
     path.write_text(text.getvalue())
+
+
+def save(out_dir: Path, name: str, rows: list[dict], table) -> list[dict]:
+    """rows to out_dir/name as JSON, and their table printed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / name).write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+    return rows

@@ -1,0 +1,117 @@
+"""`python -m fp8compile bench moe`: a routed-experts layer, bf16 Inductor against the fp8
+backend and DeepGEMM's grouped GEMMs alone. Times: harness.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import fp8compile
+
+from . import harness
+from .output import save
+
+# (hidden, moe_intermediate, experts, top_k): Qwen3-30B-A3B and DeepSeek-V3 (all 256 experts:
+# 22.5 GB of bf16 expert weights plus their 11 GB FP8 copy fit an H200 or an H100).
+MOE_LAYERS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8)}
+MOE_TOKENS = [1, 16, 128, 1024, 4096]
+
+
+def moe_block(hidden: int, inter: int, experts: int, top_k: int):
+    """transformers' Qwen3MoeSparseMoeBlock (router, top-k, experts under "grouped_mm") on the GPU."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
+                         num_experts_per_tok=top_k, norm_topk_prob=True)
+    cfg._experts_implementation = "grouped_mm"
+    with torch.device("cuda"):
+        block = Qwen3MoeSparseMoeBlock(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.02)
+    return block
+
+
+def _deep_gemm_experts(block, tokens: int, top_k: int):
+    """DeepGEMM's two grouped GEMMs alone, on this routing's contiguous layout (pre-quantized
+    inputs): the anchor for the experts' GEMM time, without routing, activation or top-k sum."""
+    import deep_gemm
+
+    from fp8compile.ops.triton_moe import route
+    from fp8compile.ops.triton_quant import quant_act
+    from fp8compile.weights import fp8_experts
+
+    experts = block.experts
+    num_experts, two_i, hidden = experts.gate_up_proj.shape
+    w13, w2 = fp8_experts(experts.gate_up_proj, gate_up="concat"), fp8_experts(experts.down_proj)
+    ids = torch.topk(torch.rand(tokens, num_experts, device="cuda"), top_k, dim=-1).indices
+    slots, block_expert = route(ids, num_experts, deep_gemm.get_mk_alignment_for_contiguous_layout())
+    rows = slots.numel()
+    row_expert = torch.where(slots < ids.numel(), block_expert.repeat_interleave(rows // block_expert.numel()), -1)
+    a = quant_act(torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16), layout="mn_major")
+    h = quant_act(torch.randn(rows, two_i // 2, device="cuda", dtype=torch.bfloat16), layout="mn_major")
+    c1 = torch.empty(rows, two_i, device="cuda", dtype=torch.bfloat16)
+    c2 = torch.empty(rows, hidden, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, w13, c1, row_expert, disable_ue8m0_cast=True)
+        deep_gemm.m_grouped_fp8_gemm_nt_contiguous(h, w2, c2, row_expert, disable_ue8m0_cast=True)
+    return run
+
+
+def bench_moe(out_dir: Path, tokens=MOE_TOKENS, layers=MOE_LAYERS) -> list[dict]:
+    """A routed-experts layer (router + top-k + experts): bf16 torch.compile (Inductor, grouped_mm)
+    vs the fp8 backend (default kernels, and Triton only) vs DeepGEMM's grouped GEMMs alone.
+    One compiled graph per variant serves every token count >= 2 (dynamic tokens)."""
+    from tqdm import tqdm
+
+    rows = []
+    device_name = torch.cuda.get_device_name(0)
+    backends = {"bf16_inductor": "inductor", "fp8": fp8compile.backend(),
+                "fp8_triton": fp8compile.backend(backends=("triton", "reference"))}
+    with torch.no_grad():
+        for name, (hidden, inter, experts, top_k) in tqdm(layers.items(), desc="bench moe"):
+            block = moe_block(hidden, inter, experts, top_k)
+            expert_bytes = 3 * hidden * inter  # FP8 bytes of one expert
+            active = {}  # experts a routing of t tokens touches (router of random weights)
+            inputs = []
+            for t in tokens:
+                x = torch.randn(1, t, hidden, device="cuda", dtype=torch.bfloat16)
+                torch._dynamo.mark_dynamic(x, 1)
+                inputs.append((t, x))
+                logits = torch.nn.functional.linear(x.view(t, hidden), block.gate.weight)
+                active[t] = int(torch.topk(logits, top_k).indices.unique().numel())
+
+            def row(variant, t, us):
+                streamed = active[t] * expert_bytes * (2 if variant == "bf16_inductor" else 1)
+                return dict(device=device_name, layer=name, hidden=hidden, inter=inter, experts=experts, top_k=top_k,
+                            tokens=t, variant=variant, us=us, active_experts=active[t],
+                            weight_tbps=None if us is None else streamed / us / 1e6)
+
+            rows += harness.variant_rows(lambda v: [torch.compile(block, backend=backends[v])], backends, inputs, row,
+                                  report=True)
+            for t, _ in inputs:
+                try:
+                    rows.append(row("deep_gemm_gemms", t, harness.time_us([_deep_gemm_experts(block, t, top_k)])))
+                except Exception as e:  # DeepGEMM missing or failing: the other columns still count
+                    print(f"    deep_gemm_gemms: {type(e).__name__}: {str(e)[:120]}")
+            block = None  # free this layer before the next
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+    return save(out_dir, "bench_moe.json", rows, moe_table)
+
+
+def moe_table(rows: list[dict]) -> str:
+    variants = ("bf16_inductor", "fp8", "fp8_triton", "deep_gemm_gemms")
+    by = {(r["layer"], r["tokens"], r["variant"]): r["us"] for r in rows}
+    lines = ["times in us (CUDA-graph replay, median); ratios are speedups (>1 = faster)",
+             f"{'layer':<14} {'tokens':>6} " + " ".join(f"{v:>15}" for v in variants)
+             + "   fp8/bf16 fp8/dg_gemms"]
+    for layer, t in sorted({(r["layer"], r["tokens"]) for r in rows}):
+        us = {v: by.get((layer, t, v)) for v in variants}
+        cells = " ".join(f"{us[v]:>15.1f}" if us[v] else f"{'-':>15}" for v in variants)
+        r1 = f"{us['bf16_inductor'] / us['fp8']:10.2f}" if us["fp8"] and us["bf16_inductor"] else f"{'-':>10}"
+        r2 = f"{us['deep_gemm_gemms'] / us['fp8']:12.2f}" if us["fp8"] and us["deep_gemm_gemms"] else f"{'-':>12}"
+        lines.append(f"{layer:<14} {t:>6} {cells}   {r1} {r2}")
+    return "\n".join(lines)
