@@ -7,6 +7,7 @@
 Importing this package registers the torch.ops.fp8compile ops; it does not initialise CUDA
 or import any vendor kernel library.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -28,8 +29,9 @@ def backend(config: Fp8Config | dict | None = None, **options: Any) -> Fp8Backen
     return Fp8Backend(config, **options)
 
 
-def explain(model: torch.nn.Module, *example_args: Any, config: Fp8Config | dict | None = None,
-            **options: Any) -> Report:
+def explain(
+    model: torch.nn.Module, *example_args: Any, config: Fp8Config | dict | None = None, **options: Any
+) -> Report:
     """Compile `model` with the fp8 backend, run it once on example_args (under no_grad), and
     return the report: what was rewritten (kind, module, shape, kernel per M range) and what
     was left in bf16 and why. The model itself is not modified."""
@@ -39,5 +41,15 @@ def explain(model: torch.nn.Module, *example_args: Any, config: Fp8Config | dict
     return fp8.report
 
 
-__all__ = ["Fp8Backend", "Fp8Config", "Report", "backend", "calc_diff", "explain", "fp8_backend",
-           "last_report", "make_config", "restore_bf16_weights"]
+__all__ = [
+    "Fp8Backend",
+    "Fp8Config",
+    "Report",
+    "backend",
+    "calc_diff",
+    "explain",
+    "fp8_backend",
+    "last_report",
+    "make_config",
+    "restore_bf16_weights",
+]

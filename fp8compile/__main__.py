@@ -1,4 +1,5 @@
 """Command line: `python -m fp8compile demo | backends`."""
+
 from __future__ import annotations
 
 import argparse
@@ -41,37 +42,64 @@ def main(argv: list[str] | None = None) -> int:
     backends.add_argument("-m", type=int, default=1)
     backends.add_argument("-n", type=int, default=4096)
     backends.add_argument("-k", type=int, default=4096)
-    bench = sub.add_parser("bench", help="benchmarks: whole models (model), host cost per decode linear (host), "
-                                         "and kernels against bf16 cuBLAS, cuBLAS FP8, DeepGEMM, FlashInfer "
-                                         "(gemm, mlp, moe, tune)")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: whole models (model), host cost per decode linear (host), "
+        "and kernels against bf16 cuBLAS, cuBLAS FP8, DeepGEMM, FlashInfer "
+        "(gemm, mlp, moe, tune)",
+    )
     bench.add_argument("what", choices=["model", "host", "gemm", "mlp", "moe", "tune"])
     bench.add_argument("--out", default=None, help="folder for JSON and PNG (default: $OUT or ./bench_out)")
-    bench.add_argument("-m", type=int, action="append",
-                       help="M values (default: gemm 1 16 32 128 1024 4096; mlp 1 16 128 4096; "
-                            "moe 1 16 128 1024 4096; host 1 16)")
-    bench.add_argument("--chain", type=int, default=8,
-                       help="`bench host`: linears per compiled graph; times are per linear (default 8)")
+    bench.add_argument(
+        "-m",
+        type=int,
+        action="append",
+        help="M values (default: gemm 1 16 32 128 1024 4096; mlp 1 16 128 4096; moe 1 16 128 1024 4096; host 1 16)",
+    )
+    bench.add_argument(
+        "--chain",
+        type=int,
+        default=8,
+        help="`bench host`: linears per compiled graph; times are per linear (default 8)",
+    )
     bench.add_argument("--skip", action="append", help="`bench gemm`: leave this variant out (e.g. fp8compile_tuned)")
-    bench.add_argument("--layer", action="append", choices=["qwen3-30b-a3b", "deepseek-v3"],
-                       help="MoE layers for `bench moe` (default: both)")
-    bench.add_argument("--kernels", nargs="+", default=["small_m", "large_m"], choices=["small_m", "large_m", "tiles"],
-                       help="which Triton kernels `tune` sweeps")
+    bench.add_argument(
+        "--layer",
+        action="append",
+        choices=["qwen3-30b-a3b", "deepseek-v3"],
+        help="MoE layers for `bench moe` (default: both)",
+    )
+    bench.add_argument(
+        "--kernels",
+        nargs="+",
+        default=["small_m", "large_m"],
+        choices=["small_m", "large_m", "tiles"],
+        help="which Triton kernels `tune` sweeps",
+    )
     from .bench.model import BATCHES, MODELS, VARIANTS
 
-    bench.add_argument("--model", action="append", choices=list(MODELS),
-                       help="`bench model`: models (default: llama-3-8b, qwen2.5-7b, qwen3-30b-a3b)")
-    bench.add_argument("--variant", action="append", choices=list(VARIANTS),
-                       help="`bench model`: variants (default: all)")
+    bench.add_argument(
+        "--model",
+        action="append",
+        choices=list(MODELS),
+        help="`bench model`: models (default: llama-3-8b, qwen2.5-7b, qwen3-30b-a3b)",
+    )
+    bench.add_argument(
+        "--variant", action="append", choices=list(VARIANTS), help="`bench model`: variants (default: all)"
+    )
     bench.add_argument("--layers", type=int, default=None, help="`bench model`: cut every model to this many layers")
-    bench.add_argument("--batch", type=int, action="append",
-                       help=f"`bench model`: decode batch sizes (default {BATCHES})")
+    bench.add_argument(
+        "--batch", type=int, action="append", help=f"`bench model`: decode batch sizes (default {BATCHES})"
+    )
     bench.add_argument("--context", type=int, default=1024, help="`bench model`: prompt tokens before decoding")
     bench.add_argument("--steps", type=int, default=128, help="`bench model`: decode steps timed")
     bench.add_argument("--prefill", type=int, default=2048, help="`bench model`: tokens of the timed prefill")
     bench.add_argument("--device", default=None, help="`bench model`: cuda or cpu (default: cuda if available)")
-    bench.add_argument("--profile", action="store_true",
-                       help="`bench model`: cProfile one more generate() per batch "
-                            "(profile_*.txt: host time by function)")
+    bench.add_argument(
+        "--profile",
+        action="store_true",
+        help="`bench model`: cProfile one more generate() per batch (profile_*.txt: host time by function)",
+    )
     args = parser.parse_args(argv)
     if args.command == "bench":
         from .bench import main as bench_main

@@ -9,6 +9,7 @@ ladder, and M is split into ranges where one kernel wins; the M dispatch then ha
 torch.cond per change of kernel. Times are cached per (op, backend, N, K, M), so the layers of
 a model that share a shape are measured once.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -73,14 +74,23 @@ def _measure(op: str, backend: str, n: int, k: int, m: int, device: torch.device
             return None
 
 
-def tuned_ranges(base: registry.Request, order: tuple[str, ...], time: Callable[[str, int], float | None],
-                 static_m: int | None = None) -> list[tuple[int, int | None, str]]:
+def tuned_ranges(
+    base: registry.Request,
+    order: tuple[str, ...],
+    time: Callable[[str, int], float | None],
+    static_m: int | None = None,
+) -> list[tuple[int, int | None, str]]:
     """[(m_min, m_max or None, backend)] covering every M (or static_m alone): in each step
     (previous ladder M, this one] the fastest backend at this M that serves the whole step,
     unless the kernel of the step before is within MIN_GAIN of it there."""
-    steps = [(static_m, static_m, static_m)] if static_m is not None else [
-        (lo + 1, None if i == len(TUNE_MS) - 1 else hi, hi)
-        for i, (lo, hi) in enumerate(zip((0, *TUNE_MS), TUNE_MS))]
+    steps = (
+        [(static_m, static_m, static_m)]
+        if static_m is not None
+        else [
+            (lo + 1, None if i == len(TUNE_MS) - 1 else hi, hi)
+            for i, (lo, hi) in enumerate(zip((0, *TUNE_MS), TUNE_MS))
+        ]
+    )
     chosen: list[tuple[int, int | None, str]] = []
     for lo, hi, m in steps:
         request = dataclasses.replace(base, m_min=lo, m_max=hi)
@@ -103,12 +113,14 @@ def tuned_ranges(base: registry.Request, order: tuple[str, ...], time: Callable[
     return chosen
 
 
-def plan(base: registry.Request, order: tuple[str, ...] | None,
-         static_m: int | None) -> list[tuple[int, int | None, str]]:
+def plan(
+    base: registry.Request, order: tuple[str, ...] | None, static_m: int | None
+) -> list[tuple[int, int | None, str]]:
     """tuned_ranges for one call site, timing with this GPU (order: Fp8Config.backends, or every
     backend but the reference, which stays the fallback)."""
     if order is None:
         order = (*(name for name in registry.names() if name != "reference"), "reference")
     log.info("fp8compile autotune: %s N=%d K=%d", base.op, base.n, base.k)
     return tuned_ranges(
-        base, order, lambda name, m: time_us(base.op, name, base.n, base.k, m, base.device, base.e8m0), static_m)
+        base, order, lambda name, m: time_us(base.op, name, base.n, base.k, m, base.device, base.e8m0), static_m
+    )

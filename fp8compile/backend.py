@@ -15,6 +15,7 @@ the kernel launches (BENCHMARKS.md, "Host cost"), which is more than a decode GE
 mode="reduce-overhead" records the graph once per M and replays it; the report says per graph
 whether CUDA graphs are on, and if not, why.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,8 +56,9 @@ class Fp8Backend:
         # the backend it is given, and a copy would fill a report the user never sees.
         return self
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None,
-                 mode: str | None = None) -> Callable:
+    def __call__(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None, mode: str | None = None
+    ) -> Callable:
         global _last_report
         _last_report = self.report
         config = make_config(self.config, **options) if options else self.config
@@ -64,8 +66,9 @@ class Fp8Backend:
         return compile_graph(gm, example_inputs, config, self.report, mode)
 
 
-def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8Config, report: Report,
-                  mode: str | None = None) -> Callable:
+def compile_graph(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8Config, report: Report, mode: str | None = None
+) -> Callable:
     from torch._guards import detect_fake_mode
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -106,8 +109,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8
         if isinstance(bound, str):
             return skip_graph(f"cannot map graph inputs to the model's tensors: {bound}")
         fake_mode = detect_fake_mode(aten_inputs)
-        ctx = PassContext(aten_gm, bound, config, report, graph_index, fake_mode,
-                          cuda_graphs=bool(patches.get("triton.cudagraphs")))
+        ctx = PassContext(
+            aten_gm, bound, config, report, graph_index, fake_mode, cuda_graphs=bool(patches.get("triton.cudagraphs"))
+        )
         if dump:
             dump.before(aten_gm)
         run_passes(ctx)
@@ -132,8 +136,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8
             static_launch_for_user_kernels()
         compiled = compile_fx_inner(aten_gm, aten_inputs, **kwargs)
         names = {node.name: name for node, (_, name) in bound.items() if name}
-        report.cuda_graphs[graph_index] = _cuda_graph_state(asked, bool(getattr(box, "value", False)), compiled, mode,
-                                                            names)
+        report.cuda_graphs[graph_index] = _cuda_graph_state(
+            asked, bool(getattr(box, "value", False)), compiled, mode, names
+        )
         if ctx.derived or len(keep) < len(bound):
             return CallWithDerivedInputs(compiled, ctx.derived, keep if len(keep) < len(bound) else None)
         return compiled
@@ -164,8 +169,9 @@ def _release_weights(ctx, dropped: list[torch.nn.Parameter]) -> None:
     values = [value for value, _ in ctx.inputs.values()]
     with_copies = {id(values[i]) for d in ctx.derived for i in d.sources}
     with unset_fake_temporarily():  # real host buffers, not the compiler's fakes
-        release.keep_resident(value for node, (value, _) in ctx.inputs.items()
-                              if isinstance(value, torch.nn.Parameter) and node.users)
+        release.keep_resident(
+            value for node, (value, _) in ctx.inputs.items() if isinstance(value, torch.nn.Parameter) and node.users
+        )
         freed = release.release(p for p in dropped if id(p) in with_copies)
     if freed:
         log.info("fp8compile graph %d: released %.2f GB of bf16 weights", ctx.graph_index, freed / 2**30)
@@ -194,8 +200,11 @@ def static_launch_for_user_kernels() -> bool:
     from torch._inductor import async_compile
 
     if getattr(async_compile, "_pool_set", None):
-        log.info("fp8compile: restarting Inductor's compile workers so that they launch our Triton kernels "
-                 "statically (%s=1)", STATIC_LAUNCH_ENV)
+        log.info(
+            "fp8compile: restarting Inductor's compile workers so that they launch our Triton kernels "
+            "statically (%s=1)",
+            STATIC_LAUNCH_ENV,
+        )
         async_compile.shutdown_compile_workers()
     return True
 
@@ -268,12 +277,14 @@ def _size_conds_keep_cuda_graphs():
 
 # What to do about a known cause of "off", by the model input Inductor's reason names.
 _CUDA_GRAPH_HINTS = (
-    (re.compile(r"cpu device \(\w+ = [\w.]*cumulative_length"),
-     "transformers' static cache was first filled inside this compiled call, so its position counter "
-     "is still on the CPU and its keys and values are not static addresses: make the cache before "
-     "the first call, StaticCache(config=model.config, max_cache_len=...).early_initialization(batch, "
-     "kv_heads, head_dim, dtype, device), and pass it to generate() as past_key_values; or let "
-     "generate() compile the decode step (compile_config=CompileConfig(...))"),
+    (
+        re.compile(r"cpu device \(\w+ = [\w.]*cumulative_length"),
+        "transformers' static cache was first filled inside this compiled call, so its position counter "
+        "is still on the CPU and its keys and values are not static addresses: make the cache before "
+        "the first call, StaticCache(config=model.config, max_cache_len=...).early_initialization(batch, "
+        "kv_heads, head_dim, dtype, device), and pass it to generate() as past_key_values; or let "
+        "generate() compile the decode step (compile_config=CompileConfig(...))",
+    ),
 )
 
 
@@ -291,15 +302,17 @@ def _cuda_graph_state(asked: bool, kept: bool, compiled: Any, mode: str | None, 
         return "off: the graph runs on no CUDA device"
     reason = getattr(compiled, "disabled_cudagraphs_reason", None)
     if reason:
-        reason = re.sub(r"\b\w+\b", lambda m: f"{m[0]} = {names[m[0]]}" if m[0] in names else m[0],
-                        " ".join(reason.split()))
+        reason = re.sub(
+            r"\b\w+\b", lambda m: f"{m[0]} = {names[m[0]]}" if m[0] in names else m[0], " ".join(reason.split())
+        )
         hints = [hint for pattern, hint in _CUDA_GRAPH_HINTS if pattern.search(reason)]
         return f"off: Inductor skipped them: {reason[:300]}" + "".join(f" ({hint})" for hint in hints)
     return "off: Inductor skipped them (it gave no reason)"
 
 
-def fp8_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None,
-                mode: str | None = None) -> Callable:
+def fp8_backend(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None, mode: str | None = None
+) -> Callable:
     """The `torch_dynamo_backends` entry point: backend="fp8" with the default config."""
     return _default_backend()(gm, example_inputs, options=options, mode=mode)
 

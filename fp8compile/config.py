@@ -1,4 +1,5 @@
 """The one configuration object, and the one place that turns user options into it."""
+
 from __future__ import annotations
 
 import dataclasses

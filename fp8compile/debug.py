@@ -1,6 +1,7 @@
 """Graph dumps for debug_dir: each compiled graph as Dynamo captured it, as ATen before and
 after our passes, the diff between those two, and Dynamo's rewritten bytecode decompiled by
 depyf (what actually runs in place of the model's forward)."""
+
 from __future__ import annotations
 
 import difflib

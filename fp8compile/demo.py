@@ -1,5 +1,6 @@
 """`python -m fp8compile demo`: compile a small Llama-shaped transformers model with the fp8
 backend on the best available device, print the report and the accuracy against eager bf16."""
+
 from __future__ import annotations
 
 import time
@@ -30,8 +31,12 @@ def small_llama(vocab: int = 32000, hidden: int = 256, intermediate: int = 512, 
         raise SystemExit("the demo builds a transformers Llama: pip install 'transformers>=5'") from e
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
         max_position_embeddings=4096,
     )
     return LlamaForCausalLM(config).to(torch.bfloat16).eval()
@@ -48,10 +53,14 @@ def main(device: str | None = None, batch: int = 2, seq: int = 24, **options) ->
         start = time.perf_counter()
         logits = compiled(ids).logits
         compile_s = time.perf_counter() - start
-    print(f"device: {device}  model: LlamaForCausalLM hidden=256 intermediate=512 layers=2 vocab=32000  "
-          f"input: {batch}x{seq}")
+    print(
+        f"device: {device}  model: LlamaForCausalLM hidden=256 intermediate=512 layers=2 vocab=32000  "
+        f"input: {batch}x{seq}"
+    )
     print(fp8.report)
     print(f"\nfirst call (compile + run): {compile_s:.1f} s")
-    print(f"logits calc_diff vs eager bf16: {calc_diff(logits, reference):.2e}  "
-          "(one block-FP8 GEMM on random data is ~7e-4; errors add up along the model's serial GEMMs)")
+    print(
+        f"logits calc_diff vs eager bf16: {calc_diff(logits, reference):.2e}  "
+        "(one block-FP8 GEMM on random data is ~7e-4; errors add up along the model's serial GEMMs)"
+    )
     return 0

@@ -14,6 +14,7 @@ parameters: replayed graphs read them where they are, never copied in. Inputs th
 longer reads after the passes (the bf16 weights of rewritten linears) are not passed on at all:
 no per-call check of them in the compiled code, and their memory can be given back (release.py).
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -3,6 +3,7 @@
 Pure math, no graph or kernel code. Shape letters used across the package:
 M = tokens (rows of the activation), N = output features, K = input features (reduction).
 """
+
 from __future__ import annotations
 
 import torch

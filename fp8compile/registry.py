@@ -5,6 +5,7 @@ walks the preference order (Fp8Config.backends, or the default order of the requ
 M, DEFAULT_ORDERS) and takes the first that can. Vendor libraries are imported here only, lazily,
 when a backend is asked about.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,7 @@ import os
 from collections.abc import Callable
 
 import torch
+
 
 @dataclasses.dataclass(frozen=True)
 class Request:
@@ -141,16 +143,23 @@ _BACKENDS: dict[str, Backend] = {
     ),
     "deep_gemm": Backend(
         "deep_gemm",
-        {"linear": ".ops.vendors:linear_deep_gemm", "gated_linear": ".ops.vendors:gated_linear_deep_gemm",
-         "moe": ".ops.vendors:moe_deep_gemm"},
+        {
+            "linear": ".ops.vendors:linear_deep_gemm",
+            "gated_linear": ".ops.vendors:gated_linear_deep_gemm",
+            "moe": ".ops.vendors:moe_deep_gemm",
+        },
         _deep_gemm_why_not,
         prepare=".ops.vendors:prepare_deep_gemm",
     ),
     "triton": Backend(
         "triton",
-        {"linear": ".ops.triton_gemm:linear_large_m", "gated_linear": ".ops.triton_gemm:gated_linear_large_m",
-         "gemm": ".ops.triton_gemm:gemm_large_m", "quant_act": ".ops.triton_quant:quant_act_row",
-         "moe": ".ops.triton_moe:moe_triton"},
+        {
+            "linear": ".ops.triton_gemm:linear_large_m",
+            "gated_linear": ".ops.triton_gemm:gated_linear_large_m",
+            "gemm": ".ops.triton_gemm:gemm_large_m",
+            "quant_act": ".ops.triton_quant:quant_act_row",
+            "moe": ".ops.triton_moe:moe_triton",
+        },
         _triton_device_why_not,
     ),
     "cublas": Backend(
@@ -171,6 +180,7 @@ _BACKENDS: dict[str, Backend] = {
         why_not=_reference_why_not,
     ),
 }
+
 
 def register(backend: Backend, *, first: bool = False) -> None:
     """Add a backend (replacing one of the same name); `first` puts it at the front of every
@@ -219,7 +229,7 @@ def default_order(tier: str, op: str | None = None) -> tuple[str, ...]:
     if moved in order and after in order and order.index(moved) < order.index(after):
         order = tuple(name for name in order if name != moved)
         at = order.index(after) + 1
-        order = order[:at] + (moved, ) + order[at:]
+        order = order[:at] + (moved,) + order[at:]
     return order
 
 

@@ -17,6 +17,7 @@ CompileConfig, which compiles the decode step only: compile the model's forward 
 parameter some compiled graph reads in bf16 (an embedding tied to the lm_head, the routed
 experts, whose op looks their FP8 copies up per call) is never released (keep_resident).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -113,7 +114,8 @@ def _refuse_eager(module: torch.nn.Module, args) -> None:
                 "(Fp8Config(release_bf16_weights=True)): the compiled graphs read its FP8 copy, but an eager call "
                 "cannot run. Run the model through its compiled graphs (with transformers' generate(), compile "
                 "model.forward itself: a CompileConfig compiles the decode step only, the prompt runs eagerly), "
-                "or call fp8compile.restore_bf16_weights() first.")
+                "or call fp8compile.restore_bf16_weights() first."
+            )
 
 
 def _check_eager_calls(on: bool) -> None:

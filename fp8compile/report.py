@@ -1,5 +1,6 @@
 """What the backend did: every rewrite (with the kernel chosen for each side of the M dispatch)
 and every candidate left in bf16, with the reason."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,17 +52,25 @@ class Report:
         return [s for s in self.skips if kind is None or s.kind == kind]
 
     def __str__(self) -> str:
-        head = (f"fp8compile report: {len(self.rewrites)} rewritten, {len(self.skips)} left in bf16, "
-                f"{self.graphs} graph(s)")
+        head = (
+            f"fp8compile report: {len(self.rewrites)} rewritten, {len(self.skips)} left in bf16, {self.graphs} graph(s)"
+        )
         if self.config is not None:
             c = self.config
-            head += (f"\nconfig: recipe={c.recipe} e8m0={c.e8m0} batch_invariant={c.batch_invariant} "
-                     f"small_m={c.small_m} large_m={c.large_m} autotune={c.autotune}")
+            head += (
+                f"\nconfig: recipe={c.recipe} e8m0={c.e8m0} batch_invariant={c.batch_invariant} "
+                f"small_m={c.small_m} large_m={c.large_m} autotune={c.autotune}"
+            )
         lines = [head]
         if self.rewrites:
             rows = [
-                (f"{r.kind}[{r.detail}]" if r.detail else r.kind, r.name, r.m, f"{r.k} -> {r.n}",
-                 "; ".join(f"{side}: {k}" for side, k in r.kernels))
+                (
+                    f"{r.kind}[{r.detail}]" if r.detail else r.kind,
+                    r.name,
+                    r.m,
+                    f"{r.k} -> {r.n}",
+                    "; ".join(f"{side}: {k}" for side, k in r.kernels),
+                )
                 for r in self.rewrites
             ]
             lines += ["", "rewritten:", *_table(("kind", "module", "M", "K -> N", "kernel"), rows)]

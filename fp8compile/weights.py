@@ -16,6 +16,7 @@ Two kinds of entry: a linear's weight (N, K) (or two, stacked along N: gate and 
 GEMM), and a routed-experts block's stacked weights (E, N, K), stored in the layout the grouped
 kernels read (gate rows first, then up rows).
 """
+
 from __future__ import annotations
 
 import logging
@@ -69,8 +70,11 @@ def _memoized(sources: tuple[torch.Tensor, ...], tag: tuple, make: Callable[[], 
         value = entry[2]
     else:
         if entry is not None:
-            log.info("fp8compile: converting weights %s at first use (%s)", [tuple(w.shape) for w in sources],
-                     "modified in place" if alive else "new weight in a reused graph")
+            log.info(
+                "fp8compile: converting weights %s at first use (%s)",
+                [tuple(w.shape) for w in sources],
+                "modified in place" if alive else "new weight in a reused graph",
+            )
         with unset_fake_temporarily(), torch.no_grad(), release.temporarily_resident(sources):
             value = make()
 
@@ -78,13 +82,17 @@ def _memoized(sources: tuple[torch.Tensor, ...], tag: tuple, make: Callable[[], 
             _MEMO.pop(key, None)
 
         _MEMO[key] = (tuple(weakref.ref(w, forget) for w in sources), versions, value)
-    _BY_ID[fast_key] = (tuple(weakref.ref(w, lambda _, k=fast_key: _BY_ID.pop(k, None)) for w in sources),
-                        versions, value)
+    _BY_ID[fast_key] = (
+        tuple(weakref.ref(w, lambda _, k=fast_key: _BY_ID.pop(k, None)) for w in sources),
+        versions,
+        value,
+    )
     return value
 
 
-def fp8_weight(w: torch.Tensor, kn: bool = False, e8m0: bool = False,
-               w_next: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_weight(
+    w: torch.Tensor, kn: bool = False, e8m0: bool = False, w_next: Sequence[torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(w_fp8 (N, K), w_scale (ceil(N/128), K/128)) for a weight stored (N, K), or (K, N) if kn.
     With w_next (more weights, same K and layout): all of them stacked along N, w's rows first,
     so linears over one x run as one GEMM (passes/merge.py); every weight but the last must then
@@ -95,8 +103,9 @@ def fp8_weight(w: torch.Tensor, kn: bool = False, e8m0: bool = False,
         parts = [p.detach().t() if kn else p.detach() for p in sources]
         for i, part in enumerate(parts[:-1]):
             if part.shape[0] % 128:
-                raise ValueError(f"stacking weights along N needs whole 128-row blocks, "
-                                 f"weight {i} has N={part.shape[0]}")
+                raise ValueError(
+                    f"stacking weights along N needs whole 128-row blocks, weight {i} has N={part.shape[0]}"
+                )
         return _quantize(torch.cat(parts).contiguous() if len(parts) > 1 else parts[0].contiguous(), e8m0)
 
     return _memoized(sources, ("linear", kn, e8m0), make)
@@ -122,8 +131,9 @@ def _gate_up_rows(w: torch.Tensor, layout: str) -> torch.Tensor:
     return torch.cat([w[:, 0::2], w[:, 1::2]], dim=1) if layout == "interleave" else w
 
 
-def canonical_experts(w: torch.Tensor, kn: bool = False, gate_up: str | None = None,
-                      w_up: torch.Tensor | None = None) -> torch.Tensor:
+def canonical_experts(
+    w: torch.Tensor, kn: bool = False, gate_up: str | None = None, w_up: torch.Tensor | None = None
+) -> torch.Tensor:
     """Stacked expert weights (E, N, K), or (E, K, N) if kn, as (E, N, K); for a gate/up
     projection (gate_up one of GATE_UP_LAYOUTS, w_up the up tensor of "separate") gate rows
     then up rows."""
@@ -131,16 +141,19 @@ def canonical_experts(w: torch.Tensor, kn: bool = False, gate_up: str | None = N
     return _gate_up_rows(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], gate_up)
 
 
-def fp8_experts(w: torch.Tensor, kn: bool = False, e8m0: bool = False, gate_up: str | None = None,
-                w_up: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_experts(
+    w: torch.Tensor, kn: bool = False, e8m0: bool = False, gate_up: str | None = None, w_up: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """canonical_experts(...) in FP8: (w_fp8 (E, N, K), w_scale (E, N/128, K/128)), each expert in
     its own 128x128 blocks, so the activation reads gate and up as two contiguous halves."""
+
     def make():
         stacked = canonical_experts(w.detach(), kn, gate_up, None if w_up is None else w_up.detach())
         e, n, k = stacked.shape
         if n % 128 or k % 128:
-            raise ValueError(f"expert weights ({e}, {n}, {k}): N and K must be multiples of 128 "
-                             "(128x128 blocks per expert)")
+            raise ValueError(
+                f"expert weights ({e}, {n}, {k}): N and K must be multiples of 128 (128x128 blocks per expert)"
+            )
         w_fp8, w_scale = _quantize(stacked.reshape(e * n, k).contiguous(), e8m0)
         return w_fp8.reshape(e, n, k), w_scale.reshape(e, n // 128, k // 128)
 

@@ -1,4 +1,5 @@
 """Shared fixtures. Shape letters: M tokens, N output features, K input features."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,9 +37,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # series add up; one block-FP8 GEMM measures 6.5e-4..7.2e-4 against fp32 (test_ops, test_e8m0),
 # so a bound is (GEMMs in series) x 7.2e-4. Measured over seeds 0-4 beside each.
 ONE_GEMM = 7.2e-4
-TWO_GEMMS = 2 * ONE_GEMM      # linear -> gelu -> linear, 256 -> 512 -> 256: 1.27e-3..1.34e-3
-ATTENTION = 2.2 * ONE_GEMM    # v -> o in series, q/k through softmax: 1.26e-3..1.41e-3
-GATED_MLP = 3 * ONE_GEMM      # gate, up, down: 1.83e-3..2.11e-3 (M = 8), 1.89e-3..2.01e-3 (M = 74)
+TWO_GEMMS = 2 * ONE_GEMM  # linear -> gelu -> linear, 256 -> 512 -> 256: 1.27e-3..1.34e-3
+ATTENTION = 2.2 * ONE_GEMM  # v -> o in series, q/k through softmax: 1.26e-3..1.41e-3
+GATED_MLP = 3 * ONE_GEMM  # gate, up, down: 1.83e-3..2.11e-3 (M = 8), 1.89e-3..2.01e-3 (M = 74)
 SIX_IN_SERIES = 6 * ONE_GEMM  # tests.models.LinearForms: 3.90e-3..4.06e-3
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -68,8 +69,12 @@ class Captured:
 
     def ops(self, target) -> list[torch.fx.Node]:
         """Nodes calling target, in the graph and inside torch.cond branches (nested ones too)."""
-        return [node for _, sub in self.after.named_modules() if isinstance(sub, torch.fx.GraphModule)
-                for node in sub.graph.find_nodes(op="call_function", target=target)]
+        return [
+            node
+            for _, sub in self.after.named_modules()
+            if isinstance(sub, torch.fx.GraphModule)
+            for node in sub.graph.find_nodes(op="call_function", target=target)
+        ]
 
 
 @pytest.fixture
@@ -130,6 +135,7 @@ def probe_backend(monkeypatch):
         def linear(x, w_fp8, w_scale, bias, e8m0):
             calls.append((tag, x.reshape(-1, x.shape[-1]).shape[0]))
             return registry.implementation("linear", "reference")(x, w_fp8, w_scale, bias, e8m0)
+
         return linear
 
     def probe_why_not(request):
@@ -182,6 +188,7 @@ def ranged_references(monkeypatch) -> tuple[str, ...]:
             if request.m_min < lo or (hi is not None and (request.m_max is None or request.m_max > hi)):
                 return f"serves {lo} <= M <= {hi} only"
             return None
+
         return why_not
 
     ops = {op: reference.ops[op] for op in ("linear", "gated_linear", "moe")}

@@ -1,4 +1,5 @@
 """Toy models for the pass tests, each written the way real model code writes it."""
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -188,8 +189,9 @@ class MaskedGroupedMoE(nn.Module):
         weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k, dim=-1)
         sorted_ids, perm = torch.sort(ids.reshape(-1))
         sentinel = (sorted_ids >= self.experts).unsqueeze(-1)
-        offsets = torch.cumsum(torch.histc(sorted_ids.float(), bins=self.experts, min=0, max=self.experts - 1), 0,
-                               dtype=torch.int32)
+        offsets = torch.cumsum(
+            torch.histc(sorted_ids.float(), bins=self.experts, min=0, max=self.experts - 1), 0, dtype=torch.int32
+        )
         h = x[perm // self.top_k].masked_fill(sentinel, 0.0)
         gate_up = torch._grouped_mm(h, self.gate_up_proj.transpose(-2, -1), offs=offsets).masked_fill(sentinel, 0.0)
         gate, up = gate_up.chunk(2, dim=-1)

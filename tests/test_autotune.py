@@ -2,6 +2,7 @@
 on this GPU for the call site's shape; a kernel takes over only where it is clearly faster, only
 for rows it serves, and never if it fails to run. Timing itself needs a GPU: here it is replaced
 by synthetic times, which is what these tests are about (the choice, not the clock)."""
+
 import pytest
 import torch
 from torch import nn

@@ -1,5 +1,6 @@
 """The backend as a user meets it: backend="fp8" by entry point, options, explain, debug_dir,
 and the promises about the eager model and its weights."""
+
 import os
 import subprocess
 import sys
@@ -99,8 +100,9 @@ def test_fp8_weights_are_graph_inputs_looked_up_only_when_the_parameters_passed_
     monkeypatch.setattr(linear_pass_module, "fp8_weight", lambda *a: lookups.append(a[0].shape) or real(*a))
     wrappers = []
     real_init = CallWithDerivedInputs.__init__
-    monkeypatch.setattr(CallWithDerivedInputs, "__init__",
-                        lambda self, *a: wrappers.append(self) or real_init(self, *a))
+    monkeypatch.setattr(
+        CallWithDerivedInputs, "__init__", lambda self, *a: wrappers.append(self) or real_init(self, *a)
+    )
     model = GatedMLP().to(BF16)
     compiled = torch.compile(model, backend="fp8")
     x = randn(8, 256)
@@ -169,15 +171,21 @@ def test_debug_dir_from_environment(tmp_path, monkeypatch):
 
 
 def test_import_does_not_touch_cuda_or_vendor_libraries():
-    script = ("import sys, torch, fp8compile; vendors = ('deep_gemm', 'flashinfer', 'triton'); "
-              "print(torch.cuda.is_initialized(), [m for m in vendors if m in sys.modules])")
+    script = (
+        "import sys, torch, fp8compile; vendors = ('deep_gemm', 'flashinfer', 'triton'); "
+        "print(torch.cuda.is_initialized(), [m for m in vendors if m in sys.modules])"
+    )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "False []", result.stderr[-2000:]
 
 
 def test_backends_command_names_the_chosen_backend_and_why_not_the_others():
-    result = subprocess.run([sys.executable, "-m", "fp8compile", "backends", "-m", "1", "-n", "4096", "-k", "7168"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "fp8compile", "backends", "-m", "1", "-n", "4096", "-k", "7168"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("backends for linear N=4096 K=7168 M=1")
@@ -224,9 +232,17 @@ def test_missing_vendor_library_error_says_what_to_install(monkeypatch):
 def test_benchmark_table_reports_speedups_of_the_compiled_linear():
     from fp8compile.bench.gemm import gemm_table
 
-    rows = [dict(n=4096, k=7168, m=1, variant=v, us=t) for v, t in
-            [("bf16", 40.0), ("deep_gemm", 28.0), ("flashinfer", 20.0), ("cublas_fp8", None), ("fp8compile", 10.0),
-             ("fp8compile_tuned", 8.0)]]
+    rows = [
+        dict(n=4096, k=7168, m=1, variant=v, us=t)
+        for v, t in [
+            ("bf16", 40.0),
+            ("deep_gemm", 28.0),
+            ("flashinfer", 20.0),
+            ("cublas_fp8", None),
+            ("fp8compile", 10.0),
+            ("fp8compile_tuned", 8.0),
+        ]
+    ]
     last = gemm_table(rows).splitlines()[-1].split()
     assert last[:3] == ["4096", "7168", "1"]
     # vs bf16, vs the best anchor (FlashInfer), no Triton GEMM row, the autotuned linear vs bf16
@@ -267,8 +283,10 @@ def test_graph_breaks_give_several_graphs_in_one_report():
 def test_mlp_benchmark_table_reports_fp8_speedups():
     from fp8compile.bench.mlp import mlp_table
 
-    rows = [dict(model="llama3-8b", m=16, variant=v, us=t) for v, t in
-            [("bf16_inductor", 90.0), ("fp8_unfused", 60.0), ("fp8_gate_up_apart", 50.0), ("fp8", 45.0)]]
+    rows = [
+        dict(model="llama3-8b", m=16, variant=v, us=t)
+        for v, t in [("bf16_inductor", 90.0), ("fp8_unfused", 60.0), ("fp8_gate_up_apart", 50.0), ("fp8", 45.0)]
+    ]
     last = mlp_table(rows).splitlines()[-1].split()
     assert last[:2] == ["llama3-8b", "16"] and last[-3:] == ["2.00", "1.33", "1.11"]
 
@@ -339,8 +357,9 @@ def test_static_launch_of_our_kernels_reaches_compile_workers_unless_the_user_ch
         pytest.skip("this Inductor has no static launcher for user-defined Triton kernels")
     pool = _FakeWorkerPool()
     monkeypatch.setattr(async_compile, "_pool_set", {pool})
-    monkeypatch.setattr(async_compile, "shutdown_compile_workers",
-                        lambda: [p.shutdown() for p in async_compile._pool_set])
+    monkeypatch.setattr(
+        async_compile, "shutdown_compile_workers", lambda: [p.shutdown() for p in async_compile._pool_set]
+    )
     if user_value is None:
         monkeypatch.delenv(STATIC_LAUNCH_ENV, raising=False)
     else:

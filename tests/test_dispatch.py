@@ -1,6 +1,7 @@
 """M dispatch: one graph, compiled with dynamic M, serves every range of M (M <= small_m,
 small_m < M <= large_m, M > large_m) through torch.cond, without recompiling; ranges that get
 the same kernel share one call; batch-invariant mode uses one kernel for every M."""
+
 import dataclasses
 
 import pytest
@@ -137,7 +138,7 @@ def test_batch_invariant_mode_uses_one_kernel_and_rows_do_not_depend_on_the_batc
             xs = x[:m].clone()
             torch._dynamo.mark_dynamic(xs, 0)
             outs[m] = compiled(xs)
-        alone = [compiled(x[i:i + 1].clone()) for i in (0, 1, 4, 31)]
+        alone = [compiled(x[i : i + 1].clone()) for i in (0, 1, 4, 31)]
     assert captured[0].count(torch.ops.higher_order.cond) == 0
     assert all(r.kernels == (("all M", "reference"),) for r in backend.report.rewrites)
     for m, out in outs.items():
@@ -152,8 +153,9 @@ def test_explicit_backends_that_cannot_serve_are_a_clear_error(probe_backend):
         run(nn.Linear(256, 256).to(BF16), fp8compile.backend(backends=["probe"]), [40])
 
 
-def test_a_dynamic_size_that_is_no_graph_input_leaves_the_linear_in_bf16_with_the_reason(monkeypatch, captured,
-                                                                                        probe_backend):
+def test_a_dynamic_size_that_is_no_graph_input_leaves_the_linear_in_bf16_with_the_reason(
+    monkeypatch, captured, probe_backend
+):
     from fp8compile.passes import dispatch
 
     def unbindable(ctx, operands):
@@ -192,8 +194,11 @@ def test_prepare_hooks_make_real_tensors_while_the_compiler_traces_with_fake_one
 
     made = []
     probe = registry._BACKENDS["probe"]
-    monkeypatch.setitem(registry._BACKENDS, "probe",
-                        dataclasses.replace(probe, prepare=lambda request: made.append(torch.zeros(request.n))))
+    monkeypatch.setitem(
+        registry._BACKENDS,
+        "probe",
+        dataclasses.replace(probe, prepare=lambda request: made.append(torch.zeros(request.n))),
+    )
     x = randn(5, 256)
     torch._dynamo.mark_dynamic(x, 0)
     with torch.no_grad():
@@ -219,10 +224,16 @@ def test_a_side_cut_at_a_token_count_keeps_its_kernel_on_both_parts():
     from fp8compile.passes.dispatch import Side, split
 
     sides = [Side("M <= 32", "triton_small_m", 32, 1), Side("M > 32", "triton", None, 33)]
-    assert split(sides, 512) == [sides[0], Side("32 < M <= 511", "triton", 511, 33),
-                                 Side("M > 511", "triton", None, 512)]
-    assert split(sides, 20) == [Side("M <= 19", "triton_small_m", 19, 1),
-                                Side("19 < M <= 32", "triton_small_m", 32, 20), sides[1]]
+    assert split(sides, 512) == [
+        sides[0],
+        Side("32 < M <= 511", "triton", 511, 33),
+        Side("M > 511", "triton", None, 512),
+    ]
+    assert split(sides, 20) == [
+        Side("M <= 19", "triton_small_m", 19, 1),
+        Side("19 < M <= 32", "triton_small_m", 32, 20),
+        sides[1],
+    ]
     assert split(sides, 33) == sides and split(sides, 1) == sides
     assert split(sides, 512, "triton_small_m") == sides  # only a side of this kernel is cut
     static = [Side("M = 300", "triton", 300, 300)]

@@ -1,4 +1,5 @@
 """e8m0=True: every scale the compiled model uses is an exact power of two."""
+
 import pytest
 import torch
 

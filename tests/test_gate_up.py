@@ -1,5 +1,6 @@
 """The gate_up fusion: gate(x) and up(x) of a gated MLP, two linears over one x, run as one FP8
 GEMM over the two weights stacked along N; the silu_mul op reads its two halves."""
+
 import pytest
 import torch
 from torch import nn
@@ -33,7 +34,9 @@ def test_gate_and_up_over_one_x_become_one_gemm_and_give_the_same_numbers(captur
     (gemm,) = g.ops(LINEAR)
     assert stacked_rows(gemm) == 2 * model.gate_proj.out_features and len(g.ops(FUSED)) == 1
     assert {(r.name, r.detail) for r in report.rewrites if r.kind == "linear"} == {
-        ("gate_proj", "one GEMM with up_proj"), ("up_proj", "one GEMM with gate_proj")}
+        ("gate_proj", "one GEMM with up_proj"),
+        ("up_proj", "one GEMM with gate_proj"),
+    }
     # still two linears, as the model has
     assert report.counts() == {"linear": 2, "silu_mul": 1, "moe": 0, "attention": 0}
     torch._dynamo.reset()
@@ -65,10 +68,14 @@ def gated(bias: bool, down_in: int = 512) -> nn.Module:
     return model.to(BF16)
 
 
-@pytest.mark.parametrize("options, bias, why", [
-    (dict(skip=["up"]), False, "a linear that stays bf16 would move into FP8"),
-    ({}, "gate", "one bias to add, on half of the stacked output"),
-], ids=["up_skipped", "one_bias"])
+@pytest.mark.parametrize(
+    "options, bias, why",
+    [
+        (dict(skip=["up"]), False, "a linear that stays bf16 would move into FP8"),
+        ({}, "gate", "one bias to add, on half of the stacked output"),
+    ],
+    ids=["up_skipped", "one_bias"],
+)
 def test_pairs_that_cannot_share_a_gemm_stay_two(options, bias, why, captured):
     model = gated(bias=bool(bias))
     if bias == "gate":

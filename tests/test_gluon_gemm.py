@@ -1,5 +1,6 @@
 """The warp-specialized Gluon GEMM (fp8compile/ops/gluon_gemm.py): compiled for Hopper on any
 machine (Gluon has no interpreter), run against the reference and the Triton kernel on a GPU."""
+
 import re
 
 import pytest
@@ -13,8 +14,9 @@ from tests.test_triton_kernels import assert_bf16_close, reference_gemm  # noqa:
 
 ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
 needs_gluon = pytest.mark.skipif(gluon_gemm.IMPORT_ERROR is not None, reason=str(gluon_gemm.IMPORT_ERROR))
-needs_hopper = pytest.mark.skipif(not ON_HOPPER or gluon_gemm.IMPORT_ERROR is not None,
-                                  reason="needs an sm_90 GPU and Gluon")
+needs_hopper = pytest.mark.skipif(
+    not ON_HOPPER or gluon_gemm.IMPORT_ERROR is not None, reason="needs an sm_90 GPU and Gluon"
+)
 CONFIGS = {
     "two_groups_per_buffer_128_rows": gluon_gemm.CONFIG,
     "two_groups_per_buffer_192_rows": gluon_gemm.TALL_CONFIG,
@@ -102,6 +104,7 @@ def test_configs_outside_the_kernels_design_are_refused():
 def test_an_odd_number_of_k_groups_takes_one_group_per_buffer_in_as_many_buffers(config):
     """Two groups per buffer need an even count of 128-wide K groups; otherwise the launch falls
     back to one per buffer, with twice the buffers (the same shared memory) and no overlap."""
+
     def meta(k):
         x, w = torch.empty(256, k, dtype=torch.float8_e4m3fn), torch.empty(256, k, dtype=torch.float8_e4m3fn)
         scales = torch.empty(256, k // 128), torch.empty(2, k // 128)
@@ -184,9 +187,9 @@ def test_large_m_gemm_hands_large_m_to_gluon_and_replays_in_a_cuda_graph(monkeyp
     x_fp8, x_scale = triton_quant.quant_act(randn(m, 512, device=DEVICE))
     w_fp8, w_scale = reference.quant_weight_block(randn(640, 512, scale=0.02, device=DEVICE))
     eager = triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale)
-    below = triton_gemm.gemm_large_m(x_fp8[:m - 1], x_scale[:m - 1], w_fp8, w_scale)
+    below = triton_gemm.gemm_large_m(x_fp8[: m - 1], x_scale[: m - 1], w_fp8, w_scale)
     assert calls == [m]
-    assert torch.equal(eager[:m - 1], below)  # batch-invariant across the switch
+    assert torch.equal(eager[: m - 1], below)  # batch-invariant across the switch
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale)

@@ -1,6 +1,7 @@
 """Every importable GPU backend against the fp32 product of the unquantized inputs, plus the
 GPU-only promises: batch invariance, FlashInfer's scale layout, M = 1 on every shape.
 Run with `pytest -m gpu` on the device (skipped without CUDA)."""
+
 import contextlib
 
 import pytest
@@ -103,9 +104,11 @@ def test_default_dispatch_has_a_decode_a_medium_and_a_large_m_kernel_in_one_grap
             assert calc_diff(compiled(x), model(x)) < 1e-3
     (rewrite,) = fp8.report.rewrites
     cuda = torch.device("cuda")
-    want = [("M <= 32", "triton_small_m"),
-            ("32 < M <= 2048", registry.choose(registry.Request("linear", cuda, 4096, 4096, 33, 2048), tier="medium")),
-            ("M > 2048", registry.choose(registry.Request("linear", cuda, 4096, 4096, 2049, None), tier="large"))]
+    want = [
+        ("M <= 32", "triton_small_m"),
+        ("32 < M <= 2048", registry.choose(registry.Request("linear", cuda, 4096, 4096, 33, 2048), tier="medium")),
+        ("M > 2048", registry.choose(registry.Request("linear", cuda, 4096, 4096, 2049, None), tier="large")),
+    ]
     if want[1][1] == want[2][1]:  # no DeepGEMM here: the two upper ranges share one kernel
         want[1:] = [("M > 32", want[1][1])]
     assert list(rewrite.kernels) == want
@@ -119,8 +122,9 @@ def test_deep_gemm_missing_is_a_clear_error(monkeypatch):
     try:
         with pytest.raises(Exception, match=r"no backend in \['deep_gemm'\].*cannot import deep_gemm.*pip install"):
             with torch.no_grad():
-                torch.compile(torch.nn.Linear(256, 256).to(BF16).cuda(), backend=fp8compile.backend(
-                    backends=["deep_gemm"]))(randn(64, 256, device="cuda"))
+                torch.compile(
+                    torch.nn.Linear(256, 256).to(BF16).cuda(), backend=fp8compile.backend(backends=["deep_gemm"])
+                )(randn(64, 256, device="cuda"))
     finally:
         vendors.import_error.cache_clear()
 
@@ -155,7 +159,9 @@ def test_gated_mlp_fuses_on_the_default_gpu_backends():
     (fused,) = [r for r in fp8.report.rewrites if r.kind == "silu_mul"]
     assert fused.kernels[0] == ("M <= 32", "triton_small_m")
     assert {r.detail for r in fp8.report.rewrites if r.kind == "linear"} == {  # gate and up: one GEMM
-        "one GEMM with up_proj", "one GEMM with gate_proj"}
+        "one GEMM with up_proj",
+        "one GEMM with gate_proj",
+    }
 
 
 # --- routed experts (fp8compile::moe) ---------------------------------------------------------
@@ -176,12 +182,14 @@ def moe_case(tokens, num_experts=16, hidden=1024, inter=512, top_k=4, bias=False
 
 def run_moe(backend, x, ids, weights, w13, w2, b13=None, b2=None, batch_invariant=False, **act):
     t = x.shape[0]
-    why = registry.why_not(backend, registry.Request("moe", x.device, w13.shape[1], x.shape[1], t, t,
-                                                     batch_invariant=batch_invariant))
+    why = registry.why_not(
+        backend, registry.Request("moe", x.device, w13.shape[1], x.shape[1], t, t, batch_invariant=batch_invariant)
+    )
     if why is not None:
         pytest.skip(f"{backend}: {why}")
-    return torch.ops.fp8compile.moe(x, ids, weights, w13, w2, None, b13, b2, backend=backend,
-                                    batch_invariant=batch_invariant, **act)
+    return torch.ops.fp8compile.moe(
+        x, ids, weights, w13, w2, None, b13, b2, backend=backend, batch_invariant=batch_invariant, **act
+    )
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 16, 33, 128, 1000, 4096])
@@ -288,7 +296,7 @@ def test_reduce_overhead_mode_replays_a_cuda_graph_per_m_with_the_bits_of_the_de
 
         model, shape = moe_block(1024, 256, 16, 4), lambda m: (1, m, 1024)
     else:
-        model = (torch.nn.Linear(1024, 2048, bias=False) if model_name == "linear" else GatedMLP(1024, 2048))
+        model = torch.nn.Linear(1024, 2048, bias=False) if model_name == "linear" else GatedMLP(1024, 2048)
         model, shape = model.to(BF16).cuda(), lambda m: (m, 1024)
     fp8 = fp8compile.backend()
     graphed = torch.compile(model, backend=fp8, dynamic=True, mode="reduce-overhead")
@@ -306,11 +314,13 @@ def test_reduce_overhead_mode_replays_a_cuda_graph_per_m_with_the_bits_of_the_de
             with _op_body_runs() as plain_runs:
                 want = plain(x)
             assert all(torch.equal(g, want) for g in got), f"M={m}"
-            assert plain_runs and len(graphed_runs) <= 2 * len(plain_runs), \
+            assert plain_runs and len(graphed_runs) <= 2 * len(plain_runs), (
                 f"M={m}: op bodies ran on replays ({len(graphed_runs)} runs for 5 calls)"
+            )
     assert counters["inductor"]["cudagraph_skips"] == 0 and held is not None
-    assert fp8.report.rewrites and all(state.startswith("on:") for state in fp8.report.cuda_graphs.values()), \
+    assert fp8.report.rewrites and all(state.startswith("on:") for state in fp8.report.cuda_graphs.values()), (
         fp8.report.cuda_graphs
+    )
 
 
 def test_reduce_overhead_mode_in_a_fresh_process_keeps_kernel_state_out_of_the_graph_pool():
@@ -360,9 +370,11 @@ def test_inductor_launches_the_linear_decode_op_from_its_own_wrapper():
             wrapper = "\n".join(code)
             assert "_linear_small_m_kernel" in wrapper and "fp8compile.linear_decode" not in wrapper
     # Not test_schema: its mode reruns the op's FP8 inputs through ATen math that has no e4m3 kernels.
-    torch.library.opcheck(torch.ops.fp8compile.linear_decode, (randn(3, 4096, device="cuda"), w_fp8, w_scale,
-                                                               None, False, 16),
-                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(
+        torch.ops.fp8compile.linear_decode,
+        (randn(3, 4096, device="cuda"), w_fp8, w_scale, None, False, 16),
+        test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
+    )
 
 
 def _launched_and_op_path(model, xs):
@@ -396,8 +408,11 @@ def test_default_mode_cublas_side_is_launched_by_inductor_with_the_bits_of_the_o
             assert torch.equal(got, want), x.shape  # the same quantization kernel and the same cuBLAS call
             assert calc_diff(got, model(x)) < GATED_MLP
     w_fp8, w_scale = reference.quant_weight_block(weight(256, 512))
-    torch.library.opcheck(torch.ops.fp8compile.linear_scaled_mm, (randn(13, 512, device="cuda"), w_fp8, w_scale),
-                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(
+        torch.ops.fp8compile.linear_scaled_mm,
+        (randn(13, 512, device="cuda"), w_fp8, w_scale),
+        test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
+    )
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
@@ -413,8 +428,11 @@ def test_linear_scaled_mm_op_is_the_reference_block_linear(m, gated):
     x, b = randn(m, 512, device="cuda"), randn(m, 512, device="cuda") if gated else None
     bias = randn(384, device="cuda")
     got = torch.ops.fp8compile.linear_scaled_mm(x, w_fp8, w_scale, bias, False, b)
-    want = (reference.gated_linear_block(x, b, w_fp8, w_scale, bias) if gated
-            else reference.linear_block(x, w_fp8, w_scale, bias))
+    want = (
+        reference.gated_linear_block(x, b, w_fp8, w_scale, bias)
+        if gated
+        else reference.linear_block(x, w_fp8, w_scale, bias)
+    )
     assert got.shape == (m, 384) and got.dtype == BF16
     # The same quantized operands; cuBLAS accumulates in fp32 where the reference sums in fp64.
     assert calc_diff(got, want) < 1e-5
@@ -448,8 +466,11 @@ def _moe_block(block: str):
     from tests.models import GptFastMoE
     from tests.test_moe import gpt_oss_mlp, qwen3_moe_block
 
-    return {"qwen3_moe": lambda: qwen3_moe_block("grouped_mm"), "gpt_oss": lambda: gpt_oss_mlp("grouped_mm"),
-            "gpt_fast": lambda: GptFastMoE().to(BF16)}[block]().cuda()
+    return {
+        "qwen3_moe": lambda: qwen3_moe_block("grouped_mm"),
+        "gpt_oss": lambda: gpt_oss_mlp("grouped_mm"),
+        "gpt_fast": lambda: GptFastMoE().to(BF16),
+    }[block]().cuda()
 
 
 def _first(y):
@@ -487,12 +508,19 @@ def test_default_mode_moe_decode_side_is_launched_by_inductor_with_the_bits_of_t
             assert torch.equal(_first(got), _first(want)), x.shape
     from tests.test_moe_kernels import quant_experts
 
-    args = (randn(3, 256, device="cuda"), torch.randint(0, 8, (3, 2), device="cuda"), torch.rand(3, 2, device="cuda"),
-            *quant_experts(weight(8 * 512, 256).view(8, 512, 256)),
-            *quant_experts(weight(8 * 256, 256).view(8, 256, 256)))
+    args = (
+        randn(3, 256, device="cuda"),
+        torch.randint(0, 8, (3, 2), device="cuda"),
+        torch.rand(3, 2, device="cuda"),
+        *quant_experts(weight(8 * 512, 256).view(8, 512, 256)),
+        *quant_experts(weight(8 * 256, 256).view(8, 256, 256)),
+    )
     assert moe_decode_op.decode_fits(8, 2, 16)
-    torch.library.opcheck(torch.ops.fp8compile.moe_decode, (*args, None, None, False, 16),
-                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(
+        torch.ops.fp8compile.moe_decode,
+        (*args, None, None, False, 16),
+        test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
+    )
 
 
 @pytest.mark.parametrize("block", ["qwen3_moe", "gpt_oss", "gpt_fast"])
@@ -514,8 +542,13 @@ def test_default_mode_moe_gluon_side_is_launched_by_inductor_with_the_numbers_of
     assert moe_gluon_op.min_tokens(8, 2) == 128
     with torch.no_grad():
         wrapper = _default_mode_code(model, 300)
-        for kernel in ("_route_count_kernel", "_gather_quant_kernel", "_quant_act_kernel", "_topk_sum_kernel",
-                       "fp8compile.gluon_grouped_gemm"):
+        for kernel in (
+            "_route_count_kernel",
+            "_gather_quant_kernel",
+            "_quant_act_kernel",
+            "_topk_sum_kernel",
+            "fp8compile.gluon_grouped_gemm",
+        ):
             assert kernel in wrapper, kernel
         assert "fp8compile.moe." not in wrapper
         xs = [randn(1, m, 256, device="cuda") for m in (100, 127, 128, 300, 1000)]
@@ -537,8 +570,9 @@ def test_moe_gluon_op_gives_the_bits_of_the_op_path():
     w13 = quant_experts(weight(8 * 512, 256).view(8, 512, 256))
     w2 = quant_experts(weight(8 * 256, 256).view(8, 256, 256))
     b13, b2 = randn(8, 512, device="cuda"), randn(8, 256, device="cuda")
-    compiled = torch.compile(lambda *a: torch.ops.fp8compile.moe_gluon(*a, False, moe_gluon_op.min_tokens(8, 2)),
-                             dynamic=True)
+    compiled = torch.compile(
+        lambda *a: torch.ops.fp8compile.moe_gluon(*a, False, moe_gluon_op.min_tokens(8, 2)), dynamic=True
+    )
     for t, bias in ((128, False), (129, True), (300, False), (1000, True)):
         x = randn(t, 256, device="cuda")
         ids, weights = torch.randint(0, 8, (t, 2), device="cuda"), torch.rand(t, 2, device="cuda")
@@ -550,7 +584,15 @@ def test_moe_gluon_op_gives_the_bits_of_the_op_path():
         assert torch.equal(compiled(x, ids, weights, *w13, *w2, *biases), want), t
     with pytest.raises(ValueError, match="128 tokens and more"):
         torch.ops.fp8compile.moe_gluon(x, ids, weights, *w13, *w2, None, None, False, 64)
-    args = (randn(200, 256, device="cuda"), torch.randint(0, 8, (200, 2), device="cuda"),
-            torch.rand(200, 2, device="cuda"), *w13, *w2)
-    torch.library.opcheck(torch.ops.fp8compile.moe_gluon, (*args, None, None, False, 128),
-                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    args = (
+        randn(200, 256, device="cuda"),
+        torch.randint(0, 8, (200, 2), device="cuda"),
+        torch.rand(200, 2, device="cuda"),
+        *w13,
+        *w2,
+    )
+    torch.library.opcheck(
+        torch.ops.fp8compile.moe_gluon,
+        (*args, None, None, False, 128),
+        test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
+    )

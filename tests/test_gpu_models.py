@@ -1,5 +1,6 @@
 """Whole transformers models on the GPU, in both compile modes, with the default kernels: a dense
 Llama and a Qwen3-MoE at small widths (multiples of 128). Run with `pytest -m gpu`."""
+
 import pytest
 import torch
 
@@ -15,17 +16,33 @@ MODES = [None, "reduce-overhead"]
 
 
 def llama():
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
 
 
 def qwen3_moe():
-    config = transformers.Qwen3MoeConfig(vocab_size=32000, hidden_size=512, intermediate_size=1024,
-                                         moe_intermediate_size=256, num_experts=16, num_experts_per_tok=4,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         head_dim=128, max_position_embeddings=4096)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1024,
+        moe_intermediate_size=256,
+        num_experts=16,
+        num_experts_per_tok=4,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16).cuda().eval()
     with torch.no_grad():  # transformers leaves stacked expert parameters uninitialised at these sizes
@@ -114,5 +131,6 @@ def test_generate_with_a_static_cache_in_cuda_graphs_does_not_recompile_after_wa
         # position counter (cumulative_length) is still a CPU tensor: that graph runs without CUDA
         # graphs and the report names the input and says what to do.
         off = [state for state in states if not state.startswith("on:")]
-        assert off and all("cumulative_length" in state and "early_initialization" in state for state in off), \
+        assert off and all("cumulative_length" in state and "early_initialization" in state for state in off), (
             backend.report.cuda_graphs
+        )

@@ -1,5 +1,6 @@
 """The gqa_attention pass: transformers' grouped-query attention over a static cache reads each
 K/V head once (no repeat_kv copy), with the numbers of the attention it replaces."""
+
 import os
 from pathlib import Path
 
@@ -29,8 +30,12 @@ def repeat_kv(x, rep):
 def test_grouped_query_rows_give_the_attention_over_repeated_kv(rows, mask, heads_outer, kv, rep):
     b, heads, length, d = 2, kv * rep, 24, 16
     q, k, v = (torch.randn(b, n, s, d) for n, s in ((heads, rows), (kv, length), (kv, length)))
-    bias = {None: None, "per_sequence": torch.randn(b, 1, rows, length),
-            "per_head": torch.randn(b, heads, rows, length), "2d": torch.randn(rows, length)}[mask]
+    bias = {
+        None: None,
+        "per_sequence": torch.randn(b, 1, rows, length),
+        "per_head": torch.randn(b, heads, rows, length),
+        "2d": torch.randn(rows, length),
+    }[mask]
     want = F.scaled_dot_product_attention(q, repeat_kv(k, rep), repeat_kv(v, rep), attn_mask=bias, scale=0.3)
     got = grouped_sdpa(q, k, v, bias, 0.3, rep, heads_outer)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -44,8 +49,15 @@ def _generate(model, ids, backend, steps=6):
     model.forward = torch.compile(type(model).forward.__get__(model), backend=backend)
     try:
         cache = static_cache(model, ids.shape[0], ids.shape[1] + steps, "cpu")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
-                             past_key_values=cache, output_logits=True, return_dict_in_generate=True)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=steps,
+            do_sample=False,
+            past_key_values=cache,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     finally:
         del model.forward
     return out.sequences, out.logits
@@ -61,7 +73,8 @@ def test_static_cache_decode_reads_each_kv_head_once_with_the_numbers_of_repeat_
         want_tokens, want_logits = _generate(model, ids, fp8compile.backend(fusions=(), skip=("*",)))
     layers = model.config.num_hidden_layers
     assert [(r.name, r.detail) for r in rewritten.report.rewrites if r.graph == 1] == [
-        (f"model.layers.{i}.self_attn", "gqa 4/2 heads") for i in range(layers)]
+        (f"model.layers.{i}.self_attn", "gqa 4/2 heads") for i in range(layers)
+    ]
     for graph in captured[:2]:  # the prompt's graph and the decode step's
         sdpa = [node for node in graph.after.graph.nodes if node.target in SDPA_OPS]
         assert len(sdpa) == layers and all(node.args[1].meta["val"].shape[1] == 2 for node in sdpa)
@@ -118,8 +131,9 @@ def test_golden_graph_diff_of_decode_attention_over_a_grouped_cache(pass_diffs):
     mask = torch.rand(2, 1, 1, 16) > 0.3
     torch._dynamo.reset()
     with torch.no_grad():
-        out = torch.compile(DecodeAttention(), backend=fp8compile.backend(fusions=("gqa_attention",)),
-                            dynamic=False)(q, k, v, mask)
+        out = torch.compile(DecodeAttention(), backend=fp8compile.backend(fusions=("gqa_attention",)), dynamic=False)(
+            q, k, v, mask
+        )
     torch.testing.assert_close(out, DecodeAttention()(q, k, v, mask), atol=1e-5, rtol=1e-5)
     (diff,) = pass_diffs
     if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):

@@ -2,6 +2,7 @@
 specializes on; Triton's own path for a new signature and an unknown argument kind; the C
 launcher called directly while no launch hook is set, the compiled kernel's runner (which calls
 the hooks) while one is."""
+
 import types
 
 import pytest
@@ -54,6 +55,7 @@ class FakeKernel:
         def run(*args, **kwargs):
             self.log.append(("triton", grid, args, kwargs))
             return FakeCompiled(self.log)
+
         return run
 
 
@@ -65,8 +67,13 @@ def test_a_signature_seen_before_is_relaunched_with_constexprs_in_signature_orde
         run((4,), (x, n, 0.5), {"ACT": 1, "BLOCK": 128}, num_warps=4)
     assert [e[0] for e in kernel.log] == ["triton", "direct"]
     # no hooks set: no launch metadata, no hooks, the current stream
-    assert kernel.log[1] == ("direct", (4, 1, 1), 1234, ("cu_function", "metadata", None, None, None),
-                             (x, 48, 0.5, 128, 1))
+    assert kernel.log[1] == (
+        "direct",
+        (4, 1, 1),
+        1234,
+        ("cu_function", "metadata", None, None, None),
+        (x, 48, 0.5, 128, 1),
+    )
 
 
 def test_while_a_launch_hook_is_set_the_relaunch_goes_through_the_runner_that_calls_it(fake_triton_runtime):
@@ -117,8 +124,15 @@ def test_a_relaunch_the_installed_triton_refuses_falls_back_to_its_own_path_for_
         def run(self, *args):
             raise TypeError("function takes exactly 20 arguments (22 given)")
 
-    refusing = type("RefusingKernel", (FakeKernel,), {"__getitem__": lambda self, grid: (
-        lambda *a, **k: self.log.append(("triton", grid, a, k)) or Refusing(self.log))})()
+    refusing = type(
+        "RefusingKernel",
+        (FakeKernel,),
+        {
+            "__getitem__": lambda self, grid: (
+                lambda *a, **k: self.log.append(("triton", grid, a, k)) or Refusing(self.log)
+            )
+        },
+    )()
     run = launch.Launcher(refusing)
     for _ in range(3):
         run((2,), (torch.zeros(4), 16, 1.0), {"BLOCK": 1, "ACT": 0})

@@ -1,13 +1,18 @@
 """The package's layering: run-time code (the ops, their kernels, the registry, the weight
 store they read and the per-call lookup of a graph's FP8 inputs) never imports compile-time
 code (the passes, the backend)."""
+
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fp8compile"
-RUN_TIME = [*sorted((PACKAGE / "ops").glob("*.py")), PACKAGE / "registry.py", PACKAGE / "weights.py",
-            PACKAGE / "derived.py",
-            PACKAGE / "numerics.py"]
+RUN_TIME = [
+    *sorted((PACKAGE / "ops").glob("*.py")),
+    PACKAGE / "registry.py",
+    PACKAGE / "weights.py",
+    PACKAGE / "derived.py",
+    PACKAGE / "numerics.py",
+]
 COMPILE_TIME = ("passes", "backend", "config", "report", "debug")
 
 
@@ -17,7 +22,7 @@ def _imported(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            base = list(package[:len(package) - node.level + 1]) if node.level else []
+            base = list(package[: len(package) - node.level + 1]) if node.level else []
             module = ".".join(base + ([node.module] if node.module else []))
             names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
         elif isinstance(node, ast.Import):
@@ -26,8 +31,9 @@ def _imported(path: Path) -> set[str]:
 
 
 def test_run_time_modules_never_import_compile_time_ones():
-    offenders = {path.name: sorted(name for name in _imported(path) if name.split(".")[0] in COMPILE_TIME)
-                 for path in RUN_TIME}
+    offenders = {
+        path.name: sorted(name for name in _imported(path) if name.split(".")[0] in COMPILE_TIME) for path in RUN_TIME
+    }
     assert {name: found for name, found in offenders.items() if found} == {}
 
 
@@ -47,7 +53,7 @@ def _imports_of(path: Path, modules: set[str]) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            base = list(package[:len(package) - node.level + 1]) if node.level else []
+            base = list(package[: len(package) - node.level + 1]) if node.level else []
             module = ".".join(base + ([node.module] if node.module else [])).removeprefix("fp8compile").lstrip(".")
             for alias in node.names:
                 sub = f"{module}.{alias.name}".lstrip(".")
@@ -67,7 +73,7 @@ def _import_cycles() -> list[list[str]]:
         state[name] = 1
         for target in graph[name]:
             if state.get(target) == 1:
-                cycles.append(path[path.index(target):] + [name, target] if target in path else [name, target])
+                cycles.append(path[path.index(target) :] + [name, target] if target in path else [name, target])
             elif target not in state:
                 visit(target, path + [name])
         state[name] = 2
@@ -93,4 +99,20 @@ def test_the_package_and_its_tests_pass_the_linter():
     if ruff is None:
         pytest.skip("ruff is not installed (pip install -e '.[test]')")
     done = subprocess.run([ruff, "check", "fp8compile", "tests"], cwd=PACKAGE.parent, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_the_package_and_its_tests_are_laid_out_by_the_formatter():
+    # pyproject.toml's [tool.ruff.format]; `ruff format` fixes what this finds.
+    import shutil
+    import subprocess
+
+    import pytest
+
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed (pip install -e '.[test]')")
+    done = subprocess.run(
+        [ruff, "format", "--check", "fp8compile", "tests"], cwd=PACKAGE.parent, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stdout[-3000:]

@@ -1,5 +1,6 @@
 """The linear pass, pinned by graph diffs: which matmuls become fp8compile.linear, which stay
 bf16 and why, and that the compiled model stays close to eager."""
+
 import os
 from pathlib import Path
 
@@ -61,8 +62,9 @@ def test_attention_projections_become_fp8_and_attention_itself_stays(captured):
     assert bf16_matmuls(g.after) == 0
     assert report.counts()["linear"] == 4
     assert {r.name for r in report.rewrites} == {"q_proj", "k_proj", "v_proj", "o_proj"}
-    assert any("scaled_dot_product" in line or "_flash_attention" in line or "bmm" in line
-               for line in graph_listing(g.after))
+    assert any(
+        "scaled_dot_product" in line or "_flash_attention" in line or "bmm" in line for line in graph_listing(g.after)
+    )
     assert calc_diff(out, eager) < ATTENTION
 
 
@@ -74,7 +76,10 @@ def test_lm_head_of_32000_is_rewritten_and_skip_pattern_keeps_it_bf16(captured):
     torch._dynamo.reset()
     _, _, report = compile_and_run(model, ids, skip=["lm_head"])
     assert {(r.kind, r.name) for r in report.rewrites} == {
-        ("linear", "mlp.gate_proj"), ("linear", "mlp.up_proj"), ("silu_mul", "mlp.down_proj")}
+        ("linear", "mlp.gate_proj"),
+        ("linear", "mlp.up_proj"),
+        ("silu_mul", "mlp.down_proj"),
+    }
     (skip,) = report.skipped("linear")
     assert (skip.name, skip.reason) == ("lm_head", "matches skip pattern 'lm_head'")
     assert bf16_matmuls(captured[-1].after) == 1

@@ -1,5 +1,6 @@
 """A real model: transformers LlamaForCausalLM (hidden 256, intermediate 512, 2 layers,
 vocab 32000, random weights) compiled with backend="fp8"."""
+
 import copy
 
 import pytest
@@ -13,8 +14,15 @@ from fp8compile.ops import reference
 pytest.importorskip("transformers")
 from fp8compile.demo import small_llama  # noqa: E402
 
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def fp8_simulated(model, e8m0=False):
@@ -49,8 +57,9 @@ def test_llama_every_linear_is_rewritten_mlps_fused_and_logits_stay_within_the_f
     fused = {r.name for r in fp8.report.rewrites if r.kind == "silu_mul"}
     assert fused == {f"model.layers.{i}.mlp.down_proj" for i in range(2)}
     (g,) = captured
-    assert not any(line.startswith(("mm ", "addmm")) or " = aten.mm(" in line for line in
-                   fp8compile.debug.graph_listing(g.after))
+    assert not any(
+        line.startswith(("mm ", "addmm")) or " = aten.mm(" in line for line in fp8compile.debug.graph_listing(g.after)
+    )
     if e8m0:
         # per layer q|k|v, o, gate|up (stacked, one quantization each) and down; then lm_head
         assert len(weight_scales) == 2 * 4 + 1 and all(is_power_of_two(s) for s in weight_scales)

@@ -1,5 +1,6 @@
 """The moe pass and fp8compile::moe: routed-experts blocks, written the ways real model code
 writes them, become one fused FP8 experts op; router, top-k and shared experts stay outside."""
+
 import pytest
 import torch
 from torch import nn
@@ -24,9 +25,20 @@ MOE_BLOCK = 3.5 * ONE_GEMM
 
 def qwen3_moe_config(impl: str, **changes):
     """The issue's small Qwen3-MoE: hidden 256, moe_intermediate 256, 8 experts, top-2, 2 layers."""
-    options = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_experts=8,
-                   num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=64, norm_topk_prob=True, max_position_embeddings=256)
+    options = dict(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+    )
     cfg = transformers.Qwen3MoeConfig(**{**options, **changes})
     cfg._experts_implementation = impl
     return cfg
@@ -127,8 +139,11 @@ def test_experts_with_fp32_routing_weights_are_rewritten_and_give_the_blocks_dty
     assert calc_diff(out, eager) < MOE_BLOCK
 
 
-@pytest.mark.parametrize("make_model, layout", [(GptFastMoE, "separate"), (MaskedGroupedMoE, "concat")],
-                         ids=["w1[expert_ids] with einsum (gpt-fast)", "grouped_mm with sentinel masks"])
+@pytest.mark.parametrize(
+    "make_model, layout",
+    [(GptFastMoE, "separate"), (MaskedGroupedMoE, "concat")],
+    ids=["w1[expert_ids] with einsum (gpt-fast)", "grouped_mm with sentinel masks"],
+)
 def test_plain_pytorch_moe_forms_are_rewritten(make_model, layout, captured):
     torch.manual_seed(0)
     out, eager, report = compile_block(make_model().to(BF16), randn(37, 256))
@@ -236,6 +251,7 @@ def test_expert_weights_are_quantized_once_at_compile_time_and_the_model_is_unto
 # ---------------------------------------------------------------------------------------------
 # The op on its own: routing edge cases against the definition.
 
+
 def random_experts(num_experts=4, inter=256, hidden=256, bias=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.05).to(BF16)
@@ -257,13 +273,19 @@ def slot_by_slot(x, ids, topk_weights, w13, w2, b13=None, b2=None, **act):
             if not 0 <= e < w13.shape[0]:
                 continue
             rows13, rows2 = slice(e * n13, (e + 1) * n13), slice(e * n2, (e + 1) * n2)
-            h = reference.linear_block(x[t:t + 1], w13_fp8[rows13], s13[e * n13 // 128:(e + 1) * n13 // 128], None,
-                                       out_dtype=torch.float32)
+            h = reference.linear_block(
+                x[t : t + 1], w13_fp8[rows13], s13[e * n13 // 128 : (e + 1) * n13 // 128], None, out_dtype=torch.float32
+            )
             if b13 is not None:
                 h = h + b13[e].float()
             h, half = h.to(x.dtype), n13 // 2
-            y = reference.linear_block(reference.gated(h[:, :half], h[:, half:], **act), w2_fp8[rows2],
-                                       s2[e * n2 // 128:(e + 1) * n2 // 128], None, out_dtype=torch.float32)
+            y = reference.linear_block(
+                reference.gated(h[:, :half], h[:, half:], **act),
+                w2_fp8[rows2],
+                s2[e * n2 // 128 : (e + 1) * n2 // 128],
+                None,
+                out_dtype=torch.float32,
+            )
             if b2 is not None:
                 y = y + b2[e].float()
             out[t] += y[0] * topk_weights[t, j].float()
@@ -305,10 +327,15 @@ def test_moe_op_reads_interleaved_separate_and_transposed_weight_layouts_alike()
     gate, up = w13[:, :256], w13[:, 256:]
     interleaved = torch.stack([gate, up], dim=2).reshape(w13.shape)
     assert torch.equal(torch.ops.fp8compile.moe(x, ids, tw, interleaved, w2, gate_up="interleave"), expected)
-    assert torch.equal(torch.ops.fp8compile.moe(x, ids, tw, gate.contiguous(), w2, up.contiguous(), gate_up="separate"),
-                       expected)
-    assert torch.equal(torch.ops.fp8compile.moe(x, ids, tw, w13.transpose(1, 2).contiguous(),
-                                                w2.transpose(1, 2).contiguous(), w_kn=True), expected)
+    assert torch.equal(
+        torch.ops.fp8compile.moe(x, ids, tw, gate.contiguous(), w2, up.contiguous(), gate_up="separate"), expected
+    )
+    assert torch.equal(
+        torch.ops.fp8compile.moe(
+            x, ids, tw, w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous(), w_kn=True
+        ),
+        expected,
+    )
 
 
 def test_moe_op_is_within_two_gemms_of_fp8_error_of_the_unquantized_block():
@@ -327,8 +354,9 @@ def test_moe_op_passes_opcheck():
 def test_moe_op_rejects_mismatched_shapes_with_a_clear_error():
     w13, w2, _, _ = random_experts()
     with pytest.raises(RuntimeError, match=r"topk_ids and topk_weights \(T, k\)"):
-        torch.ops.fp8compile.moe(randn(3, 256), torch.zeros(2, 2, dtype=torch.long), torch.rand(2, 2), w13, w2,
-                                 backend="reference")
+        torch.ops.fp8compile.moe(
+            randn(3, 256), torch.zeros(2, 2, dtype=torch.long), torch.rand(2, 2), w13, w2, backend="reference"
+        )
 
 
 def test_fusions_option_without_moe_leaves_the_experts_bf16():

@@ -1,5 +1,6 @@
 """The Triton routed-experts kernels (fp8compile/ops/triton_moe.py) against their definitions:
 on the GPU at real sizes, on the CPU in Triton's interpreter at small sizes."""
+
 import pytest
 import torch
 
@@ -39,8 +40,10 @@ def test_route_puts_each_slot_once_in_a_block_of_its_expert(routing, tokens, blo
 
 @pytest.mark.parametrize("kernel", ["route_kernel", "route_chunked"])
 @pytest.mark.parametrize("routing", ROUTINGS)
-@pytest.mark.parametrize("tokens, num_experts, top_k, block_m", [
-    (1, 8, 4, 16), (5, 8, 4, 16), (37, 8, 4, 32), (3, 128, 8, 16), (40, 256, 8, 16), (130, 8, 4, 64)])
+@pytest.mark.parametrize(
+    "tokens, num_experts, top_k, block_m",
+    [(1, 8, 4, 16), (5, 8, 4, 16), (37, 8, 4, 32), (3, 128, 8, 16), (40, 256, 8, 16), (130, 8, 4, 64)],
+)
 def test_route_kernels_give_the_same_rows_as_the_torch_routing(kernel, routing, tokens, num_experts, top_k, block_m):
     """The routing kernels (one program for decode; count, scan and place over chunks of slots
     for more) and the torch-op routing are interchangeable: the same slot on every row and the
@@ -85,8 +88,9 @@ def test_grouped_gemm_writes_each_slot_the_block_gemm_of_its_token_and_expert(to
     x, ids, _, w13_fp8, s13, _, _, b13, _ = moe_inputs(tokens, bias=bias)
     x_fp8, x_scale = reference.quant_act_block(x)
     slots, block_expert = triton_moe.route(ids, w13_fp8.shape[0], block_m)
-    out = triton_moe.grouped_gemm(x_fp8, x_scale, w13_fp8, s13, b13, slots, block_expert, ids.numel(), ids.shape[1],
-                                  block_m)
+    out = triton_moe.grouped_gemm(
+        x_fp8, x_scale, w13_fp8, s13, b13, slots, block_expert, ids.numel(), ids.shape[1], block_m
+    )
     flat = ids.reshape(-1)
     token = torch.arange(ids.numel(), device=ids.device) // ids.shape[1]
     for e in flat.unique().tolist():
@@ -153,8 +157,9 @@ def staged_reference(x, ids, weights, w13_fp8, s13, w2_fp8, s2, b13, b2, activat
     out = torch.zeros(t * k, w2_fp8.shape[1], dtype=torch.float64, device=x.device)
     for e in flat.unique().tolist():
         rows = (flat == e).nonzero().squeeze(1)
-        c2 = to_bf16_as_the_device_does(reference.gemm_block(h_fp8[rows], h_scale[rows], w2_fp8[e], s2[e], None,
-                                                             torch.float64))
+        c2 = to_bf16_as_the_device_does(
+            reference.gemm_block(h_fp8[rows], h_scale[rows], w2_fp8[e], s2[e], None, torch.float64)
+        )
         out[rows] = (c2.double() + (b2[e].double() if b2 is not None else 0)) * weights.reshape(-1)[rows, None].double()
     return to_bf16_as_the_device_does(out.reshape(t, k, -1).sum(1))
 
@@ -208,15 +213,17 @@ def test_moe_decode_fits_only_where_moe_triton_routes_in_one_program_with_its_sm
 
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel runs on an sm_90 GPU only")
 @pytest.mark.parametrize("activation, bias", [("silu", False), ("swigluoai", True)])
-def test_moe_triton_takes_the_gluon_gemms_from_64_slots_per_expert_with_the_same_numbers(monkeypatch, activation,
-                                                                                         bias):
+def test_moe_triton_takes_the_gluon_gemms_from_64_slots_per_expert_with_the_same_numbers(monkeypatch, activation, bias):
     """300 tokens x top-2 over 4 experts is 150 slots per expert: the GEMMs are the grouped Gluon
     kernel's on gathered rows (64-row blocks: N = 512 and 256 take 256-column tiles), with the
     numbers of the staged reference and of the Triton kernel's path (the same 128-wide products,
     scaled per group; calc_diff as in the test above)."""
     from fp8compile.ops import gluon_gemm
-    if gluon_gemm.why_not_grouped(torch.empty(0, 256, dtype=torch.float8_e4m3fn, device=DEVICE),
-                                  torch.empty(4, 512, 256, dtype=torch.float8_e4m3fn, device=DEVICE)):
+
+    if gluon_gemm.why_not_grouped(
+        torch.empty(0, 256, dtype=torch.float8_e4m3fn, device=DEVICE),
+        torch.empty(4, 512, 256, dtype=torch.float8_e4m3fn, device=DEVICE),
+    ):
         pytest.skip("needs an sm_90 GPU and Gluon")
     calls = []
     real = triton_moe.moe_gluon

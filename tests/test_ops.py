@@ -1,4 +1,5 @@
 """The FP8 ops: their pure-PyTorch definitions, the registered torch.library ops, opcheck."""
+
 import math
 
 import pytest
@@ -50,7 +51,7 @@ def test_weight_quant_uses_128x128_blocks_and_pads_a_partial_last_block(n):
     assert w_fp8.shape == (n, 256) and scale.shape == ((n + 127) // 128, 2)
     for i in range(scale.shape[0]):
         for j in range(2):
-            block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float()
+            block = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].float()
             assert scale[i, j] == block.abs().amax() / FP8_MAX
     assert calc_diff(ref.dequant_weight_block(w_fp8, scale), w) < 1e-3
 
@@ -65,8 +66,10 @@ def test_gemm_is_the_block_scaled_product_of_the_dequantized_operands():
     w_fp8, w_scale = fp8.quant_weight(randn(384, 256, scale=0.02))
     bias = randn(384)
     out = fp8.gemm(x_fp8, x_scale, w_fp8, w_scale, bias)
-    expected = (ref.dequant_act_block(x_fp8, x_scale).double() @ ref.dequant_weight_block(w_fp8, w_scale).double().T
-                + bias.double())
+    expected = (
+        ref.dequant_act_block(x_fp8, x_scale).double() @ ref.dequant_weight_block(w_fp8, w_scale).double().T
+        + bias.double()
+    )
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, expected.to(torch.bfloat16), rtol=0, atol=0)
 
@@ -89,7 +92,7 @@ def test_linear_rows_do_not_depend_on_the_batch():
     x, w = randn(300, 256), randn(256, 256, scale=0.02)
     full = fp8.linear(x, w)
     for i in (0, 17, 299):
-        assert torch.equal(full[i], fp8.linear(x[i:i + 1], w)[0])
+        assert torch.equal(full[i], fp8.linear(x[i : i + 1], w)[0])
 
 
 def test_linear_accepts_3d_activations():
@@ -151,8 +154,19 @@ def _op_samples():
         (fp8.linear.default, (randn(2, 3, 256), randn(256, 384), None, True, "reference", True)),
         (fp8.linear.default, (x, randn(256, 256), None, False, "reference", False, [randn(128, 256)])),  # w_next
         # q, k, v with biases, the last weight's N not a whole block
-        (fp8.linear.default, (x, randn(256, 256), randn(256), False, "reference", False,
-                              [randn(128, 256), randn(100, 256)], [randn(128), randn(100)])),
+        (
+            fp8.linear.default,
+            (
+                x,
+                randn(256, 256),
+                randn(256),
+                False,
+                "reference",
+                False,
+                [randn(128, 256), randn(100, 256)],
+                [randn(128), randn(100)],
+            ),
+        ),
     ]
 
 

@@ -1,5 +1,6 @@
 """The qkv fusion: linears that read one x (q, k and v above all) run as one FP8 GEMM over their
 weights stacked along N, its output sliced back; biases are stacked with them."""
+
 import os
 from pathlib import Path
 
@@ -43,8 +44,10 @@ def test_q_k_and_v_become_one_gemm_with_the_bits_of_three(bias, captured):
     (gemm,) = captured[0].ops(LINEAR)
     assert gemm.args[1].meta["val"].shape[0] == 256 + 128 + 128 and (gemm.args[3] is not None) == bias
     assert {(r.name, r.n, r.detail) for r in report.rewrites} == {
-        ("q_proj", 256, "one GEMM with k_proj, v_proj"), ("k_proj", 128, "one GEMM with q_proj, v_proj"),
-        ("v_proj", 128, "one GEMM with q_proj, k_proj")}
+        ("q_proj", 256, "one GEMM with k_proj, v_proj"),
+        ("k_proj", 128, "one GEMM with q_proj, v_proj"),
+        ("v_proj", 128, "one GEMM with q_proj, k_proj"),
+    }
     separate, _ = run(model, x.clone(), fusions=())
     # same activation quantization, same weight blocks (each N whole blocks): the same bits
     assert all(torch.equal(a, b) for a, b in zip(merged, separate))
@@ -62,8 +65,10 @@ def test_linears_that_stay_bf16_are_left_out_of_the_group():
     model = GroupedQuery(False)
     model.k_proj = nn.Linear(256, 100, bias=False)  # N = 100: not whole 128-row blocks, stays bf16
     _, report = run(model.to(BF16), randn(2, 9, 256))
-    assert {r.name: r.detail for r in report.rewrites} == {"q_proj": "one GEMM with v_proj",
-                                                           "v_proj": "one GEMM with q_proj"}
+    assert {r.name: r.detail for r in report.rewrites} == {
+        "q_proj": "one GEMM with v_proj",
+        "v_proj": "one GEMM with q_proj",
+    }
     assert [s.name for s in report.skipped("linear")] == ["k_proj"]
 
 
@@ -86,8 +91,11 @@ def test_stacked_weights_and_biases_are_made_while_compiling(weight_quantization
 
     calls = weight_quantizations
     real = weights._memoized
-    monkeypatch.setattr(weights, "_memoized", lambda sources, tag, make: real(
-        sources, tag, lambda: calls.append(f"made {tag[0]}") or make()))
+    monkeypatch.setattr(
+        weights,
+        "_memoized",
+        lambda sources, tag, make: real(sources, tag, lambda: calls.append(f"made {tag[0]}") or make()),
+    )
     compiled = torch.compile(GroupedQuery(True).to(BF16), backend="fp8")
     with torch.no_grad():
         for m in (9, 40):  # the compile and its call, then a call that compiles nothing

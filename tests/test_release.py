@@ -1,6 +1,7 @@
 """Fp8Config(release_bf16_weights=True): the compiled graphs read rewritten linears' FP8 copies
 only, so the bf16 weights' memory is given back; nothing is lost, and the eager model says what
 to do instead of reading freed memory."""
+
 import pytest
 import torch
 
@@ -28,8 +29,12 @@ def test_released_weights_give_the_same_numbers_through_recompiles_and_the_embed
     with torch.no_grad():
         expected = [kept(x) for x in (ids, ids[:, :3])]
         got = freed(ids)
-        rewritten = [model.mlp.gate_proj.weight, model.mlp.up_proj.weight, model.mlp.down_proj.weight,
-                     model.lm_head.weight]
+        rewritten = [
+            model.mlp.gate_proj.weight,
+            model.mlp.up_proj.weight,
+            model.mlp.down_proj.weight,
+            model.lm_head.weight,
+        ]
         assert all(release.is_released(w) and w.untyped_storage().nbytes() == 0 for w in rewritten)
         assert not release.is_released(model.embed.weight)  # the graph reads it in bf16
         got = [got, freed(ids[:, :3])]  # a new static shape: Dynamo traces again, the passes see released weights

@@ -1,5 +1,6 @@
 """The silu_mul fusion: down(silu(a) * b) becomes one fp8compile.gated_linear op that
 quantizes the fp32 product in the same pass (no bf16 product written, no second quantization)."""
+
 import pytest
 import torch
 from torch import nn
@@ -31,10 +32,18 @@ def compile_and_run(model, x, **options):
 MLP_BOUND = GATED_MLP
 
 
-@pytest.mark.parametrize("make_model, linears", [
-    (GatedMLP, 2), (SiLUModuleMLP, 2), (SigmoidMLP, 2),
-    (lambda: FusedGateUpMLP("chunk"), 1), (lambda: FusedGateUpMLP("split"), 1), (lambda: FusedGateUpMLP("slice"), 1),
-], ids=["F.silu", "nn.SiLU", "x*sigmoid(x)", "gate_up.chunk", "torch.split", "slicing"])
+@pytest.mark.parametrize(
+    "make_model, linears",
+    [
+        (GatedMLP, 2),
+        (SiLUModuleMLP, 2),
+        (SigmoidMLP, 2),
+        (lambda: FusedGateUpMLP("chunk"), 1),
+        (lambda: FusedGateUpMLP("split"), 1),
+        (lambda: FusedGateUpMLP("slice"), 1),
+    ],
+    ids=["F.silu", "nn.SiLU", "x*sigmoid(x)", "gate_up.chunk", "torch.split", "slicing"],
+)
 def test_each_way_of_writing_a_gated_mlp_fuses_into_one_op(make_model, linears, captured):
     out, eager, report = compile_and_run(make_model().to(BF16), randn(2, 37, 256))
     (g,) = captured
@@ -73,14 +82,18 @@ def test_down_projection_that_cannot_be_fp8_leaves_the_product_alone():
     _, _, report = compile_and_run(model.to(BF16), randn(2, 9, 256))
     assert report.counts()["silu_mul"] == 0
     assert {s.name: s.reason.split(" is ")[0] for s in report.skipped("linear")} == {
-        "gate": "N=200", "up": "N=200", "down": "K=200"}
+        "gate": "N=200",
+        "up": "N=200",
+        "down": "K=200",
+    }
 
 
 def test_e8m0_scales_of_the_fused_activation_are_powers_of_two(monkeypatch):
     scales = []
     real = reference.quant_act_block
-    monkeypatch.setattr(reference, "quant_act_block",
-                        lambda x, e8m0=False: (lambda q: scales.append(q[1]) or q)(real(x, e8m0)))
+    monkeypatch.setattr(
+        reference, "quant_act_block", lambda x, e8m0=False: (lambda q: scales.append(q[1]) or q)(real(x, e8m0))
+    )
     out, eager, report = compile_and_run(GatedMLP().to(BF16), randn(2, 37, 256), e8m0=True)
     assert report.counts()["silu_mul"] == 1 and len(scales) == 2  # x once (gate and up are one GEMM), the product once
     assert all(is_power_of_two(s) for s in scales)
@@ -100,8 +113,10 @@ def test_reference_op_is_the_fp8_linear_of_the_fp32_product(m):
 
 def test_opcheck_gated_linear():
     utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-    for args in [(randn(5, 256), randn(5, 256), randn(384, 256), randn(384), False),
-                 (randn(2, 3, 256), randn(2, 3, 256), randn(256, 384), None, True, "reference", True)]:
+    for args in [
+        (randn(5, 256), randn(5, 256), randn(384, 256), randn(384), False),
+        (randn(2, 3, 256), randn(2, 3, 256), randn(256, 384), None, True, "reference", True),
+    ]:
         torch.library.opcheck(torch.ops.fp8compile.gated_linear.default, args, test_utils=utils)
 
 
@@ -111,8 +126,9 @@ def test_opcheck_the_ops_the_passes_emit_on_fp8_weights():
     utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     w_fp8, w_scale = reference.quant_weight_block(randn(384, 256, scale=0.05))
     torch.library.opcheck(LINEAR, (randn(2, 3, 256), w_fp8, w_scale, randn(384), False), test_utils=utils)
-    torch.library.opcheck(FUSED, (randn(5, 256), randn(5, 256), w_fp8, w_scale, None, True, "reference", "swigluoai"),
-                          test_utils=utils)
+    torch.library.opcheck(
+        FUSED, (randn(5, 256), randn(5, 256), w_fp8, w_scale, None, True, "reference", "swigluoai"), test_utils=utils
+    )
     out = torch.ops.fp8compile.gated_qlinear(*(a := randn(5, 256), b := randn(5, 256)), w_fp8, w_scale)
     assert torch.equal(out, reference.gated_linear_block(a, b, w_fp8, w_scale))
 
@@ -158,8 +174,20 @@ def test_swigluoai_reference_is_gpt_oss_apply_gate():
 
 def test_opcheck_gated_linear_swigluoai():
     gate_up = randn(4, 512)
-    args = (gate_up[:, ::2], gate_up[:, 1::2], randn(256, 256), randn(256), False, "reference", False, "swigluoai",
-            1.702, 7.0)
-    torch.library.opcheck(torch.ops.fp8compile.gated_linear.default, args,
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
-                                      "test_aot_dispatch_dynamic"))
+    args = (
+        gate_up[:, ::2],
+        gate_up[:, 1::2],
+        randn(256, 256),
+        randn(256),
+        False,
+        "reference",
+        False,
+        "swigluoai",
+        1.702,
+        7.0,
+    )
+    torch.library.opcheck(
+        torch.ops.fp8compile.gated_linear.default,
+        args,
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )

@@ -1,5 +1,6 @@
 """passes/trace.py: a function traced as AOTAutograd traces for Inductor and copied into a graph
 after it, once per call signature."""
+
 import os
 from pathlib import Path
 
@@ -65,7 +66,6 @@ def test_call_sites_of_one_signature_are_traced_once_and_copied_with_their_own_f
     assert torch.equal(a, fn(x_real)) and torch.equal(b, fn(x_real * 2))
 
 
-
 @pytest.mark.parametrize("change", ["key", "strides", "dtype"])
 def test_a_call_site_that_differs_in_a_constant_or_its_inputs_layout_is_traced_again(change):
     graph, x, y = _graph_over_a_dynamic_m()
@@ -109,11 +109,14 @@ def _traced_op_guards(op_call, hint: int, fixed: dict):
 
     def fake(shape, dtype, dynamic):
         dims = [DimDynamic.DYNAMIC if dynamic and i == 0 else DimDynamic.STATIC for i in range(len(shape))]
-        return mode.from_tensor(torch.empty(shape, dtype=dtype),
-                                symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
+        return mode.from_tensor(
+            torch.empty(shape, dtype=dtype), symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims)
+        )
 
-    inputs = [fake((hint, *shape[1:]) if shape[0] == "M" else shape, dtype, shape[0] == "M")
-              for shape, dtype in fixed.values()]
+    inputs = [
+        fake((hint, *shape[1:]) if shape[0] == "M" else shape, dtype, shape[0] == "M")
+        for shape, dtype in fixed.values()
+    ]
     symbols = {t.shape[0].node.expr for t in inputs if isinstance(t.shape[0], torch.SymInt)}
     trace._trace(op_call, inputs)
     return [guard.expr for guard in mode.shape_env.guards], symbols
@@ -121,10 +124,15 @@ def _traced_op_guards(op_call, hint: int, fixed: dict):
 
 E, TOP_K, H, INTER = 16, 4, 512, 256
 FP8 = torch.float8_e4m3fn
-MOE_INPUTS = {"x": (("M", H), torch.bfloat16), "topk_ids": (("M", TOP_K), torch.int32),
-              "topk_weights": (("M", TOP_K), torch.float32), "w13": ((E, 2 * INTER, H), FP8),
-              "s13": ((E, 2 * INTER // 128, H // 128), torch.float32), "w2": ((E, H, INTER), FP8),
-              "s2": ((E, H // 128, INTER // 128), torch.float32)}
+MOE_INPUTS = {
+    "x": (("M", H), torch.bfloat16),
+    "topk_ids": (("M", TOP_K), torch.int32),
+    "topk_weights": (("M", TOP_K), torch.float32),
+    "w13": ((E, 2 * INTER, H), FP8),
+    "s13": ((E, 2 * INTER // 128, H // 128), torch.float32),
+    "w2": ((E, H, INTER), FP8),
+    "s2": ((E, H // 128, INTER // 128), torch.float32),
+}
 LINEAR_INPUTS = {"x": (("M", H), torch.bfloat16), "w": ((384, H), FP8), "s": ((3, H // 128), torch.float32)}
 
 
@@ -136,8 +144,12 @@ def _traced_ops():
     ops = torch.ops.fp8compile
     least = moe_gluon_op.min_tokens(E, TOP_K)
     return [
-        ("moe_gluon", lambda *v: ops.moe_gluon(*v, None, None, False, tokens_from=least), MOE_INPUTS,
-         range(least, 8 * least)),
+        (
+            "moe_gluon",
+            lambda *v: ops.moe_gluon(*v, None, None, False, tokens_from=least),
+            MOE_INPUTS,
+            range(least, 8 * least),
+        ),
         ("moe_decode", lambda *v: ops.moe_decode(*v, None, None, False, max_tokens=16), MOE_INPUTS, range(2, 17)),
         ("linear_decode", lambda *v: ops.linear_decode(*v, None, False, max_m=16), LINEAR_INPUTS, range(2, 17)),
         ("linear_scaled_mm", lambda *v: ops.linear_scaled_mm(*v), LINEAR_INPUTS, range(17, 5000)),
@@ -173,8 +185,14 @@ def test_a_traced_op_adds_no_guard_that_a_token_count_of_its_side_fails():
     pytest.importorskip("triton")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     script = "import json; from tests.test_trace import failing_guards; print(json.dumps(failing_guards()))"
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
-                            cwd=Path(__file__).resolve().parent.parent)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     failing = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(failing) == {"moe_gluon", "moe_decode", "linear_decode", "linear_scaled_mm"}

@@ -1,5 +1,6 @@
 """Our Triton kernels against their pure-PyTorch twins: on the GPU at real sizes, on the CPU in
 Triton's interpreter at small sizes (with interpreter-safe inputs, see fp8_exact_activation)."""
+
 import pytest
 import torch
 
@@ -110,9 +111,12 @@ def test_tma_loads_only_while_capturing_a_cuda_graph_with_the_same_bits_as_eager
     w_fp8, w_scale = reference.quant_weight_block(randn(384, 256, scale=0.02, device=DEVICE))
 
     def kernels():
-        return (triton_gemm.linear_small_m(x, w_fp8, w_scale), triton_gemm.gated_linear_small_m(x, b, w_fp8, w_scale),
-                triton_gemm.gemm_large_m(x_fp8[:3], x_scale[:3], w_fp8, w_scale),
-                triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale))
+        return (
+            triton_gemm.linear_small_m(x, w_fp8, w_scale),
+            triton_gemm.gated_linear_small_m(x, b, w_fp8, w_scale),
+            triton_gemm.gemm_large_m(x_fp8[:3], x_scale[:3], w_fp8, w_scale),
+            triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale),
+        )
 
     assert not triton_gemm.tma_pays_off(x.device)
     eager = kernels()
@@ -256,8 +260,13 @@ def test_dependent_launches_see_their_predecessors_output(m, monkeypatch):
     if not triton_gemm.pdl_supported(torch.device(DEVICE)):
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     monkeypatch.setattr(triton_gemm, "USE_PDL", True)  # the default; a test must not depend on it
-    layers = [(reference.quant_weight_block(randn(2 * 1536, 512, scale=0.02, device=DEVICE)),
-               reference.quant_weight_block(randn(512, 1536, scale=0.02, device=DEVICE))) for _ in range(6)]
+    layers = [
+        (
+            reference.quant_weight_block(randn(2 * 1536, 512, scale=0.02, device=DEVICE)),
+            reference.quant_weight_block(randn(512, 1536, scale=0.02, device=DEVICE)),
+        )
+        for _ in range(6)
+    ]
 
     def chain(x, pdl, prefetch=triton_gemm.SMALL_M_PDL_PREFETCH):
         for w13, w2 in layers:
@@ -331,8 +340,12 @@ def test_fused_silu_mul_quantization_equals_quantizing_the_fp32_product(m, e8m0)
     fused_fp8, fused_scale = triton_quant.quant_act(a, e8m0, "row", b=b)
     plain_fp8, plain_scale = triton_quant.quant_act(h, e8m0, "row")
     torch.testing.assert_close(fused_scale, plain_scale, rtol=1e-6, atol=0)
-    assert calc_diff(reference.dequant_act_block(fused_fp8, fused_scale),
-                     reference.dequant_act_block(plain_fp8, plain_scale)) < 1e-6
+    assert (
+        calc_diff(
+            reference.dequant_act_block(fused_fp8, fused_scale), reference.dequant_act_block(plain_fp8, plain_scale)
+        )
+        < 1e-6
+    )
 
 
 @pytest.mark.parametrize("m", [1, 16, 40])
@@ -364,8 +377,12 @@ def test_swigluoai_on_interleaved_halves_equals_the_plain_kernels_on_the_fp32_pr
     fused_fp8, fused_scale = triton_quant.quant_act(a, b=b, activation="swigluoai")
     plain_fp8, plain_scale = triton_quant.quant_act(h)
     torch.testing.assert_close(fused_scale, plain_scale, rtol=1e-6, atol=0)
-    assert calc_diff(reference.dequant_act_block(fused_fp8, fused_scale),
-                     reference.dequant_act_block(plain_fp8, plain_scale)) < 1e-6
+    assert (
+        calc_diff(
+            reference.dequant_act_block(fused_fp8, fused_scale), reference.dequant_act_block(plain_fp8, plain_scale)
+        )
+        < 1e-6
+    )
     w_fp8, w_scale = reference.quant_weight_block(randn(128, 256, scale=0.02, device=DEVICE))
     fused = triton_gemm.gated_linear_small_m(a, b, w_fp8, w_scale, activation="swigluoai")
     plain = triton_gemm.linear_small_m(h, w_fp8, w_scale)

@@ -9,6 +9,7 @@
 - mode="reduce-overhead" at dynamic=True leaves no CPU tensor input (the Python floats Dynamo
   passes as 0-d CPU tensors are specialized, with a guard: a changed one recompiles).
 """
+
 import pytest
 import torch
 from torch import nn
@@ -56,8 +57,11 @@ def _stale_meta(gm: torch.fx.GraphModule, fake_mode) -> list[str]:
             for branch in node.args[1:3]:
                 sub = getattr(gm, branch.target)
                 inputs = [p.meta["val"] for p in sub.graph.find_nodes(op="placeholder")]
-                stale += [f"{branch.target}: {i}" for i, (want, got) in enumerate(zip(inputs, args[3]))
-                          if not _same_layout(want, got)]
+                stale += [
+                    f"{branch.target}: {i}"
+                    for i, (want, got) in enumerate(zip(inputs, args[3]))
+                    if not _same_layout(want, got)
+                ]
                 stale += _stale_meta(sub, fake_mode)
             continue
         if "val" not in node.meta or not hasattr(node.target, "_schema"):
@@ -120,8 +124,16 @@ def test_gate_up_halves_carry_their_row_stride_into_the_down_projections_branche
 
 
 def _generate(model, ids, steps, **kwargs):
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
-                         cache_implementation="static", output_logits=True, return_dict_in_generate=True, **kwargs)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=steps,
+        do_sample=False,
+        cache_implementation="static",
+        output_logits=True,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
     return out.sequences, out.logits
 
 
@@ -171,8 +183,9 @@ def test_reduce_overhead_specializes_python_float_inputs_and_recompiles_when_one
         # tensors; under CUDA graphs a CPU input, used or not, breaks them: none is left
         inputs = [p.meta["val"] for p in captured[0].after.graph.find_nodes(op="placeholder")]
         assert not [v for v in inputs if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dim() == 0]
-        assert torch.equal(out, torch.compile(model, backend=fp8compile.backend(), dynamic=True)(
-            ids, use_cache=False).logits)
+        assert torch.equal(
+            out, torch.compile(model, backend=fp8compile.backend(), dynamic=True)(ids, use_cache=False).logits
+        )
         compiles = backend.compiles
         model.model.layers[0].input_layernorm.variance_epsilon = 1e-1  # guarded: a new value recompiles
         changed = compiled(ids, use_cache=False).logits
@@ -183,8 +196,17 @@ def test_reduce_overhead_specializes_python_float_inputs_and_recompiles_when_one
 def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path):
     from fp8compile.bench.model import bench_model, model_table
 
-    rows = bench_model(tmp_path, models=["tiny-llama"], batches=[2], context=4, steps=2, prefill=8,
-                       variants=["bf16", "bf16_gqa_ro", "fp8", "fp8_ro", "fp8_ro_release"], device="cpu", profile=True)
+    rows = bench_model(
+        tmp_path,
+        models=["tiny-llama"],
+        batches=[2],
+        context=4,
+        steps=2,
+        prefill=8,
+        variants=["bf16", "bf16_gqa_ro", "fp8", "fp8_ro", "fp8_ro_release"],
+        device="cpu",
+        profile=True,
+    )
     decode = {r["variant"]: r for r in rows if r["kind"] == "decode"}
     # fp8_ro_release: the user's own compile of model.forward (the prompt through the graphs too),
     # with the bf16 weights released, then restored for what follows
@@ -203,16 +225,29 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path):
 def test_bench_model_splits_gpu_time_by_kernel_kind_attention_and_experts_before_gemm_names():
     from fp8compile.bench.model import kernel_kind
 
-    kinds = {name: kernel_kind(name) for name in (
-        "nvjet_tst_128x64_64x4_1x1_v_bz_coopA_TNT", "_linear_small_m_kernel", "_quant_act_kernel",
-        "fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "pytorch_flash::flash_fwd_kernel",
-        "triton_red_fused_add_mean_mul_pow_rsqrt_0", "_moe_gemm_kernel",
-        "cutlass::Kernel2<cutlass_sm90_grouped_gemm_bf16>")}
-    assert kinds == {"nvjet_tst_128x64_64x4_1x1_v_bz_coopA_TNT": "linear", "_linear_small_m_kernel": "linear",
-                     "_quant_act_kernel": "linear", "fmha_cutlassF_bf16_aligned_64x128_rf_sm80": "attention",
-                     "pytorch_flash::flash_fwd_kernel": "attention",
-                     "triton_red_fused_add_mean_mul_pow_rsqrt_0": "other", "_moe_gemm_kernel": "moe",
-                     "cutlass::Kernel2<cutlass_sm90_grouped_gemm_bf16>": "moe"}
+    kinds = {
+        name: kernel_kind(name)
+        for name in (
+            "nvjet_tst_128x64_64x4_1x1_v_bz_coopA_TNT",
+            "_linear_small_m_kernel",
+            "_quant_act_kernel",
+            "fmha_cutlassF_bf16_aligned_64x128_rf_sm80",
+            "pytorch_flash::flash_fwd_kernel",
+            "triton_red_fused_add_mean_mul_pow_rsqrt_0",
+            "_moe_gemm_kernel",
+            "cutlass::Kernel2<cutlass_sm90_grouped_gemm_bf16>",
+        )
+    }
+    assert kinds == {
+        "nvjet_tst_128x64_64x4_1x1_v_bz_coopA_TNT": "linear",
+        "_linear_small_m_kernel": "linear",
+        "_quant_act_kernel": "linear",
+        "fmha_cutlassF_bf16_aligned_64x128_rf_sm80": "attention",
+        "pytorch_flash::flash_fwd_kernel": "attention",
+        "triton_red_fused_add_mean_mul_pow_rsqrt_0": "other",
+        "_moe_gemm_kernel": "moe",
+        "cutlass::Kernel2<cutlass_sm90_grouped_gemm_bf16>": "moe",
+    }
 
 
 def test_the_report_names_the_model_input_that_keeps_a_graph_from_cuda_graphs():
@@ -222,11 +257,17 @@ def test_the_report_names_the_model_input_that_keeps_a_graph_from_cuda_graphs():
         device_types = {"cuda"}
         disabled_cudagraphs_reason = "skipping cudagraphs due to cpu device (arg3_1)"
 
-    state = _cuda_graph_state(True, False, Compiled(), "reduce-overhead",
-                              {"arg3_1": "model.layers.0.input_layernorm.variance_epsilon",
-                               "arg13_1": "lm_head.weight"})
-    assert state == ("off: Inductor skipped them: skipping cudagraphs due to cpu device "
-                     "(arg3_1 = model.layers.0.input_layernorm.variance_epsilon)")
+    state = _cuda_graph_state(
+        True,
+        False,
+        Compiled(),
+        "reduce-overhead",
+        {"arg3_1": "model.layers.0.input_layernorm.variance_epsilon", "arg13_1": "lm_head.weight"},
+    )
+    assert state == (
+        "off: Inductor skipped them: skipping cudagraphs due to cpu device "
+        "(arg3_1 = model.layers.0.input_layernorm.variance_epsilon)"
+    )
 
 
 def test_the_report_says_how_to_keep_transformers_static_cache_counter_off_the_cpu():
@@ -236,8 +277,9 @@ def test_the_report_says_how_to_keep_transformers_static_cache_counter_off_the_c
         device_types = {"cuda"}
         disabled_cudagraphs_reason = "skipping cudagraphs due to cpu device (arg5_1)"
 
-    state = _cuda_graph_state(True, False, Compiled(), "reduce-overhead",
-                              {"arg5_1": "past_key_values.layers.0.cumulative_length"})
+    state = _cuda_graph_state(
+        True, False, Compiled(), "reduce-overhead", {"arg5_1": "past_key_values.layers.0.cumulative_length"}
+    )
     assert "(arg5_1 = past_key_values.layers.0.cumulative_length)" in state
     assert "early_initialization" in state and "past_key_values" in state.split("(transformers'")[1]
     Compiled.disabled_cudagraphs_reason = "skipping cudagraphs due to cpu device (arg3_1)"
@@ -253,12 +295,14 @@ def test_bench_model_static_cache_is_made_before_the_first_call_and_marked_stati
     layer = cache.layers[0]
     assert layer.is_initialized and layer.keys.shape == (3, 2, 20, 64)
     # Dynamo takes tensors marked here as static addresses: CUDA graphs need not copy them per call
-    assert all(getattr(t, "_dynamo_static_input_type", None) for t in (layer.keys, layer.values,
-                                                                        layer.cumulative_length))
+    assert all(
+        getattr(t, "_dynamo_static_input_type", None) for t in (layer.keys, layer.values, layer.cumulative_length)
+    )
 
 
 def test_generate_with_a_cache_made_before_the_call_builds_the_m_dispatch_when_dynamo_passes_the_batch_twice(
-        ranged_references):
+    ranged_references,
+):
     # A user's own compile of model.forward, with the StaticCache made and initialized before
     # generate() (how CUDA graphs stay on, bench.model.static_cache): Dynamo passes the batch
     # symbol twice, once for the token ids and once for the cache tensors marked as static
@@ -277,8 +321,14 @@ def test_generate_with_a_cache_made_before_the_call_builds_the_m_dispatch_when_d
 
             def generate():
                 cache.reset()
-                return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                                      past_key_values=cache, disable_compile=True)
+                return model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=8,
+                    do_sample=False,
+                    past_key_values=cache,
+                    disable_compile=True,
+                )
 
             first = generate()
             warm = backend.compiles

@@ -7,6 +7,7 @@ our kernels' tiles. harness.py is the kernel benches' timing (CUDA-graph replay,
 L2); output.py what they all write (JSON with its table, plots, host profiles). Vendor
 libraries and triton are imported by the benchmark that uses them, never here.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,9 +23,18 @@ def main(args) -> int:
     if args.what == "model":
         from .model import bench_model
 
-        bench_model(out, models=args.model, layers=args.layers, batches=args.batch, context=args.context,
-                    steps=args.steps, prefill=args.prefill, variants=args.variant, device=args.device,
-                    profile=args.profile)
+        bench_model(
+            out,
+            models=args.model,
+            layers=args.layers,
+            batches=args.batch,
+            context=args.context,
+            steps=args.steps,
+            prefill=args.prefill,
+            variants=args.variant,
+            device=args.device,
+            profile=args.profile,
+        )
     else:
         if not torch.cuda.is_available():
             raise SystemExit(f"bench {args.what} needs a CUDA GPU")
@@ -43,8 +53,11 @@ def main(args) -> int:
         elif args.what == "moe":
             from . import moe
 
-            moe.bench_moe(out, tokens=args.m or moe.MOE_TOKENS,
-                          layers={k: moe.MOE_LAYERS[k] for k in (args.layer or moe.MOE_LAYERS)})
+            moe.bench_moe(
+                out,
+                tokens=args.m or moe.MOE_TOKENS,
+                layers={k: moe.MOE_LAYERS[k] for k in (args.layer or moe.MOE_LAYERS)},
+            )
         else:
             from .tune import tune
 

@@ -2,6 +2,7 @@
 bf16 cuBLAS, cuBLAS FP8, DeepGEMM and FlashInfer, over shapes x M. Inputs are pre-quantized for
 cuBLAS FP8, DeepGEMM and our Triton GEMM (GEMM alone); FlashInfer, triton_small_m and
 fp8compile (the compiled nn.Linear) take bf16 and quantize themselves. Times: harness.py."""
+
 from __future__ import annotations
 
 import json
@@ -51,19 +52,26 @@ class _Shape:
         x_fp8, x_scale_tma = triton_quant.quant_act(x, layout="mn_major")
         _, x_scale_col = triton_quant.quant_act(x, layout="col")
         out = torch.empty(m, self.n, device="cuda", dtype=torch.bfloat16)
-        v = {"bf16": [lambda w=w: torch.nn.functional.linear(x, w) for w in self.w16[:self.r16]]}
-        v["cublas_fp8"] = [lambda q=q: torch._scaled_mm(x_fp8, q[0].t(), scale_a=x_scale_col, scale_b=q[1].t(),
-                                                         out_dtype=torch.bfloat16) for q in self.w8]
+        v = {"bf16": [lambda w=w: torch.nn.functional.linear(x, w) for w in self.w16[: self.r16]]}
+        v["cublas_fp8"] = [
+            lambda q=q: torch._scaled_mm(
+                x_fp8, q[0].t(), scale_a=x_scale_col, scale_b=q[1].t(), out_dtype=torch.bfloat16
+            )
+            for q in self.w8
+        ]
         if vendors.import_error("deep_gemm") is None:
             import deep_gemm
 
-            v["deep_gemm"] = [lambda q=q: deep_gemm.fp8_gemm_nt((x_fp8, x_scale_tma), q, out, disable_ue8m0_cast=True)
-                              for q in self.w8]
+            v["deep_gemm"] = [
+                lambda q=q: deep_gemm.fp8_gemm_nt((x_fp8, x_scale_tma), q, out, disable_ue8m0_cast=True)
+                for q in self.w8
+            ]
         if vendors.import_error("flashinfer") is None:
             from flashinfer.gemm import fp8_blockscale_gemm_sm90
 
-            v["flashinfer"] = [lambda q=q: fp8_blockscale_gemm_sm90(x, q[0], None, q[1], out_dtype=torch.bfloat16)
-                               for q in self.w8]
+            v["flashinfer"] = [
+                lambda q=q: fp8_blockscale_gemm_sm90(x, q[0], None, q[1], out_dtype=torch.bfloat16) for q in self.w8
+            ]
         if m <= triton_gemm.SMALL_M_MAX:
             v["triton_small_m"] = [lambda q=q: triton_gemm.linear_small_m(x, *q) for q in self.w8]
         if m >= 128:
@@ -88,10 +96,18 @@ def bench_gemm(out_dir: Path, shapes=SHAPES, ms=MS, skip=()) -> list[dict]:
                     if name in skip:
                         continue
                     us = harness.time_us(fns)
-                    rows.append(dict(device=device, n=n, k=k, m=m, variant=name, us=us,
-                                     tflops=None if us is None else 2 * m * n * k / us / 1e6,
-                                     weight_tbps=None if us is None
-                                     else n * k * (2 if name == "bf16" else 1) / us / 1e6))
+                    rows.append(
+                        dict(
+                            device=device,
+                            n=n,
+                            k=k,
+                            m=m,
+                            variant=name,
+                            us=us,
+                            tflops=None if us is None else 2 * m * n * k / us / 1e6,
+                            weight_tbps=None if us is None else n * k * (2 if name == "bf16" else 1) / us / 1e6,
+                        )
+                    )
                 progress.update()
             del shape
             torch.cuda.empty_cache()
@@ -104,13 +120,24 @@ def bench_gemm(out_dir: Path, shapes=SHAPES, ms=MS, skip=()) -> list[dict]:
 
 def gemm_table(rows: list[dict]) -> str:
     by = {(r["n"], r["k"], r["m"], r["variant"]): r["us"] for r in rows}
-    names = ["bf16", "cublas_fp8", "deep_gemm", "flashinfer", "triton_small_m", "triton_gemm", "fp8compile",
-             "fp8compile_tuned"]
+    names = [
+        "bf16",
+        "cublas_fp8",
+        "deep_gemm",
+        "flashinfer",
+        "triton_small_m",
+        "triton_gemm",
+        "fp8compile",
+        "fp8compile_tuned",
+    ]
     width = {name: max(11, len(name)) for name in names}
-    head = (f"{'N':>6} {'K':>6} {'M':>5} " + " ".join(f"{n:>{width[n]}}" for n in names)
-            + "   ours/bf16 ours/best_anchor tri/dg tuned/bf16")
+    head = (
+        f"{'N':>6} {'K':>6} {'M':>5} "
+        + " ".join(f"{n:>{width[n]}}" for n in names)
+        + "   ours/bf16 ours/best_anchor tri/dg tuned/bf16"
+    )
     lines = ["times in us (CUDA-graph replay, median); ratios are speedups (>1 = ours faster)", head]
-    for (n, k, m) in sorted({(r["n"], r["k"], r["m"]) for r in rows}):
+    for n, k, m in sorted({(r["n"], r["k"], r["m"]) for r in rows}):
         t = {name: by.get((n, k, m, name)) for name in names}
         cells = " ".join(f"{t[x]:>{width[x]}.1f}" if t[x] else f"{'-':>{width[x]}}" for x in names)
         anchors = [t[a] for a in ANCHORS if t[a]]

@@ -5,6 +5,7 @@ median), so launch overhead does not hide the kernels, as in a decode loop under
 Each graph runs the variant over R copies of the weights whose total is >= 4x the L2 cache:
 every call streams its weights from HBM, as in a real model. Times are per call, in us.
 """
+
 from __future__ import annotations
 
 import math

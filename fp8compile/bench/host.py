@@ -20,6 +20,7 @@ With chain=L the four compiled variants run L linears (of different weights) in 
 the times are per linear: the graph's own call cost spread over L, as in a model's layer.
 Writes cProfiles of fp8compile and fp8_inductor_launch per M (host_profile[_decode]_m{M}.txt) beside the JSON.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,9 @@ class _DecodeChain(torch.nn.Module):
 
     def forward(self, x):
         for i in range(self.layers):
-            x = torch.ops.fp8compile.linear_decode(x, getattr(self, f"w_fp8_{i}"), getattr(self, f"w_scale_{i}"),
-                                                   max_m=self.max_m)
+            x = torch.ops.fp8compile.linear_decode(
+                x, getattr(self, f"w_fp8_{i}"), getattr(self, f"w_scale_{i}"), max_m=self.max_m
+            )
         return x
 
 
@@ -109,8 +111,9 @@ def bench_host(out_dir: Path, ms=(1, 16), n: int = 4096, k: int = 4096, calls: i
                 per = chain if name in compiled else 1
                 rows.append(dict(m=m, n=n, k=k, chain=per, variant=name, host_us=host / per, wall_us=wall / per))
             out = decode(x).float()
-            rows.append(dict(m=m, variant="fp8_inductor_launch_vs_fp8compile_calc_diff",
-                             value=calc_diff(out, fp8(x).float())))
+            rows.append(
+                dict(m=m, variant="fp8_inductor_launch_vs_fp8compile_calc_diff", value=calc_diff(out, fp8(x).float()))
+            )
             relaunched = launcher.relaunch and bool(launcher.compiled)
             launcher.relaunch = False
             try:
@@ -122,13 +125,17 @@ def bench_host(out_dir: Path, ms=(1, 16), n: int = 4096, k: int = 4096, calls: i
             profiled(lambda: [fp8(x) for _ in range(100)], out_dir / f"host_profile_m{m}.txt", lines=25)
             profiled(lambda: [decode(x) for _ in range(100)], out_dir / f"host_profile_decode_m{m}.txt", lines=25)
     (out_dir / "bench_host.json").write_text(json.dumps(rows, indent=1))
-    print(f"host cost of one linear N={n} K={k} on {torch.cuda.get_device_name(device)} ({calls} calls enqueued, "
-          f"then one sync; compiled variants: a chain of {chain} linears, per linear): us per call")
+    print(
+        f"host cost of one linear N={n} K={k} on {torch.cuda.get_device_name(device)} ({calls} calls enqueued, "
+        f"then one sync; compiled variants: a chain of {chain} linears, per linear): us per call"
+    )
     print(f"{'variant':<20}" + "".join(f"{'M=' + str(m) + ' host':>14}{'wall':>8}" for m in ms))
     for name in dict.fromkeys(r["variant"] for r in rows if "host_us" in r):
         cells = "".join(f"{r['host_us']:>14.1f}{r['wall_us']:>8.1f}" for r in rows if r["variant"] == name)
         print(f"{name:<20}{cells}")
     print("direct relaunch taken:", [r["value"] for r in rows if r["variant"] == "direct_relaunch_used"])
-    print("fp8_inductor_launch against fp8compile, calc_diff:",
-          [r["value"] for r in rows if r["variant"].endswith("calc_diff")])
+    print(
+        "fp8_inductor_launch against fp8compile, calc_diff:",
+        [r["value"] for r in rows if r["variant"].endswith("calc_diff")],
+    )
     return rows

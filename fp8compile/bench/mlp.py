@@ -1,5 +1,6 @@
 """`python -m fp8compile bench mlp`: the gated MLP, bf16 Inductor against the fp8 backend with
 and without its fusions. Times: harness.py."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,18 +28,35 @@ def bench_mlp(out_dir: Path, ms=MLP_MS, mlps=MLPS, device: str = "cuda") -> list
 
     rows = []
     device_name = torch.cuda.get_device_name(0) if device == "cuda" else device
-    backends = {"bf16_inductor": "inductor", "fp8_unfused": fp8compile.backend(fusions=()),
-                "fp8_gate_up_apart": fp8compile.backend(fusions=("silu_mul",)), "fp8": fp8compile.backend()}
+    backends = {
+        "bf16_inductor": "inductor",
+        "fp8_unfused": fp8compile.backend(fusions=()),
+        "fp8_gate_up_apart": fp8compile.backend(fusions=("silu_mul",)),
+        "fp8": fp8compile.backend(),
+    }
     with torch.no_grad():
         for model_name, (hidden, inter) in tqdm(mlps.items(), desc="bench mlp"):
-            copies = [GatedMLP(hidden, inter).to(device, torch.bfloat16)
-                      for _ in range(harness.copies(3 * hidden * inter))]
+            copies = [
+                GatedMLP(hidden, inter).to(device, torch.bfloat16) for _ in range(harness.copies(3 * hidden * inter))
+            ]
             inputs = [(m, torch.randn(m, hidden, device=device, dtype=torch.bfloat16)) for m in ms]
             rows += harness.variant_rows(
-                lambda v: [torch.compile(c, backend=backends[v]) for c in copies], backends, inputs,
-                lambda v, m, us: dict(device=device_name, model=model_name, hidden=hidden, inter=inter, m=m, variant=v,
-                                      us=us, weight_tbps=None if us is None else
-                                      3 * hidden * inter * (2 if v == "bf16_inductor" else 1) / us / 1e6))
+                lambda v: [torch.compile(c, backend=backends[v]) for c in copies],
+                backends,
+                inputs,
+                lambda v, m, us: dict(
+                    device=device_name,
+                    model=model_name,
+                    hidden=hidden,
+                    inter=inter,
+                    m=m,
+                    variant=v,
+                    us=us,
+                    weight_tbps=None
+                    if us is None
+                    else 3 * hidden * inter * (2 if v == "bf16_inductor" else 1) / us / 1e6,
+                ),
+            )
             copies = None  # free this model before the next
             torch.cuda.empty_cache()
     return save(out_dir, "bench_mlp.json", rows, mlp_table)
@@ -49,13 +67,18 @@ MLP_COLUMNS = ("bf16_inductor", "fp8_unfused", "fp8_gate_up_apart", "fp8")
 
 def mlp_table(rows: list[dict]) -> str:
     by = {(r["model"], r["m"], r["variant"]): r["us"] for r in rows}
-    lines = ["times in us (CUDA-graph replay, median); ratios are speedups of fp8 (>1 = fp8 faster)",
-             f"{'model':<12} {'M':>5} " + " ".join(f"{v:>17}" for v in MLP_COLUMNS)
-             + "  vs_bf16 vs_unfused vs_gate_up_apart"]
+    lines = [
+        "times in us (CUDA-graph replay, median); ratios are speedups of fp8 (>1 = fp8 faster)",
+        f"{'model':<12} {'M':>5} "
+        + " ".join(f"{v:>17}" for v in MLP_COLUMNS)
+        + "  vs_bf16 vs_unfused vs_gate_up_apart",
+    ]
     for model, m in sorted({(r["model"], r["m"]) for r in rows}, key=lambda t: (t[0], t[1])):
         t = {v: by.get((model, m, v)) for v in MLP_COLUMNS}
         cells = " ".join(f"{t[v]:>17.1f}" if t[v] else f"{'-':>17}" for v in MLP_COLUMNS)
-        ratios = " ".join(f"{t[v] / t['fp8']:>{w}.2f}" if t["fp8"] and t[v] else f"{'-':>{w}}"
-                          for v, w in (("bf16_inductor", 8), ("fp8_unfused", 10), ("fp8_gate_up_apart", 16)))
+        ratios = " ".join(
+            f"{t[v] / t['fp8']:>{w}.2f}" if t["fp8"] and t[v] else f"{'-':>{w}}"
+            for v, w in (("bf16_inductor", 8), ("fp8_unfused", 10), ("fp8_gate_up_apart", 16))
+        )
         lines.append(f"{model:<12} {m:>5} {cells}  {ratios}")
     return "\n".join(lines)

@@ -28,6 +28,7 @@ bf16 eager, in calc_diff; for dense models beside the unfused FP8 composition (e
 run by the reference block-FP8 linear, eagerly), which is the bound the compiled FP8 model
 answers to.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,27 +49,85 @@ from .output import profiled, pyplot
 # name -> (transformers model class, config class, config fields). Real widths; layer counts of
 # the released models (cut with --layers).
 MODELS = {
-    "llama-3-8b": ("LlamaForCausalLM", "LlamaConfig", dict(
-        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-        vocab_size=128256, num_hidden_layers=32, rope_theta=500000.0, max_position_embeddings=8192)),
-    "qwen2.5-7b": ("Qwen2ForCausalLM", "Qwen2Config", dict(
-        hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
-        vocab_size=152064, num_hidden_layers=28, rope_theta=1000000.0, max_position_embeddings=32768)),
-    "qwen3-30b-a3b": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
-        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-        num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-        vocab_size=151936, num_hidden_layers=48, max_position_embeddings=32768)),
+    "llama-3-8b": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            num_hidden_layers=32,
+            rope_theta=500000.0,
+            max_position_embeddings=8192,
+        ),
+    ),
+    "qwen2.5-7b": (
+        "Qwen2ForCausalLM",
+        "Qwen2Config",
+        dict(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            vocab_size=152064,
+            num_hidden_layers=28,
+            rope_theta=1000000.0,
+            max_position_embeddings=32768,
+        ),
+    ),
+    "qwen3-30b-a3b": (
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            vocab_size=151936,
+            num_hidden_layers=48,
+            max_position_embeddings=32768,
+        ),
+    ),
     # the CPU plumbing test's model
-    "tiny-llama": ("LlamaForCausalLM", "LlamaConfig", dict(
-        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=1024, num_hidden_layers=2, max_position_embeddings=512)),
+    "tiny-llama": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(
+            hidden_size=256,
+            intermediate_size=512,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1024,
+            num_hidden_layers=2,
+            max_position_embeddings=512,
+        ),
+    ),
 }
 # fp8_op_launch: fp8 with Fp8Config(inductor_launch=False), the decode kernel behind our op (for an A/B).
 # bf16_gqa(_ro): bf16 Inductor plus our gqa_attention pass alone (every linear left bf16), the
 # anchor that tells FP8's share of a speedup from the attention rewrite's; fp8_ro_repeat_kv: fp8
 # without that pass.
-VARIANTS = ("bf16", "bf16_inductor", "bf16_inductor_ro", "bf16_gqa", "bf16_gqa_ro", "fp8", "fp8_ro", "fp8_op_launch",
-            "fp8_ro_repeat_kv", "bf16_inductor_ro_own", "fp8_ro_own", "fp8_ro_release", "torchao_rowwise_ro")
+VARIANTS = (
+    "bf16",
+    "bf16_inductor",
+    "bf16_inductor_ro",
+    "bf16_gqa",
+    "bf16_gqa_ro",
+    "fp8",
+    "fp8_ro",
+    "fp8_op_launch",
+    "fp8_ro_repeat_kv",
+    "bf16_inductor_ro_own",
+    "fp8_ro_own",
+    "fp8_ro_release",
+    "torchao_rowwise_ro",
+)
 BATCHES = (1, 4, 16, 64)
 
 
@@ -187,8 +246,11 @@ def _unfused_fp8(model):
 
     patched = []
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.bfloat16 and \
-                module.in_features % 128 == 0:
+        if (
+            isinstance(module, torch.nn.Linear)
+            and module.weight.dtype == torch.bfloat16
+            and module.in_features % 128 == 0
+        ):
             w_fp8, w_scale = reference.quant_weight_block(module.weight.detach())
             module.forward = lambda x, w=w_fp8, s=w_scale, b=module.bias: reference.linear_block(x, w, s, b)
             patched.append(module)
@@ -259,8 +321,13 @@ def decode(model, variant: Variant, batch: int, context: int, steps: int, device
     by kind of kernel (a generate() of `steps` steps minus one of a single step, which leaves the
     prompt out, over the steps between)."""
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1, do_sample=False,
-                  compile_config=variant.compile_config(device), disable_compile=variant.backend is None or variant.own)
+    kwargs = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=steps + 1,
+        do_sample=False,
+        compile_config=variant.compile_config(device),
+        disable_compile=variant.backend is None or variant.own,
+    )
     cache = static_cache(model, batch, context + steps + 1, device) if variant.own else None
 
     def generate(**more):
@@ -283,9 +350,17 @@ def decode(model, variant: Variant, batch: int, context: int, steps: int, device
     _sync(device)
     second_s = time.perf_counter() - start
     ms = clock.ms_per_step()
-    row = dict(kind="decode", batch=batch, context=context, steps=steps, ms_per_step=ms,
-               tokens_per_s=batch * 1e3 / ms, first_call_s=first_s, warm_call_s=second_s,
-               recompiles=_graphs() - graphs)
+    row = dict(
+        kind="decode",
+        batch=batch,
+        context=context,
+        steps=steps,
+        ms_per_step=ms,
+        tokens_per_s=batch * 1e3 / ms,
+        first_call_s=first_s,
+        warm_call_s=second_s,
+        recompiles=_graphs() - graphs,
+    )
     if device.type == "cuda":  # after warm-up: the weights, the cache and this call's activations
         row["warm_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
         row["peak_before_gb"] = compile_peak_gb
@@ -323,8 +398,9 @@ def _time_ms(fn, device, repeat: int) -> float:
     return statistics.median(times)
 
 
-def prefill_and_accuracy(model, variant: Variant, tokens: int, device, eager_logits, ids_acc,
-                         profile: Path | None = None) -> list[dict]:
+def prefill_and_accuracy(
+    model, variant: Variant, tokens: int, device, eager_logits, ids_acc, profile: Path | None = None
+) -> list[dict]:
     """Logits calc_diff against bf16 eager (64 tokens), then prefill of `tokens` tokens, timed;
     if asked, one more under cProfile (written to `profile`) and, on a GPU, its GPU time by
     kind of kernel."""
@@ -332,8 +408,9 @@ def prefill_and_accuracy(model, variant: Variant, tokens: int, device, eager_log
     start = time.perf_counter()
     logits = compiled(ids_acc, use_cache=False).logits.float()
     _sync(device)
-    acc = dict(kind="accuracy", calc_diff=fp8compile.calc_diff(logits, eager_logits),
-               first_call_s=time.perf_counter() - start)
+    acc = dict(
+        kind="accuracy", calc_diff=fp8compile.calc_diff(logits, eager_logits), first_call_s=time.perf_counter() - start
+    )
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
 
     def step():
@@ -351,9 +428,18 @@ def prefill_and_accuracy(model, variant: Variant, tokens: int, device, eager_log
     return [acc, row]
 
 
-def bench_model(out_dir: Path, models=None, layers: int | None = None, batches=None, context: int = 1024,
-                steps: int = 128, prefill: int = 2048, variants=None, device: str | None = None,
-                profile: bool = False) -> list[dict]:
+def bench_model(
+    out_dir: Path,
+    models=None,
+    layers: int | None = None,
+    batches=None,
+    context: int = 1024,
+    steps: int = 128,
+    prefill: int = 2048,
+    variants=None,
+    device: str | None = None,
+    profile: bool = False,
+) -> list[dict]:
     from tqdm import tqdm
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -370,8 +456,10 @@ def bench_model(out_dir: Path, models=None, layers: int | None = None, batches=N
             model = build(model_name, layers, device)
             n_layers = model.config.num_hidden_layers
             released = MODELS[model_name][2]["num_hidden_layers"]
-            print(f"{model_name}: {n_layers} layers ({released} in the released model), "
-                  f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, on {device_name}")
+            print(
+                f"{model_name}: {n_layers} layers ({released} in the released model), "
+                f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, on {device_name}"
+            )
             ids_acc = torch.randint(0, model.config.vocab_size, (1, 64), device=device)
             eager_logits = model(ids_acc, use_cache=False).logits.float()
             base = dict(device=device_name, model=model_name, layers=n_layers)
@@ -397,13 +485,15 @@ def bench_model(out_dir: Path, models=None, layers: int | None = None, batches=N
                     rows.append(dict(base, variant=name, **row))
                 progress.update()
                 if variant.own:
-                    model.forward = torch.compile(type(model).forward.__get__(model), backend=variant.backend,
-                                                  mode=variant.mode)
+                    model.forward = torch.compile(
+                        type(model).forward.__get__(model), backend=variant.backend, mode=variant.mode
+                    )
                 try:
                     for batch in batches:
                         path = out_dir / f"profile_{model_name}_{name}_b{batch}.txt" if profile else None
-                        rows.append(dict(base, variant=name, **decode(model, variant, batch, context, steps, device,
-                                                                     path)))
+                        rows.append(
+                            dict(base, variant=name, **decode(model, variant, batch, context, steps, device, path))
+                        )
                         progress.update()
                 finally:
                     if variant.own:
@@ -411,14 +501,18 @@ def bench_model(out_dir: Path, models=None, layers: int | None = None, batches=N
                 if device.type == "cuda":
                     mine = [r for r in rows if r["variant"] == name and r.get("model") == model_name]
                     warm = max((r.get("warm_peak_gb") or 0.0 for r in mine), default=0.0)
-                    peak = max([torch.cuda.max_memory_allocated(device) / 2**30]
-                               + [r.get(key) or 0.0 for r in mine for key in ("warm_peak_gb", "peak_before_gb")])
+                    peak = max(
+                        [torch.cuda.max_memory_allocated(device) / 2**30]
+                        + [r.get(key) or 0.0 for r in mine for key in ("warm_peak_gb", "peak_before_gb")]
+                    )
                     rows.append(dict(base, variant=name, kind="memory", warm_peak_gb=warm, peak_gb=peak))
                 fp8compile.restore_bf16_weights()  # fp8_ro_release gave them back: the next variant needs them
                 if isinstance(variant.backend, fp8compile.Fp8Backend):
                     report = variant.backend.report
-                    print(f"{name}: {report.counts()} over {report.graphs} graphs; CUDA graphs: "
-                          f"{sorted(set(report.cuda_graphs.values()))}")
+                    print(
+                        f"{name}: {report.counts()} over {report.graphs} graphs; CUDA graphs: "
+                        f"{sorted(set(report.cuda_graphs.values()))}"
+                    )
                     # Why candidates stayed bf16, once per kind and reason (a user's next question).
                     for kind, reason in dict.fromkeys((skip.kind, skip.reason) for skip in report.skips):
                         print(f"  kept bf16 ({kind}): {reason}")
@@ -460,10 +554,13 @@ def model_table(rows: list[dict]) -> str:
         batches = sorted({r["batch"] for r in mine if r["kind"] == "decode"})
         variants = list(dict.fromkeys(r["variant"] for r in mine))
         get = {(r["variant"], r["kind"], r.get("batch")): r for r in mine}
-        lines += [f"\n{model}, {mine[0]['layers']} layers, {mine[0]['device']}: decode tokens/s (ms/step), "
-                  f"prefill tokens/s, logits calc_diff vs bf16 eager",
-                  f"{'variant':<20}" + "".join(f"{'B=' + str(b):>18}" for b in batches)
-                  + f"{'prefill':>10}{'1st call s':>11}{'peak GB':>9}{'warm GB':>9}{'calc_diff':>10}{'recompiles':>11}"]
+        lines += [
+            f"\n{model}, {mine[0]['layers']} layers, {mine[0]['device']}: decode tokens/s (ms/step), "
+            f"prefill tokens/s, logits calc_diff vs bf16 eager",
+            f"{'variant':<20}"
+            + "".join(f"{'B=' + str(b):>18}" for b in batches)
+            + f"{'prefill':>10}{'1st call s':>11}{'peak GB':>9}{'warm GB':>9}{'calc_diff':>10}{'recompiles':>11}",
+        ]
         for v in variants:
             cells = ""
             for b in batches:
@@ -477,10 +574,15 @@ def model_table(rows: list[dict]) -> str:
             cells += f"{mem['peak_gb']:>9.1f}{mem.get('warm_peak_gb', 0.0):>9.1f}" if mem else f"{'-':>9}{'-':>9}"
             cells += f"{acc['calc_diff']:>10.2e}" if acc else f"{'-':>10}"
             lines.append(f"{v:<20}{cells}{recompiles:>11}")
-        for fp8, bf16 in (("fp8", "bf16_inductor"), ("fp8_ro", "bf16_inductor_ro"),
-                          ("fp8_ro_own", "bf16_inductor_ro_own"), ("fp8_ro_release", "bf16_inductor_ro_own"),
-                          ("fp8_ro", "bf16_gqa_ro"), ("fp8_ro_repeat_kv", "bf16_inductor_ro"),
-                          ("bf16_gqa_ro", "bf16_inductor_ro")):
+        for fp8, bf16 in (
+            ("fp8", "bf16_inductor"),
+            ("fp8_ro", "bf16_inductor_ro"),
+            ("fp8_ro_own", "bf16_inductor_ro_own"),
+            ("fp8_ro_release", "bf16_inductor_ro_own"),
+            ("fp8_ro", "bf16_gqa_ro"),
+            ("fp8_ro_repeat_kv", "bf16_inductor_ro"),
+            ("bf16_gqa_ro", "bf16_inductor_ro"),
+        ):
             if fp8 not in variants or bf16 not in variants:
                 continue
             ratios = []
@@ -489,20 +591,27 @@ def model_table(rows: list[dict]) -> str:
                 ratios.append(f"{a['tokens_per_s'] / z['tokens_per_s']:>18.2f}" if a and z else f"{'-':>18}")
             a, z = get.get((fp8, "prefill", 1)), get.get((bf16, "prefill", 1))
             pre = f"{a['tokens_per_s'] / z['tokens_per_s']:>10.2f}" if a and z else f"{'-':>10}"
-            firsts = [max((r["first_call_s"] for r in mine if r["variant"] == v and "first_call_s" in r), default=None)
-                      for v in (fp8, bf16)]
+            firsts = [
+                max((r["first_call_s"] for r in mine if r["variant"] == v and "first_call_s" in r), default=None)
+                for v in (fp8, bf16)
+            ]
             first = f"{firsts[0] / firsts[1]:>11.2f}" if None not in firsts else f"{'-':>11}"
             lines.append(f"{fp8 + '/' + bf16:<20}" + "".join(ratios) + pre + first)
         split = [r for r in mine if r.get("kernel_ms_per_step")]
         if split:
             kinds = list(split[0]["kernel_ms_per_step"])
             lines.append("GPU time per decode step (or prefill) by kernel kind, ms (--profile): " + ", ".join(kinds))
-            lines += [f"{r['variant']:<20}{_step_name(r):>8}"
-                      + "".join(f"{r['kernel_ms_per_step'][k]:>10.2f}" for k in kinds) for r in split]
+            lines += [
+                f"{r['variant']:<20}{_step_name(r):>8}" + "".join(f"{r['kernel_ms_per_step'][k]:>10.2f}" for k in kinds)
+                for r in split
+            ]
             for r in split:
-                lines.append(f"top kernels, {r['variant']} {_step_name(r)}, ms per step: "
-                             + "; ".join(f"{name[:60]} ({kind}) {ms:.3f}"
-                                         for name, kind, ms in r.get("top_kernels_ms_per_step", [])[:6]))
+                lines.append(
+                    f"top kernels, {r['variant']} {_step_name(r)}, ms per step: "
+                    + "; ".join(
+                        f"{name[:60]} ({kind}) {ms:.3f}" for name, kind, ms in r.get("top_kernels_ms_per_step", [])[:6]
+                    )
+                )
     return "\n".join(lines)
 
 
@@ -521,8 +630,13 @@ def _plot(rows: list[dict], path: Path) -> None:
         for v in dict.fromkeys(r["variant"] for r in decode_rows):
             pts = sorted((r["batch"], r["tokens_per_s"]) for r in decode_rows if r["variant"] == v)
             ax.plot(*zip(*pts), marker="o", lw=2.5 if v.startswith("fp8") else 1, label=v)
-        ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s",
-               title=f"{model} ({decode_rows[0]['layers'] if decode_rows else '?'} layers)")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="batch",
+            ylabel="decode tokens/s",
+            title=f"{model} ({decode_rows[0]['layers'] if decode_rows else '?'} layers)",
+        )
         ax.set_xscale("log", base=2)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"fp8compile, whole models, {rows[0]['device'] if rows else ''}")

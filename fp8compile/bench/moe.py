@@ -1,5 +1,6 @@
 """`python -m fp8compile bench moe`: a routed-experts layer, bf16 Inductor against the fp8
 backend and DeepGEMM's grouped GEMMs alone. Times: harness.py."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,8 +23,13 @@ def moe_block(hidden: int, inter: int, experts: int, top_k: int):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
-                         num_experts_per_tok=top_k, norm_topk_prob=True)
+    cfg = Qwen3MoeConfig(
+        hidden_size=hidden,
+        moe_intermediate_size=inter,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+    )
     cfg._experts_implementation = "grouped_mm"
     with torch.device("cuda"):
         block = Qwen3MoeSparseMoeBlock(cfg).to(torch.bfloat16)
@@ -57,6 +63,7 @@ def _deep_gemm_experts(block, tokens: int, top_k: int):
     def run():
         deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, w13, c1, row_expert, disable_ue8m0_cast=True)
         deep_gemm.m_grouped_fp8_gemm_nt_contiguous(h, w2, c2, row_expert, disable_ue8m0_cast=True)
+
     return run
 
 
@@ -68,8 +75,11 @@ def bench_moe(out_dir: Path, tokens=MOE_TOKENS, layers=MOE_LAYERS) -> list[dict]
 
     rows = []
     device_name = torch.cuda.get_device_name(0)
-    backends = {"bf16_inductor": "inductor", "fp8": fp8compile.backend(),
-                "fp8_triton": fp8compile.backend(backends=("triton", "reference"))}
+    backends = {
+        "bf16_inductor": "inductor",
+        "fp8": fp8compile.backend(),
+        "fp8_triton": fp8compile.backend(backends=("triton", "reference")),
+    }
     with torch.no_grad():
         for name, (hidden, inter, experts, top_k) in tqdm(layers.items(), desc="bench moe"):
             block = moe_block(hidden, inter, experts, top_k)
@@ -85,12 +95,23 @@ def bench_moe(out_dir: Path, tokens=MOE_TOKENS, layers=MOE_LAYERS) -> list[dict]
 
             def row(variant, t, us):
                 streamed = active[t] * expert_bytes * (2 if variant == "bf16_inductor" else 1)
-                return dict(device=device_name, layer=name, hidden=hidden, inter=inter, experts=experts, top_k=top_k,
-                            tokens=t, variant=variant, us=us, active_experts=active[t],
-                            weight_tbps=None if us is None else streamed / us / 1e6)
+                return dict(
+                    device=device_name,
+                    layer=name,
+                    hidden=hidden,
+                    inter=inter,
+                    experts=experts,
+                    top_k=top_k,
+                    tokens=t,
+                    variant=variant,
+                    us=us,
+                    active_experts=active[t],
+                    weight_tbps=None if us is None else streamed / us / 1e6,
+                )
 
-            rows += harness.variant_rows(lambda v: [torch.compile(block, backend=backends[v])], backends, inputs, row,
-                                  report=True)
+            rows += harness.variant_rows(
+                lambda v: [torch.compile(block, backend=backends[v])], backends, inputs, row, report=True
+            )
             for t, _ in inputs:
                 try:
                     rows.append(row("deep_gemm_gemms", t, harness.time_us([_deep_gemm_experts(block, t, top_k)])))
@@ -105,9 +126,10 @@ def bench_moe(out_dir: Path, tokens=MOE_TOKENS, layers=MOE_LAYERS) -> list[dict]
 def moe_table(rows: list[dict]) -> str:
     variants = ("bf16_inductor", "fp8", "fp8_triton", "deep_gemm_gemms")
     by = {(r["layer"], r["tokens"], r["variant"]): r["us"] for r in rows}
-    lines = ["times in us (CUDA-graph replay, median); ratios are speedups (>1 = faster)",
-             f"{'layer':<14} {'tokens':>6} " + " ".join(f"{v:>15}" for v in variants)
-             + "   fp8/bf16 fp8/dg_gemms"]
+    lines = [
+        "times in us (CUDA-graph replay, median); ratios are speedups (>1 = faster)",
+        f"{'layer':<14} {'tokens':>6} " + " ".join(f"{v:>15}" for v in variants) + "   fp8/bf16 fp8/dg_gemms",
+    ]
     for layer, t in sorted({(r["layer"], r["tokens"]) for r in rows}):
         us = {v: by.get((layer, t, v)) for v in variants}
         cells = " ".join(f"{us[v]:>15.1f}" if us[v] else f"{'-':>15}" for v in variants)

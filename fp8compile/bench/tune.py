@@ -1,5 +1,6 @@
 """`python -m fp8compile bench tune`: sweeps of our Triton kernels' tile constants (decode
 kernel, large-M GEMM, its 64- against 128-row tiles). Times: harness.py."""
+
 from __future__ import annotations
 
 import itertools
@@ -53,18 +54,37 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
     with torch.no_grad():
         for n, k in tqdm(shapes, desc="tune"):
             r8 = harness.copies(n * k)
-            w8 = [reference.quant_weight_block(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
-                  for _ in range(r8)]
+            w8 = [
+                reference.quant_weight_block(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+                for _ in range(r8)
+            ]
             for m in (1, 16, 32) if "small_m" in kernels else ():
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 for block_n, ppsm, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (3, 4)):
                     n_blocks = math.ceil(n / block_n)
                     sms = torch.cuda.get_device_properties(0).multi_processor_count
                     split = max(1, min(k // 128, round(ppsm * sms / n_blocks)))
-                    us = harness.time_us([lambda q=q: triton_gemm.linear_small_m(x, *q, split_k=split, block_n=block_n,
-                                                                          num_stages=stages) for q in w8])
-                    results["small_m"].append(dict(n=n, k=k, m=m, block_n=block_n, ppsm=ppsm, stages=stages,
-                                                   split=split, us=us, weight_tbps=us and n * k / us / 1e6))
+                    us = harness.time_us(
+                        [
+                            lambda q=q: triton_gemm.linear_small_m(
+                                x, *q, split_k=split, block_n=block_n, num_stages=stages
+                            )
+                            for q in w8
+                        ]
+                    )
+                    results["small_m"].append(
+                        dict(
+                            n=n,
+                            k=k,
+                            m=m,
+                            block_n=block_n,
+                            ppsm=ppsm,
+                            stages=stages,
+                            split=split,
+                            us=us,
+                            weight_tbps=us and n * k / us / 1e6,
+                        )
+                    )
             for m in (1024, 4096) if "large_m" in kernels else ():
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 x_q = {layout: triton_quant.quant_act(x, layout=layout) for layout in ("row", "mn_major")}
@@ -80,23 +100,43 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
                         print(f"    {cfg}: failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
                         agrees = False
                     # a candidate that fails or disagrees is not timed: no time, TFLOP/s or ratio for it
-                    us = agrees and harness.time_us([lambda q=q: triton_gemm.gemm_large_m(*x_q[layout], *q, config=cfg)
-                                              for q in w8[:2]]) or None
-                    results["large_m"].append(dict(n=n, k=k, m=m, **{"persistent": 0, **cfg},
-                                                   scales=layout, agrees=agrees, us=us,
-                                                   tflops=us and 2 * m * n * k / us / 1e6, deep_gemm_us=dg,
-                                                   vs_deep_gemm=us and dg and dg / us))
+                    us = (
+                        agrees
+                        and harness.time_us(
+                            [lambda q=q: triton_gemm.gemm_large_m(*x_q[layout], *q, config=cfg) for q in w8[:2]]
+                        )
+                        or None
+                    )
+                    results["large_m"].append(
+                        dict(
+                            n=n,
+                            k=k,
+                            m=m,
+                            **{"persistent": 0, **cfg},
+                            scales=layout,
+                            agrees=agrees,
+                            us=us,
+                            tflops=us and 2 * m * n * k / us / 1e6,
+                            deep_gemm_us=dg,
+                            vs_deep_gemm=us and dg and dg / us,
+                        )
+                    )
             for m in (64, 128, 256, 512, 1024, 2048) if "tiles" in kernels else ():
                 x_q = triton_quant.quant_act(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
                 small, large = triton_gemm.SMALL_TILE_CONFIG, triton_gemm.LARGE_M_CONFIG
-                same = torch.equal(triton_gemm.gemm_large_m(*x_q, *w8[0], config=small),
-                                   triton_gemm.gemm_large_m(*x_q, *w8[0], config=large))
-                us = {name: harness.time_us([lambda q=q: triton_gemm.gemm_large_m(*x_q, *q, config=cfg)
-                                             for q in w8[:2]])
-                      for name, cfg in (("small_tiles", small), ("large_tiles", large))}
+                same = torch.equal(
+                    triton_gemm.gemm_large_m(*x_q, *w8[0], config=small),
+                    triton_gemm.gemm_large_m(*x_q, *w8[0], config=large),
+                )
+                us = {
+                    name: harness.time_us([lambda q=q: triton_gemm.gemm_large_m(*x_q, *q, config=cfg) for q in w8[:2]])
+                    for name, cfg in (("small_tiles", small), ("large_tiles", large))
+                }
                 results["tiles"].append(dict(n=n, k=k, m=m, same_bits=same, **us))
-                print(f"   N={n} K={k} M={m}: 64-row tiles {us['small_tiles']:.1f} us, 128-row tiles "
-                      f"{us['large_tiles']:.1f} us, same bits: {same}")
+                print(
+                    f"   N={n} K={k} M={m}: 64-row tiles {us['small_tiles']:.1f} us, 128-row tiles "
+                    f"{us['large_tiles']:.1f} us, same bits: {same}"
+                )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "tune.json").write_text(json.dumps(results, indent=1))
     large_keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "tma", "persistent", "scales")
@@ -116,7 +156,12 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
             if r["us"] and (key not in best_each or r["us"] < best_each[key]["us"]):
                 best_each[key] = r
         for key, r in sorted(best_each.items()):
-            print(f"   best for N={key[0]} K={key[1]} M={key[2]}: {tuple(r[x] for x in keys)} {r['us']:.1f} us"
-                  + (f" ({r['weight_tbps']:.2f} TB/s)" if kind == "small_m" else
-                     f" ({r['tflops']:.0f} TFLOP/s, DeepGEMM/ours {r['vs_deep_gemm'] or 0:.2f})"))
+            print(
+                f"   best for N={key[0]} K={key[1]} M={key[2]}: {tuple(r[x] for x in keys)} {r['us']:.1f} us"
+                + (
+                    f" ({r['weight_tbps']:.2f} TB/s)"
+                    if kind == "small_m"
+                    else f" ({r['tflops']:.0f} TFLOP/s, DeepGEMM/ours {r['vs_deep_gemm'] or 0:.2f})"
+                )
+            )
     return results

@@ -11,6 +11,7 @@ The real implementation of each op is the kernel of the backend the registry nam
 op's `backend` argument; the pass fixes that choice at compile time, so the graph says which
 kernel runs. Weight quantization runs once, at compile time, and has only the reference.
 """
+
 from __future__ import annotations
 
 import torch
@@ -76,7 +77,11 @@ def _(w: Tensor, e8m0: bool = False) -> tuple[Tensor, Tensor]:
 
 @_op
 def gemm(
-    x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None = None,
+    x_fp8: Tensor,
+    x_scale: Tensor,
+    w_fp8: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None = None,
     backend: str = "reference",
 ) -> Tensor:
     """Block-scaled x_fp8 (M, K) @ w_fp8 (N, K).T (+ bias) -> (M, N) bf16."""
@@ -98,11 +103,19 @@ def _weight_out_features(x: Tensor, w: Tensor, bias: Tensor | None, w_kn: bool) 
     return n
 
 
-@_op(schema="(Tensor x, Tensor w, Tensor? bias=None, bool e8m0=False, str backend='reference', bool w_kn=False, "
-            "Tensor[]? w_next=None, Tensor[]? bias_next=None) -> Tensor")
+@_op(
+    schema="(Tensor x, Tensor w, Tensor? bias=None, bool e8m0=False, str backend='reference', bool w_kn=False, "
+    "Tensor[]? w_next=None, Tensor[]? bias_next=None) -> Tensor"
+)
 def linear(
-    x: Tensor, w: Tensor, bias: Tensor | None = None, e8m0: bool = False, backend: str = "reference",
-    w_kn: bool = False, w_next: list[Tensor] | None = None, bias_next: list[Tensor] | None = None,
+    x: Tensor,
+    w: Tensor,
+    bias: Tensor | None = None,
+    e8m0: bool = False,
+    backend: str = "reference",
+    w_kn: bool = False,
+    w_next: list[Tensor] | None = None,
+    bias_next: list[Tensor] | None = None,
 ) -> Tensor:
     """FP8 linear: bf16 x (..., K) times the bf16 weight w (N, K), or (K, N) if w_kn -> bf16 (..., N).
 
@@ -119,8 +132,10 @@ def linear(
 @_fake(linear)
 def _(x, w, bias=None, e8m0=False, backend="reference", w_kn=False, w_next=None, bias_next=None):
     n = sum(_weight_out_features(x, weight, None, w_kn) for weight in (w, *(w_next or ())))
-    torch._check((bias is None) == (not bias_next) or not w_next,
-                 lambda: "bias_next is given exactly when bias is (one bias per stacked weight)")
+    torch._check(
+        (bias is None) == (not bias_next) or not w_next,
+        lambda: "bias_next is given exactly when bias is (one bias per stacked weight)",
+    )
     if bias is not None:
         b = bias.shape[0] + sum(b.shape[0] for b in bias_next or ())
         torch._check(b == n, lambda: f"biases have {b} outputs, the weights {n}")
@@ -128,8 +143,14 @@ def _(x, w, bias=None, e8m0=False, backend="reference", w_kn=False, w_next=None,
 
 
 @_op
-def qlinear(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None = None, e8m0: bool = False,
-            backend: str = "reference") -> Tensor:
+def qlinear(
+    x: Tensor,
+    w_fp8: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None = None,
+    e8m0: bool = False,
+    backend: str = "reference",
+) -> Tensor:
     """linear on the weight's FP8 copy, passed in: bf16 x (..., K) times w_fp8 (N, K) e4m3fn in
     128x128 blocks with scales w_scale (ceil(N/128), K/128) (+ bias (N,)) -> bf16 (..., N).
 
@@ -147,8 +168,16 @@ def _(x, w_fp8, w_scale, bias=None, e8m0=False, backend="reference"):
 
 @_op
 def gated_linear(
-    a: Tensor, b: Tensor, w: Tensor, bias: Tensor | None = None, e8m0: bool = False, backend: str = "reference",
-    w_kn: bool = False, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+    a: Tensor,
+    b: Tensor,
+    w: Tensor,
+    bias: Tensor | None = None,
+    e8m0: bool = False,
+    backend: str = "reference",
+    w_kn: bool = False,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> Tensor:
     """Gated-MLP down projection: linear(act(a, b), w, bias) in FP8, a (gate) and b (up) bf16 (..., K).
 
@@ -163,15 +192,26 @@ def gated_linear(
 @_fake(gated_linear)
 def _(a, b, w, bias=None, e8m0=False, backend="reference", w_kn=False, activation="silu", alpha=1.702, limit=7.0):
     torch._check(a.shape == b.shape, lambda: f"act(a, b) needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
-    torch._check(activation in reference.GATED_ACTIVATIONS,
-                 lambda: f"activation {activation!r}: valid gated activations are {reference.GATED_ACTIVATIONS}")
+    torch._check(
+        activation in reference.GATED_ACTIVATIONS,
+        lambda: f"activation {activation!r}: valid gated activations are {reference.GATED_ACTIVATIONS}",
+    )
     return a.new_empty(*a.shape[:-1], _weight_out_features(a, w, bias, w_kn))
 
 
 @_op
-def gated_qlinear(a: Tensor, b: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None = None, e8m0: bool = False,
-                  backend: str = "reference", activation: str = "silu", alpha: float = 1.702,
-                  limit: float = 7.0) -> Tensor:
+def gated_qlinear(
+    a: Tensor,
+    b: Tensor,
+    w_fp8: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None = None,
+    e8m0: bool = False,
+    backend: str = "reference",
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> Tensor:
     """gated_linear on the weight's FP8 copy, passed in (as qlinear is to linear)."""
     return registry.implementation("gated_linear", backend)(a, b, w_fp8, w_scale, bias, e8m0, activation, alpha, limit)
 
@@ -179,34 +219,61 @@ def gated_qlinear(a: Tensor, b: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Te
 @_fake(gated_qlinear)
 def _(a, b, w_fp8, w_scale, bias=None, e8m0=False, backend="reference", activation="silu", alpha=1.702, limit=7.0):
     torch._check(a.shape == b.shape, lambda: f"act(a, b) needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
-    torch._check(activation in reference.GATED_ACTIVATIONS,
-                 lambda: f"activation {activation!r}: valid gated activations are {reference.GATED_ACTIVATIONS}")
+    torch._check(
+        activation in reference.GATED_ACTIVATIONS,
+        lambda: f"activation {activation!r}: valid gated activations are {reference.GATED_ACTIVATIONS}",
+    )
     _check_linear_shapes(a, w_fp8, w_scale, bias)
     return a.new_empty(*a.shape[:-1], w_fp8.shape[0])
 
 
 def _check_moe_args(x, topk_ids, topk_weights, w13, w2, w3, b13, w_kn, gate_up, activation) -> None:
-    torch._check(x.dim() == 2 and topk_ids.dim() == 2 and topk_ids.shape == topk_weights.shape
-                 and topk_ids.shape[0] == x.shape[0],
-                 lambda: f"moe needs x (T, H), topk_ids and topk_weights (T, k); got {tuple(x.shape)}, "
-                         f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")
+    torch._check(
+        x.dim() == 2
+        and topk_ids.dim() == 2
+        and topk_ids.shape == topk_weights.shape
+        and topk_ids.shape[0] == x.shape[0],
+        lambda: (
+            f"moe needs x (T, H), topk_ids and topk_weights (T, k); got {tuple(x.shape)}, "
+            f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}"
+        ),
+    )
     torch._check(gate_up in GATE_UP_LAYOUTS, lambda: f"gate_up {gate_up!r}: valid layouts are {GATE_UP_LAYOUTS}")
-    torch._check((w3 is not None) == (gate_up == "separate") and not (w3 is not None and b13 is not None),
-                 lambda: "w3 (the up projection) is given exactly when gate_up is 'separate', and then without b13")
-    torch._check(activation in reference.GATED_ACTIVATIONS,
-                 lambda: f"activation {activation!r}: valid gated activations are {reference.GATED_ACTIVATIONS}")
+    torch._check(
+        (w3 is not None) == (gate_up == "separate") and not (w3 is not None and b13 is not None),
+        lambda: "w3 (the up projection) is given exactly when gate_up is 'separate', and then without b13",
+    )
+    torch._check(
+        activation in reference.GATED_ACTIVATIONS,
+        lambda: f"activation {activation!r}: valid gated activations are {reference.GATED_ACTIVATIONS}",
+    )
     hidden = w2.shape[2] if w_kn else w2.shape[1]
-    torch._check(w13.dim() == 3 and w2.dim() == 3 and x.shape[1] == (w13.shape[1] if w_kn else w13.shape[2])
-                 and hidden == x.shape[1],
-                 lambda: f"expert weights {tuple(w13.shape)}, {tuple(w2.shape)} (w_kn={w_kn}) "
-                         f"do not fit x {tuple(x.shape)}")
+    torch._check(
+        w13.dim() == 3
+        and w2.dim() == 3
+        and x.shape[1] == (w13.shape[1] if w_kn else w13.shape[2])
+        and hidden == x.shape[1],
+        lambda: f"expert weights {tuple(w13.shape)}, {tuple(w2.shape)} (w_kn={w_kn}) do not fit x {tuple(x.shape)}",
+    )
 
 
 @_op
 def moe(
-    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, w3: Tensor | None = None,
-    b13: Tensor | None = None, b2: Tensor | None = None, e8m0: bool = False, backend: str = "reference",
-    w_kn: bool = False, gate_up: str = "concat", activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    w3: Tensor | None = None,
+    b13: Tensor | None = None,
+    b2: Tensor | None = None,
+    e8m0: bool = False,
+    backend: str = "reference",
+    w_kn: bool = False,
+    gate_up: str = "concat",
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
     batch_invariant: bool = False,
 ) -> Tensor:
     """Routed experts in FP8: x (T, H) -> sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(x), (T, H).
@@ -222,12 +289,41 @@ def moe(
     w13_fp8, w13_scale = fp8_experts(w13, w_kn, e8m0, gate_up, w3)
     w2_fp8, w2_scale = fp8_experts(w2, w_kn, e8m0)
     return registry.implementation("moe", backend)(
-        x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scale, expert_bias(b13, gate_up), b2, e8m0,
-        activation, alpha, limit, batch_invariant)
+        x,
+        topk_ids,
+        topk_weights,
+        w13_fp8,
+        w13_scale,
+        w2_fp8,
+        w2_scale,
+        expert_bias(b13, gate_up),
+        b2,
+        e8m0,
+        activation,
+        alpha,
+        limit,
+        batch_invariant,
+    )
 
 
 @_fake(moe)
-def _(x, topk_ids, topk_weights, w13, w2, w3=None, b13=None, b2=None, e8m0=False, backend="reference", w_kn=False,
-      gate_up="concat", activation="silu", alpha=1.702, limit=7.0, batch_invariant=False):
+def _(
+    x,
+    topk_ids,
+    topk_weights,
+    w13,
+    w2,
+    w3=None,
+    b13=None,
+    b2=None,
+    e8m0=False,
+    backend="reference",
+    w_kn=False,
+    gate_up="concat",
+    activation="silu",
+    alpha=1.702,
+    limit=7.0,
+    batch_invariant=False,
+):
     _check_moe_args(x, topk_ids, topk_weights, w13, w2, w3, b13, w_kn, gate_up, activation)
     return x.new_empty(x.shape)

@@ -15,6 +15,7 @@ launch is plain (no TMA descriptors, no programmatic dependent launch): the path
 mode, where CUDA graphs do not hide the host. Called eagerly it runs the same kernel through
 Triton's own launch path.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,9 +27,18 @@ from . import triton_gemm, triton_quant
 
 
 @triton_op("fp8compile::linear_decode", mutates_args=())
-def linear_decode(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None = None, e8m0: bool = False,
-                  max_m: int = 16, b: Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
-                  limit: float = 7.0) -> Tensor:
+def linear_decode(
+    x: Tensor,
+    w_fp8: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None = None,
+    e8m0: bool = False,
+    max_m: int = 16,
+    b: Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> Tensor:
     """bf16 x (M, K), M <= max_m <= 64, times the block-quantized weight (w_fp8 (N, K) e4m3fn,
     w_scale (ceil(N/128), K/128) fp32) (+ bias) -> bf16 (M, N), 1x128 activation quantization
     fused. With b (M, K): the gated MLP's down projection, on act(x, b) (reference.gated).
@@ -50,9 +60,43 @@ def linear_decode(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None
     launch = {} if x.device.type == "cpu" else dict(num_warps=4, num_stages=triton_gemm.SMALL_M_NUM_STAGES)
     b_ = x if b is None else b
     wrap_triton(triton_gemm._linear_small_m_kernel)[(n_tiles, split)](
-        x, x, b_, w_fp8, w_fp8, w_scale, bias if bias is not None else w_scale, out, partial, arrivals, m, n, k,
-        x.stride(0), x.stride(1), b_.stride(0), b_.stride(1), w_fp8.stride(0), w_scale.stride(0), w_scale.stride(1),
-        out.stride(0), AMAX_EPS, FP8_MAX, float(alpha), float(limit), E8M0=e8m0,
-        ACT=triton_quant.activation_code(b, activation), HAS_BIAS=bias is not None, TMA=False, ACT_TMA=False,
-        PDL=False, TRIGGER=False, PREFETCH=1, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=BLOCK, **launch)
+        x,
+        x,
+        b_,
+        w_fp8,
+        w_fp8,
+        w_scale,
+        bias if bias is not None else w_scale,
+        out,
+        partial,
+        arrivals,
+        m,
+        n,
+        k,
+        x.stride(0),
+        x.stride(1),
+        b_.stride(0),
+        b_.stride(1),
+        w_fp8.stride(0),
+        w_scale.stride(0),
+        w_scale.stride(1),
+        out.stride(0),
+        AMAX_EPS,
+        FP8_MAX,
+        float(alpha),
+        float(limit),
+        E8M0=e8m0,
+        ACT=triton_quant.activation_code(b, activation),
+        HAS_BIAS=bias is not None,
+        TMA=False,
+        ACT_TMA=False,
+        PDL=False,
+        TRIGGER=False,
+        PREFETCH=1,
+        SPLIT_K=split,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        GROUP=BLOCK,
+        **launch,
+    )
     return out

@@ -36,6 +36,7 @@ kernel for sm_90a on any machine, so CI compiles it with ptxas (no spills, no se
 
 Shape letters: M tokens, N output features, K input features, G = K / 128.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,8 +50,13 @@ from .launch import Launcher, capability, num_sms
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError as e:  # a Triton without Gluon: the kernel is unavailable, why_not says so
     IMPORT_ERROR: str | None = f"this Triton ({triton.__version__}) has no Gluon for Hopper ({e})"
@@ -134,8 +140,23 @@ if IMPORT_ERROR is None:
         return (s + 1) * (1 - wrap), phase ^ wrap
 
     @gluon.jit
-    def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, expert_ptr, M, N, K, GROUP_M: gl.constexpr,
-                 STAGE_GROUPS: gl.constexpr, GROUPED: gl.constexpr, A_BOXES: gl.constexpr, B_BOXES: gl.constexpr):
+    def _produce(
+        a_desc,
+        b_desc,
+        a_bufs,
+        b_bufs,
+        ready,
+        empty,
+        expert_ptr,
+        M,
+        N,
+        K,
+        GROUP_M: gl.constexpr,
+        STAGE_GROUPS: gl.constexpr,
+        GROUPED: gl.constexpr,
+        A_BOXES: gl.constexpr,
+        B_BOXES: gl.constexpr,
+    ):
         """Producer warp: every K group of every tile of this program, into the buffer ring. A
         buffer holds STAGE_GROUPS K groups, each A_BOXES 64-row activation boxes and B_BOXES
         weight boxes (one of the two per consumer), behind one `ready` barrier. Grouped: the
@@ -164,11 +185,19 @@ if IMPORT_ERROR is None:
                     # Rows past M or N arrive as zeros (and still count their bytes).
                     for j in gl.static_range(STAGE_GROUPS):
                         for part in gl.static_range(A_BOXES):
-                            _tma_load(a_desc, [pid_m * TILE_M + part * ROWS, (g + j) * BLOCK_K], bar,
-                                      a_bufs.index((s * STAGE_GROUPS + j) * A_BOXES + part))
+                            _tma_load(
+                                a_desc,
+                                [pid_m * TILE_M + part * ROWS, (g + j) * BLOCK_K],
+                                bar,
+                                a_bufs.index((s * STAGE_GROUPS + j) * A_BOXES + part),
+                            )
                         for part in gl.static_range(B_BOXES):
-                            _tma_load(b_desc, [e * N + pid_n * TILE_N + part * BOX_N, (g + j) * BLOCK_K], bar,
-                                      b_bufs.index((s * STAGE_GROUPS + j) * B_BOXES + part))
+                            _tma_load(
+                                b_desc,
+                                [e * N + pid_n * TILE_N + part * BOX_N, (g + j) * BLOCK_K],
+                                bar,
+                                b_bufs.index((s * STAGE_GROUPS + j) * B_BOXES + part),
+                            )
                     s, phase = _advance(s, phase, STAGES)
 
     @gluon.jit
@@ -190,26 +219,57 @@ if IMPORT_ERROR is None:
         """Start consumer PART's wgmma on K-group buffer `buf`: its 64-row activation box (its own
         or the shared one) by its weight box (the shared one or its own), into into's registers
         (overwritten)."""
-        return warpgroup_mma(a_bufs.index(buf * A_BOXES + PART % A_BOXES),
-                             b_bufs.index(buf * B_BOXES + PART % B_BOXES).permute((1, 0)), into, use_acc=False,
-                             is_async=True)
+        return warpgroup_mma(
+            a_bufs.index(buf * A_BOXES + PART % A_BOXES),
+            b_bufs.index(buf * B_BOXES + PART % B_BOXES).permute((1, 0)),
+            into,
+            use_acc=False,
+            is_async=True,
+        )
 
     @gluon.jit
     def _finish(pending, empty, s):
         """Wait for `pending`, the last wgmma on buffer s (none left in flight), and release the buffer."""
-        done = warpgroup_mma_wait(num_outstanding=0, deps=(pending, ))
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
         mbarrier.arrive(empty.index(s), count=1)
         return done
 
     @gluon.jit
-    def _consume(shared, PART: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, OVERLAP: gl.constexpr,
-                 STAGE_GROUPS: gl.constexpr, GROUPED: gl.constexpr, A_BOXES: gl.constexpr, B_BOXES: gl.constexpr):
+    def _consume(
+        shared,
+        PART: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        GROUP_M: gl.constexpr,
+        OVERLAP: gl.constexpr,
+        STAGE_GROUPS: gl.constexpr,
+        GROUPED: gl.constexpr,
+        A_BOXES: gl.constexpr,
+        B_BOXES: gl.constexpr,
+    ):
         """One consumer warpgroup: its 64 x BLOCK_N part of every tile of this program, rows
         [PART * 64, PART * 64 + 64) where the consumers split a tile's rows (A_BOXES of them),
         columns [PART * BLOCK_N, ...) where they split its columns (B_BOXES). Grouped: the tile's
         expert's weight scales and bias. `shared`: what every consumer takes (_gemm_kernel)."""
-        (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, expert_ptr, M, N, K, stride_asm, stride_asg,
-         stride_bse, stride_bsn, stride_bsg, stride_be) = shared
+        (
+            a_bufs,
+            b_bufs,
+            ready,
+            empty,
+            c_desc,
+            a_s_ptr,
+            b_s_ptr,
+            bias_ptr,
+            expert_ptr,
+            M,
+            N,
+            K,
+            stride_asm,
+            stride_asg,
+            stride_bse,
+            stride_bsn,
+            stride_bsg,
+            stride_be,
+        ) = shared
         STAGES: gl.constexpr = ready.shape[0]
         ROWS: gl.constexpr = a_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -217,8 +277,9 @@ if IMPORT_ERROR is None:
         TILE_M: gl.constexpr = A_BOXES * ROWS
         TILE_N: gl.constexpr = B_BOXES * BLOCK_N
         # wgmma: 16-row instructions, one warpgroup of 4 warps stacked along M; k = 32 for FP8.
-        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 32])
+        layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
+        )
         c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
         num_m = gl.cdiv(M, TILE_M)
         num_n = gl.cdiv(N, TILE_N)
@@ -251,7 +312,7 @@ if IMPORT_ERROR is None:
                     mbarrier.wait(ready.index(s), phase)
                     x = _mma(a_bufs, b_bufs, 2 * s, PART, x_free, A_BOXES, B_BOXES)
                     y = _mma(a_bufs, b_bufs, 2 * s + 1, PART, y_free, A_BOXES, B_BOXES)
-                    x_free = warpgroup_mma_wait(num_outstanding=1, deps=(x, ))
+                    x_free = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
                     acc += x_free * (x_a * x_b)[:, None]
                     y_free = _finish(y, empty, s)
                     s, phase = _advance(s, phase, STAGES)
@@ -262,7 +323,7 @@ if IMPORT_ERROR is None:
                         x = _mma(a_bufs, b_bufs, 2 * s, PART, x_free, A_BOXES, B_BOXES)
                         acc += y_free * (y_a * y_b)[:, None]
                         y = _mma(a_bufs, b_bufs, 2 * s + 1, PART, y_free, A_BOXES, B_BOXES)
-                        x_free = warpgroup_mma_wait(num_outstanding=1, deps=(x, ))
+                        x_free = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
                         acc += x_free * (x_a * x_b)[:, None]
                         y_free = _finish(y, empty, s)
                         s, phase = _advance(s, phase, STAGES)
@@ -280,7 +341,7 @@ if IMPORT_ERROR is None:
                             if j == STAGE_GROUPS - 1:
                                 x_free = _finish(x, empty, s)
                             else:
-                                x_free = warpgroup_mma_wait(num_outstanding=0, deps=(x, ))
+                                x_free = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
                             acc += x_free * (a_scale * b_scale)[:, None]
                         s, phase = _advance(s, phase, STAGES)
                 if HAS_BIAS:
@@ -293,21 +354,46 @@ if IMPORT_ERROR is None:
         tma.store_wait(0)
 
     @gluon.jit
-    def _gemm_kernel(a_desc, b_desc, c_desc, a_s_ptr, b_s_ptr, bias_ptr, expert_ptr, M, N, K, stride_asm, stride_asg,
-                     stride_bse, stride_bsn, stride_bsg, stride_be, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                     STAGES: gl.constexpr, OVERLAP: gl.constexpr, STAGE_GROUPS: gl.constexpr, CONSUMERS: gl.constexpr,
-                     GROUPED: gl.constexpr, SPLIT_N: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr):
+    def _gemm_kernel(
+        a_desc,
+        b_desc,
+        c_desc,
+        a_s_ptr,
+        b_s_ptr,
+        bias_ptr,
+        expert_ptr,
+        M,
+        N,
+        K,
+        stride_asm,
+        stride_asg,
+        stride_bse,
+        stride_bsn,
+        stride_bsg,
+        stride_be,
+        HAS_BIAS: gl.constexpr,
+        GROUP_M: gl.constexpr,
+        STAGES: gl.constexpr,
+        OVERLAP: gl.constexpr,
+        STAGE_GROUPS: gl.constexpr,
+        CONSUMERS: gl.constexpr,
+        GROUPED: gl.constexpr,
+        SPLIT_N: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+    ):
         # The consumers split a tile's rows (one 64-row activation box each, one shared weight
         # box) or, SPLIT_N, its columns (one shared activation box, a weight box each).
         A_BOXES: gl.constexpr = 1 if SPLIT_N else CONSUMERS
         B_BOXES: gl.constexpr = CONSUMERS if SPLIT_N else 1
         # STAGES ring buffers of STAGE_GROUPS K groups; the boxes of K group j of buffer s sit at
         # index s * STAGE_GROUPS + j (times the boxes per group, plus the box).
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES * STAGE_GROUPS * A_BOXES] + a_desc.block_type.shape,
-                                           a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES * STAGE_GROUPS * B_BOXES] + b_desc.block_type.shape,
-                                           b_desc.layout)
+        a_bufs = gl.allocate_shared_memory(
+            a_desc.dtype, [STAGES * STAGE_GROUPS * A_BOXES] + a_desc.block_type.shape, a_desc.layout
+        )
+        b_bufs = gl.allocate_shared_memory(
+            b_desc.dtype, [STAGES * STAGE_GROUPS * B_BOXES] + b_desc.block_type.shape, b_desc.layout
+        )
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -315,25 +401,87 @@ if IMPORT_ERROR is None:
             mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
         # What every consumer takes, as one tuple (constexprs stay apart: a tuple variable would
         # carry them as plain values).
-        shared = (a_bufs, b_bufs, ready, empty, c_desc, a_s_ptr, b_s_ptr, bias_ptr, expert_ptr, M, N, K, stride_asm,
-                  stride_asg, stride_bse, stride_bsn, stride_bsg, stride_be)
+        shared = (
+            a_bufs,
+            b_bufs,
+            ready,
+            empty,
+            c_desc,
+            a_s_ptr,
+            b_s_ptr,
+            bias_ptr,
+            expert_ptr,
+            M,
+            N,
+            K,
+            stride_asm,
+            stride_asg,
+            stride_bse,
+            stride_bsn,
+            stride_bsg,
+            stride_be,
+        )
         # The default partition (the kernel's own 4 warps) is the first consumer.
         if CONSUMERS == 2:
-            gl.warp_specialize([
-                (_consume, (shared, 0, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
-                (_consume, (shared, 1, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
-                (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, expert_ptr, M, N, K, GROUP_M, STAGE_GROUPS,
-                            GROUPED, A_BOXES, B_BOXES)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+            gl.warp_specialize(
+                [
+                    (_consume, (shared, 0, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
+                    (_consume, (shared, 1, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
+                    (
+                        _produce,
+                        (
+                            a_desc,
+                            b_desc,
+                            a_bufs,
+                            b_bufs,
+                            ready,
+                            empty,
+                            expert_ptr,
+                            M,
+                            N,
+                            K,
+                            GROUP_M,
+                            STAGE_GROUPS,
+                            GROUPED,
+                            A_BOXES,
+                            B_BOXES,
+                        ),
+                    ),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, PRODUCER_REGS],
+            )
         else:
             gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
-            gl.warp_specialize([
-                (_consume, (shared, 0, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
-                (_consume, (shared, 1, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
-                (_consume, (shared, 2, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
-                (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, expert_ptr, M, N, K, GROUP_M, STAGE_GROUPS,
-                            GROUPED, A_BOXES, B_BOXES)),
-            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+            gl.warp_specialize(
+                [
+                    (_consume, (shared, 0, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
+                    (_consume, (shared, 1, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
+                    (_consume, (shared, 2, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
+                    (
+                        _produce,
+                        (
+                            a_desc,
+                            b_desc,
+                            a_bufs,
+                            b_bufs,
+                            ready,
+                            empty,
+                            expert_ptr,
+                            M,
+                            N,
+                            K,
+                            GROUP_M,
+                            STAGE_GROUPS,
+                            GROUPED,
+                            A_BOXES,
+                            B_BOXES,
+                        ),
+                    ),
+                ],
+                [4, 4, 1],
+                [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
+            )
 
     _gemm_launch = Launcher(_gemm_kernel)
 
@@ -346,8 +494,12 @@ def _layout(block_shape, dtype: torch.dtype):
 def _shared_layout(block_shape: tuple[int, ...], dtype: torch.dtype):
     """The TMA boxes' shared-memory layout, built once per (box, dtype): three per launch
     otherwise, on the host's critical path outside CUDA graphs."""
-    gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-                torch.float32: gl.float32}[dtype]
+    gl_dtype = {
+        torch.float8_e4m3fn: gl.float8e4nv,
+        torch.bfloat16: gl.bfloat16,
+        torch.float16: gl.float16,
+        torch.float32: gl.float32,
+    }[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl_dtype)
 
 
@@ -369,11 +521,15 @@ def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None, block_ex
     consumers = bn // 128 if split_n else bm // 64
     box_n = 128 if split_n else bn
     if not ((bm in (128, 192) and bn in (64, 128)) or (bm, bn) == (64, 256)):
-        raise ValueError("tiles are 128 or 192 rows (64 per consumer warpgroup) by 64 or 128 columns, or 64 rows by "
-                         f"256 columns (128 per consumer); got {bm}x{bn}")
+        raise ValueError(
+            "tiles are 128 or 192 rows (64 per consumer warpgroup) by 64 or 128 columns, or 64 rows by "
+            f"256 columns (128 per consumer); got {bm}x{bn}"
+        )
     if grouped and (n % bn or block_expert.numel() != ceil_div(m, bm)):
-        raise ValueError(f"a grouped launch takes one expert per {bm}-row block ({ceil_div(m, bm)} of them, got "
-                         f"{block_expert.numel()}) and N={n} in whole {bn}-column tiles")
+        raise ValueError(
+            f"a grouped launch takes one expert per {bm}-row block ({ceil_div(m, bm)} of them, got "
+            f"{block_expert.numel()}) and N={n} in whole {bn}-column tiles"
+        )
     if cfg["OVERLAP"] and consumers != 2:
         raise ValueError("the overlapped loop keeps three 64 x BLOCK_N fp32 tiles per thread: two consumers only")
     stages, stage_groups, overlap = cfg["STAGES"], cfg["STAGE_GROUPS"], cfg["OVERLAP"]
@@ -389,16 +545,42 @@ def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None, block_ex
     c_desc = TensorDescriptor.from_tensor(out, [64, box_n], _layout([64, box_n], out.dtype))
     tiles = ceil_div(m, bm) * ceil_div(n, bn)
     stride_bse, stride_be = (w_scale.stride(0), 0 if bias is None else bias.stride(0)) if grouped else (0, 0)
-    args = (a_desc, b_desc, c_desc, x_scale, w_scale, bias if bias is not None else w_scale,
-            block_expert if grouped else w_scale, m, n, k, x_scale.stride(0), x_scale.stride(1), stride_bse,
-            w_scale.stride(-2), w_scale.stride(-1), stride_be)
+    args = (
+        a_desc,
+        b_desc,
+        c_desc,
+        x_scale,
+        w_scale,
+        bias if bias is not None else w_scale,
+        block_expert if grouped else w_scale,
+        m,
+        n,
+        k,
+        x_scale.stride(0),
+        x_scale.stride(1),
+        stride_bse,
+        w_scale.stride(-2),
+        w_scale.stride(-1),
+        stride_be,
+    )
     # Registers: at launch every warpgroup (the producer's warp counts as one) gets an equal share
     # of the SM's 64K; setmaxnreg then gives the producer PRODUCER_REGS and the consumers the rest.
     launch = 65536 // ((consumers + 1) * 128) // 8 * 8
     consumer_regs = min(MAX_REGS, (launch * (consumers + 1) - PRODUCER_REGS) // consumers // 8 * 8)
-    meta = dict(HAS_BIAS=bias is not None, GROUP_M=cfg["GROUP_M"], STAGES=stages, STAGE_GROUPS=stage_groups,
-                OVERLAP=overlap, CONSUMERS=consumers, GROUPED=grouped, SPLIT_N=split_n, CONSUMER_REGS=consumer_regs,
-                PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=launch)
+    meta = dict(
+        HAS_BIAS=bias is not None,
+        GROUP_M=cfg["GROUP_M"],
+        STAGES=stages,
+        STAGE_GROUPS=stage_groups,
+        OVERLAP=overlap,
+        CONSUMERS=consumers,
+        GROUPED=grouped,
+        SPLIT_N=split_n,
+        CONSUMER_REGS=consumer_regs,
+        PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4,
+        maxnreg=launch,
+    )
     return (min(tiles, sms),), args, meta
 
 
@@ -415,6 +597,7 @@ _OPTIONS = ("num_warps", "maxnreg")
 def pick_config(m: int, n: int, sms: int) -> dict:
     """CONFIG or TALL_CONFIG, whichever needs less time in whole waves of persistent programs
     (a wave is one tile per SM; the last one is paid in full however few tiles it has)."""
+
     def waves(block_m: int) -> int:
         return ceil_div(ceil_div(m, block_m) * ceil_div(n, CONFIG["BLOCK_N"]), sms)
 
@@ -490,7 +673,7 @@ def compile_sm90(m=4096, n=4096, k=7168, bias=False, config=None, experts=0):
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    lead = (experts, ) if experts else ()
+    lead = (experts,) if experts else ()
     x = torch.empty(m, k, dtype=torch.float8_e4m3fn)
     w = torch.empty(*lead, n, k, dtype=torch.float8_e4m3fn)
     out = torch.empty(m, n, dtype=torch.bfloat16)
@@ -503,9 +686,10 @@ def compile_sm90(m=4096, n=4096, k=7168, bias=False, config=None, experts=0):
     names = _gemm_kernel.arg_names
     signature = {name: mangle_type(a) for name, a in zip(names, args)}
     signature.update({name: "constexpr" for name in meta})
-    constexprs = {(names.index(name), ): value for name, value in meta.items()}
-    return triton.compile(GluonASTSource(_gemm_kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                          options=options)
+    constexprs = {(names.index(name),): value for name, value in meta.items()}
+    return triton.compile(
+        GluonASTSource(_gemm_kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options
+    )
 
 
 def ptxas_report(ptx: str) -> str:
@@ -517,13 +701,19 @@ def ptxas_report(ptx: str) -> str:
 
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     # Triton 3.9 bundles the ptxas that reads its PTX version under the first name
-    ptxas = next(os.path.join(bin_dir, name) for name in ("ptxas-blackwell", "ptxas")
-                 if os.path.exists(os.path.join(bin_dir, name)))
+    ptxas = next(
+        os.path.join(bin_dir, name)
+        for name in ("ptxas-blackwell", "ptxas")
+        if os.path.exists(os.path.join(bin_dir, name))
+    )
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "k.ptx"), "w") as f:
             f.write(ptx)
-        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
+            capture_output=True,
+            text=True,
+        )
     return (r.stdout + r.stderr).strip()
 
 
@@ -541,8 +731,9 @@ def main_loop_report(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name], capture_output=True,
-                              text=True, check=True).stdout
+        sass = subprocess.run(
+            [os.path.join(bin_dir, "cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
     code = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     index = {addr: i for i, (addr, _) in enumerate(code)}
     last_exit = max(addr for addr, text in code if text.endswith("EXIT"))
@@ -551,12 +742,14 @@ def main_loop_report(cubin: bytes) -> str:
     for i, (addr, text) in enumerate(code):
         target = re.search(r"BRA (0x[0-9a-f]+)", text)
         if target and int(target.group(1), 16) < addr < last_exit:
-            body = opcodes[index[int(target.group(1), 16)]:i + 1]
+            body = opcodes[index[int(target.group(1), 16)] : i + 1]
             if any("GMMA" in op for op in body):
                 loops.append(body)
     if not loops:
         return "no loop with a wgmma found"
     ops = collections.Counter(min(loops, key=len))
-    return (f"main loop: {sum(ops.values())} instructions, {sum(n for op, n in ops.items() if 'GMMA' in op)} wgmma, "
-            f"{ops['FFMA']} FFMA, {ops['MOV']} MOV, {ops['BAR.SYNC.DEFER_BLOCKING']} bar.sync, {ops['LDG.E']} LDG, "
-            f"{ops['SYNCS.PHASECHK.TRANS64.TRYWAIT']} mbarrier waits")
+    return (
+        f"main loop: {sum(ops.values())} instructions, {sum(n for op, n in ops.items() if 'GMMA' in op)} wgmma, "
+        f"{ops['FFMA']} FFMA, {ops['MOV']} MOV, {ops['BAR.SYNC.DEFER_BLOCKING']} bar.sync, {ops['LDG.E']} LDG, "
+        f"{ops['SYNCS.PHASECHK.TRANS64.TRYWAIT']} mbarrier waits"
+    )

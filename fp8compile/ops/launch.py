@@ -11,6 +11,7 @@ the launch metadata and calls the hooks (so profilers still see every launch).
 The first call of a signature, and an argument of another kind, take Triton's own path; so does
 every call after a relaunch the installed Triton refuses (its launcher taking other arguments).
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,8 +27,9 @@ except ImportError:  # no Triton, or one without knobs: every launch takes Trito
 log = logging.getLogger("fp8compile")
 # The current device and its current stream's handle, one C call each.
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
-    (lambda index: torch.cuda.current_stream(index).cuda_stream)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream
+)
 # Signatures a Launcher keeps (a TMA descriptor's key holds its shape, so a GEMM over varying M
 # adds one per M); past this many it forgets them all and relearns from Triton's own path.
 MAX_SIGNATURES = 1024
@@ -51,7 +53,7 @@ def _arg_key(a):
     if isinstance(a, bool) or a is None:
         return a
     if isinstance(a, int):
-        return a == 1, a % 16 == 0, not -2**31 <= a < 2**31
+        return a == 1, a % 16 == 0, not -(2**31) <= a < 2**31
     if isinstance(a, float):
         return float
     block = getattr(a, "block_shape", None)  # a host TMA descriptor
@@ -69,7 +71,7 @@ def _signature(args: tuple) -> tuple:
         if kind is torch.Tensor:
             key.append((a.dtype, not a.data_ptr() & 15))
         elif kind is int:
-            key.append((a == 1, not a & 15, not -2**31 <= a < 2**31))
+            key.append((a == 1, not a & 15, not -(2**31) <= a < 2**31))
         else:
             key.append(_arg_key(a))
     return tuple(key)
@@ -105,7 +107,7 @@ class Launcher:
             compiled = self.kernel[grid](*args, **constexprs, **options)
             if compiled is not None and hasattr(compiled, "run"):  # None under the CPU interpreter
                 # Triton's launcher takes every parameter in signature order, constexprs included.
-                tail = tuple(constexprs[name] for name in self.kernel.arg_names[len(args):])
+                tail = tuple(constexprs[name] for name in self.kernel.arg_names[len(args) :])
                 if len(self.compiled) >= MAX_SIGNATURES:  # shapes that vary call to call: start over
                     self.compiled.clear()
                 self.compiled[key] = (compiled, tail)
@@ -118,12 +120,26 @@ class Launcher:
                 # that are not there: the current stream (asked of torch's C API, as Inductor's
                 # launchers do), then Triton's C launcher.
                 stream = _current_stream(_current_device())
-                compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None,
-                             None, None, *args, *tail)
+                compiled.run(
+                    grid[0],
+                    grid[1],
+                    grid[2],
+                    stream,
+                    compiled.function,
+                    compiled.packed_metadata,
+                    None,
+                    None,
+                    None,
+                    *args,
+                    *tail,
+                )
             else:
                 compiled[grid[:3]](*args, *tail)
         except (TypeError, ValueError, SystemError, AttributeError) as refused:  # before anything launched
-            log.warning("fp8compile: Triton refused a direct relaunch of %s (%s); using its own launch path",
-                        getattr(self.kernel, "__name__", self.kernel), refused)
+            log.warning(
+                "fp8compile: Triton refused a direct relaunch of %s (%s); using its own launch path",
+                getattr(self.kernel, "__name__", self.kernel),
+                refused,
+            )
             self.relaunch = False
             self.kernel[grid[:3]](*args, **constexprs, **options)

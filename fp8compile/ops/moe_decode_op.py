@@ -16,6 +16,7 @@ sizes, so the numbers are the op's, bit for bit (tests/test_moe_kernels.py). `de
 where that holds. The expert weights come in FP8 (the graph's derived inputs), not as the bf16
 parameters plus a lookup.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,15 +33,29 @@ def decode_fits(num_experts: int, top_k: int, max_tokens: int) -> bool:
     """Whether moe_decode serves 1..max_tokens tokens of top_k of num_experts experts with
     moe_triton's own choices: routing in one program and its smallest row blocks throughout."""
     slots = max_tokens * top_k
-    return (slots <= triton_moe.ROUTE_ONE_PROGRAM_MAX_SLOTS
-            and triton_moe.block_m_for(slots, num_experts) == triton_moe.BLOCK_M_CHOICES[0])
+    return (
+        slots <= triton_moe.ROUTE_ONE_PROGRAM_MAX_SLOTS
+        and triton_moe.block_m_for(slots, num_experts) == triton_moe.BLOCK_M_CHOICES[0]
+    )
 
 
 @triton_op("fp8compile::moe_decode", mutates_args=())
-def moe_decode(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_fp8: Tensor, w13_scale: Tensor,
-               w2_fp8: Tensor, w2_scale: Tensor, b13: Tensor | None = None, b2: Tensor | None = None,
-               e8m0: bool = False, max_tokens: int = 32, activation: str = "silu", alpha: float = 1.702,
-               limit: float = 7.0) -> Tensor:
+def moe_decode(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13_fp8: Tensor,
+    w13_scale: Tensor,
+    w2_fp8: Tensor,
+    w2_scale: Tensor,
+    b13: Tensor | None = None,
+    b2: Tensor | None = None,
+    e8m0: bool = False,
+    max_tokens: int = 32,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> Tensor:
     """triton_moe.moe_triton for T <= max_tokens tokens (decode_fits): x (T, H), topk_ids and
     topk_weights (T, k), w13_fp8 (E, 2I, H) with w13_scale (E, 2I/128, H/128), w2_fp8 (E, H, I)
     with w2_scale, biases b13 (E, 2I) and b2 (E, H) in fp8_experts' row order -> (T, H) x.dtype."""
@@ -49,9 +64,11 @@ def moe_decode(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_fp8: Tenso
     if isinstance(t, int) and t == 0:
         return x.new_zeros(x.shape)
     if not decode_fits(num_experts, top_k, max_tokens):
-        raise ValueError(f"moe_decode serves up to {triton_moe.ROUTE_ONE_PROGRAM_MAX_SLOTS} slots in "
-                         f"{triton_moe.BLOCK_M_CHOICES[0]}-row blocks; {max_tokens} tokens x top-{top_k} of "
-                         f"{num_experts} experts is past that")
+        raise ValueError(
+            f"moe_decode serves up to {triton_moe.ROUTE_ONE_PROGRAM_MAX_SLOTS} slots in "
+            f"{triton_moe.BLOCK_M_CHOICES[0]}-row blocks; {max_tokens} tokens x top-{top_k} of "
+            f"{num_experts} experts is past that"
+        )
     if isinstance(t, int) and t > max_tokens:  # traced, T is the dispatch's symbol: its cond branch bounds it
         raise ValueError(f"moe_decode was built for up to {max_tokens} tokens, got {t}")
     block_m = triton_moe.BLOCK_M_CHOICES[0]
@@ -62,8 +79,10 @@ def moe_decode(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_fp8: Tenso
     capacity = triton_moe.route_capacity(s, num_experts, block_m)
     slots = torch.empty(capacity, dtype=torch.int32, device=device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
-    launch(triton_moe._route_kernel,
-           *triton_moe.route_kernel_arguments(topk_ids, slots, block_expert, num_experts, block_m, max_tokens * top_k))
+    launch(
+        triton_moe._route_kernel,
+        *triton_moe.route_kernel_arguments(topk_ids, slots, block_expert, num_experts, block_m, max_tokens * top_k),
+    )
     # 2. the tokens, quantized once
     rows = min(QUANT_ROWS, next_pow2(max_tokens))
     x_fp8, x_scale = quant_act(x, None, e8m0, activation, alpha, limit, rows)
@@ -76,14 +95,20 @@ def moe_decode(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_fp8: Tenso
     c2 = _grouped_gemm(h_fp8, h_scale, w2_fp8, w2_scale, None, slots, block_expert, s, 1, block_m)
     # 6. the top-k sum, in slot order
     out = torch.empty(t, h, dtype=x.dtype, device=device)
-    launch(triton_moe._topk_sum_kernel,
-           *triton_moe.topk_sum_arguments(c2, topk_ids, topk_weights, num_experts, b2, None, out))
+    launch(
+        triton_moe._topk_sum_kernel,
+        *triton_moe.topk_sum_arguments(c2, topk_ids, topk_weights, num_experts, b2, None, out),
+    )
     return out
 
 
 def _grouped_gemm(a, a_scale, w_fp8, w_scale, bias, slots, block_expert, num_slots, rows_per_a, block_m):
     """triton_moe.grouped_gemm as a traced launch: (S, N) bf16, row `slot` of its expert's product."""
     c = torch.empty(num_slots, int(w_fp8.shape[1]), dtype=torch.bfloat16, device=a.device)
-    launch(triton_moe._moe_gemm_kernel, *triton_moe.grouped_gemm_arguments(
-        a, a_scale, w_fp8, w_scale, bias, c, slots, block_expert, num_slots, rows_per_a, block_m))
+    launch(
+        triton_moe._moe_gemm_kernel,
+        *triton_moe.grouped_gemm_arguments(
+            a, a_scale, w_fp8, w_scale, bias, c, slots, block_expert, num_slots, rows_per_a, block_m
+        ),
+    )
     return c

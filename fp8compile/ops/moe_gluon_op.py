@@ -17,6 +17,7 @@ Gluon path (`fits`),
 and the body makes its choices (tiles, row blocks, chunked routing), so the numbers are the op's,
 bit for bit (tests/test_gpu.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,16 +39,26 @@ def fits(num_experts: int, top_k: int, tokens_from: int, two_i: int, hidden: int
     """Whether moe_gluon serves every token count from tokens_from up as moe_triton does: on the
     Gluon path (enough slots per expert; not batch-invariant, which the caller checks) with
     experts of these sizes on this device."""
-    return (tokens_from >= min_tokens(num_experts, top_k)
-            and gluon_gemm.why_not_grouped_shape(hidden, two_i, device) is None
-            and gluon_gemm.why_not_grouped_shape(two_i // 2, hidden, device) is None)
+    return (
+        tokens_from >= min_tokens(num_experts, top_k)
+        and gluon_gemm.why_not_grouped_shape(hidden, two_i, device) is None
+        and gluon_gemm.why_not_grouped_shape(two_i // 2, hidden, device) is None
+    )
 
 
-def gluon_grouped_gemm(a: Tensor, a_scale: Tensor, w_fp8: Tensor, w_scale: Tensor, block_expert: Tensor,
-                       bias: Tensor | None = None, block_m: int = 64) -> Tensor:
+def gluon_grouped_gemm(
+    a: Tensor,
+    a_scale: Tensor,
+    w_fp8: Tensor,
+    w_scale: Tensor,
+    block_expert: Tensor,
+    bias: Tensor | None = None,
+    block_m: int = 64,
+) -> Tensor:
     """gluon_gemm.grouped_gemm with the grouped config of block_m-row blocks: (R, N) bf16."""
-    return gluon_gemm.grouped_gemm(a, a_scale, w_fp8, w_scale, block_expert, bias,
-                                   config=gluon_gemm.config_of_rows(block_m))
+    return gluon_gemm.grouped_gemm(
+        a, a_scale, w_fp8, w_scale, block_expert, bias, config=gluon_gemm.config_of_rows(block_m)
+    )
 
 
 # Registered as custom.py registers our ops (a schema and a CompositeExplicitAutograd kernel), not
@@ -64,10 +75,22 @@ def _(a, a_scale, w_fp8, w_scale, block_expert, bias=None, block_m=64):
 
 
 @triton_op("fp8compile::moe_gluon", mutates_args=())
-def moe_gluon(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_fp8: Tensor, w13_scale: Tensor,
-              w2_fp8: Tensor, w2_scale: Tensor, b13: Tensor | None = None, b2: Tensor | None = None,
-              e8m0: bool = False, tokens_from: int = 1, activation: str = "silu", alpha: float = 1.702,
-              limit: float = 7.0) -> Tensor:
+def moe_gluon(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13_fp8: Tensor,
+    w13_scale: Tensor,
+    w2_fp8: Tensor,
+    w2_scale: Tensor,
+    b13: Tensor | None = None,
+    b2: Tensor | None = None,
+    e8m0: bool = False,
+    tokens_from: int = 1,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> Tensor:
     """triton_moe.moe_gluon for T >= tokens_from tokens (min_tokens or more): x (T, H), topk_ids
     and topk_weights (T, k), w13_fp8 (E, 2I, H) with w13_scale (E, 2I/128, H/128), w2_fp8 (E, H, I)
     with w2_scale, biases b13 (E, 2I) and b2 (E, H) in fp8_experts' row order -> (T, H) x.dtype."""
@@ -75,8 +98,10 @@ def moe_gluon(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_fp8: Tensor
     num_experts, two_i, h = (int(size) for size in w13_fp8.shape)
     least = min_tokens(num_experts, top_k)
     if tokens_from < least:
-        raise ValueError(f"moe_gluon serves {least} tokens and more for top-{top_k} of {num_experts} experts "
-                         f"(moe_triton's Gluon path); asked from {tokens_from}")
+        raise ValueError(
+            f"moe_gluon serves {least} tokens and more for top-{top_k} of {num_experts} experts "
+            f"(moe_triton's Gluon path); asked from {tokens_from}"
+        )
     if isinstance(t, int) and t < tokens_from:  # traced, T is the dispatch's symbol: its cond branch bounds it
         raise ValueError(f"moe_gluon was built for {tokens_from} tokens and more, got {t}")
     block_m = gluon_gemm.grouped_config(two_i, int(w2_fp8.shape[1]))["BLOCK_M"]
@@ -91,15 +116,18 @@ def moe_gluon(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_fp8: Tensor
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
     hist, start = triton_moe.route_chunked_scratch(s, num_experts, device)
     kernels = (triton_moe._route_count_kernel, triton_moe._route_scan_kernel, triton_moe._route_place_kernel)
-    for kernel, arguments in zip(kernels, triton_moe.route_chunked_arguments(topk_ids, slots, block_expert, hist,
-                                                                              start, num_experts, block_m)):
+    for kernel, arguments in zip(
+        kernels, triton_moe.route_chunked_arguments(topk_ids, slots, block_expert, hist, start, num_experts, block_m)
+    ):
         launch(kernel, *arguments)
     # 2. the tokens quantized into routed order
     a = torch.empty(capacity, h, dtype=torch.float8_e4m3fn, device=device)
     a_scale = torch.empty(capacity, h // BLOCK, dtype=torch.float32, device=device)
     rows = torch.empty(s, dtype=torch.int32, device=device)
-    launch(triton_moe._gather_quant_kernel,
-           *triton_moe.gather_quant_arguments(x, slots, block_expert, a, a_scale, rows, top_k, block_m, e8m0))
+    launch(
+        triton_moe._gather_quant_kernel,
+        *triton_moe.gather_quant_arguments(x, slots, block_expert, a, a_scale, rows, top_k, block_m, e8m0),
+    )
     # 3. gate | up of every routed row
     c1 = torch.ops.fp8compile.gluon_grouped_gemm(a, a_scale, w13_fp8, w13_scale, block_expert, b13, block_m)
     # 4. act(gate, up), quantized (QUANT_ROWS rows a program, as quant_act takes at these sizes)
@@ -109,6 +137,8 @@ def moe_gluon(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13_fp8: Tensor
     c2 = torch.ops.fp8compile.gluon_grouped_gemm(h_fp8, h_scale, w2_fp8, w2_scale, block_expert, None, block_m)
     # 6. the top-k sum, each slot's row read through `rows`
     out = torch.empty(t, h, dtype=x.dtype, device=device)
-    launch(triton_moe._topk_sum_kernel,
-           *triton_moe.topk_sum_arguments(c2, topk_ids, topk_weights, num_experts, b2, rows, out))
+    launch(
+        triton_moe._topk_sum_kernel,
+        *triton_moe.topk_sum_arguments(c2, topk_ids, topk_weights, num_experts, b2, rows, out),
+    )
     return out

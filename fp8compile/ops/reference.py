@@ -5,6 +5,7 @@ Layouts (M tokens, N output features, K input features, G = K / 128 groups):
   w (N, K) bf16        -> w_fp8 (N, K) e4m3fn, w_scale (ceil(N/128), G) fp32
   out[m, n] = sum_g (x_fp8[m, g] . w_fp8[n, g]) * x_scale[m, g] * w_scale[n // 128, g]
 """
+
 from __future__ import annotations
 
 import torch
@@ -99,8 +100,9 @@ def linear_block(
 GATED_ACTIVATIONS = ("silu", "swigluoai")
 
 
-def gated(a: torch.Tensor, b: torch.Tensor, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0
-          ) -> torch.Tensor:
+def gated(
+    a: torch.Tensor, b: torch.Tensor, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0
+) -> torch.Tensor:
     """act(a, b) in fp32, not rounded to bf16 in between: the fused op's intermediate."""
     a, b = a.float(), b.float()
     if activation == "silu":
@@ -137,9 +139,9 @@ def dequant_act_block(x_fp8: torch.Tensor, x_scale: torch.Tensor) -> torch.Tenso
     return x_fp8.float() * x_scale.repeat_interleave(BLOCK, dim=1)
 
 
-
-def _routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-            expert) -> torch.Tensor:
+def _routed(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, expert
+) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert(topk_ids[t, j], x[t]) in fp32, written in x.dtype; slots
     routed outside [0, num_experts) (expert-parallel sentinels) contribute nothing."""
     t, k = topk_ids.shape
@@ -191,8 +193,9 @@ def moe_block(
         if b13 is not None:
             h = h + b13[e].float()
         h = h.to(x.dtype)
-        y = linear_block(gated(h[:, :half], h[:, half:], activation, alpha, limit), w2_fp8[e], w2_scale[e], None,
-                         e8m0, torch.float32)
+        y = linear_block(
+            gated(h[:, :half], h[:, half:], activation, alpha, limit), w2_fp8[e], w2_scale[e], None, e8m0, torch.float32
+        )
         return y if b2 is None else y + b2[e].float()
 
     return _routed(x, topk_ids, topk_weights, w13_fp8.shape[0], expert)

@@ -15,6 +15,7 @@ block-scaled GEMM. It serves M >= 8 (cuBLAS refuses fewer rows; the dispatch giv
 Its definition is the cuBLAS backend's, which tests/test_gpu.py holds to the fp32 product; the
 traced op gives that backend's bits (tests/test_gpu.py, the default-mode cuBLAS side).
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,9 +27,17 @@ from . import triton_quant
 
 
 @triton_op("fp8compile::linear_scaled_mm", mutates_args=())
-def linear_scaled_mm(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None = None, e8m0: bool = False,
-                     b: Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
-                     limit: float = 7.0) -> Tensor:
+def linear_scaled_mm(
+    x: Tensor,
+    w_fp8: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None = None,
+    e8m0: bool = False,
+    b: Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> Tensor:
     """bf16 x (M, K), M >= 8, times the block-quantized weight (w_fp8 (N, K) e4m3fn, w_scale
     (ceil(N/128), K/128) fp32) (+ bias) -> bf16 (M, N), through cuBLAS. With b (M, K): the gated
     MLP's down projection, on act(x, b) (reference.gated), never rounded to bf16."""

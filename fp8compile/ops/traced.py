@@ -1,6 +1,7 @@
 """Kernel launches written for tracing: the bodies of our torch.library.triton_ops
 (moe_decode_op.py, moe_gluon_op.py) launch through these, so AOTAutograd's trace records each
 launch (wrap_triton) and Inductor's generated code makes it, with the buffers Inductor allocates."""
+
 from __future__ import annotations
 
 import torch
@@ -21,7 +22,6 @@ def quant_act(x, b, e8m0: bool, activation: str, alpha: float, limit: float, row
     m, k = x.shape
     x_fp8 = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(m, k // BLOCK, dtype=torch.float32, device=x.device)
-    grid, args, constexprs = triton_quant.quant_act_arguments(x, b, x_fp8, scale, e8m0, activation, alpha, limit,
-                                                              rows)
+    grid, args, constexprs = triton_quant.quant_act_arguments(x, b, x_fp8, scale, e8m0, activation, alpha, limit, rows)
     launch(triton_quant._quant_act_kernel, grid, args, constexprs, dict(num_warps=4))
     return x_fp8, scale

@@ -18,6 +18,7 @@ Two kernels, because decode and prefill are different problems:
 
 Shape letters: M tokens, N output features, K input features, G = K / 128.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,10 +42,33 @@ def _tile_position(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _gemm_large_m_kernel(a_ptr, a_desc, a_s_ptr, b_ptr, b_desc, b_s_ptr, bias_ptr, c_ptr, M, N, K,
-                         stride_am, stride_asm, stride_asg, stride_bn, stride_bsn, stride_bsg, stride_cm,
-                         HAS_BIAS: tl.constexpr, TMA: tl.constexpr, FLATTEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _gemm_large_m_kernel(
+    a_ptr,
+    a_desc,
+    a_s_ptr,
+    b_ptr,
+    b_desc,
+    b_s_ptr,
+    bias_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_asm,
+    stride_asg,
+    stride_bn,
+    stride_bsn,
+    stride_bsg,
+    stride_cm,
+    HAS_BIAS: tl.constexpr,
+    TMA: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -79,18 +103,51 @@ def _gemm_large_m_kernel(a_ptr, a_desc, a_s_ptr, b_ptr, b_desc, b_s_ptr, bias_pt
 @triton.jit
 def _prefetch_l2(ptrs):
     """Ask L2 for the 128-byte lines at ptrs (no registers filled, nothing waited on)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit
-def _linear_small_m_kernel(x_ptr, x_desc, b_ptr, w_ptr, w_desc, w_s_ptr, bias_ptr, out_ptr, partial_ptr,
-                           arrivals_ptr, M, N, K,
-                           stride_xm, stride_xk, stride_bm, stride_bk, stride_wn, stride_wsn, stride_wsg, stride_om,
-                           eps, fp8_max, alpha, limit, E8M0: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           TMA: tl.constexpr, ACT_TMA: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
-                           PREFETCH: tl.constexpr,
-                           SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+def _linear_small_m_kernel(
+    x_ptr,
+    x_desc,
+    b_ptr,
+    w_ptr,
+    w_desc,
+    w_s_ptr,
+    bias_ptr,
+    out_ptr,
+    partial_ptr,
+    arrivals_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_bm,
+    stride_bk,
+    stride_wn,
+    stride_wsn,
+    stride_wsg,
+    stride_om,
+    eps,
+    fp8_max,
+    alpha,
+    limit,
+    E8M0: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    TMA: tl.constexpr,
+    ACT_TMA: tl.constexpr,
+    PDL: tl.constexpr,
+    TRIGGER: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # Float arguments in fp32 whatever the launcher typed them as (Inductor passes Python floats as fp64).
@@ -126,8 +183,20 @@ def _linear_small_m_kernel(x_ptr, x_desc, b_ptr, w_ptr, w_desc, w_s_ptr, bias_pt
             tl.static_assert(ACT == 0, "TMA activation tiles serve plain linears only")
             x = x_desc.load([0, g * GROUP]).to(tl.float32)
         else:
-            x = load_activation(x_ptr, b_ptr, offs_m, g * GROUP + offs_k, stride_xm, stride_xk, stride_bm, stride_bk,
-                                offs_m[:, None] < M, alpha, limit, ACT)
+            x = load_activation(
+                x_ptr,
+                b_ptr,
+                offs_m,
+                g * GROUP + offs_k,
+                stride_xm,
+                stride_xk,
+                stride_bm,
+                stride_bk,
+                offs_m[:, None] < M,
+                alpha,
+                limit,
+                ACT,
+            )
         x_fp8, x_s = quant_group(x, eps, fp8_max, E8M0)  # padding rows: zeros, finite scale
         if TMA:  # bulk tensor copy; rows past N arrive as zeros
             w = w_desc.load([pid_n * BLOCK_N, g * GROUP])
@@ -236,12 +305,15 @@ def gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bflo
     n = w_fp8.shape[0]
     if config is None and tma is None and m > TILE_SWITCH_M and _gluon_runs(x_fp8, w_fp8, out_dtype):
         from . import gluon_gemm
+
         return gluon_gemm.gemm(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
     out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
     if m == 0:
         return out
-    cfg = dict(config or (INTERPRETER_CONFIG if _interpreting(x_fp8) else
-                          SMALL_TILE_CONFIG if m <= TILE_SWITCH_M else LARGE_M_CONFIG))
+    cfg = dict(
+        config
+        or (INTERPRETER_CONFIG if _interpreting(x_fp8) else SMALL_TILE_CONFIG if m <= TILE_SWITCH_M else LARGE_M_CONFIG)
+    )
     from_config = cfg.pop("tma", None)
     tma = from_config if tma is None else tma
     tma = (tma_pays_off(x_fp8.device) if tma is None else tma) and use_tma(x_fp8) and use_tma(w_fp8)
@@ -253,10 +325,29 @@ def gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bflo
     programs = min(tiles, per_sm * sms) if per_sm else tiles
     descriptors = (_descriptor(x_fp8, cfg["BLOCK_M"]), _descriptor(w_fp8, cfg["BLOCK_N"])) if tma else (x_fp8, w_fp8)
     _gemm_large_m_kernel[(programs,)](
-        x_fp8, descriptors[0], x_scale, w_fp8, descriptors[1], w_scale, bias if bias is not None else w_scale, out,
-        m, n, k, x_fp8.stride(0), x_scale.stride(0), x_scale.stride(1), w_fp8.stride(0), w_scale.stride(0),
-        w_scale.stride(1), out.stride(0), HAS_BIAS=bias is not None, TMA=tma, FLATTEN=programs < tiles,
-        BLOCK_K=BLOCK, **cfg,
+        x_fp8,
+        descriptors[0],
+        x_scale,
+        w_fp8,
+        descriptors[1],
+        w_scale,
+        bias if bias is not None else w_scale,
+        out,
+        m,
+        n,
+        k,
+        x_fp8.stride(0),
+        x_scale.stride(0),
+        x_scale.stride(1),
+        w_fp8.stride(0),
+        w_scale.stride(0),
+        w_scale.stride(1),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        TMA=tma,
+        FLATTEN=programs < tiles,
+        BLOCK_K=BLOCK,
+        **cfg,
     )
     return out
 
@@ -266,6 +357,7 @@ def _gluon_runs(x_fp8, w_fp8, out_dtype) -> bool:
     if not USE_GLUON or x_fp8.device.type != "cuda":
         return False
     from . import gluon_gemm
+
     return gluon_gemm.why_not(x_fp8, w_fp8, out_dtype) is None
 
 
@@ -273,6 +365,7 @@ def large_m_kernel(m: int, n: int, device: torch.device) -> str:
     """Which kernel gemm_large_m runs for M rows and N outputs (`python -m fp8compile backends`)."""
     if m > TILE_SWITCH_M and USE_GLUON and device.type == "cuda" and n % 8 == 0:
         from . import gluon_gemm
+
         if gluon_gemm.IMPORT_ERROR is None and torch.cuda.get_device_capability(device)[0] == 9:
             cfg = gluon_gemm.pick_config(m, n, num_sms(device.index or 0))
             return f"Gluon warp-specialized GEMM, {cfg['BLOCK_M']}x{cfg['BLOCK_N']} tiles"
@@ -288,8 +381,9 @@ def linear_large_m(x, w_fp8, w_scale, bias=None, e8m0=False):
 
 
 @functools.lru_cache(maxsize=1024)
-def small_m_split(n: int, k: int, device: torch.device, block_n: int = SMALL_M_BLOCK_N,
-                  programs_per_sm: int = SMALL_M_PROGRAMS_PER_SM) -> int:
+def small_m_split(
+    n: int, k: int, device: torch.device, block_n: int = SMALL_M_BLOCK_N, programs_per_sm: int = SMALL_M_PROGRAMS_PER_SM
+) -> int:
     """Split-K factor: enough programs to keep every SM streaming, never more splits than groups."""
     if device.type != "cuda":
         return 2  # exercise the split path under the interpreter
@@ -309,8 +403,10 @@ def _arrival_counters(device: torch.device, n_tiles: int) -> torch.Tensor:
     buf = _ARRIVALS.get(device)
     if buf is None or buf.numel() < n_tiles:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the decode kernel's split-K counters would be allocated inside a CUDA graph capture: "
-                               "run the op once on this device before capturing")
+            raise RuntimeError(
+                "the decode kernel's split-K counters would be allocated inside a CUDA graph capture: "
+                "run the op once on this device before capturing"
+            )
         buf = _ARRIVALS[device] = torch.zeros(max(n_tiles, 4096), dtype=torch.int32, device=device)
     return buf
 
@@ -365,20 +461,36 @@ def _descriptor(t: torch.Tensor, rows: int):
 
 
 @functools.lru_cache(maxsize=4096)
-def _small_m_tiles(m: int, n: int, k: int, gated: bool, device: torch.device, block_n: int | None,
-                   split_k: int | None) -> tuple[int, int, int, int]:
+def _small_m_tiles(
+    m: int, n: int, k: int, gated: bool, device: torch.device, block_n: int | None, split_k: int | None
+) -> tuple[int, int, int, int]:
     """(block_m, block_n, split, n_tiles) of the decode kernel for one call signature (cached:
     outside a CUDA graph the launcher's host work is on the critical path)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = block_n or (32 if device.type == "cpu" else SMALL_M_GATED_BLOCK_N if gated else SMALL_M_BLOCK_N)
-    split = split_k or small_m_split(n, k, device, block_n,
-                                     SMALL_M_GATED_PROGRAMS_PER_SM if gated else SMALL_M_PROGRAMS_PER_SM)
+    split = split_k or small_m_split(
+        n, k, device, block_n, SMALL_M_GATED_PROGRAMS_PER_SM if gated else SMALL_M_PROGRAMS_PER_SM
+    )
     return block_m, block_n, split, ceil_div(n, block_n)
 
 
-def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block_n=None, num_stages=None,
-                   b=None, activation="silu", alpha=1.702, limit=7.0, tma=None, pdl=None,
-                   prefetch=SMALL_M_PDL_PREFETCH):
+def linear_small_m(
+    x,
+    w_fp8,
+    w_scale,
+    bias=None,
+    e8m0=False,
+    split_k=None,
+    block_n=None,
+    num_stages=None,
+    b=None,
+    activation="silu",
+    alpha=1.702,
+    limit=7.0,
+    tma=None,
+    pdl=None,
+    prefetch=SMALL_M_PDL_PREFETCH,
+):
     """Fused 1x128 activation quantization + block-scaled GEMM for M <= 64, in one launch:
     bf16 x (..., K) -> bf16 (..., N). With b (same shape as x) the activation is act(x, b).
     tma, pdl: force TMA weight loads / a dependent launch on or off (default: tma_pays_off(),
@@ -410,13 +522,47 @@ def linear_small_m(x, w_fp8, w_scale, bias=None, e8m0=False, split_k=None, block
     act_tma = tma and ACT_TMA and not gated and use_tma(x2)
     _small_m_launch(
         (n_tiles, split),
-        (x2, _descriptor(x2, block_m) if act_tma else x2, b2, w_fp8, _descriptor(w_fp8, block_n) if tma else w_fp8,
-         w_scale, bias if bias is not None else w_scale, out, partial, arrivals, m, n, k,
-         x2.stride(0), x2.stride(1), b2.stride(0), b2.stride(1), w_fp8.stride(0), w_scale.stride(0), w_scale.stride(1),
-         out.stride(0), AMAX_EPS, FP8_MAX, float(alpha), float(limit)),
-        dict(E8M0=e8m0, ACT=activation_code(b, activation), HAS_BIAS=bias is not None, TMA=tma, ACT_TMA=act_tma,
-             PDL=pdl, TRIGGER=trigger or pdl, PREFETCH=prefetch, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n,
-             GROUP=BLOCK),
+        (
+            x2,
+            _descriptor(x2, block_m) if act_tma else x2,
+            b2,
+            w_fp8,
+            _descriptor(w_fp8, block_n) if tma else w_fp8,
+            w_scale,
+            bias if bias is not None else w_scale,
+            out,
+            partial,
+            arrivals,
+            m,
+            n,
+            k,
+            x2.stride(0),
+            x2.stride(1),
+            b2.stride(0),
+            b2.stride(1),
+            w_fp8.stride(0),
+            w_scale.stride(0),
+            w_scale.stride(1),
+            out.stride(0),
+            AMAX_EPS,
+            FP8_MAX,
+            float(alpha),
+            float(limit),
+        ),
+        dict(
+            E8M0=e8m0,
+            ACT=activation_code(b, activation),
+            HAS_BIAS=bias is not None,
+            TMA=tma,
+            ACT_TMA=act_tma,
+            PDL=pdl,
+            TRIGGER=trigger or pdl,
+            PREFETCH=prefetch,
+            SPLIT_K=split,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            GROUP=BLOCK,
+        ),
         **launch,
     )
     return out.reshape(*x.shape[:-1], n)

@@ -25,6 +25,7 @@ each slot's row back through the inverse map. Same 128-wide products, scaled per
 Triton kernel's path (calc_diff < 1e-4 between them), and DeepGEMM's numbers (calc_diff 0.0
 between the two ops on an H100).
 """
+
 from __future__ import annotations
 
 import torch
@@ -76,21 +77,33 @@ def route_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
 
 
 @triton.jit
-def _store_block_experts(block_expert_ptr, padded_end, offs_e, num_experts, capacity, BLOCK_M: tl.constexpr,
-                         BLOCK_B: tl.constexpr):
+def _store_block_experts(
+    block_expert_ptr, padded_end, offs_e, num_experts, capacity, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr
+):
     """block_expert[b] = how many experts end at or before block b's first row (searchsorted
     right over padded_end), -1 past the last expert."""
     for b0 in range(0, capacity // BLOCK_M, BLOCK_B):
         offs_b = b0 + tl.arange(0, BLOCK_B)
         ended = (padded_end[None, :] <= offs_b[:, None] * BLOCK_M) & (offs_e[None, :] < num_experts)
         e_of_b = tl.sum(ended.to(tl.int32), 1)
-        tl.store(block_expert_ptr + offs_b, tl.where(e_of_b < num_experts, e_of_b, -1),
-                 mask=offs_b < capacity // BLOCK_M)
+        tl.store(
+            block_expert_ptr + offs_b, tl.where(e_of_b < num_experts, e_of_b, -1), mask=offs_b < capacity // BLOCK_M
+        )
 
 
 @triton.jit
-def _route_kernel(ids_ptr, slots_ptr, block_expert_ptr, num_slots, num_experts, capacity,
-                  BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+def _route_kernel(
+    ids_ptr,
+    slots_ptr,
+    block_expert_ptr,
+    num_slots,
+    num_experts,
+    capacity,
+    BLOCK_M: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
     """route_torch in one program, for S <= BLOCK_S: a histogram, two prefix sums and one sort of
     (expert, slot) keys give every slot its row; no global memory between the steps."""
     offs_s = tl.arange(0, BLOCK_S)
@@ -173,9 +186,21 @@ _route_count_launch = Launcher(_route_count_kernel)
 
 
 @triton.jit
-def _route_scan_kernel(hist_ptr, start_ptr, slots_ptr, block_expert_ptr, num_slots, num_experts, num_chunks, capacity,
-                       BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
-                       BLOCK_FILL: tl.constexpr):
+def _route_scan_kernel(
+    hist_ptr,
+    start_ptr,
+    slots_ptr,
+    block_expert_ptr,
+    num_slots,
+    num_experts,
+    num_chunks,
+    capacity,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_FILL: tl.constexpr,
+):
     """One program: hist[c, e] becomes the slots of expert e in chunks before c (a scan down the
     chunks), start[e] the first row of expert e; slots is filled with the padding value and
     block_expert written, as in _route_kernel."""
@@ -202,8 +227,9 @@ _route_scan_launch = Launcher(_route_scan_kernel)
 
 
 @triton.jit
-def _route_place_kernel(ids_ptr, hist_ptr, start_ptr, slots_ptr, num_slots, num_experts,
-                        CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+def _route_place_kernel(
+    ids_ptr, hist_ptr, start_ptr, slots_ptr, num_slots, num_experts, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr
+):
     """Each slot of chunk c to its row: its expert's first row + the expert's slots in earlier
     chunks + those earlier in this chunk (a stable order, as route_torch's sort)."""
     c = tl.program_id(0)
@@ -230,9 +256,10 @@ def route_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tup
     slots = torch.empty(capacity, dtype=torch.int32, device=topk_ids.device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=topk_ids.device)
     scratch = route_chunked_scratch(s, num_experts, topk_ids.device)
-    for launcher, launch in zip((_route_count_launch, _route_scan_launch, _route_place_launch),
-                                route_chunked_arguments(topk_ids.contiguous(), slots, block_expert, *scratch,
-                                                        num_experts, block_m)):
+    for launcher, launch in zip(
+        (_route_count_launch, _route_scan_launch, _route_place_launch),
+        route_chunked_arguments(topk_ids.contiguous(), slots, block_expert, *scratch, num_experts, block_m),
+    ):
         _run(launcher, *launch)
     return slots, block_expert
 
@@ -261,18 +288,42 @@ def route_chunked_arguments(topk_ids, slots, block_expert, hist, start, num_expe
     capacity = slots.shape[0]
     return (
         ((num_chunks,), (topk_ids, hist, s, num_experts), dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e), {}),
-        ((1,), (hist, start, slots, block_expert, s, num_experts, num_chunks, capacity),
-         dict(BLOCK_M=block_m, BLOCK_C=max(1, 8192 // block_e), BLOCK_E=block_e, BLOCK_B=32, BLOCK_FILL=1024),
-         dict(num_warps=8)),
+        (
+            (1,),
+            (hist, start, slots, block_expert, s, num_experts, num_chunks, capacity),
+            dict(BLOCK_M=block_m, BLOCK_C=max(1, 8192 // block_e), BLOCK_E=block_e, BLOCK_B=32, BLOCK_FILL=1024),
+            dict(num_warps=8),
+        ),
         ((num_chunks,), (topk_ids, hist, start, slots, s, num_experts), dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e), {}),
     )
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, bias_ptr, c_ptr, slots_ptr, block_expert_ptr,
-                     num_slots, K, rows_per_a,
-                     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_cm,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_gemm_kernel(
+    a_ptr,
+    a_s_ptr,
+    w_ptr,
+    w_s_ptr,
+    bias_ptr,
+    c_ptr,
+    slots_ptr,
+    block_expert_ptr,
+    num_slots,
+    K,
+    rows_per_a,
+    stride_am,
+    stride_asm,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_be,
+    stride_cm,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """c[slot, n tile] = a[slot // rows_per_a] @ w[e].T (block-scaled) + bias[e] for the rows of one block."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -305,9 +356,24 @@ _moe_gemm_launch = Launcher(_moe_gemm_kernel)
 
 
 @triton.jit
-def _gather_quant_kernel(x_ptr, slots_ptr, block_expert_ptr, a_ptr, a_s_ptr, rows_ptr, num_slots, rows_per_a,
-                         stride_xm, stride_am, stride_asm, eps, fp8_max, E8M0: tl.constexpr, BLOCK_M: tl.constexpr,
-                         GROUP: tl.constexpr):
+def _gather_quant_kernel(
+    x_ptr,
+    slots_ptr,
+    block_expert_ptr,
+    a_ptr,
+    a_s_ptr,
+    rows_ptr,
+    num_slots,
+    rows_per_a,
+    stride_xm,
+    stride_am,
+    stride_asm,
+    eps,
+    fp8_max,
+    E8M0: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     """Rows [i * BLOCK_M, (i + 1) * BLOCK_M) of a, group program_id(1): x's row
     slot // rows_per_a for each slot of block i, quantized (quant_group, the numbers of
     quant_act on that row); padding rows quantize zeros. Group 0 also writes rows[slot], the
@@ -345,8 +411,10 @@ def gather_quant(x, slots, block_expert, num_slots: int, rows_per_a: int, block_
     a = torch.empty(r, k, dtype=FP8_DTYPE, device=x.device)
     a_scale = torch.empty(r, k // BLOCK, dtype=torch.float32, device=x.device)
     rows = torch.empty(num_slots, dtype=torch.int32, device=x.device)
-    _run(_gather_quant_launch, *gather_quant_arguments(x, slots, block_expert, a, a_scale, rows, rows_per_a, block_m,
-                                                       e8m0))
+    _run(
+        _gather_quant_launch,
+        *gather_quant_arguments(x, slots, block_expert, a, a_scale, rows, rows_per_a, block_m, e8m0),
+    )
     return a, a_scale, rows
 
 
@@ -354,15 +422,42 @@ def gather_quant_arguments(x, slots, block_expert, a, a_scale, rows, rows_per_a:
     """(grid, args, constexprs, options) of _gather_quant_kernel (x row-major); the one place its
     arguments are laid out (gather_quant, moe_gluon_op)."""
     r, k = a.shape
-    args = (x, slots, block_expert, a, a_scale, rows, rows.shape[0], rows_per_a, x.stride(0), a.stride(0),
-            a_scale.stride(0), AMAX_EPS, FP8_MAX)
+    args = (
+        x,
+        slots,
+        block_expert,
+        a,
+        a_scale,
+        rows,
+        rows.shape[0],
+        rows_per_a,
+        x.stride(0),
+        a.stride(0),
+        a_scale.stride(0),
+        AMAX_EPS,
+        FP8_MAX,
+    )
     return (r // block_m, k // BLOCK), args, dict(E8M0=e8m0, BLOCK_M=block_m, GROUP=BLOCK), dict(num_warps=4)
 
 
 @triton.jit
-def _topk_sum_kernel(c_ptr, rows_ptr, ids_ptr, weights_ptr, bias_ptr, out_ptr, H, num_experts,
-                     stride_cm, stride_be, stride_om,
-                     TOP_K: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr):
+def _topk_sum_kernel(
+    c_ptr,
+    rows_ptr,
+    ids_ptr,
+    weights_ptr,
+    bias_ptr,
+    out_ptr,
+    H,
+    num_experts,
+    stride_cm,
+    stride_be,
+    stride_om,
+    TOP_K: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """out[t] = sum_j weights[t, j] * (c[row of slot t*k+j] + bias[e]) over the slots routed to
     an expert in [0, E), in fp32 and in slot order."""
     t = tl.program_id(0)
@@ -384,15 +479,23 @@ def _topk_sum_kernel(c_ptr, rows_ptr, ids_ptr, weights_ptr, bias_ptr, out_ptr, H
 _topk_sum_launch = Launcher(_topk_sum_kernel)
 
 
-def topk_sum(c: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-             bias: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-             out_dtype=torch.bfloat16) -> torch.Tensor:
+def topk_sum(
+    c: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    bias: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    out_dtype=torch.bfloat16,
+) -> torch.Tensor:
     """Step 6: (T, H) from the per-slot outputs c (rows[slot], or row = slot if rows is None)."""
     t = topk_ids.shape[0]
     out = torch.empty(t, c.shape[1], dtype=out_dtype, device=c.device)
     if t:
-        _run(_topk_sum_launch, *topk_sum_arguments(c, topk_ids.contiguous(), topk_weights.contiguous(), num_experts,
-                                                   bias, rows, out))
+        _run(
+            _topk_sum_launch,
+            *topk_sum_arguments(c, topk_ids.contiguous(), topk_weights.contiguous(), num_experts, bias, rows, out),
+        )
     return out
 
 
@@ -402,30 +505,65 @@ def topk_sum_arguments(c, topk_ids, topk_weights, num_experts: int, bias, rows, 
     t, k = topk_ids.shape
     h = c.shape[1]
     block_h = min(1024, next_pow2(h))
-    args = (c, topk_ids if rows is None else rows, topk_ids, topk_weights, c if bias is None else bias, out, h,
-            num_experts, c.stride(0), 0 if bias is None else bias.stride(0), out.stride(0))
+    args = (
+        c,
+        topk_ids if rows is None else rows,
+        topk_ids,
+        topk_weights,
+        c if bias is None else bias,
+        out,
+        h,
+        num_experts,
+        c.stride(0),
+        0 if bias is None else bias.stride(0),
+        out.stride(0),
+    )
     constexprs = dict(TOP_K=k, HAS_ROWS=rows is not None, HAS_BIAS=bias is not None, BLOCK_H=block_h)
     return (t, ceil_div(h, block_h)), args, constexprs, dict(num_warps=4)
 
 
-def grouped_gemm(a, a_scale, w_fp8, w_scale, bias, slots, block_expert, num_slots: int, rows_per_a: int,
-                 block_m: int) -> torch.Tensor:
+def grouped_gemm(
+    a, a_scale, w_fp8, w_scale, bias, slots, block_expert, num_slots: int, rows_per_a: int, block_m: int
+) -> torch.Tensor:
     """(S, N) bf16: row `slot` = a[slot // rows_per_a] @ w[expert of its block].T (+ bias); rows of
     slots routed nowhere are left unwritten."""
     c = torch.empty(num_slots, w_fp8.shape[1], dtype=torch.bfloat16, device=a.device)
-    _run(_moe_gemm_launch, *grouped_gemm_arguments(a, a_scale, w_fp8, w_scale, bias, c, slots, block_expert,
-                                                   num_slots, rows_per_a, block_m))
+    _run(
+        _moe_gemm_launch,
+        *grouped_gemm_arguments(
+            a, a_scale, w_fp8, w_scale, bias, c, slots, block_expert, num_slots, rows_per_a, block_m
+        ),
+    )
     return c
 
 
-def grouped_gemm_arguments(a, a_scale, w_fp8, w_scale, bias, c, slots, block_expert, num_slots, rows_per_a,
-                           block_m: int):
+def grouped_gemm_arguments(
+    a, a_scale, w_fp8, w_scale, bias, c, slots, block_expert, num_slots, rows_per_a, block_m: int
+):
     """(grid, args, constexprs, options) of _moe_gemm_kernel writing c (S, N); the one place its
     arguments are laid out (grouped_gemm, moe_decode_op)."""
     k = w_fp8.shape[2]
-    args = (a, a_scale, w_fp8, w_scale, c if bias is None else bias, c, slots, block_expert, num_slots, k, rows_per_a,
-            a.stride(0), a_scale.stride(0), w_fp8.stride(0), w_fp8.stride(1), w_scale.stride(0), w_scale.stride(1),
-            0 if bias is None else bias.stride(0), c.stride(0))
+    args = (
+        a,
+        a_scale,
+        w_fp8,
+        w_scale,
+        c if bias is None else bias,
+        c,
+        slots,
+        block_expert,
+        num_slots,
+        k,
+        rows_per_a,
+        a.stride(0),
+        a_scale.stride(0),
+        w_fp8.stride(0),
+        w_fp8.stride(1),
+        w_scale.stride(0),
+        w_scale.stride(1),
+        0 if bias is None else bias.stride(0),
+        c.stride(0),
+    )
     constexprs = dict(HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK)
     return (block_expert.shape[0], w_fp8.shape[1] // BLOCK), args, constexprs, dict(num_warps=4, num_stages=3)
 
@@ -463,7 +601,8 @@ def _gluon_runs(x, w13_fp8, w2_fp8, num_slots: int, batch_invariant: bool) -> bo
 
         fits = _GLUON_FITS[key] = all(
             gluon_gemm.why_not_grouped(torch.empty(0, w.shape[2], dtype=w.dtype, device=x.device), w) is None
-            for w in (w13_fp8, w2_fp8))
+            for w in (w13_fp8, w2_fp8)
+        )
     return fits
 
 
@@ -474,8 +613,22 @@ def _layout_key(w: torch.Tensor) -> tuple:
     return tuple(w.shape), w.stride(), w.dtype, w.data_ptr() % 16 == 0
 
 
-def moe_gluon(x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scale, b13=None, b2=None, e8m0=False,
-              activation="silu", alpha=1.702, limit=7.0, config=None):
+def moe_gluon(
+    x,
+    topk_ids,
+    topk_weights,
+    w13_fp8,
+    w13_scale,
+    w2_fp8,
+    w2_scale,
+    b13=None,
+    b2=None,
+    e8m0=False,
+    activation="silu",
+    alpha=1.702,
+    limit=7.0,
+    config=None,
+):
     """Steps 1-6 with the GEMMs of gluon_gemm.grouped_gemm: the tokens are quantized into
     routed order in one pass (gather_quant), both GEMMs run on row blocks of that order (64 or 128
     rows: gluon_gemm.grouped_config, or config), and the top-k sum reads each slot's row
@@ -491,14 +644,29 @@ def moe_gluon(x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scale, b
     a, a_scale, rows = gather_quant(x, slots, block_expert, s, k, block_m, e8m0)
     c1 = gluon_gemm.grouped_gemm(a, a_scale, w13_fp8, w13_scale, block_expert, b13, config=config)
     half = two_i // 2
-    h_fp8, h_scale = quant_act(c1[:, :half], e8m0, "row", b=c1[:, half:], activation=activation, alpha=alpha,
-                               limit=limit)
+    h_fp8, h_scale = quant_act(
+        c1[:, :half], e8m0, "row", b=c1[:, half:], activation=activation, alpha=alpha, limit=limit
+    )
     c2 = gluon_gemm.grouped_gemm(h_fp8, h_scale, w2_fp8, w2_scale, block_expert, config=config)
     return topk_sum(c2, topk_ids, topk_weights, num_experts, b2, rows=rows, out_dtype=x.dtype)
 
 
-def moe_triton(x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scale, b13=None, b2=None, e8m0=False,
-               activation="silu", alpha=1.702, limit=7.0, batch_invariant=False):
+def moe_triton(
+    x,
+    topk_ids,
+    topk_weights,
+    w13_fp8,
+    w13_scale,
+    w2_fp8,
+    w2_scale,
+    b13=None,
+    b2=None,
+    e8m0=False,
+    activation="silu",
+    alpha=1.702,
+    limit=7.0,
+    batch_invariant=False,
+):
     """fp8compile::moe on the GPU (see the module docstring for the steps)."""
     t, k = topk_ids.shape
     num_experts, two_i, _ = w13_fp8.shape
@@ -506,14 +674,16 @@ def moe_triton(x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scale, 
     if s == 0:
         return x.new_zeros(x.shape)
     if _gluon_runs(x, w13_fp8, w2_fp8, s, batch_invariant):
-        return moe_gluon(x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scale, b13, b2, e8m0, activation,
-                         alpha, limit)
+        return moe_gluon(
+            x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scale, b13, b2, e8m0, activation, alpha, limit
+        )
     block_m = block_m_for(s, num_experts, batch_invariant)
     slots, block_expert = route(topk_ids, num_experts, block_m)
     x_fp8, x_scale = quant_act(x.contiguous(), e8m0, "row")
     c1 = grouped_gemm(x_fp8, x_scale, w13_fp8, w13_scale, b13, slots, block_expert, s, k, block_m)
     half = two_i // 2
-    h_fp8, h_scale = quant_act(c1[:, :half], e8m0, "row", b=c1[:, half:], activation=activation, alpha=alpha,
-                               limit=limit)
+    h_fp8, h_scale = quant_act(
+        c1[:, :half], e8m0, "row", b=c1[:, half:], activation=activation, alpha=alpha, limit=limit
+    )
     c2 = grouped_gemm(h_fp8, h_scale, w2_fp8, w2_scale, None, slots, block_expert, s, 1, block_m)
     return topk_sum(c2, topk_ids, topk_weights, num_experts, b2, out_dtype=x.dtype)

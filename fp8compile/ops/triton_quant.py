@@ -9,6 +9,7 @@ Scale layouts:
   "col"      (M, G) with strides (1, M): column-major, unpadded; what torch._scaled_mm's
              1x128 block scaling accepts (it rejects padded columns).
 """
+
 from __future__ import annotations
 
 import torch
@@ -46,8 +47,9 @@ ACT_CODES = {"silu": 1, "swigluoai": 2}
 
 
 @triton.jit
-def load_activation(x_ptr, b_ptr, rows, cols, stride_xm, stride_xk, stride_bm, stride_bk, mask, alpha, limit,
-                    ACT: tl.constexpr):
+def load_activation(
+    x_ptr, b_ptr, rows, cols, stride_xm, stride_xk, stride_bm, stride_bk, mask, alpha, limit, ACT: tl.constexpr
+):
     """The fp32 (rows, cols) tile to quantize: x itself, or act(x, b) of a gated MLP, never
     rounded to bf16. Masked rows load zeros, so they quantize to zeros. Strided last dims serve
     interleaved gate/up halves (gate_up[..., ::2]) without a copy."""
@@ -63,9 +65,29 @@ def load_activation(x_ptr, b_ptr, rows, cols, stride_xm, stride_xk, stride_bm, s
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, b_ptr, q_ptr, s_ptr, M, M_OUT, stride_xm, stride_xk, stride_bm, stride_bk, stride_qm,
-                      stride_sm, stride_sg, eps, fp8_max, alpha, limit,
-                      E8M0: tl.constexpr, ACT: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):
+def _quant_act_kernel(
+    x_ptr,
+    b_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    M_OUT,
+    stride_xm,
+    stride_xk,
+    stride_bm,
+    stride_bk,
+    stride_qm,
+    stride_sm,
+    stride_sg,
+    eps,
+    fp8_max,
+    alpha,
+    limit,
+    E8M0: tl.constexpr,
+    ACT: tl.constexpr,
+    ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     """Rows < M quantized from x; rows M..M_OUT - 1 written as quantized zeros (padding a GEMM
     needs, without a padded copy of x)."""
     # Float arguments in fp32 whatever the launcher typed them as (Inductor passes Python floats
@@ -75,8 +97,9 @@ def _quant_act_kernel(x_ptr, b_ptr, q_ptr, s_ptr, M, M_OUT, stride_xm, stride_xk
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
-    x = load_activation(x_ptr, b_ptr, rows, cols, stride_xm, stride_xk, stride_bm, stride_bk, rows[:, None] < M,
-                        alpha, limit, ACT)
+    x = load_activation(
+        x_ptr, b_ptr, rows, cols, stride_xm, stride_xk, stride_bm, stride_bk, rows[:, None] < M, alpha, limit, ACT
+    )
     x_fp8, scale = quant_group(x, eps, fp8_max, E8M0)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], x_fp8, mask=rows[:, None] < M_OUT)
     tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale, mask=rows < M_OUT)
@@ -102,9 +125,16 @@ def activation_code(b: torch.Tensor | None, activation: str) -> int:
     return ACT_CODES[activation]
 
 
-def quant_act(x: torch.Tensor, e8m0: bool = False, layout: str = "row", b: torch.Tensor | None = None,
-              activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
-              rows_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_act(
+    x: torch.Tensor,
+    e8m0: bool = False,
+    layout: str = "row",
+    b: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    rows_multiple: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) bf16 (or fp32), K a multiple of 128 -> (x_fp8 (M', K), x_scale (M', K/128)),
     M' = M rounded up to a multiple of rows_multiple, the rows past M quantized zeros.
 
@@ -135,8 +165,25 @@ def quant_act_arguments(x, b, x_fp8, scale, e8m0, activation, alpha, limit, rows
     m_out = x_fp8.shape[0]
     b_ = x if b is None else b
     grid = ((m_out + rows - 1) // rows, k // BLOCK)  # SymInt-safe: no branch on a traced M
-    args = (x, b_, x_fp8, scale, m, m_out, x.stride(0), x.stride(1), b_.stride(0), b_.stride(1), x_fp8.stride(0),
-            scale.stride(0), scale.stride(1), AMAX_EPS, FP8_MAX, float(alpha), float(limit))
+    args = (
+        x,
+        b_,
+        x_fp8,
+        scale,
+        m,
+        m_out,
+        x.stride(0),
+        x.stride(1),
+        b_.stride(0),
+        b_.stride(1),
+        x_fp8.stride(0),
+        scale.stride(0),
+        scale.stride(1),
+        AMAX_EPS,
+        FP8_MAX,
+        float(alpha),
+        float(limit),
+    )
     return grid, args, dict(E8M0=e8m0, ACT=activation_code(b, activation), ROWS=rows, GROUP=BLOCK)
 
 

@@ -6,6 +6,7 @@ Each adapter has the contract of the op it serves: linear_* take bf16 x (..., K)
 w_scale (ceil(N/128), K/128), optional bias (N,) -> bf16 (..., N); gated_linear_* take the
 gated MLP's a and b (..., K) in place of x and run on act(a, b), quantized in one pass.
 """
+
 from __future__ import annotations
 
 import functools
@@ -47,8 +48,9 @@ def _quantized_activation(x, b, e8m0, layout, rows_multiple=1, act=("silu", 1.70
     (activation, alpha, limit)); the quantized rows padded with quantized zeros up to a
     multiple of rows_multiple."""
     x2, b2 = _flat(x), None if b is None else _flat(b)
-    x_fp8, x_scale = quant_act(x2, e8m0, layout, b=b2, activation=act[0], alpha=act[1], limit=act[2],
-                               rows_multiple=rows_multiple)
+    x_fp8, x_scale = quant_act(
+        x2, e8m0, layout, b=b2, activation=act[0], alpha=act[1], limit=act[2], rows_multiple=rows_multiple
+    )
     return x_fp8, x_scale, x2.shape[0]
 
 
@@ -115,8 +117,22 @@ def linear_flashinfer(x, w_fp8, w_scale, bias=None, e8m0=False):
     return _finish(out, x, bias)
 
 
-def moe_deep_gemm(x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scale, b13=None, b2=None, e8m0=False,
-                  activation="silu", alpha=1.702, limit=7.0, batch_invariant=False):
+def moe_deep_gemm(
+    x,
+    topk_ids,
+    topk_weights,
+    w13_fp8,
+    w13_scale,
+    w2_fp8,
+    w2_scale,
+    b13=None,
+    b2=None,
+    e8m0=False,
+    activation="silu",
+    alpha=1.702,
+    limit=7.0,
+    batch_invariant=False,
+):
     """fp8compile::moe through DeepGEMM's m_grouped_fp8_gemm_nt_contiguous: the quantized tokens
     are gathered into the contiguous layout (each expert's rows padded to DeepGEMM's alignment,
     expert id per row, -1 on padding), both expert GEMMs run grouped, and the Triton top-k sum
@@ -138,18 +154,22 @@ def moe_deep_gemm(x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scal
     a_scale = empty_scales(slots.numel(), x_scale.shape[1], "mn_major", x.device)
     a_scale.copy_(x_scale[token])
     c1 = torch.empty(slots.numel(), two_i, dtype=torch.bfloat16, device=x.device)
-    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((x_fp8[token], a_scale), (w13_fp8, w13_scale), c1, row_expert,
-                                               disable_ue8m0_cast=True)
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous(
+        (x_fp8[token], a_scale), (w13_fp8, w13_scale), c1, row_expert, disable_ue8m0_cast=True
+    )
     if b13 is not None:
         c1 += b13[row_expert.clamp(min=0).long()]
     half = two_i // 2
-    h_fp8, h_scale = quant_act(c1[:, :half], e8m0, "mn_major", b=c1[:, half:], activation=activation, alpha=alpha,
-                               limit=limit)
+    h_fp8, h_scale = quant_act(
+        c1[:, :half], e8m0, "mn_major", b=c1[:, half:], activation=activation, alpha=alpha, limit=limit
+    )
     c2 = torch.empty(slots.numel(), w2_fp8.shape[1], dtype=torch.bfloat16, device=x.device)
-    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((h_fp8, h_scale), (w2_fp8, w2_scale), c2, row_expert,
-                                               disable_ue8m0_cast=True)
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous(
+        (h_fp8, h_scale), (w2_fp8, w2_scale), c2, row_expert, disable_ue8m0_cast=True
+    )
     # Row of each slot in the contiguous layout (slots routed nowhere point at row 0 and are skipped).
     row_of_slot = torch.zeros(s + 1, dtype=torch.int32, device=x.device)
-    row_of_slot.scatter_(0, torch.where(is_slot, slots, s).long(), torch.arange(slots.numel(), dtype=torch.int32,
-                                                                                  device=x.device))
+    row_of_slot.scatter_(
+        0, torch.where(is_slot, slots, s).long(), torch.arange(slots.numel(), dtype=torch.int32, device=x.device)
+    )
     return topk_sum(c2, topk_ids, topk_weights, num_experts, b2, rows=row_of_slot[:s], out_dtype=x.dtype)

@@ -1,5 +1,6 @@
 """FX passes over the ATen inference graph. Each pass matches, checks and rewrites in place,
 recording every rewrite and every candidate it leaves in bf16 on the context's report."""
+
 from __future__ import annotations
 
 from .context import GraphInputs, PassContext
@@ -12,8 +13,13 @@ from .silu_mul import silu_mul_pass
 
 # Order matters: a fusion claims its down projection before linear_pass sees it as a plain linear.
 # Each fusion runs when its name is in Fp8Config.fusions; linear_pass always runs, last.
-FUSION_PASSES = {"gqa_attention": gqa_attention_pass, "moe": moe_pass, "gate_up": gate_up_pass, "qkv": qkv_pass,
-                 "silu_mul": silu_mul_pass}
+FUSION_PASSES = {
+    "gqa_attention": gqa_attention_pass,
+    "moe": moe_pass,
+    "gate_up": gate_up_pass,
+    "qkv": qkv_pass,
+    "silu_mul": silu_mul_pass,
+}
 PASSES = (*FUSION_PASSES.values(), linear_pass)
 
 

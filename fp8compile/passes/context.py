@@ -8,6 +8,7 @@ stale stride there is a crash or wrong numbers); no weight values enter the grap
 stay inputs, and their FP8 copies are inputs the backend derives from them per call:
 derived_inputs, fp8compile/derived.py); no new aliasing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,11 @@ def qualified_name(source_name: str) -> str:
     same way: "L['self']._modules['norm'].variance_epsilon" -> "norm.variance_epsilon". A local
     root (the compiled module, whatever Dynamo calls it: self, fn, an argument) is dropped; a
     global's name is kept."""
-    keys = [key or attr for key, attr in re.findall(r"\[['\"]?([^'\"\]]+)['\"]?\]|\.(\w+)", source_name)
-            if attr not in _MODULE_DICTS]
+    keys = [
+        key or attr
+        for key, attr in re.findall(r"\[['\"]?([^'\"\]]+)['\"]?\]|\.(\w+)", source_name)
+        if attr not in _MODULE_DICTS
+    ]
     if keys and source_name.startswith("L[") and len(keys) > 1:
         keys = keys[1:]
     return ".".join(keys) or source_name
@@ -77,16 +81,25 @@ class GraphInputs:
         for node, value in zip(placeholders, self.values):
             fake = node.meta.get("val")
             if isinstance(value, torch.Tensor) != isinstance(fake, torch.Tensor):
-                return (f"input {node.name} is a {type(fake).__name__} in the graph but {type(value).__name__} "
-                        "from Dynamo")
+                return (
+                    f"input {node.name} is a {type(fake).__name__} in the graph but {type(value).__name__} from Dynamo"
+                )
             if isinstance(value, torch.Tensor) and value.dtype != fake.dtype:
                 return f"input {node.name} has dtype {fake.dtype} in the graph but {value.dtype} from Dynamo"
         return {node: (value, name) for node, value, name in zip(placeholders, self.values, self.names)}
 
 
 class PassContext:
-    def __init__(self, gm: fx.GraphModule, inputs: dict[fx.Node, tuple[Any, str | None]], config: Fp8Config,
-                 report: Report, graph_index: int, fake_mode, cuda_graphs: bool = False):
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        inputs: dict[fx.Node, tuple[Any, str | None]],
+        config: Fp8Config,
+        report: Report,
+        graph_index: int,
+        fake_mode,
+        cuda_graphs: bool = False,
+    ):
         self.gm = gm
         self.inputs = inputs
         self.config = config
@@ -111,8 +124,13 @@ class PassContext:
         """How the backend computes the appended inputs, in input order."""
         return [record for record, _ in self._derived.values()]
 
-    def derived_inputs(self, key: tuple, names: Sequence[str], sources: Sequence[fx.Node],
-                       make: Callable[..., tuple[torch.Tensor, ...]]) -> tuple[fx.Node, ...]:
+    def derived_inputs(
+        self,
+        key: tuple,
+        names: Sequence[str],
+        sources: Sequence[fx.Node],
+        make: Callable[..., tuple[torch.Tensor, ...]],
+    ) -> tuple[fx.Node, ...]:
         """Placeholders (one per name) for make(*the real tensors behind sources), appended to the graph's
         inputs: made once now (compile time, so the FP8 copy of a weight is ready before any
         call), then by the compiled graph's wrapper per call from the tensors passed. The same

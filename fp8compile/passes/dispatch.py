@@ -7,6 +7,7 @@ ranges where measurement found one kernel fastest (autotune.py); n ranges are n 
 conds. Adjacent ranges that get the same kernel merge, so a site whose ranges all get one
 kernel (static M, batch-invariant mode, a single backend) has no cond at all.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -92,8 +93,10 @@ def split(sides: list[Side], at: int, kernel: str | None = None) -> list[Side]:
     out = []
     for side in sides:
         if side.m_min < at and (side.m_max is None or at <= side.m_max) and kernel in (None, side.kernel):
-            out += [Side(_label(side.m_min, at - 1), side.kernel, at - 1, side.m_min),
-                    Side(_label(at, side.m_max), side.kernel, side.m_max, at)]
+            out += [
+                Side(_label(side.m_min, at - 1), side.kernel, at - 1, side.m_min),
+                Side(_label(at, side.m_max), side.kernel, side.m_max, at),
+            ]
         else:
             out.append(side)
     return out
@@ -144,16 +147,18 @@ def _placeholders(graph: fx.Graph, operands: list[fx.Node]) -> dict[fx.Node, fx.
     return inner
 
 
-def _branch(ctx: PassContext, target, operands: list[fx.Node], args: tuple, kwargs: dict, sides: list[Side],
-            m_source: fx.Node) -> fx.GraphModule:
+def _branch(
+    ctx: PassContext, target, operands: list[fx.Node], args: tuple, kwargs: dict, sides: list[Side], m_source: fx.Node
+) -> fx.GraphModule:
     """GraphModule(*operands) -> (out,): target(*args, **kwargs) with the one side's kernel, or,
     for several sides, the cond between them (a nested cond)."""
     graph = fx.Graph()
     inner = _placeholders(graph, operands)
     owner = torch.nn.Module()
     args, kwargs = fx.node.map_arg((args, kwargs), inner.__getitem__)
-    out = _dispatch(ctx, graph, owner, lambda side: side, target, list(inner.values()), args, kwargs,
-                    inner[m_source], sides)
+    out = _dispatch(
+        ctx, graph, owner, lambda side: side, target, list(inner.values()), args, kwargs, inner[m_source], sides
+    )
     graph.output((out,))
     return fx.GraphModule(owner, graph)
 
@@ -215,13 +220,16 @@ def _symbol_operands(ctx: PassContext, operands: list[fx.Node]) -> list[fx.Node]
                 bound[val.node.expr] = node
     missing = symbols - bound.keys()
     if missing:
-        raise NoDispatch(f"dynamic sizes {sorted(map(str, missing))} are not graph inputs (data-dependent?), "
-                         "so no torch.cond over M can be built")
+        raise NoDispatch(
+            f"dynamic sizes {sorted(map(str, missing))} are not graph inputs (data-dependent?), "
+            "so no torch.cond over M can be built"
+        )
     return [bound[s] for s in sorted(bound, key=str)]
 
 
-def emit(ctx: PassContext, target, args: tuple, kwargs: dict, m_source: fx.Node, sides: list[Side],
-         name: str) -> fx.Node:
+def emit(
+    ctx: PassContext, target, args: tuple, kwargs: dict, m_source: fx.Node, sides: list[Side], name: str
+) -> fx.Node:
     """Insert target(*args, **kwargs, backend=...) at the current insertion point, dispatched on
     M = m_source's rows over `sides` (from plan). Returns the output node."""
     operands: list[fx.Node] = []  # the tensors the branches read, each once
@@ -235,21 +243,38 @@ def emit(ctx: PassContext, target, args: tuple, kwargs: dict, m_source: fx.Node,
         # branch modules: Inductor lowers and compiles a subgraph once per attribute name.
         key = _signature(target, operands, args, kwargs, m_source, sides)
         if key in ctx.dispatch_branches:
-            return _cond(ctx, ctx.gm.graph, ctx.dispatch_branches[key], target, operands, args, kwargs, m_source,
-                         sides[0])
-    out = _dispatch(ctx, ctx.gm.graph, ctx.gm, lambda side: ctx.attr_name(f"{name}_{side}"), target, operands,
-                    args, kwargs, m_source, sides)
+            return _cond(
+                ctx, ctx.gm.graph, ctx.dispatch_branches[key], target, operands, args, kwargs, m_source, sides[0]
+            )
+    out = _dispatch(
+        ctx,
+        ctx.gm.graph,
+        ctx.gm,
+        lambda side: ctx.attr_name(f"{name}_{side}"),
+        target,
+        operands,
+        args,
+        kwargs,
+        m_source,
+        sides,
+    )
     if len(sides) > 1:
         cond = out.args[0]
         ctx.dispatch_branches[key] = [branch.target for branch in cond.args[1:3]]
     return out
 
 
-def _signature(target, operands: list[fx.Node], args: tuple, kwargs: dict, m_source: fx.Node,
-               sides: list[Side]) -> tuple:
+def _signature(
+    target, operands: list[fx.Node], args: tuple, kwargs: dict, m_source: fx.Node, sides: list[Side]
+) -> tuple:
     """What a call site's branches depend on: the op, its constants and where each operand goes,
     the kernels per side, and each operand's dtype, sizes and strides (symbolic expressions)."""
     position = {node: i for i, node in enumerate(operands)}
     where = fx.node.map_arg((args, kwargs), lambda node: f"operand {position[node]}")
-    return (target, repr(where), position[m_source], tuple(sides),
-            tuple(signature(node.meta["val"]) for node in operands))
+    return (
+        target,
+        repr(where),
+        position[m_source],
+        tuple(sides),
+        tuple(signature(node.meta["val"]) for node in operands),
+    )

@@ -11,6 +11,7 @@ product (silu_mul_pattern), with parameter weights stored the same way, both wit
 neither (the biases are stacked like the weights), each of which the linear pass would
 rewrite. Runs before silu_mul, which then fuses the down projection.
 """
+
 from __future__ import annotations
 
 import logging

@@ -20,6 +20,7 @@ at most MAX_QUERY_ROWS (decode), and only its first output read. Pure re-indexin
 attention: numbers within bf16 rounding of the unrewritten graph (the same softmax, tiled
 differently).
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,9 +39,11 @@ aten = torch.ops.aten
 # The sdpa kernels AOTAutograd leaves in an inference graph, and the name of their mask argument.
 SDPA_OPS = {
     op: mask
-    for name, mask in (("_scaled_dot_product_cudnn_attention", "attn_bias"),
-                       ("_scaled_dot_product_efficient_attention", "attn_bias"),
-                       ("_scaled_dot_product_flash_attention_for_cpu", "attn_mask"))
+    for name, mask in (
+        ("_scaled_dot_product_cudnn_attention", "attn_bias"),
+        ("_scaled_dot_product_efficient_attention", "attn_bias"),
+        ("_scaled_dot_product_flash_attention_for_cpu", "attn_mask"),
+    )
     if (op := getattr(getattr(aten, name, None), "default", None)) is not None
 }
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -111,8 +114,9 @@ def gqa_pattern(node: fx.Node) -> GqaMatch | str | None:
     outs = list(node.users)
     if len(outs) != 1 or outs[0].target is not operator.getitem or outs[0].args[1] != 0:
         return "an output other than the attention's is read"
-    return GqaMatch(node, outs[0], args["query"], key[0], value[0], args[SDPA_OPS[node.target]],
-                    args.get("scale"), key[1])
+    return GqaMatch(
+        node, outs[0], args["query"], key[0], value[0], args[SDPA_OPS[node.target]], args.get("scale"), key[1]
+    )
 
 
 def grouped_sdpa(query, key, value, mask, scale, rep, heads_outer):
@@ -151,26 +155,52 @@ def gqa_attention_pass(ctx: PassContext) -> None:
             return grouped_sdpa(q, k, v, mask, match.scale, match.rep, heads_outer)
 
         # The output as laid out before: the nodes reading it may be views that need that layout.
-        layouts = [outer for outer in (True, False)
-                   if _same_element_layout(ctx.fake(call, *inputs, heads_outer=outer), match.out.meta["val"])]
+        layouts = [
+            outer
+            for outer in (True, False)
+            if _same_element_layout(ctx.fake(call, *inputs, heads_outer=outer), match.out.meta["val"])
+        ]
         if not layouts:
-            ctx.report.skips.append(Skip("attention", name, "its output is laid out neither as (B, H, S, D) nor as "
-                                         "(B, S, H, D)", ctx.graph_index, _shape(node)))
+            ctx.report.skips.append(
+                Skip(
+                    "attention",
+                    name,
+                    "its output is laid out neither as (B, H, S, D) nor as (B, S, H, D)",
+                    ctx.graph_index,
+                    _shape(node),
+                )
+            )
             continue
         call = functools.partial(call, heads_outer=layouts[0])
         before = node.prev
         with graph.inserting_before(node):
             out = inline_traced(graph, call, inputs, ctx.traces, ("grouped_sdpa", match.scale, match.rep, layouts[0]))
-        kernel = next((n.target.__name__.split(".")[0].removeprefix("_scaled_dot_product_")
-                       for n in _between(before, node) if n.target in SDPA_OPS), "sdpa")
+        kernel = next(
+            (
+                n.target.__name__.split(".")[0].removeprefix("_scaled_dot_product_")
+                for n in _between(before, node)
+                if n.target in SDPA_OPS
+            ),
+            "sdpa",
+        )
         ctx.replace_uses(match.out, out)
         graph.erase_node(match.out)
         graph.erase_node(node)
         b, h, s, _ = match.query.meta["val"].shape
         kv = match.key.meta["val"].shape[1]
         # The report's columns for an attention: M = query tokens, K -> N = query heads -> K/V heads.
-        ctx.report.rewrites.append(Rewrite("attention", name, str(s), kv, h, ((f"S = {s}", f"sdpa {kernel}"),),
-                                           ctx.graph_index, detail=f"gqa {h}/{kv} heads"))
+        ctx.report.rewrites.append(
+            Rewrite(
+                "attention",
+                name,
+                str(s),
+                kv,
+                h,
+                ((f"S = {s}", f"sdpa {kernel}"),),
+                ctx.graph_index,
+                detail=f"gqa {h}/{kv} heads",
+            )
+        )
 
 
 def _same_element_layout(new: torch.Tensor, old: torch.Tensor) -> bool:

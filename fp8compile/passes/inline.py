@@ -26,6 +26,7 @@ at decode sizes, and the config asks for it (Fp8Config.inductor_launch; by defau
 CUDA graphs, where the host cost is paid; inside them the decode op's own launch keeps TMA
 loads and programmatic dependent launch).
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,8 +52,9 @@ LAUNCH_OPERANDS = "launch_operands"
 Emitter = Callable[[fx.Graph, Any, tuple, dict, "int | None"], fx.Node]
 
 
-def inductor_launch(ctx: PassContext, target, args: tuple, kwargs: dict, m_max: int | None,
-                    m_min: int = 1) -> Emitter | None:
+def inductor_launch(
+    ctx: PassContext, target, args: tuple, kwargs: dict, m_max: int | None, m_min: int = 1
+) -> Emitter | None:
     """The emitter of the traced launch for this side of the dispatch (M in [m_min, m_max]), or
     None (the op stays): asked for, on a GPU (Inductor launches no Triton kernel on the CPU,
     where these kernels run only in Triton's interpreter), a (gated) linear on the decode
@@ -78,8 +80,9 @@ def inductor_launch(ctx: PassContext, target, args: tuple, kwargs: dict, m_max: 
     return None
 
 
-def moe_launch_wanted(ctx: PassContext, sides, num_experts: int, top_k: int, two_i: int, hidden: int,
-                      device: torch.device) -> bool:
+def moe_launch_wanted(
+    ctx: PassContext, sides, num_experts: int, top_k: int, two_i: int, hidden: int, device: torch.device
+) -> bool:
     """Whether a moe call site on these sides of the dispatch gets a traced launch on one of them
     (so its FP8 expert weights must enter the graph: LAUNCH_OPERANDS)."""
     if not (ctx.inductor_launch and device.type == "cuda" and not ctx.config.batch_invariant):
@@ -87,14 +90,20 @@ def moe_launch_wanted(ctx: PassContext, sides, num_experts: int, top_k: int, two
     from ..ops import moe_gluon_op
     from ..ops.moe_decode_op import decode_fits
 
-    return any(side.kernel == MOE_BACKEND
-               and (side.m_max is not None and decode_fits(num_experts, top_k, side.m_max)
-                    or moe_gluon_op.fits(num_experts, top_k, side.m_min, two_i, hidden, device))
-               for side in sides)
+    return any(
+        side.kernel == MOE_BACKEND
+        and (
+            side.m_max is not None
+            and decode_fits(num_experts, top_k, side.m_max)
+            or moe_gluon_op.fits(num_experts, top_k, side.m_min, two_i, hidden, device)
+        )
+        for side in sides
+    )
 
 
-def moe_gluon_cut(ctx: PassContext, num_experts: int, top_k: int, two_i: int, hidden: int,
-                  device: torch.device) -> int | None:
+def moe_gluon_cut(
+    ctx: PassContext, num_experts: int, top_k: int, two_i: int, hidden: int, device: torch.device
+) -> int | None:
     """The token count at which a moe call site's triton side is cut (dispatch.split), so that
     its part from there up can be moe_gluon's traced launch: the Gluon GEMMs' first count
     (moe_gluon_op.min_tokens, where the op itself switches kernels: the numbers stay), or None
@@ -102,8 +111,12 @@ def moe_gluon_cut(ctx: PassContext, num_experts: int, top_k: int, two_i: int, hi
     from ..ops import moe_gluon_op
 
     at = moe_gluon_op.min_tokens(num_experts, top_k)
-    if (ctx.inductor_launch and device.type == "cuda" and not ctx.config.batch_invariant
-            and moe_gluon_op.fits(num_experts, top_k, at, two_i, hidden, device)):
+    if (
+        ctx.inductor_launch
+        and device.type == "cuda"
+        and not ctx.config.batch_invariant
+        and moe_gluon_op.fits(num_experts, top_k, at, two_i, hidden, device)
+    ):
         return at
     return None
 
@@ -123,8 +136,9 @@ def moe_gluon_fits(args: tuple, kwargs: dict, m_min: int) -> bool:
     from ..ops import moe_gluon_op
 
     num_experts, two_i, hidden = kwargs[LAUNCH_OPERANDS][0].meta["val"].shape
-    return moe_gluon_op.fits(num_experts, args[1].meta["val"].shape[1], m_min, two_i, hidden,
-                             args[0].meta["val"].device)
+    return moe_gluon_op.fits(
+        num_experts, args[1].meta["val"].shape[1], m_min, two_i, hidden, args[0].meta["val"].device
+    )
 
 
 def _operands(target, args: tuple, kwargs: dict):
@@ -134,13 +148,17 @@ def _operands(target, args: tuple, kwargs: dict):
     else:
         x, b, w_fp8, w_scale, bias = args
     act = {key: kwargs[key] for key in ("activation", "alpha", "limit") if key in kwargs}
-    present = [(name, node) for name, node in (("x", x), ("b", b), ("w_fp8", w_fp8), ("w_scale", w_scale),
-                                               ("bias", bias)) if node is not None]
+    present = [
+        (name, node)
+        for name, node in (("x", x), ("b", b), ("w_fp8", w_fp8), ("w_scale", w_scale), ("bias", bias))
+        if node is not None
+    ]
     return present, act, kwargs.get("e8m0", False)
 
 
-def emit_decode_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m_max: int | None,
-                       cache: TraceCache | None = None) -> fx.Node:
+def emit_decode_launch(
+    graph: fx.Graph, target, args: tuple, kwargs: dict, m_max: int | None, cache: TraceCache | None = None
+) -> fx.Node:
     """Into `graph`: target(*args, **kwargs) as the traced fp8compile::linear_decode (x 2-D, M <= m_max)."""
     from ..ops import decode_op  # noqa: F401  (registers fp8compile::linear_decode)
 
@@ -148,15 +166,17 @@ def emit_decode_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m_max
 
     def call(*values):
         v = dict(zip([name for name, _ in present], values))
-        return torch.ops.fp8compile.linear_decode(v["x"], v["w_fp8"], v["w_scale"], v.get("bias"), e8m0, m_max,
-                                                  v.get("b"), **act)
+        return torch.ops.fp8compile.linear_decode(
+            v["x"], v["w_fp8"], v["w_scale"], v.get("bias"), e8m0, m_max, v.get("b"), **act
+        )
 
     key = ("linear_decode", tuple(name for name, _ in present), e8m0, m_max, tuple(sorted(act.items())))
     return inline_traced(graph, call, [node for _, node in present], cache, key)
 
 
-def emit_scaled_mm_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m_max: int | None,
-                          cache: TraceCache | None = None) -> fx.Node:
+def emit_scaled_mm_launch(
+    graph: fx.Graph, target, args: tuple, kwargs: dict, m_max: int | None, cache: TraceCache | None = None
+) -> fx.Node:
     """Into `graph`: target(*args, **kwargs) as the traced fp8compile::linear_scaled_mm (x 2-D)."""
     from ..ops import scaled_mm_op  # noqa: F401  (registers fp8compile::linear_scaled_mm)
 
@@ -164,15 +184,17 @@ def emit_scaled_mm_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m_
 
     def call(*values):
         v = dict(zip([name for name, _ in present], values))
-        return torch.ops.fp8compile.linear_scaled_mm(v["x"], v["w_fp8"], v["w_scale"], v.get("bias"), e8m0,
-                                                     v.get("b"), **act)
+        return torch.ops.fp8compile.linear_scaled_mm(
+            v["x"], v["w_fp8"], v["w_scale"], v.get("bias"), e8m0, v.get("b"), **act
+        )
 
     key = ("linear_scaled_mm", tuple(name for name, _ in present), e8m0, tuple(sorted(act.items())))
     return inline_traced(graph, call, [node for _, node in present], cache, key)
 
 
-def emit_moe_decode_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m_max: int | None,
-                           cache: TraceCache | None = None) -> fx.Node:
+def emit_moe_decode_launch(
+    graph: fx.Graph, target, args: tuple, kwargs: dict, m_max: int | None, cache: TraceCache | None = None
+) -> fx.Node:
     """Into `graph`: the moe call target(*args, **kwargs) as the traced fp8compile::moe_decode
     (up to m_max tokens), on the FP8 expert weights kwargs[LAUNCH_OPERANDS] carries."""
     from ..ops import moe_decode_op  # noqa: F401  (registers fp8compile::moe_decode)
@@ -180,8 +202,15 @@ def emit_moe_decode_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m
     return _emit_moe(graph, args, kwargs, cache, torch.ops.fp8compile.moe_decode, "max_tokens", m_max)
 
 
-def emit_moe_gluon_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m_max: int | None,
-                          cache: TraceCache | None = None, tokens_from: int = 1) -> fx.Node:
+def emit_moe_gluon_launch(
+    graph: fx.Graph,
+    target,
+    args: tuple,
+    kwargs: dict,
+    m_max: int | None,
+    cache: TraceCache | None = None,
+    tokens_from: int = 1,
+) -> fx.Node:
     """Into `graph`: the moe call target(*args, **kwargs) as the traced fp8compile::moe_gluon
     (tokens_from tokens and more), on the FP8 expert weights kwargs[LAUNCH_OPERANDS] carries."""
     from ..ops import moe_gluon_op  # noqa: F401  (registers fp8compile::moe_gluon)
@@ -189,8 +218,9 @@ def emit_moe_gluon_launch(graph: fx.Graph, target, args: tuple, kwargs: dict, m_
     return _emit_moe(graph, args, kwargs, cache, torch.ops.fp8compile.moe_gluon, "tokens_from", tokens_from)
 
 
-def _emit_moe(graph: fx.Graph, args: tuple, kwargs: dict, cache: TraceCache | None, op, bound: str,
-              value: int) -> fx.Node:
+def _emit_moe(
+    graph: fx.Graph, args: tuple, kwargs: dict, cache: TraceCache | None, op, bound: str, value: int
+) -> fx.Node:
     """op(x, topk_ids, topk_weights, <FP8 expert weights>, b13, b2, e8m0, **{bound: value}, act...)
     traced into graph for a moe call site."""
     x, topk_ids, topk_weights = args[:3]
@@ -198,16 +228,39 @@ def _emit_moe(graph: fx.Graph, args: tuple, kwargs: dict, cache: TraceCache | No
     b2 = args[7] if len(args) > 7 else kwargs.get("b2")
     act = {key: kwargs[key] for key in ("activation", "alpha", "limit") if key in kwargs}
     e8m0 = kwargs.get("e8m0", False)
-    present = [(name, node) for name, node in (
-        ("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13_fp8", w13_fp8),
-        ("w13_scale", w13_scale), ("w2_fp8", w2_fp8), ("w2_scale", w2_scale), ("b13", b13), ("b2", b2))
-        if node is not None]
+    present = [
+        (name, node)
+        for name, node in (
+            ("x", x),
+            ("topk_ids", topk_ids),
+            ("topk_weights", topk_weights),
+            ("w13_fp8", w13_fp8),
+            ("w13_scale", w13_scale),
+            ("w2_fp8", w2_fp8),
+            ("w2_scale", w2_scale),
+            ("b13", b13),
+            ("b2", b2),
+        )
+        if node is not None
+    ]
     names = tuple(name for name, _ in present)
 
     def call(*values):
         v = dict(zip(names, values))
-        return op(v["x"], v["topk_ids"], v["topk_weights"], v["w13_fp8"], v["w13_scale"], v["w2_fp8"],
-                  v["w2_scale"], v.get("b13"), v.get("b2"), e8m0, **{bound: value}, **act)
+        return op(
+            v["x"],
+            v["topk_ids"],
+            v["topk_weights"],
+            v["w13_fp8"],
+            v["w13_scale"],
+            v["w2_fp8"],
+            v["w2_scale"],
+            v.get("b13"),
+            v.get("b2"),
+            e8m0,
+            **{bound: value},
+            **act,
+        )
 
     key = (str(op), names, e8m0, bound, value, tuple(sorted(act.items())))
     return inline_traced(graph, call, [node for _, node in present], cache, key)

@@ -9,6 +9,7 @@ aten.t or aten.transpose. The weight is quantized once here, at compile time; it
 becomes a graph input (passes/context.py, derived_inputs) and the op quantizes only the
 activation at run time.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +26,10 @@ from ..weights import fp8_weight
 aten = torch.ops.aten
 MATMULS = (aten.mm.default, aten.addmm.default)
 # the ops the passes emit -> the registry's name for what their kernels compute
-REGISTRY_OPS = {torch.ops.fp8compile.qlinear.default: "linear",
-                torch.ops.fp8compile.gated_qlinear.default: "gated_linear"}
+REGISTRY_OPS = {
+    torch.ops.fp8compile.qlinear.default: "linear",
+    torch.ops.fp8compile.gated_qlinear.default: "gated_linear",
+}
 
 
 @dataclasses.dataclass
@@ -100,8 +103,10 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
     k, n = w_val.shape if match.transposed else reversed(w_val.shape)
     for dim, size in (("K", k), ("N", n)):
         if size % BLOCK:
-            return (f"{dim}={size} is not a multiple of {BLOCK} (block recipe: 1x{BLOCK} activation groups, "
-                    f"{BLOCK}x{BLOCK} weight blocks)")
+            return (
+                f"{dim}={size} is not a multiple of {BLOCK} (block recipe: 1x{BLOCK} activation groups, "
+                f"{BLOCK}x{BLOCK} weight blocks)"
+            )
     if match.bias is not None:
         alpha, beta = match.node.kwargs.get("alpha", 1), match.node.kwargs.get("beta", 1)
         if alpha != 1 or beta != 1:
@@ -115,13 +120,27 @@ def fp8_weight_inputs(ctx: PassContext, name: str, weights: list[fx.Node], kn: b
     """Graph inputs (w_fp8, w_scale) for the FP8 copy of these weight parameters (more than one:
     stacked along N, weights.fp8_weight), quantized now and looked up per call."""
     e8m0 = ctx.config.e8m0
-    return ctx.derived_inputs(("linear", kn, e8m0), (f"{name}_fp8", f"{name}_fp8_scale"), weights,
-                              lambda w, *more: fp8_weight(w, kn, e8m0, more or None))
+    return ctx.derived_inputs(
+        ("linear", kn, e8m0),
+        (f"{name}_fp8", f"{name}_fp8_scale"),
+        weights,
+        lambda w, *more: fp8_weight(w, kn, e8m0, more or None),
+    )
 
 
-def emit_fp8(ctx: PassContext, match: LinearMatch, name: str, kind: str, target, activations: tuple[fx.Node, ...],
-             weights: list[fx.Node], bias: fx.Node | None, op_kwargs: dict, before: fx.Node | None = None,
-             record_skip: bool = True):
+def emit_fp8(
+    ctx: PassContext,
+    match: LinearMatch,
+    name: str,
+    kind: str,
+    target,
+    activations: tuple[fx.Node, ...],
+    weights: list[fx.Node],
+    bias: fx.Node | None,
+    op_kwargs: dict,
+    before: fx.Node | None = None,
+    record_skip: bool = True,
+):
     """Insert target(*activations, w_fp8, w_scale, bias, **op_kwargs) before `before` (default
     match.node), the activations viewed as the matmul's (M, K), behind the M dispatch; w_fp8 and
     w_scale are the graph inputs of the weights' FP8 copy (fp8_weight_inputs). Returns
@@ -134,8 +153,15 @@ def emit_fp8(ctx: PassContext, match: LinearMatch, name: str, kind: str, target,
         sides = dispatch.plan(ctx, REGISTRY_OPS[target], match.weight.meta["val"].device, n, k, m)
         flat = [dispatch.flatten(ctx, a) for a in activations]  # unused if NoDispatch: removed as dead code
         try:
-            out = dispatch.emit(ctx, target, (*flat, w_fp8, w_scale, bias), {"e8m0": ctx.config.e8m0, **op_kwargs},
-                                m_source=flat[0], sides=sides, name=name)
+            out = dispatch.emit(
+                ctx,
+                target,
+                (*flat, w_fp8, w_scale, bias),
+                {"e8m0": ctx.config.e8m0, **op_kwargs},
+                m_source=flat[0],
+                sides=sides,
+                name=name,
+            )
         except dispatch.NoDispatch as reason:
             if record_skip:
                 ctx.skipped(kind, name, str(reason), f"{n}x{k}")
@@ -143,8 +169,16 @@ def emit_fp8(ctx: PassContext, match: LinearMatch, name: str, kind: str, target,
     return out, sides, (n, k)
 
 
-def replace_with_fp8(ctx: PassContext, match: LinearMatch, param_name: str, kind: str, target,
-                     activations: tuple[fx.Node, ...], op_kwargs: dict | None = None, detail: str = "") -> None:
+def replace_with_fp8(
+    ctx: PassContext,
+    match: LinearMatch,
+    param_name: str,
+    kind: str,
+    target,
+    activations: tuple[fx.Node, ...],
+    op_kwargs: dict | None = None,
+    detail: str = "",
+) -> None:
     """match.node -> target(*activations, w_fp8, w_scale, bias) behind the M dispatch. The
     weight's FP8 copy is made here, at compile time, and becomes a graph input the backend looks
     up per call from the parameter passed."""
@@ -175,12 +209,21 @@ def linear_pass(ctx: PassContext) -> None:
         name = module_name(param[1] if param else (input_name or weight.name))
         shape = "x".join(map(str, weight.meta["val"].shape))
         if not isinstance(found, LinearMatch):
-            ctx.skipped("linear", name, f"weight reaches the matmul through {_path(node, weight)}; "
-                        "only a plain transpose is supported", shape)
+            ctx.skipped(
+                "linear",
+                name,
+                f"weight reaches the matmul through {_path(node, weight)}; only a plain transpose is supported",
+                shape,
+            )
         elif param is None:
             kind = "buffer or input" if isinstance(value, torch.Tensor) else "graph input"
-            ctx.skipped("linear", name, f"weight is a {kind}, not a parameter: it may change between calls, "
-                        "so it is not quantized at compile time", shape)
+            ctx.skipped(
+                "linear",
+                name,
+                f"weight is a {kind}, not a parameter: it may change between calls, "
+                "so it is not quantized at compile time",
+                shape,
+            )
         elif (reason := linear_extra_check(ctx, found, name)) is not None:
             ctx.skipped("linear", name, reason, shape)
         else:

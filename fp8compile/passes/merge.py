@@ -11,6 +11,7 @@ group, q/k/v above all).
 Every weight but the last must have whole 128-row blocks (no weight block spans two linears);
 biases are stacked the same way, so a group merges only if all or none have one.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,20 +38,36 @@ def merge_linears(ctx: PassContext, matches: list[LinearMatch]) -> bool:
     fp8_weight_inputs(ctx, names[0], [m.weight for m in matches], head.transposed)
     bias = None
     if head.bias is not None:
-        bias, = ctx.derived_inputs(("bias",), (f"{names[0]}_bias_stacked",), [m.bias for m in matches],
-                                   lambda b, *more: (stacked_bias(b, more),))
+        (bias,) = ctx.derived_inputs(
+            ("bias",),
+            (f"{names[0]}_bias_stacked",),
+            [m.bias for m in matches],
+            lambda b, *more: (stacked_bias(b, more),),
+        )
     sizes = [m.weight.meta["val"].shape[1 if m.transposed else 0] for m in matches]
     order = {node: i for i, node in enumerate(ctx.gm.graph.nodes)}
     first = min(matches, key=lambda match: order[match.node])  # its x is defined before every matmul
-    emitted = emit_fp8(ctx, head, names[0], "linear", torch.ops.fp8compile.qlinear.default, (first.x,),
-                       [m.weight for m in matches], bias, {}, before=first.node, record_skip=False)
+    emitted = emit_fp8(
+        ctx,
+        head,
+        names[0],
+        "linear",
+        torch.ops.fp8compile.qlinear.default,
+        (first.x,),
+        [m.weight for m in matches],
+        bias,
+        {},
+        before=first.node,
+        record_skip=False,
+    )
     if emitted is None:
         return False
     out, sides, (n, k) = emitted
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     with ctx.gm.graph.inserting_before(first.node):
-        parts = [ctx.gm.graph.call_function(aten.slice.Tensor, (out, 1, lo, lo + size))
-                 for lo, size in zip(offsets, sizes)]
+        parts = [
+            ctx.gm.graph.call_function(aten.slice.Tensor, (out, 1, lo, lo + size)) for lo, size in zip(offsets, sizes)
+        ]
     for match, part in zip(matches, parts):  # erased after the inserts: first.node is their anchor
         part.meta["val"] = ctx.fake(aten.slice.Tensor, *part.args)
         ctx.replace_uses(match.node, part)

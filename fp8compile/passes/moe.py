@@ -20,6 +20,7 @@ weights, on a few random tokens and routes, against reference.moe_dense (the unq
 definition of the op). Only a block that agrees (calc_diff < VERIFY_BOUND) is rewritten; any
 other stays bf16 with the reason in the report.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,10 +42,21 @@ log = logging.getLogger("fp8compile")
 aten, prims = torch.ops.aten, torch.ops.prims
 EXPERT_MATMULS = (aten._grouped_mm.default, aten.bmm.default)
 _LAYOUT = (
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
-    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
-    aten.clone.default, aten.t.default, aten.transpose.int, aten.alias.default,
-    prims.convert_element_type.default, aten._to_copy.default,
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.permute.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.expand.default,
+    aten.clone.default,
+    aten.t.default,
+    aten.transpose.int,
+    aten.alias.default,
+    prims.convert_element_type.default,
+    aten._to_copy.default,
 )
 _INDEX = aten.index.Tensor
 # Routing bookkeeping between the top-k ids and the expert offsets of a grouped GEMM.
@@ -166,12 +178,18 @@ _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
 def _half(node) -> tuple[fx.Node, str, int] | None:
     """(source, layout, which) if node is the first (0) or second (1) half of source's last dim:
     chunk/split for "concat", a stride-2 slice for "interleave"."""
-    node = _walk(node, _LAYOUT, lambda n: n.target == aten.slice.Tensor or (
-        n.target.__name__ == "getitem" and getattr(n.args[0], "target", None) in _SPLITS))
+    node = _walk(
+        node,
+        _LAYOUT,
+        lambda n: (
+            n.target == aten.slice.Tensor
+            or (n.target.__name__ == "getitem" and getattr(n.args[0], "target", None) in _SPLITS)
+        ),
+    )
     if node is None:
         return None
     if node.target == aten.slice.Tensor:
-        src, dim, start, _, step = (*node.args, *(None, 0, None, None, 1)[len(node.args):])
+        src, dim, start, _, step = (*node.args, *(None, 0, None, None, 1)[len(node.args) :])
         last = dim in (-1, _val(src).dim() - 1)
         return (src, "interleave", start) if last and step == 2 and start in (0, 1) else None
     split = node.args[0]
@@ -195,8 +213,9 @@ def _gemm_of(ctx: PassContext, node, gemms: dict[fx.Node, ExpertGemm]):
     return gemms[node], bias
 
 
-def _gate_up(ctx: PassContext, a: fx.Node, b: fx.Node,
-             gemms) -> tuple[ExpertGemm, ExpertGemm | None, fx.Node | None, str]:
+def _gate_up(
+    ctx: PassContext, a: fx.Node, b: fx.Node, gemms
+) -> tuple[ExpertGemm, ExpertGemm | None, fx.Node | None, str]:
     """(gate/up GEMM, separate up GEMM or None, gate/up bias, layout) of act(a, b)."""
     ha, hb = _half(a), _half(b)
     if ha is not None and hb is not None and ha[1] == hb[1] and (ha[2], hb[2]) == (0, 1):
@@ -264,8 +283,19 @@ def match_block(ctx: PassContext, down: ExpertGemm, gemms: dict[fx.Node, ExpertG
         raise NoMatch("routing weights of shape (tokens, top_k) not found")
     if up is not None and up.weight is gate_up.weight:
         raise NoMatch("gate and up read the same expert weights")
-    return MoeMatch(hidden, ids, topk_weights, output, gate_up.weight, None if up is None else up.weight, down.weight,
-                    b13, b2, layout, act)
+    return MoeMatch(
+        hidden,
+        ids,
+        topk_weights,
+        output,
+        gate_up.weight,
+        None if up is None else up.weight,
+        down.weight,
+        b13,
+        b2,
+        layout,
+        act,
+    )
 
 
 _CLAMPS = (aten.clamp_min.default, aten.clamp_max.default, aten.clamp.default)
@@ -282,8 +312,11 @@ def _unclamped(index, experts: int):
             break
         if node.target in _CLAMPS:
             low = node.args[1] if node.target != aten.clamp_max.default else None
-            high = node.args[1] if node.target == aten.clamp_max.default else (
-                node.args[2] if node.target == aten.clamp.default and len(node.args) > 2 else None)
+            high = (
+                node.args[1]
+                if node.target == aten.clamp_max.default
+                else (node.args[2] if node.target == aten.clamp.default and len(node.args) > 2 else None)
+            )
             if any(not isinstance(b, (int, float)) for b in (low, high) if b is not None):
                 return index  # a bound only known at run time
             if (low is not None and low > 0) or (high is not None and high < experts - 1):
@@ -296,9 +329,13 @@ def _unclamped(index, experts: int):
     if not crossed:
         return index
     source = _two_d(node, _LAYOUT)
-    is_topk = (source is not None and source.target is operator.getitem and source.args[1] == 1
-               and source.args[0].target == aten.topk.default
-               and _val(source.args[0].args[0]).shape[-1] == experts)  # top-k over E scores
+    is_topk = (
+        source is not None
+        and source.target is operator.getitem
+        and source.args[1] == 1
+        and source.args[0].target == aten.topk.default
+        and _val(source.args[0].args[0]).shape[-1] == experts
+    )  # top-k over E scores
     return node if is_topk else index
 
 
@@ -328,8 +365,10 @@ def _check(m: MoeMatch) -> tuple[int, int, int]:
     # to bf16 after the sum over the k slots. The op takes the weights as they are and sums in fp32.
     for what, node in (("routing weights", m.topk_weights), ("output", m.output)):
         if _val(node).dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise NoMatch(f"{what} of dtype {str(_val(node).dtype).replace('torch.', '')}: bfloat16, float16 or "
-                          "float32 are rewritten")
+            raise NoMatch(
+                f"{what} of dtype {str(_val(node).dtype).replace('torch.', '')}: bfloat16, float16 or "
+                "float32 are rewritten"
+            )
     e, h = w13.shape[0], x.shape[1]
     inter = (w13.shape[1] * w13.shape[2] // h) // (1 if m.gate_up == "separate" else 2)
     for dim, size in (("hidden size", h), ("expert intermediate size", inter)):
@@ -342,8 +381,11 @@ def _orientations(m: MoeMatch, e: int, inter: int, h: int) -> list[bool]:
     """w_kn values the weight shapes allow (both when I == H: the shapes cannot tell)."""
     n13 = inter if m.gate_up == "separate" else 2 * inter
     w13, w2 = tuple(_val(m.w13).shape), tuple(_val(m.w2).shape)
-    return [kn for kn in (False, True)
-            if w13 == ((e, h, n13) if kn else (e, n13, h)) and w2 == ((e, inter, h) if kn else (e, h, inter))]
+    return [
+        kn
+        for kn in (False, True)
+        if w13 == ((e, h, n13) if kn else (e, n13, h)) and w2 == ((e, inter, h) if kn else (e, h, inter))
+    ]
 
 
 def _concrete(size, values: dict) -> int:
@@ -411,8 +453,10 @@ def _block_name(ctx: PassContext, down_weight: fx.Node) -> str:
     return name.rsplit(".", 1)[0] if "." in name else "(top level)"
 
 
-ROUTER_STAYS_BF16 = ("router of a rewritten MoE block: kept bf16, as DeepSeek-V3 keeps its gate, since FP8 error "
-                     "would change which experts tokens go to")
+ROUTER_STAYS_BF16 = (
+    "router of a rewritten MoE block: kept bf16, as DeepSeek-V3 keeps its gate, since FP8 error "
+    "would change which experts tokens go to"
+)
 
 
 def _router(topk_ids: fx.Node, depth: int = 12) -> fx.Node | None:
@@ -440,15 +484,26 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
     cut = inline.moe_gluon_cut(ctx, e, top_k, 2 * inter, h, device)
     if cut is not None:
         sides = dispatch.split(sides, cut, inline.MOE_BACKEND)
-    kwargs = {"e8m0": ctx.config.e8m0, "w_kn": w_kn, "gate_up": m.gate_up,
-              "batch_invariant": ctx.config.batch_invariant, **m.act}
+    kwargs = {
+        "e8m0": ctx.config.e8m0,
+        "w_kn": w_kn,
+        "gate_up": m.gate_up,
+        "batch_invariant": ctx.config.batch_invariant,
+        **m.act,
+    }
     if inline.moe_launch_wanted(ctx, sides, e, top_k, 2 * inter, h, device):
         kwargs[inline.LAUNCH_OPERANDS] = _fp8_expert_inputs(ctx, m, w_kn, name)
     with ctx.gm.graph.inserting_before(m.output):
         try:
-            out = dispatch.emit(ctx, torch.ops.fp8compile.moe.default,
-                                (m.hidden, m.topk_ids, m.topk_weights, m.w13, m.w2, m.w3, m.b13, m.b2), kwargs,
-                                m_source=m.hidden, sides=sides, name=name)
+            out = dispatch.emit(
+                ctx,
+                torch.ops.fp8compile.moe.default,
+                (m.hidden, m.topk_ids, m.topk_weights, m.w13, m.w2, m.w3, m.b13, m.b2),
+                kwargs,
+                m_source=m.hidden,
+                sides=sides,
+                name=name,
+            )
         except dispatch.NoDispatch as reason:
             raise NoMatch(str(reason)) from None
         dtype = _val(m.output).dtype
@@ -471,20 +526,28 @@ def _fp8_expert_inputs(ctx: PassContext, m: MoeMatch, w_kn: bool, name: str) -> 
     """(w13_fp8, w13_scale, w2_fp8, w2_scale, b13 in their row order or None) as graph inputs the
     backend derives per call from the parameters passed (what a traced launch reads)."""
     e8m0, gate_up = ctx.config.e8m0, m.gate_up
-    w13 = ctx.derived_inputs(("experts", w_kn, e8m0, gate_up), (f"{name}_w13_fp8", f"{name}_w13_fp8_scale"),
-                             [m.w13] + ([m.w3] if m.w3 is not None else []),
-                             lambda w, w3=None: fp8_experts(w, w_kn, e8m0, gate_up, w3))
-    w2 = ctx.derived_inputs(("experts", w_kn, e8m0), (f"{name}_w2_fp8", f"{name}_w2_fp8_scale"), [m.w2],
-                            lambda w: fp8_experts(w, w_kn, e8m0))
+    w13 = ctx.derived_inputs(
+        ("experts", w_kn, e8m0, gate_up),
+        (f"{name}_w13_fp8", f"{name}_w13_fp8_scale"),
+        [m.w13] + ([m.w3] if m.w3 is not None else []),
+        lambda w, w3=None: fp8_experts(w, w_kn, e8m0, gate_up, w3),
+    )
+    w2 = ctx.derived_inputs(
+        ("experts", w_kn, e8m0),
+        (f"{name}_w2_fp8", f"{name}_w2_fp8_scale"),
+        [m.w2],
+        lambda w: fp8_experts(w, w_kn, e8m0),
+    )
     b13 = m.b13
     if b13 is not None and gate_up == "interleave":  # the bias rows follow the weight's reordered rows
-        b13, = ctx.derived_inputs(("expert_bias", gate_up), (f"{name}_b13_ordered",), [m.b13],
-                                  lambda b: (expert_bias(b, gate_up),))
+        (b13,) = ctx.derived_inputs(
+            ("expert_bias", gate_up), (f"{name}_b13_ordered",), [m.b13], lambda b: (expert_bias(b, gate_up),)
+        )
     return (*w13, *w2, b13)
 
 
 def _role(g: ExpertGemm, gemms) -> str | None:
-    """"gated" if g reads a gated product (g is a block's down projection), "non-gated" if it
+    """ "gated" if g reads a gated product (g is a block's down projection), "non-gated" if it
     reads another expert GEMM through single-input ops (relu(x)^2 and the like), else None."""
     product = _walk(g.activation, _LAYOUT, lambda n: n.target == aten.mul.Tensor)
     if product is not None and silu_mul_pattern(product) is not None:
@@ -507,7 +570,8 @@ def _one_hot_mask_leaves_graph(ctx: PassContext) -> bool:
     output = next(iter(ctx.gm.graph.find_nodes(op="output")))
     for node in ctx.gm.graph.nodes:
         one_hot = node.target == aten.one_hot.default or (
-            node.target == aten.eq.Tensor and any(getattr(a, "target", None) == prims.iota.default for a in node.args))
+            node.target == aten.eq.Tensor and any(getattr(a, "target", None) == prims.iota.default for a in node.args)
+        )
         if one_hot:
             frontier = [node]
             for _ in range(8):
@@ -517,10 +581,12 @@ def _one_hot_mask_leaves_graph(ctx: PassContext) -> bool:
     return False
 
 
-EXPERT_LOOP = ("the routing mask (a one-hot of expert ids) leaves the graph: the experts run as a Python loop over "
-               "the experts hit, which Dynamo splits into graphs around data-dependent shapes, so their matmuls run "
-               "in bf16 outside any graph. transformers models: set config._experts_implementation = 'grouped_mm' "
-               "or 'batched_mm'")
+EXPERT_LOOP = (
+    "the routing mask (a one-hot of expert ids) leaves the graph: the experts run as a Python loop over "
+    "the experts hit, which Dynamo splits into graphs around data-dependent shapes, so their matmuls run "
+    "in bf16 outside any graph. transformers models: set config._experts_implementation = 'grouped_mm' "
+    "or 'batched_mm'"
+)
 
 
 def moe_pass(ctx: PassContext) -> None:
@@ -550,12 +616,18 @@ def moe_pass(ctx: PassContext) -> None:
             diffs = [verify(ctx, m, w_kn) for w_kn in orientations]
             diffs = [d if d == d else float("inf") for d in diffs]  # NaN: did not verify
             if min(diffs) >= VERIFY_BOUND:
-                raise NoMatch(f"run on random tokens, the matched block does not compute routed experts with "
-                              f"{m.gate_up} gate/up (calc_diff {min(diffs):.2g} against reference.moe_dense)")
+                raise NoMatch(
+                    f"run on random tokens, the matched block does not compute routed experts with "
+                    f"{m.gate_up} gate/up (calc_diff {min(diffs):.2g} against reference.moe_dense)"
+                )
             moe_replacement(ctx, m, e, inter, h, orientations[diffs.index(min(diffs))], name)
         except NoMatch as reason:
             ctx.skipped("moe", name, str(reason), "x".join(map(str, _val(down.weight).shape)))
         except Exception as error:  # a pass bug must not fail the user's compile: the block stays bf16
             log.warning("fp8compile: moe pass failed on %s", name, exc_info=True)
-            ctx.skipped("moe", name, f"moe pass error ({type(error).__name__}: {error})",
-                        "x".join(map(str, _val(down.weight).shape)))
+            ctx.skipped(
+                "moe",
+                name,
+                f"moe pass error ({type(error).__name__}: {error})",
+                "x".join(map(str, _val(down.weight).shape)),
+            )

@@ -11,6 +11,7 @@ same way, all with a bias or none, each of which the linear pass would rewrite (
 weight blocks: no block spans two linears). Runs after gate_up, which takes an MLP's gate and up
 first, and before silu_mul.
 """
+
 from __future__ import annotations
 
 from .context import PassContext
@@ -51,4 +52,3 @@ def qkv_pass(ctx: PassContext) -> None:
         group = qkv_extra_check(ctx, group)
         if group:
             merge_linears(ctx, group)
-

@@ -14,6 +14,7 @@ and GPT-OSS's swigluoai, (clamp(up, -l, l) + 1) * (g * sigmoid(alpha * g)), g = 
 over interleaved (gate_up[..., ::2], [..., 1::2]) or concatenated halves.
 This pass must run before linear_pass: it claims the down projection's matmul.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,11 @@ def _strip(node, targets):
 def _is(node, target, *args) -> bool:
     """Whether node calls target with leading arguments args (same node through casts, or equal;
     None matches anything)."""
-    return isinstance(node, fx.Node) and node.target == target and all(
-        a is None or (i < len(node.args) and _same(node.args[i], a)) for i, a in enumerate(args))
+    return (
+        isinstance(node, fx.Node)
+        and node.target == target
+        and all(a is None or (i < len(node.args) and _same(node.args[i], a)) for i, a in enumerate(args))
+    )
 
 
 def _same(x, y) -> bool:
@@ -49,8 +53,7 @@ def _is_exp_neg_plus_one(node, x) -> bool:
     if not _is(node, aten.add.Tensor):
         return False
     a, b = node.args[:2]
-    return any(_is(e, aten.exp.default) and _is(e.args[0], aten.neg.default, x) and o == 1
-               for e, o in ((a, b), (b, a)))
+    return any(_is(e, aten.exp.default) and _is(e.args[0], aten.neg.default, x) and o == 1 for e, o in ((a, b), (b, a)))
 
 
 def _is_sigmoid_of(node, x) -> bool:
@@ -78,8 +81,11 @@ def _clamped(node) -> tuple[fx.Node, float | None, float | None]:
     """(x, lo, hi) for node = clamp(x, lo, hi) written with clamp / clamp_min / clamp_max."""
     lo = hi = None
     node = _strip(node, _CASTS)
-    while isinstance(node, fx.Node) and node.target in (aten.clamp.default, aten.clamp_min.default,
-                                                         aten.clamp_max.default):
+    while isinstance(node, fx.Node) and node.target in (
+        aten.clamp.default,
+        aten.clamp_min.default,
+        aten.clamp_max.default,
+    ):
         if node.target == aten.clamp.default:
             lo, hi = (node.args + (None, None))[1:3] if lo is None and hi is None else (lo, hi)
         elif node.target == aten.clamp_min.default:
@@ -127,8 +133,10 @@ def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
             continue
         a_val, b_val = a.meta["val"], b.meta["val"]
         if a_val.shape != b_val.shape or {a_val.dtype, b_val.dtype} != {torch.bfloat16}:
-            return (f"act(a, b) over {a_val.dtype}/{b_val.dtype} tensors of shapes {tuple(a_val.shape)}, "
-                    f"{tuple(b_val.shape)}")
+            return (
+                f"act(a, b) over {a_val.dtype}/{b_val.dtype} tensors of shapes {tuple(a_val.shape)}, "
+                f"{tuple(b_val.shape)}"
+            )
         return a, b, kwargs
     if all(_chain(p, _PROJECTIONS) for p in h.args[:2]):  # a gated MLP with another activation
         found = [name for p in h.args[:2] for target, name in _ACTIVATIONS if _reaches(p, target)]
@@ -138,8 +146,12 @@ def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
 
 # where a gated MLP's gate and up come from: bf16 matmuls, or the FP8 GEMM that gate_up or qkv made of them
 _PROJECTIONS = (*MATMULS, torch.ops.fp8compile.qlinear.default)
-_ACTIVATIONS = ((aten.erf.default, "gelu"), (aten.tanh.default, "tanh / gelu-tanh"), (aten.relu.default, "relu"),
-                (aten.sigmoid.default, "sigmoid"))
+_ACTIVATIONS = (
+    (aten.erf.default, "gelu"),
+    (aten.tanh.default, "tanh / gelu-tanh"),
+    (aten.relu.default, "relu"),
+    (aten.sigmoid.default, "sigmoid"),
+)
 
 
 def _reaches(node, target, depth: int = 8) -> bool:
@@ -164,10 +176,19 @@ def _chain(node, targets, depth: int = 12) -> bool:
     return False
 
 
-def silu_mul_replacement(ctx: PassContext, match: LinearMatch, a: fx.Node, b: fx.Node, act: dict,
-                         param: torch.nn.Parameter, param_name: str) -> None:
-    replace_with_fp8(ctx, match, param_name, "silu_mul", torch.ops.fp8compile.gated_qlinear.default, (a, b),
-                     act, detail=act.get("activation", "silu"))
+def silu_mul_replacement(
+    ctx: PassContext, match: LinearMatch, a: fx.Node, b: fx.Node, act: dict, param: torch.nn.Parameter, param_name: str
+) -> None:
+    replace_with_fp8(
+        ctx,
+        match,
+        param_name,
+        "silu_mul",
+        torch.ops.fp8compile.gated_qlinear.default,
+        (a, b),
+        act,
+        detail=act.get("activation", "silu"),
+    )
 
 
 def silu_mul_pass(ctx: PassContext) -> None:

@@ -5,6 +5,7 @@ Our passes run on the ATen graph AOTAutograd made, so a call whose body Inductor
 way (functionalized, Inductor's decompositions, the graph's fake mode and symbolic sizes) and
 its nodes copied in (passes/inline.py, passes/gqa_attention.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -51,8 +52,13 @@ def signature(val) -> tuple:
     """What a traced graph depends on in one input: for a tensor its dtype, device, and sizes,
     strides and offset as (symbolic) expressions; a scalar's value or expression."""
     if isinstance(val, torch.Tensor):
-        return (val.dtype, val.device, tuple(map(str, val.shape)), tuple(map(str, val.stride())),
-                str(val.storage_offset()))
+        return (
+            val.dtype,
+            val.device,
+            tuple(map(str, val.shape)),
+            tuple(map(str, val.stride())),
+            str(val.storage_offset()),
+        )
     return (type(val).__name__, str(val))
 
 
@@ -61,12 +67,14 @@ def _trace(fn, vals: list):
     from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    return make_fx(dispatch_functionalize(fn, FunctionalTensorMode()), decomposition_table=select_decomp_table(),
-                   tracing_mode="symbolic")(*vals)
+    return make_fx(
+        dispatch_functionalize(fn, FunctionalTensorMode()),
+        decomposition_table=select_decomp_table(),
+        tracing_mode="symbolic",
+    )(*vals)
 
 
-def inline_traced(graph: fx.Graph, fn, inputs: list[fx.Node], cache: TraceCache | None = None,
-                  key=None) -> fx.Node:
+def inline_traced(graph: fx.Graph, fn, inputs: list[fx.Node], cache: TraceCache | None = None, key=None) -> fx.Node:
     """fn(*inputs) traced as AOTAutograd traces for Inductor (functionalized, with Inductor's
     decompositions, over the inputs' fake values: the graph's fake mode and shape environment),
     its nodes copied into `graph` at the current insertion point; returns the node of fn's (one
