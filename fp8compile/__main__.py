@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     demo.add_argument("--e8m0", action="store_true", help="power-of-two scales")
     demo.add_argument("--batch-invariant", action="store_true")
-    backends = sub.add_parser("backends", help="which kernel backend serves a linear here, and why not the others")
+    backends = sub.add_parser(
+        "backends", help="which kernel backend serves a linear here, and why not the others"
+    )
     backends.add_argument("--device", default=None)
     backends.add_argument("-m", type=int, default=1)
     backends.add_argument("-n", type=int, default=4096)
@@ -54,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         "-m",
         type=int,
         action="append",
-        help="M values (default: gemm 1 16 32 128 1024 4096; mlp 1 16 128 4096; moe 1 16 128 1024 4096; host 1 16)",
+        help="M values (default: gemm 1 16 32 128 1024 4096; mlp 1 16 128 4096; "
+        "moe 1 16 128 1024 4096; host 1 16)",
     )
     bench.add_argument(
         "--chain",
@@ -62,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         default=8,
         help="`bench host`: linears per compiled graph; times are per linear (default 8)",
     )
-    bench.add_argument("--skip", action="append", help="`bench gemm`: leave this variant out (e.g. fp8compile_tuned)")
+    bench.add_argument(
+        "--skip", action="append", help="`bench gemm`: leave this variant out (e.g. fp8compile_tuned)"
+    )
     bench.add_argument(
         "--layer",
         action="append",
@@ -87,14 +92,20 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--variant", action="append", choices=list(VARIANTS), help="`bench model`: variants (default: all)"
     )
-    bench.add_argument("--layers", type=int, default=None, help="`bench model`: cut every model to this many layers")
+    bench.add_argument(
+        "--layers", type=int, default=None, help="`bench model`: cut every model to this many layers"
+    )
     bench.add_argument(
         "--batch", type=int, action="append", help=f"`bench model`: decode batch sizes (default {BATCHES})"
     )
-    bench.add_argument("--context", type=int, default=1024, help="`bench model`: prompt tokens before decoding")
+    bench.add_argument(
+        "--context", type=int, default=1024, help="`bench model`: prompt tokens before decoding"
+    )
     bench.add_argument("--steps", type=int, default=128, help="`bench model`: decode steps timed")
     bench.add_argument("--prefill", type=int, default=2048, help="`bench model`: tokens of the timed prefill")
-    bench.add_argument("--device", default=None, help="`bench model`: cuda or cpu (default: cuda if available)")
+    bench.add_argument(
+        "--device", default=None, help="`bench model`: cuda or cpu (default: cuda if available)"
+    )
     bench.add_argument(
         "--profile",
         action="store_true",

@@ -66,7 +66,9 @@ def _measure(op: str, backend: str, n: int, k: int, m: int, device: torch.device
             for call in calls:
                 call()
             torch.cuda.synchronize(device)
-            ms = triton.testing.do_bench_cudagraph(lambda: [call() for call in calls], rep=10, return_mode="median")
+            ms = triton.testing.do_bench_cudagraph(
+                lambda: [call() for call in calls], rep=10, return_mode="median"
+            )
             return 1000 * ms / copies
         except Exception as e:  # a kernel that cannot run (or be captured) here does not compete
             log.info("fp8compile autotune: %s %s M=%d N=%d K=%d failed: %s", backend, op, m, n, k, e)
@@ -100,7 +102,9 @@ def tuned_ranges(
         if not times:
             if "reference" not in serving:
                 registry.choose(request, order)  # raises, naming every backend's reason
-                raise RuntimeError(f"every backend that serves {request.m_range} failed to run on {base.device}")
+                raise RuntimeError(
+                    f"every backend that serves {request.m_range} failed to run on {base.device}"
+                )
             times = {"reference": 0.0}
         best = min(times, key=times.get)
         current = chosen[-1][2] if chosen else None
@@ -122,5 +126,8 @@ def plan(
         order = (*(name for name in registry.names() if name != "reference"), "reference")
     log.info("fp8compile autotune: %s N=%d K=%d", base.op, base.n, base.k)
     return tuned_ranges(
-        base, order, lambda name, m: time_us(base.op, name, base.n, base.k, m, base.device, base.e8m0), static_m
+        base,
+        order,
+        lambda name, m: time_us(base.op, name, base.n, base.k, m, base.device, base.e8m0),
+        static_m,
     )

@@ -57,7 +57,12 @@ class Fp8Backend:
         return self
 
     def __call__(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None, mode: str | None = None
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        *,
+        options: dict | None = None,
+        mode: str | None = None,
     ) -> Callable:
         global _last_report
         _last_report = self.report
@@ -67,7 +72,11 @@ class Fp8Backend:
 
 
 def compile_graph(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], config: Fp8Config, report: Report, mode: str | None = None
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config: Fp8Config,
+    report: Report,
+    mode: str | None = None,
 ) -> Callable:
     from torch._guards import detect_fake_mode
     from torch._inductor import list_mode_options
@@ -104,13 +113,21 @@ def compile_graph(
                 "Run the compiled model under torch.no_grad() or torch.inference_mode().",
                 stacklevel=2,
             )
-            return skip_graph("needs gradients (training graph): run under torch.no_grad() or torch.inference_mode()")
+            return skip_graph(
+                "needs gradients (training graph): run under torch.no_grad() or torch.inference_mode()"
+            )
         bound = inputs.bind(aten_gm)
         if isinstance(bound, str):
             return skip_graph(f"cannot map graph inputs to the model's tensors: {bound}")
         fake_mode = detect_fake_mode(aten_inputs)
         ctx = PassContext(
-            aten_gm, bound, config, report, graph_index, fake_mode, cuda_graphs=bool(patches.get("triton.cudagraphs"))
+            aten_gm,
+            bound,
+            config,
+            report,
+            graph_index,
+            fake_mode,
+            cuda_graphs=bool(patches.get("triton.cudagraphs")),
         )
         if dump:
             dump.before(aten_gm)
@@ -122,13 +139,18 @@ def compile_graph(
         keep, dropped = ctx.drop_unused_inputs()
         if len(keep) < len(aten_inputs):
             position = {old: new for new, old in enumerate(keep)}
-            kwargs["static_input_idxs"] = [position[i] for i in kwargs.get("static_input_idxs", ()) if i in position]
+            kwargs["static_input_idxs"] = [
+                position[i] for i in kwargs.get("static_input_idxs", ()) if i in position
+            ]
             aten_inputs = [aten_inputs[i] for i in keep]
         if ctx.derived:
             # The FP8 copies of the weights are the graph's last inputs, static like the parameters.
             derived = ctx.derived_example_inputs()
             first = len(aten_inputs)
-            kwargs["static_input_idxs"] = [*kwargs.get("static_input_idxs", ()), *range(first, first + len(derived))]
+            kwargs["static_input_idxs"] = [
+                *kwargs.get("static_input_idxs", ()),
+                *range(first, first + len(derived)),
+            ]
             aten_inputs = [*aten_inputs, *derived]
         if config.release_bf16_weights:
             _release_weights(ctx, dropped)
@@ -170,7 +192,9 @@ def _release_weights(ctx, dropped: list[torch.nn.Parameter]) -> None:
     with_copies = {id(values[i]) for d in ctx.derived for i in d.sources}
     with unset_fake_temporarily():  # real host buffers, not the compiler's fakes
         release.keep_resident(
-            value for node, (value, _) in ctx.inputs.items() if isinstance(value, torch.nn.Parameter) and node.users
+            value
+            for node, (value, _) in ctx.inputs.items()
+            if isinstance(value, torch.nn.Parameter) and node.users
         )
         freed = release.release(p for p in dropped if id(p) in with_copies)
     if freed:
@@ -294,7 +318,9 @@ def _cuda_graph_state(asked: bool, kept: bool, compiled: Any, mode: str | None, 
     names: graph input name -> the model's name for it (Inductor's reasons name graph inputs)."""
     if not asked:
         if mode in (None, "default"):
-            return "off (default mode: every call pays its host cost; mode='reduce-overhead' records one per M)"
+            return (
+                "off (default mode: every call pays its host cost; mode='reduce-overhead' records one per M)"
+            )
         return f"off (mode={mode!r} does not ask for them)"
     if kept:
         return "on: Inductor records one per M and replays it"
@@ -303,7 +329,9 @@ def _cuda_graph_state(asked: bool, kept: bool, compiled: Any, mode: str | None, 
     reason = getattr(compiled, "disabled_cudagraphs_reason", None)
     if reason:
         reason = re.sub(
-            r"\b\w+\b", lambda m: f"{m[0]} = {names[m[0]]}" if m[0] in names else m[0], " ".join(reason.split())
+            r"\b\w+\b",
+            lambda m: f"{m[0]} = {names[m[0]]}" if m[0] in names else m[0],
+            " ".join(reason.split()),
         )
         hints = [hint for pattern, hint in _CUDA_GRAPH_HINTS if pattern.search(reason)]
         return f"off: Inductor skipped them: {reason[:300]}" + "".join(f" ({hint})" for hint in hints)

@@ -85,13 +85,21 @@ class Fp8Config:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.inductor_launch is not None and not isinstance(self.inductor_launch, bool):
-            raise TypeError(f"inductor_launch must be True, False or None (auto), got {self.inductor_launch!r}")
+            raise TypeError(
+                f"inductor_launch must be True, False or None (auto), got {self.inductor_launch!r}"
+            )
         if isinstance(self.small_m, bool) or not isinstance(self.small_m, int) or self.small_m < 0:
-            raise ValueError(f"small_m must be an int >= 0 (0 = never take the small-M path), got {self.small_m!r}")
+            raise ValueError(
+                f"small_m must be an int >= 0 (0 = never take the small-M path), got {self.small_m!r}"
+            )
         if isinstance(self.large_m, bool) or not isinstance(self.large_m, int) or self.large_m < 0:
-            raise ValueError(f"large_m must be an int >= 0 (0 = no separate large-M range), got {self.large_m!r}")
+            raise ValueError(
+                f"large_m must be an int >= 0 (0 = no separate large-M range), got {self.large_m!r}"
+            )
         if 0 < self.large_m <= self.small_m:
-            raise ValueError(f"large_m={self.large_m} must be above small_m={self.small_m} (or 0 for no large-M range)")
+            raise ValueError(
+                f"large_m={self.large_m} must be above small_m={self.small_m} (or 0 for no large-M range)"
+            )
         object.__setattr__(self, "skip", _str_tuple("skip", self.skip))
         object.__setattr__(self, "fusions", _str_tuple("fusions", self.fusions))
         unknown = [f for f in self.fusions if f not in FUSIONS]

@@ -99,7 +99,8 @@ def _write_decompiled(code, new_code):
     dirs = list(dict.fromkeys(_pending))
     _pending.clear()
     for d in dirs:
-        name = f"__transformed_code_{next(_counters.setdefault(d / '.code', itertools.count()))}_for_{code.co_name}.py"
+        index = next(_counters.setdefault(d / ".code", itertools.count()))
+        name = f"__transformed_code_{index}_for_{code.co_name}.py"
         try:
             import depyf
 

@@ -23,7 +23,9 @@ class GatedMLP(torch.nn.Module):
         return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def small_llama(vocab: int = 32000, hidden: int = 256, intermediate: int = 512, layers: int = 2, seed: int = 0):
+def small_llama(
+    vocab: int = 32000, hidden: int = 256, intermediate: int = 512, layers: int = 2, seed: int = 0
+):
     """transformers LlamaForCausalLM with random weights (HF init: N(0, 0.02)), bf16, eval mode."""
     try:
         from transformers import LlamaConfig, LlamaForCausalLM

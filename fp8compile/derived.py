@@ -55,7 +55,11 @@ class CallWithDerivedInputs:
             sources = [args[i] for i in self._sources]
             versions = [version(t) for t in sources]
             last = self._last
-            if last is not None and last[1] == versions and all(ref() is t for ref, t in zip(last[0], sources)):
+            if (
+                last is not None
+                and last[1] == versions
+                and all(ref() is t for ref, t in zip(last[0], sources))
+            ):
                 values = last[2]
             else:
                 values = [v for d in self.derived for v in d.make(*[args[i] for i in d.sources])]

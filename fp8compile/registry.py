@@ -63,7 +63,9 @@ def _reference_why_not(request: Request) -> str | None:
     return None  # pure PyTorch: any device, any M, any shape the recipe allows
 
 
-def _cuda_why_not(request: Request, min_capability: tuple[int, int], exact_major: int | None = None) -> str | None:
+def _cuda_why_not(
+    request: Request, min_capability: tuple[int, int], exact_major: int | None = None
+) -> str | None:
     if request.device.type != "cuda":
         return f"needs a CUDA GPU (device is {request.device.type})"
     cap = torch.cuda.get_device_capability(request.device)
@@ -137,7 +139,10 @@ CUBLAS_MIN_M = 8
 _BACKENDS: dict[str, Backend] = {
     "triton_small_m": Backend(
         "triton_small_m",
-        {"linear": ".ops.triton_gemm:linear_small_m", "gated_linear": ".ops.triton_gemm:gated_linear_small_m"},
+        {
+            "linear": ".ops.triton_gemm:linear_small_m",
+            "gated_linear": ".ops.triton_gemm:gated_linear_small_m",
+        },
         _triton_small_m_why_not,
         prepare=".ops.triton_gemm:prepare_small_m",
     ),
@@ -266,7 +271,10 @@ def prepare(backend: str, request: Request) -> None:
     if hook is not None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        with unset_fake_temporarily(), torch.no_grad():  # real tensors, though the compiler traces with fake ones
+        with (
+            unset_fake_temporarily(),
+            torch.no_grad(),
+        ):  # real tensors, though the compiler traces with fake ones
             _resolve(hook)(request)
 
 

@@ -111,10 +111,11 @@ def _refuse_eager(module: torch.nn.Module, args) -> None:
         if p is not None and p in _RELEASED:
             raise RuntimeError(
                 f"fp8compile released the bf16 values of this {type(module).__name__}'s {name!r} "
-                "(Fp8Config(release_bf16_weights=True)): the compiled graphs read its FP8 copy, but an eager call "
-                "cannot run. Run the model through its compiled graphs (with transformers' generate(), compile "
-                "model.forward itself: a CompileConfig compiles the decode step only, the prompt runs eagerly), "
-                "or call fp8compile.restore_bf16_weights() first."
+                "(Fp8Config(release_bf16_weights=True)): the compiled graphs read its FP8 copy, "
+                "but an eager call cannot run. Run the model through its compiled graphs (with "
+                "transformers' generate(), compile model.forward itself: a CompileConfig compiles the "
+                "decode step only, the prompt runs eagerly), or call fp8compile.restore_bf16_weights() "
+                "first."
             )
 
 

@@ -16,7 +16,9 @@ class Rewrite:
     m: str  # "dynamic" or the static row count
     n: int
     k: int
-    kernels: tuple[tuple[str, str], ...]  # (("M <= 32", "triton"), ("M > 32", "deep_gemm")) or (("all M", ...),)
+    kernels: tuple[
+        tuple[str, str], ...
+    ]  # (("M <= 32", "triton"), ("M > 32", "deep_gemm")) or (("all M", ...),)
     graph: int
     detail: str = ""  # e.g. the gated activation of a silu_mul rewrite: "silu", "swigluoai"
 
@@ -41,7 +43,9 @@ class Report:
         self.rewrites: list[Rewrite] = []
         self.skips: list[Skip] = []
         self.graphs = 0
-        self.cuda_graphs: dict[int, str] = {}  # graph index -> whether its calls replay CUDA graphs, or why not
+        self.cuda_graphs: dict[
+            int, str
+        ] = {}  # graph index -> whether its calls replay CUDA graphs, or why not
 
     def counts(self) -> dict[str, int]:
         """Rewrites per kind; every kind in KINDS is present, 0 where nothing matched."""
@@ -53,7 +57,8 @@ class Report:
 
     def __str__(self) -> str:
         head = (
-            f"fp8compile report: {len(self.rewrites)} rewritten, {len(self.skips)} left in bf16, {self.graphs} graph(s)"
+            f"fp8compile report: {len(self.rewrites)} rewritten, {len(self.skips)} left in bf16, "
+            f"{self.graphs} graph(s)"
         )
         if self.config is not None:
             c = self.config
@@ -78,7 +83,11 @@ class Report:
             rows = [(s.kind, s.name, s.shape, s.reason) for s in self.skips]
             lines += ["", "left in bf16:", *_table(("kind", "module", "shape", "reason"), rows)]
         if self.cuda_graphs:
-            lines += ["", "CUDA graphs:", *(f"graph {g}: {state}" for g, state in sorted(self.cuda_graphs.items()))]
+            lines += [
+                "",
+                "CUDA graphs:",
+                *(f"graph {g}: {state}" for g, state in sorted(self.cuda_graphs.items())),
+            ]
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -87,4 +96,8 @@ class Report:
 def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths[:-1]) + "  {}"
-    return [fmt.format(*header), fmt.format(*("-" * w for w in widths)), *(fmt.format(*map(str, r)) for r in rows)]
+    return [
+        fmt.format(*header),
+        fmt.format(*("-" * w for w in widths)),
+        *(fmt.format(*map(str, r)) for r in rows),
+    ]

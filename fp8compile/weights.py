@@ -4,8 +4,8 @@ A compiled graph takes each weight's FP8 copy as an input, which its wrapper loo
 from the bf16 parameter Dynamo passes in (derived.py, only when a parameter changed); the
 eager ops on bf16 weights (linear, gated_linear, moe) look it up per call. The passes fill
 this memo at compile time, so the normal run never quantizes a weight. Keying by the parameter
-actually passed at run time (not by what was seen at compile time) keeps two cases correct that graph constants would
-get silently wrong:
+actually passed at run time (not by what was seen at compile time) keeps two cases correct that
+graph constants would get silently wrong:
   - Dynamo reusing one compiled graph for another module instance of the same class
     (inline_inbuilt_nn_modules; regional compilation of repeated layers does exactly this);
   - a parameter modified in place after compiling (its version counter moves).
@@ -142,7 +142,11 @@ def canonical_experts(
 
 
 def fp8_experts(
-    w: torch.Tensor, kn: bool = False, e8m0: bool = False, gate_up: str | None = None, w_up: torch.Tensor | None = None
+    w: torch.Tensor,
+    kn: bool = False,
+    e8m0: bool = False,
+    gate_up: str | None = None,
+    w_up: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """canonical_experts(...) in FP8: (w_fp8 (E, N, K), w_scale (E, N/128, K/128)), each expert in
     its own 128x128 blocks, so the activation reads gate and up as two contiguous halves."""
@@ -152,7 +156,8 @@ def fp8_experts(
         e, n, k = stacked.shape
         if n % 128 or k % 128:
             raise ValueError(
-                f"expert weights ({e}, {n}, {k}): N and K must be multiples of 128 (128x128 blocks per expert)"
+                f"expert weights ({e}, {n}, {k}): N and K must be multiples of 128 "
+                "(128x128 blocks per expert)"
             )
         w_fp8, w_scale = _quantize(stacked.reshape(e * n, k).contiguous(), e8m0)
         return w_fp8.reshape(e, n, k), w_scale.reshape(e, n // 128, k // 128)

@@ -20,7 +20,9 @@ class Attention(nn.Module):
 
     def forward(self, x):
         b, s, h = x.shape
-        q, k, v = (p(x).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, h))
 
@@ -190,10 +192,14 @@ class MaskedGroupedMoE(nn.Module):
         sorted_ids, perm = torch.sort(ids.reshape(-1))
         sentinel = (sorted_ids >= self.experts).unsqueeze(-1)
         offsets = torch.cumsum(
-            torch.histc(sorted_ids.float(), bins=self.experts, min=0, max=self.experts - 1), 0, dtype=torch.int32
+            torch.histc(sorted_ids.float(), bins=self.experts, min=0, max=self.experts - 1),
+            0,
+            dtype=torch.int32,
         )
         h = x[perm // self.top_k].masked_fill(sentinel, 0.0)
-        gate_up = torch._grouped_mm(h, self.gate_up_proj.transpose(-2, -1), offs=offsets).masked_fill(sentinel, 0.0)
+        gate_up = torch._grouped_mm(h, self.gate_up_proj.transpose(-2, -1), offs=offsets).masked_fill(
+            sentinel, 0.0
+        )
         gate, up = gate_up.chunk(2, dim=-1)
         out = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
         out = out.masked_fill(sentinel, 0.0) * weights.reshape(-1)[perm].unsqueeze(-1)

@@ -79,7 +79,11 @@ def test_compiled_linear_dispatches_on_the_tuned_ranges_in_one_graph(probe_backe
     assert probe_backend == [("linear", 3), ("mid:linear", 45)]
     last = autotune.TUNE_MS[-2]
     (rewrite,) = backend.report.rewrites
-    assert rewrite.kernels == (("M <= 32", "probe"), (f"32 < M <= {last}", "mid"), (f"M > {last}", "reference"))
+    assert rewrite.kernels == (
+        ("M <= 32", "probe"),
+        (f"32 < M <= {last}", "mid"),
+        (f"M > {last}", "reference"),
+    )
     assert captured[0].count(torch.ops.higher_order.cond) == 2
 
 

@@ -156,7 +156,12 @@ def test_debug_dir_gets_graphs_before_and_after_and_decompiled_code(tmp_path):
     with torch.no_grad():
         torch.compile(model, backend=fp8compile.backend(debug_dir=str(tmp_path)))(randn(8, 256))
     files = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("graph_"))
-    assert files == ["graph_000_aten_after.py", "graph_000_aten_before.py", "graph_000_diff.txt", "graph_000_dynamo.py"]
+    assert files == [
+        "graph_000_aten_after.py",
+        "graph_000_aten_before.py",
+        "graph_000_diff.txt",
+        "graph_000_dynamo.py",
+    ]
     assert "torch.ops.fp8compile.qlinear" in (tmp_path / "graph_000_aten_after.py").read_text()
     assert "-mm = aten.mm" in (tmp_path / "graph_000_diff.txt").read_text()
     (code,) = [p for p in tmp_path.iterdir() if p.name.startswith("__transformed_code_")]
@@ -209,7 +214,9 @@ def test_cli_runs_on_an_install_without_triton():
                 print("bench:", e)
     """)
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "triton_small_m  not used: triton is not installed" in result.stdout
     assert any(line.strip().endswith("CHOSEN") for line in result.stdout.splitlines())
@@ -223,7 +230,9 @@ def test_missing_vendor_library_error_says_what_to_install(monkeypatch):
     vendors.import_error.cache_clear()
     monkeypatch.setitem(sys.modules, "deep_gemm", None)  # as if not installed
     try:
-        with pytest.raises(RuntimeError, match=r"cannot import deep_gemm.*pip install 'fp8compile\[deep_gemm\]'"):
+        with pytest.raises(
+            RuntimeError, match=r"cannot import deep_gemm.*pip install 'fp8compile\[deep_gemm\]'"
+        ):
             vendors.require("deep_gemm")
     finally:
         vendors.import_error.cache_clear()
@@ -285,7 +294,12 @@ def test_mlp_benchmark_table_reports_fp8_speedups():
 
     rows = [
         dict(model="llama3-8b", m=16, variant=v, us=t)
-        for v, t in [("bf16_inductor", 90.0), ("fp8_unfused", 60.0), ("fp8_gate_up_apart", 50.0), ("fp8", 45.0)]
+        for v, t in [
+            ("bf16_inductor", 90.0),
+            ("fp8_unfused", 60.0),
+            ("fp8_gate_up_apart", 50.0),
+            ("fp8", 45.0),
+        ]
     ]
     last = mlp_table(rows).splitlines()[-1].split()
     assert last[:2] == ["llama3-8b", "16"] and last[-3:] == ["2.00", "1.33", "1.11"]
@@ -317,7 +331,9 @@ def test_report_says_per_graph_whether_calls_replay_cuda_graphs():
         assert f"graph 0: {lines[mode]}" in str(fp8.report)
     assert lines[None].startswith("off (default mode") and "reduce-overhead" in lines[None]
     assert lines["reduce-overhead"] == "off: the graph runs on no CUDA device"
-    assert lines["max-autotune-no-cudagraphs"] == "off (mode='max-autotune-no-cudagraphs' does not ask for them)"
+    assert (
+        lines["max-autotune-no-cudagraphs"] == "off (mode='max-autotune-no-cudagraphs' does not ask for them)"
+    )
 
 
 def test_compiling_with_the_m_dispatch_leaves_inductors_cond_lowering_as_it_was(probe_backend):

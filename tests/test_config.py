@@ -7,7 +7,14 @@ from fp8compile import Fp8Config, make_config
 
 def test_defaults_are_block_recipe_with_dispatch_at_32():
     c = Fp8Config()
-    assert (c.recipe, c.e8m0, c.batch_invariant, c.small_m, c.backends, c.skip) == ("block", False, False, 32, None, ())
+    assert (c.recipe, c.e8m0, c.batch_invariant, c.small_m, c.backends, c.skip) == (
+        "block",
+        False,
+        False,
+        32,
+        None,
+        (),
+    )
 
 
 def test_config_is_frozen():

@@ -46,7 +46,13 @@ def test_three_ranges_of_m_become_nested_conds_in_one_graph(probe_backend, captu
     backend = CountingBackend(backends=["probe", "mid", "reference"], large_m=100)
     outs = run(model, backend, [45, 3, 101, 100, 33, 500, 32])
     assert backend.compiles == 1
-    assert probe_backend == [("mid:linear", 45), ("linear", 3), ("mid:linear", 100), ("mid:linear", 33), ("linear", 32)]
+    assert probe_backend == [
+        ("mid:linear", 45),
+        ("linear", 3),
+        ("mid:linear", 100),
+        ("mid:linear", 33),
+        ("linear", 32),
+    ]
     (rewrite,) = backend.report.rewrites
     assert rewrite.kernels == (("M <= 32", "probe"), ("32 < M <= 100", "mid"), ("M > 100", "reference"))
     (g,) = captured
@@ -149,7 +155,9 @@ def test_batch_invariant_mode_uses_one_kernel_and_rows_do_not_depend_on_the_batc
 
 def test_explicit_backends_that_cannot_serve_are_a_clear_error(probe_backend):
     # "probe" alone cannot serve M > 32, and the user asked for nothing else
-    with pytest.raises(Exception, match=r"no backend in \['probe'\] can run linear .*probe serves M <= 32 only"):
+    with pytest.raises(
+        Exception, match=r"no backend in \['probe'\] can run linear .*probe serves M <= 32 only"
+    ):
         run(nn.Linear(256, 256).to(BF16), fp8compile.backend(backends=["probe"]), [40])
 
 
@@ -159,7 +167,9 @@ def test_a_dynamic_size_that_is_no_graph_input_leaves_the_linear_in_bf16_with_th
     from fp8compile.passes import dispatch
 
     def unbindable(ctx, operands):
-        raise dispatch.NoDispatch("dynamic sizes ['u0'] are not graph inputs (data-dependent?), so no torch.cond")
+        raise dispatch.NoDispatch(
+            "dynamic sizes ['u0'] are not graph inputs (data-dependent?), so no torch.cond"
+        )
 
     monkeypatch.setattr(dispatch, "_symbol_operands", unbindable)
     model = nn.Linear(256, 256).to(BF16)
@@ -178,7 +188,9 @@ def test_each_chosen_kernel_prepares_its_call_site_at_compile_time(probe_backend
     prepared = []
     probe = registry._BACKENDS["probe"]
     monkeypatch.setitem(registry._BACKENDS, "probe", dataclasses.replace(probe, prepare=prepared.append))
-    compiled = torch.compile(nn.Linear(256, 384).to(BF16), backend=fp8compile.backend(backends=["probe", "reference"]))
+    compiled = torch.compile(
+        nn.Linear(256, 384).to(BF16), backend=fp8compile.backend(backends=["probe", "reference"])
+    )
     x = randn(5, 256)
     torch._dynamo.mark_dynamic(x, 0)
     with torch.no_grad():
@@ -202,7 +214,9 @@ def test_prepare_hooks_make_real_tensors_while_the_compiler_traces_with_fake_one
     x = randn(5, 256)
     torch._dynamo.mark_dynamic(x, 0)
     with torch.no_grad():
-        torch.compile(nn.Linear(256, 384).to(BF16), backend=fp8compile.backend(backends=["probe", "reference"]))(x)
+        torch.compile(
+            nn.Linear(256, 384).to(BF16), backend=fp8compile.backend(backends=["probe", "reference"])
+        )(x)
     assert len(made) == 1 and not isinstance(made[0], FakeTensor) and made[0].shape == (384,)
 
 

@@ -120,7 +120,9 @@ def test_a_pair_without_an_m_dispatch_is_reported_once_per_linear(monkeypatch, p
     from fp8compile.passes import dispatch
 
     def unbindable(ctx, operands):
-        raise dispatch.NoDispatch("dynamic sizes ['u0'] are not graph inputs (data-dependent?), so no torch.cond")
+        raise dispatch.NoDispatch(
+            "dynamic sizes ['u0'] are not graph inputs (data-dependent?), so no torch.cond"
+        )
 
     monkeypatch.setattr(dispatch, "_symbol_operands", unbindable)
     # "probe" has a linear kernel only: the linears need a cond (and cannot get one), the fused

@@ -41,7 +41,9 @@ def test_kernel_compiles_for_hopper_without_spills_or_serialized_wgmma(config):
 
 
 @needs_gluon
-@pytest.mark.parametrize("config", [gluon_gemm.CONFIG, gluon_gemm.WIDE_CONFIG], ids=["128_rows", "64_rows_256_columns"])
+@pytest.mark.parametrize(
+    "config", [gluon_gemm.CONFIG, gluon_gemm.WIDE_CONFIG], ids=["128_rows", "64_rows_256_columns"]
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_grouped_kernel_compiles_for_hopper_without_spills_or_serialized_wgmma(config, bias):
     """The grouped variant (the routed experts' GEMMs) skips row blocks of no expert in both the
@@ -126,7 +128,10 @@ def test_why_not_names_what_the_kernel_cannot_do():
         assert "K=200" in gluon_gemm.why_not(x.cuda(), w.cuda())
         empty = torch.empty(8, 0, dtype=torch.float8_e4m3fn, device="cuda")
         assert "K=0" in gluon_gemm.why_not(empty, empty)
-        x, w = torch.empty(8, 256, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(12, 256, device="cuda")
+        x, w = (
+            torch.empty(8, 256, dtype=torch.float8_e4m3fn, device="cuda"),
+            torch.empty(12, 256, device="cuda"),
+        )
         assert "N=12" in gluon_gemm.why_not(x, w.to(torch.float8_e4m3fn))
     with pytest.raises(RuntimeError, match="the Gluon GEMM cannot run here"):
         gluon_gemm.gemm(x, torch.empty(8, 2), w, torch.empty(1, 2))
@@ -152,7 +157,9 @@ def test_matches_the_reference_and_the_triton_kernel_bit_for_bit(config, m, n, k
 
 
 @needs_hopper
-@pytest.mark.parametrize("config", [gluon_gemm.CONFIG, gluon_gemm.WIDE_CONFIG], ids=["128_rows", "64_rows_256_columns"])
+@pytest.mark.parametrize(
+    "config", [gluon_gemm.CONFIG, gluon_gemm.WIDE_CONFIG], ids=["128_rows", "64_rows_256_columns"]
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_grouped_gemm_gives_each_row_block_its_experts_gemm_bit_for_bit(config, bias):
     """Row block i of the grouped GEMM is gemm() of those rows with expert block_expert[i]'s
@@ -170,7 +177,9 @@ def test_grouped_gemm_gives_each_row_block_its_experts_gemm_bit_for_bit(config, 
     for i, e in enumerate(block_expert.tolist()):
         if e >= 0:
             rows = slice(bm * i, bm * (i + 1))
-            want = gluon_gemm.gemm(x_fp8[rows], x_scale[rows], w_fp8[e], w_scale[e], None if b is None else b[e])
+            want = gluon_gemm.gemm(
+                x_fp8[rows], x_scale[rows], w_fp8[e], w_scale[e], None if b is None else b[e]
+            )
             assert torch.equal(out[rows], want), (i, e)
     with pytest.raises(ValueError, match=f"one expert per {bm}-row block"):
         gluon_gemm.grouped_gemm(x_fp8, x_scale, w_fp8, w_scale, block_expert[:-1], config=config)

@@ -59,7 +59,9 @@ def test_flashinfer_reads_block_scales_in_our_layout():
     calc_diff sees (cosine similarity can miss a per-block scale error)."""
     n, k = 512, 1024
     block_gain = torch.exp2(torch.randint(-6, 7, (n // 128, k // 128), device="cuda").float())
-    w = (torch.randn(n, k, device="cuda") * block_gain.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(BF16)
+    w = (
+        torch.randn(n, k, device="cuda") * block_gain.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    ).to(BF16)
     x = randn(16, k, device="cuda")
     out = run_backend("flashinfer", x, w)
     expected = x.float() @ w.float().T
@@ -106,7 +108,10 @@ def test_default_dispatch_has_a_decode_a_medium_and_a_large_m_kernel_in_one_grap
     cuda = torch.device("cuda")
     want = [
         ("M <= 32", "triton_small_m"),
-        ("32 < M <= 2048", registry.choose(registry.Request("linear", cuda, 4096, 4096, 33, 2048), tier="medium")),
+        (
+            "32 < M <= 2048",
+            registry.choose(registry.Request("linear", cuda, 4096, 4096, 33, 2048), tier="medium"),
+        ),
         ("M > 2048", registry.choose(registry.Request("linear", cuda, 4096, 4096, 2049, None), tier="large")),
     ]
     if want[1][1] == want[2][1]:  # no DeepGEMM here: the two upper ranges share one kernel
@@ -120,10 +125,13 @@ def test_deep_gemm_missing_is_a_clear_error(monkeypatch):
     vendors.import_error.cache_clear()
     monkeypatch.setitem(__import__("sys").modules, "deep_gemm", None)
     try:
-        with pytest.raises(Exception, match=r"no backend in \['deep_gemm'\].*cannot import deep_gemm.*pip install"):
+        with pytest.raises(
+            Exception, match=r"no backend in \['deep_gemm'\].*cannot import deep_gemm.*pip install"
+        ):
             with torch.no_grad():
                 torch.compile(
-                    torch.nn.Linear(256, 256).to(BF16).cuda(), backend=fp8compile.backend(backends=["deep_gemm"])
+                    torch.nn.Linear(256, 256).to(BF16).cuda(),
+                    backend=fp8compile.backend(backends=["deep_gemm"]),
                 )(randn(64, 256, device="cuda"))
     finally:
         vendors.import_error.cache_clear()
@@ -140,7 +148,9 @@ def test_fused_gated_backend_matches_fp32_product(backend, m, activation):
     gate_up = randn(m, 2 * k, scale=4.0, device="cuda")
     a, b, w = gate_up[:, ::2], gate_up[:, 1::2], weight(n, k)  # interleaved halves, as GPT-OSS has them
     w_fp8, w_scale = reference.quant_weight_block(w)
-    out = registry.implementation("gated_linear", backend)(a, b, w_fp8, w_scale, None, False, activation, 1.702, 7.0)
+    out = registry.implementation("gated_linear", backend)(
+        a, b, w_fp8, w_scale, None, False, activation, 1.702, 7.0
+    )
     h = reference.gated(a, b, activation, 1.702, 7.0)
     assert calc_diff(out, h @ w.float().T) < 1e-3
 
@@ -183,7 +193,8 @@ def moe_case(tokens, num_experts=16, hidden=1024, inter=512, top_k=4, bias=False
 def run_moe(backend, x, ids, weights, w13, w2, b13=None, b2=None, batch_invariant=False, **act):
     t = x.shape[0]
     why = registry.why_not(
-        backend, registry.Request("moe", x.device, w13.shape[1], x.shape[1], t, t, batch_invariant=batch_invariant)
+        backend,
+        registry.Request("moe", x.device, w13.shape[1], x.shape[1], t, t, batch_invariant=batch_invariant),
     )
     if why is not None:
         pytest.skip(f"{backend}: {why}")
@@ -261,7 +272,9 @@ def test_autotuned_linear_serves_every_m_in_one_graph_with_kernels_that_serve_th
     bounds = [1] + [int(label.rsplit(" ", 1)[1]) + 1 for label, _ in rewrite.kernels[:-1]]
     assert rewrite.kernels[-1][0].startswith("M > ")
     for (label, kernel), lo, hi in zip(rewrite.kernels, bounds, [*bounds[1:], None]):
-        request = registry.Request("linear", torch.device("cuda"), 4096, 7168, lo, None if hi is None else hi - 1)
+        request = registry.Request(
+            "linear", torch.device("cuda"), 4096, 7168, lo, None if hi is None else hi - 1
+        )
         assert registry.why_not(kernel, request) is None, (label, kernel)
     assert fp8.report.graphs == 1
 
@@ -281,7 +294,9 @@ def _op_body_runs():
 
 
 @pytest.mark.parametrize("model_name", ["linear", "gated_mlp", "qwen3_moe_block"])
-def test_reduce_overhead_mode_replays_a_cuda_graph_per_m_with_the_bits_of_the_default_mode(model_name, monkeypatch):
+def test_reduce_overhead_mode_replays_a_cuda_graph_per_m_with_the_bits_of_the_default_mode(
+    model_name, monkeypatch
+):
     from torch._dynamo.utils import counters
 
     from fp8compile.ops import triton_gemm
@@ -309,7 +324,9 @@ def test_reduce_overhead_mode_replays_a_cuda_graph_per_m_with_the_bits_of_the_de
         for m in (16, 300, 3000, 1):  # every range of the dispatch, and M = 1's own graph
             x = randn(*shape(m), device="cuda")
             with _op_body_runs() as graphed_runs:
-                got = [graphed(x).clone() for _ in range(4)]  # Inductor's: a warm-up run, a recording, replays
+                got = [
+                    graphed(x).clone() for _ in range(4)
+                ]  # Inductor's: a warm-up run, a recording, replays
                 held = graphed(x)
             with _op_body_runs() as plain_runs:
                 want = plain(x)
@@ -318,9 +335,9 @@ def test_reduce_overhead_mode_replays_a_cuda_graph_per_m_with_the_bits_of_the_de
                 f"M={m}: op bodies ran on replays ({len(graphed_runs)} runs for 5 calls)"
             )
     assert counters["inductor"]["cudagraph_skips"] == 0 and held is not None
-    assert fp8.report.rewrites and all(state.startswith("on:") for state in fp8.report.cuda_graphs.values()), (
-        fp8.report.cuda_graphs
-    )
+    assert fp8.report.rewrites and all(
+        state.startswith("on:") for state in fp8.report.cuda_graphs.values()
+    ), fp8.report.cuda_graphs
 
 
 def test_reduce_overhead_mode_in_a_fresh_process_keeps_kernel_state_out_of_the_graph_pool():
@@ -400,9 +417,15 @@ def test_default_mode_cublas_side_is_launched_by_inductor_with_the_bits_of_the_o
 
     model = GatedMLP(512, 1024).to(BF16).cuda()
     with torch.no_grad():
-        out, code = run_and_get_code(torch.compile(model, backend=fp8compile.backend()), randn(300, 512, device="cuda"))
+        out, code = run_and_get_code(
+            torch.compile(model, backend=fp8compile.backend()), randn(300, 512, device="cuda")
+        )
         wrapper = "\n".join(code)
-        assert "_quant_act_kernel" in wrapper and "_scaled_mm" in wrapper and "torch.ops.fp8compile" not in wrapper
+        assert (
+            "_quant_act_kernel" in wrapper
+            and "_scaled_mm" in wrapper
+            and "torch.ops.fp8compile" not in wrapper
+        )
         xs = [randn(m, 512, device="cuda") for m in (33, 66, 300, 1001)]
         for x, got, want in _launched_and_op_path(model, xs):
             assert torch.equal(got, want), x.shape  # the same quantization kernel and the same cuBLAS call
@@ -436,7 +459,9 @@ def test_linear_scaled_mm_op_is_the_reference_block_linear(m, gated):
     assert got.shape == (m, 384) and got.dtype == BF16
     # The same quantized operands; cuBLAS accumulates in fp32 where the reference sums in fp64.
     assert calc_diff(got, want) < 1e-5
-    assert calc_diff(got, (reference.gated(x, b) if gated else x.float()) @ w.float().t() + bias.float()) < 1e-3
+    assert (
+        calc_diff(got, (reference.gated(x, b) if gated else x.float()) @ w.float().t() + bias.float()) < 1e-3
+    )
 
 
 def test_default_mode_decode_side_is_launched_by_inductor_with_the_numbers_of_the_op():
@@ -578,9 +603,12 @@ def test_moe_gluon_op_gives_the_bits_of_the_op_path():
         ids, weights = torch.randint(0, 8, (t, 2), device="cuda"), torch.rand(t, 2, device="cuda")
         biases = (b13, b2) if bias else (None, None)
         want = triton_moe.moe_gluon(x, ids, weights, *w13, *w2, *biases)
-        # the definition: the bound of moe_triton's Gluon path against the staged reference (test_moe_kernels.py)
+        # the definition: the bound of moe_triton's Gluon path against the staged reference
+        # (test_moe_kernels.py)
         assert calc_diff(want, reference.moe_block(x, ids, weights, *w13, *w2, *biases)) < 1e-4, t
-        assert torch.equal(torch.ops.fp8compile.moe_gluon(x, ids, weights, *w13, *w2, *biases, False, 128), want), t
+        assert torch.equal(
+            torch.ops.fp8compile.moe_gluon(x, ids, weights, *w13, *w2, *biases, False, 128), want
+        ), t
         assert torch.equal(compiled(x, ids, weights, *w13, *w2, *biases), want), t
     with pytest.raises(ValueError, match="128 tokens and more"):
         torch.ops.fp8compile.moe_gluon(x, ids, weights, *w13, *w2, None, None, False, 64)

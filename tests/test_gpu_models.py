@@ -85,7 +85,9 @@ def test_transformers_model_runs_every_range_of_m_in_both_modes_within_its_fp8_b
     assert counts["linear"] > 0 and (counts["moe"] > 0) == (make is qwen3_moe)
     if mode:
         assert counters["inductor"]["cudagraph_skips"] == 0
-        assert all(state.startswith("on:") for state in backend.report.cuda_graphs.values()), backend.report.cuda_graphs
+        assert all(state.startswith("on:") for state in backend.report.cuda_graphs.values()), (
+            backend.report.cuda_graphs
+        )
 
 
 @pytest.mark.parametrize("path", ["compile_config", "user_compile", "user_compile_lazy_cache"])
@@ -123,7 +125,9 @@ def test_generate_with_a_static_cache_in_cuda_graphs_does_not_recompile_after_wa
             assert backend.compiles == warm, f"batch {batch}: generate() recompiled after warm-up"
             assert torch.equal(first, again)
     states = backend.report.cuda_graphs.values()
-    if path != "user_compile_lazy_cache":  # the cache made before the first call (static_cache()) or by generate()
+    if (
+        path != "user_compile_lazy_cache"
+    ):  # the cache made before the first call (static_cache()) or by generate()
         assert counters["inductor"]["cudagraph_skips"] == 0
         assert all(state.startswith("on:") for state in states), backend.report.cuda_graphs
     else:
@@ -131,6 +135,6 @@ def test_generate_with_a_static_cache_in_cuda_graphs_does_not_recompile_after_wa
         # position counter (cumulative_length) is still a CPU tensor: that graph runs without CUDA
         # graphs and the report names the input and says what to do.
         off = [state for state in states if not state.startswith("on:")]
-        assert off and all("cumulative_length" in state and "early_initialization" in state for state in off), (
-            backend.report.cuda_graphs
-        )
+        assert off and all(
+            "cumulative_length" in state and "early_initialization" in state for state in off
+        ), backend.report.cuda_graphs

@@ -67,7 +67,9 @@ def test_static_cache_decode_reads_each_kv_head_once_with_the_numbers_of_repeat_
     model = small_llama()  # 4 query heads on 2 K/V heads
     model.generation_config.eos_token_id = None
     ids = torch.randint(0, 32000, (2, 12))
-    rewritten = fp8compile.backend(fusions=("gqa_attention",), skip=("*",))  # linears stay bf16: attention only
+    rewritten = fp8compile.backend(
+        fusions=("gqa_attention",), skip=("*",)
+    )  # linears stay bf16: attention only
     with torch.no_grad():
         tokens, logits = _generate(model, ids, rewritten)
         want_tokens, want_logits = _generate(model, ids, fp8compile.backend(fusions=(), skip=("*",)))
@@ -78,7 +80,9 @@ def test_static_cache_decode_reads_each_kv_head_once_with_the_numbers_of_repeat_
     for graph in captured[:2]:  # the prompt's graph and the decode step's
         sdpa = [node for node in graph.after.graph.nodes if node.target in SDPA_OPS]
         assert len(sdpa) == layers and all(node.args[1].meta["val"].shape[1] == 2 for node in sdpa)
-        assert not [node for node in graph.after.graph.nodes if repeated_kv(node)], "repeat_kv's copy is still there"
+        assert not [node for node in graph.after.graph.nodes if repeated_kv(node)], (
+            "repeat_kv's copy is still there"
+        )
     assert torch.equal(tokens, want_tokens)
     # The same softmax over the same keys, tiled differently: bf16 rounding of the output.
     assert max(calc_diff(a.float(), b.float()) for a, b in zip(logits, want_logits)) < 1e-4
@@ -116,7 +120,9 @@ class DecodeAttention(nn.Module):
     """transformers' sdpa attention of one decode token over a cache: repeat_kv, then sdpa with a mask."""
 
     def forward(self, q, k, v, mask):
-        return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=mask, scale=0.125)
+        return F.scaled_dot_product_attention(
+            q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=mask, scale=0.125
+        )
 
 
 GOLDEN = Path(__file__).parent / "golden" / "gqa_attention.diff"
@@ -131,9 +137,9 @@ def test_golden_graph_diff_of_decode_attention_over_a_grouped_cache(pass_diffs):
     mask = torch.rand(2, 1, 1, 16) > 0.3
     torch._dynamo.reset()
     with torch.no_grad():
-        out = torch.compile(DecodeAttention(), backend=fp8compile.backend(fusions=("gqa_attention",)), dynamic=False)(
-            q, k, v, mask
-        )
+        out = torch.compile(
+            DecodeAttention(), backend=fp8compile.backend(fusions=("gqa_attention",)), dynamic=False
+        )(q, k, v, mask)
     torch.testing.assert_close(out, DecodeAttention()(q, k, v, mask), atol=1e-5, rtol=1e-5)
     (diff,) = pass_diffs
     if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):

@@ -20,7 +20,9 @@ class FakeCompiled:
         self.log = log
 
     def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit, *args):
-        self.log.append(("direct", (gx, gy, gz), stream, (function, metadata, launch_metadata, enter, exit), args))
+        self.log.append(
+            ("direct", (gx, gy, gz), stream, (function, metadata, launch_metadata, enter, exit), args)
+        )
 
     def __getitem__(self, grid):
         return lambda *args: self.log.append(("fast", grid, args))
@@ -88,7 +90,9 @@ def test_while_a_launch_hook_is_set_the_relaunch_goes_through_the_runner_that_ca
     assert [e[0] for e in kernel.log] == ["triton", "fast", "direct"]
 
 
-@pytest.mark.parametrize("change", ["int_not_multiple_of_16", "int_one", "dtype", "misaligned", "constexpr", "option"])
+@pytest.mark.parametrize(
+    "change", ["int_not_multiple_of_16", "int_one", "dtype", "misaligned", "constexpr", "option"]
+)
 def test_what_triton_specializes_on_takes_triton_s_path_again(change):
     kernel = FakeKernel()
     run = launch.Launcher(kernel)

@@ -32,14 +32,19 @@ def _imported(path: Path) -> set[str]:
 
 def test_run_time_modules_never_import_compile_time_ones():
     offenders = {
-        path.name: sorted(name for name in _imported(path) if name.split(".")[0] in COMPILE_TIME) for path in RUN_TIME
+        path.name: sorted(name for name in _imported(path) if name.split(".")[0] in COMPILE_TIME)
+        for path in RUN_TIME
     }
     assert {name: found for name, found in offenders.items() if found} == {}
 
 
 def test_the_layering_check_sees_relative_and_lazy_imports():
     ops = _imported(PACKAGE / "ops" / "custom.py")
-    assert {"weights", "registry", "ops.reference"} <= ops  # `from ..weights import`, `from . import reference`
+    assert {
+        "weights",
+        "registry",
+        "ops.reference",
+    } <= ops  # `from ..weights import`, `from . import reference`
 
 
 def _module_name(path: Path) -> str:
@@ -54,7 +59,9 @@ def _imports_of(path: Path, modules: set[str]) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             base = list(package[: len(package) - node.level + 1]) if node.level else []
-            module = ".".join(base + ([node.module] if node.module else [])).removeprefix("fp8compile").lstrip(".")
+            module = (
+                ".".join(base + ([node.module] if node.module else [])).removeprefix("fp8compile").lstrip(".")
+            )
             for alias in node.names:
                 sub = f"{module}.{alias.name}".lstrip(".")
                 found.add(sub if sub in modules else module)
@@ -73,7 +80,9 @@ def _import_cycles() -> list[list[str]]:
         state[name] = 1
         for target in graph[name]:
             if state.get(target) == 1:
-                cycles.append(path[path.index(target) :] + [name, target] if target in path else [name, target])
+                cycles.append(
+                    path[path.index(target) :] + [name, target] if target in path else [name, target]
+                )
             elif target not in state:
                 visit(target, path + [name])
         state[name] = 2
@@ -89,7 +98,7 @@ def test_no_two_modules_import_each_other_even_lazily():
 
 
 def test_the_package_and_its_tests_pass_the_linter():
-    # pyproject.toml's [tool.ruff]: pycodestyle errors and warnings, pyflakes, 120 columns.
+    # pyproject.toml's [tool.ruff]: pycodestyle errors and warnings, pyflakes, 110 columns.
     import shutil
     import subprocess
 
@@ -98,7 +107,9 @@ def test_the_package_and_its_tests_pass_the_linter():
     ruff = shutil.which("ruff")
     if ruff is None:
         pytest.skip("ruff is not installed (pip install -e '.[test]')")
-    done = subprocess.run([ruff, "check", "fp8compile", "tests"], cwd=PACKAGE.parent, capture_output=True, text=True)
+    done = subprocess.run(
+        [ruff, "check", "fp8compile", "tests"], cwd=PACKAGE.parent, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stdout[-3000:]
 
 

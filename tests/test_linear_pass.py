@@ -63,7 +63,8 @@ def test_attention_projections_become_fp8_and_attention_itself_stays(captured):
     assert report.counts()["linear"] == 4
     assert {r.name for r in report.rewrites} == {"q_proj", "k_proj", "v_proj", "o_proj"}
     assert any(
-        "scaled_dot_product" in line or "_flash_attention" in line or "bmm" in line for line in graph_listing(g.after)
+        "scaled_dot_product" in line or "_flash_attention" in line or "bmm" in line
+        for line in graph_listing(g.after)
     )
     assert calc_diff(out, eager) < ATTENTION
 
@@ -165,7 +166,9 @@ def test_non_bf16_models_compile_unchanged_with_a_reason(dtype, captured):
     out, eager, report = compile_and_run(model, x)
     assert report_counts_zero(report)
     assert len(report.skipped("linear")) == 3
-    assert all(s.reason == f"dtype {str(dtype)[6:]}: only bfloat16 linears are rewritten" for s in report.skips)
+    assert all(
+        s.reason == f"dtype {str(dtype)[6:]}: only bfloat16 linears are rewritten" for s in report.skips
+    )
     assert bf16_matmuls(captured[0].after) == 3
     torch.testing.assert_close(out, eager, rtol=2e-2 if dtype == torch.float16 else 1e-4, atol=1e-3)
 

@@ -32,12 +32,16 @@ def fp8_simulated(model, e8m0=False):
     for module in sim.modules():
         if isinstance(module, torch.nn.Linear):
             w_fp8, w_scale = reference.quant_weight_block(module.weight.detach(), e8m0)
-            module.forward = lambda x, w=w_fp8, s=w_scale, b=module.bias: reference.linear_block(x, w, s, b, e8m0)
+            module.forward = lambda x, w=w_fp8, s=w_scale, b=module.bias: reference.linear_block(
+                x, w, s, b, e8m0
+            )
     return sim
 
 
 @pytest.mark.parametrize("e8m0", [False, True])
-def test_llama_every_linear_is_rewritten_mlps_fused_and_logits_stay_within_the_fp8_bound(e8m0, captured, monkeypatch):
+def test_llama_every_linear_is_rewritten_mlps_fused_and_logits_stay_within_the_fp8_bound(
+    e8m0, captured, monkeypatch
+):
     from fp8compile import weights
 
     weight_scales = []
@@ -53,12 +57,16 @@ def test_llama_every_linear_is_rewritten_mlps_fused_and_logits_stay_within_the_f
 
     expected = {f"model.layers.{i}.{p}" for i in range(2) for p in PROJECTIONS} | {"lm_head"}
     assert {r.name for r in fp8.report.rewrites} == expected
-    assert fp8.report.counts() == {"linear": 13, "silu_mul": 2, "moe": 0, "attention": 0} and fp8.report.skips == []
+    assert (
+        fp8.report.counts() == {"linear": 13, "silu_mul": 2, "moe": 0, "attention": 0}
+        and fp8.report.skips == []
+    )
     fused = {r.name for r in fp8.report.rewrites if r.kind == "silu_mul"}
     assert fused == {f"model.layers.{i}.mlp.down_proj" for i in range(2)}
     (g,) = captured
     assert not any(
-        line.startswith(("mm ", "addmm")) or " = aten.mm(" in line for line in fp8compile.debug.graph_listing(g.after)
+        line.startswith(("mm ", "addmm")) or " = aten.mm(" in line
+        for line in fp8compile.debug.graph_listing(g.after)
     )
     if e8m0:
         # per layer q|k|v, o, gate|up (stacked, one quantization each) and down; then lm_head

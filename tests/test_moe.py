@@ -61,7 +61,9 @@ def qwen3_moe_block(impl: str):
 def gpt_oss_mlp(impl: str):
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-    cfg = transformers.GptOssConfig(hidden_size=256, intermediate_size=384, num_local_experts=8, num_experts_per_tok=2)
+    cfg = transformers.GptOssConfig(
+        hidden_size=256, intermediate_size=384, num_local_experts=8, num_experts_per_tok=2
+    )
     cfg._experts_implementation = impl
     return init_normal(GptOssMLP(cfg).to(BF16))
 
@@ -70,7 +72,9 @@ def mixtral_block(impl: str):
     """Mixtral's block: its router hands the experts fp32 routing weights (a softmax in fp32)."""
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    cfg = transformers.MixtralConfig(hidden_size=256, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2)
+    cfg = transformers.MixtralConfig(
+        hidden_size=256, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2
+    )
     cfg._experts_implementation = impl
     return init_normal(MixtralSparseMoeBlock(cfg).to(BF16))
 
@@ -100,7 +104,9 @@ def test_qwen3_moe_every_moe_block_is_rewritten_and_logits_stay_within_the_fp8_b
     assert all(r.detail == "8 experts, top-2, concat, silu" and r.m == "dynamic" for r in moe)
     assert fp8.report.counts()["moe"] == 2
     # The routers stay bf16, and nothing else is left behind.
-    assert {(s.kind, s.name) for s in fp8.report.skips} == {("linear", f"model.layers.{i}.mlp.gate") for i in range(2)}
+    assert {(s.kind, s.name) for s in fp8.report.skips} == {
+        ("linear", f"model.layers.{i}.mlp.gate") for i in range(2)
+    }
     assert all(s.reason.startswith("router of a rewritten MoE block") for s in fp8.report.skips)
     (g,) = captured
     assert sum(g.count(t) for t in EXPERT_GEMMS) == 0  # every expert matmul is gone
@@ -116,7 +122,12 @@ def test_gpt_oss_experts_interleaved_transposed_with_bias_and_swigluoai_are_rewr
     torch.manual_seed(0)
     out, eager, report = compile_block(gpt_oss_mlp(impl), randn(1, 37, 256))
     (r,) = [r for r in report.rewrites if r.kind == "moe"]
-    assert (r.name, r.detail, r.n, r.k) == ("experts", "8 experts, top-2, interleave, bias, swigluoai", 768, 256)
+    assert (r.name, r.detail, r.n, r.k) == (
+        "experts",
+        "8 experts, top-2, interleave, bias, swigluoai",
+        768,
+        256,
+    )
     (g,) = captured
     assert sum(g.count(t) for t in EXPERT_GEMMS) == 0
     assert calc_diff(out, eager) < MOE_BLOCK
@@ -190,7 +201,9 @@ def test_eager_experts_loop_is_reported_as_not_one_graph():
 def test_experts_with_an_intermediate_size_not_a_multiple_of_128_stay_bf16_with_the_reason():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    model = init_normal(Qwen3MoeSparseMoeBlock(qwen3_moe_config("grouped_mm", moe_intermediate_size=192)).to(BF16))
+    model = init_normal(
+        Qwen3MoeSparseMoeBlock(qwen3_moe_config("grouped_mm", moe_intermediate_size=192)).to(BF16)
+    )
     out, eager, report = compile_block(model, randn(1, 9, 256))
     (skip,) = report.skipped("moe")
     assert skip.name == "experts" and "expert intermediate size 192 is not a multiple of 128" in skip.reason
@@ -274,7 +287,11 @@ def slot_by_slot(x, ids, topk_weights, w13, w2, b13=None, b2=None, **act):
                 continue
             rows13, rows2 = slice(e * n13, (e + 1) * n13), slice(e * n2, (e + 1) * n2)
             h = reference.linear_block(
-                x[t : t + 1], w13_fp8[rows13], s13[e * n13 // 128 : (e + 1) * n13 // 128], None, out_dtype=torch.float32
+                x[t : t + 1],
+                w13_fp8[rows13],
+                s13[e * n13 // 128 : (e + 1) * n13 // 128],
+                None,
+                out_dtype=torch.float32,
             )
             if b13 is not None:
                 h = h + b13[e].float()
@@ -328,7 +345,8 @@ def test_moe_op_reads_interleaved_separate_and_transposed_weight_layouts_alike()
     interleaved = torch.stack([gate, up], dim=2).reshape(w13.shape)
     assert torch.equal(torch.ops.fp8compile.moe(x, ids, tw, interleaved, w2, gate_up="interleave"), expected)
     assert torch.equal(
-        torch.ops.fp8compile.moe(x, ids, tw, gate.contiguous(), w2, up.contiguous(), gate_up="separate"), expected
+        torch.ops.fp8compile.moe(x, ids, tw, gate.contiguous(), w2, up.contiguous(), gate_up="separate"),
+        expected,
     )
     assert torch.equal(
         torch.ops.fp8compile.moe(

@@ -44,7 +44,9 @@ def test_route_puts_each_slot_once_in_a_block_of_its_expert(routing, tokens, blo
     "tokens, num_experts, top_k, block_m",
     [(1, 8, 4, 16), (5, 8, 4, 16), (37, 8, 4, 32), (3, 128, 8, 16), (40, 256, 8, 16), (130, 8, 4, 64)],
 )
-def test_route_kernels_give_the_same_rows_as_the_torch_routing(kernel, routing, tokens, num_experts, top_k, block_m):
+def test_route_kernels_give_the_same_rows_as_the_torch_routing(
+    kernel, routing, tokens, num_experts, top_k, block_m
+):
     """The routing kernels (one program for decode; count, scan and place over chunks of slots
     for more) and the torch-op routing are interchangeable: the same slot on every row and the
     same expert on every block, padding and sentinels included. 130 x 4 slots span 9 chunks."""
@@ -95,7 +97,9 @@ def test_grouped_gemm_writes_each_slot_the_block_gemm_of_its_token_and_expert(to
     token = torch.arange(ids.numel(), device=ids.device) // ids.shape[1]
     for e in flat.unique().tolist():
         rows = (flat == e).nonzero().squeeze(1)
-        exact = reference.gemm_block(x_fp8[token[rows]], x_scale[token[rows]], w13_fp8[e], s13[e], None, torch.float64)
+        exact = reference.gemm_block(
+            x_fp8[token[rows]], x_scale[token[rows]], w13_fp8[e], s13[e], None, torch.float64
+        )
         if bias:
             exact = exact + b13[e].double()
         assert_bf16_close(out[rows], to_bf16_as_the_device_does(exact))
@@ -151,7 +155,9 @@ def staged_reference(x, ids, weights, w13_fp8, s13, w2_fp8, s2, b13, b2, activat
     c1 = torch.zeros(t * k, 2 * half, dtype=torch.bfloat16, device=x.device)
     for e in flat.unique().tolist():
         rows = (flat == e).nonzero().squeeze(1)
-        exact = reference.gemm_block(x_fp8[token[rows]], x_scale[token[rows]], w13_fp8[e], s13[e], None, torch.float64)
+        exact = reference.gemm_block(
+            x_fp8[token[rows]], x_scale[token[rows]], w13_fp8[e], s13[e], None, torch.float64
+        )
         c1[rows] = to_bf16_as_the_device_does(exact + (b13[e].double() if b13 is not None else 0))
     h_fp8, h_scale = triton_quant.quant_act(c1[:, :half], b=c1[:, half:], activation=activation)
     out = torch.zeros(t * k, w2_fp8.shape[1], dtype=torch.float64, device=x.device)
@@ -160,7 +166,9 @@ def staged_reference(x, ids, weights, w13_fp8, s13, w2_fp8, s2, b13, b2, activat
         c2 = to_bf16_as_the_device_does(
             reference.gemm_block(h_fp8[rows], h_scale[rows], w2_fp8[e], s2[e], None, torch.float64)
         )
-        out[rows] = (c2.double() + (b2[e].double() if b2 is not None else 0)) * weights.reshape(-1)[rows, None].double()
+        out[rows] = (c2.double() + (b2[e].double() if b2 is not None else 0)) * weights.reshape(-1)[
+            rows, None
+        ].double()
     return to_bf16_as_the_device_does(out.reshape(t, k, -1).sum(1))
 
 
@@ -178,7 +186,9 @@ def test_moe_triton_equals_its_stages_composed_from_the_reference_gemm(tokens, a
     else:
         assert_bf16_close(out, staged_reference(*args, activation))
     if ON_GPU:  # (the interpreter's float -> e4m3 error on the intermediate would dominate here)
-        ref = reference.moe_block(*[a.cpu() if a is not None else None for a in args], False, activation=activation)
+        ref = reference.moe_block(
+            *[a.cpu() if a is not None else None for a in args], False, activation=activation
+        )
         assert calc_diff(out.cpu(), ref) < 1e-4
 
 
@@ -213,7 +223,9 @@ def test_moe_decode_fits_only_where_moe_triton_routes_in_one_program_with_its_sm
 
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel runs on an sm_90 GPU only")
 @pytest.mark.parametrize("activation, bias", [("silu", False), ("swigluoai", True)])
-def test_moe_triton_takes_the_gluon_gemms_from_64_slots_per_expert_with_the_same_numbers(monkeypatch, activation, bias):
+def test_moe_triton_takes_the_gluon_gemms_from_64_slots_per_expert_with_the_same_numbers(
+    monkeypatch, activation, bias
+):
     """300 tokens x top-2 over 4 experts is 150 slots per expert: the GEMMs are the grouped Gluon
     kernel's on gathered rows (64-row blocks: N = 512 and 256 take 256-column tiles), with the
     numbers of the staged reference and of the Triton kernel's path (the same 128-wide products,
@@ -233,7 +245,9 @@ def test_moe_triton_takes_the_gluon_gemms_from_64_slots_per_expert_with_the_same
     assert calls == [args[1].shape]
     assert calc_diff(out, staged_reference(*args, activation)) < 1e-4
     # 128-row blocks (experts whose N 256-column tiles do not divide): the same bits
-    assert torch.equal(triton_moe.moe_gluon(*args, False, activation=activation, config=gluon_gemm.CONFIG), out)
+    assert torch.equal(
+        triton_moe.moe_gluon(*args, False, activation=activation, config=gluon_gemm.CONFIG), out
+    )
     calls.clear()
     triton_path = triton_moe.moe_triton(*args, False, activation=activation, batch_invariant=True)
     assert calls == []  # batch-invariant: the Triton kernel's fixed 64-row blocks

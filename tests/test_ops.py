@@ -152,7 +152,10 @@ def _op_samples():
         (fp8.gemm.default, (x_fp8, x_scale, w_fp8, w_scale, bias)),
         (fp8.linear.default, (x, randn(256, 256), bias, False)),
         (fp8.linear.default, (randn(2, 3, 256), randn(256, 384), None, True, "reference", True)),
-        (fp8.linear.default, (x, randn(256, 256), None, False, "reference", False, [randn(128, 256)])),  # w_next
+        (
+            fp8.linear.default,
+            (x, randn(256, 256), None, False, "reference", False, [randn(128, 256)]),
+        ),  # w_next
         # q, k, v with biases, the last weight's N not a whole block
         (
             fp8.linear.default,

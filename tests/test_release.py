@@ -37,7 +37,10 @@ def test_released_weights_give_the_same_numbers_through_recompiles_and_the_embed
         ]
         assert all(release.is_released(w) and w.untyped_storage().nbytes() == 0 for w in rewritten)
         assert not release.is_released(model.embed.weight)  # the graph reads it in bf16
-        got = [got, freed(ids[:, :3])]  # a new static shape: Dynamo traces again, the passes see released weights
+        got = [
+            got,
+            freed(ids[:, :3]),
+        ]  # a new static shape: Dynamo traces again, the passes see released weights
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
 
@@ -64,7 +67,9 @@ def test_a_parameter_read_in_bf16_by_a_later_graph_is_brought_back_and_kept():
         torch.compile(model, backend=fp8compile.backend(release_bf16_weights=True))(ids)
         assert release.is_released(model.lm_head.weight)
         torch._dynamo.reset()
-        out = torch.compile(model, backend=fp8compile.backend(release_bf16_weights=True, skip=("lm_head",)))(ids)
+        out = torch.compile(model, backend=fp8compile.backend(release_bf16_weights=True, skip=("lm_head",)))(
+            ids
+        )
         assert not release.is_released(model.lm_head.weight)
         assert torch.equal(model.lm_head.weight, _model().lm_head.weight)
     assert fp8compile.calc_diff(out.float(), expected.float()) < 0.02

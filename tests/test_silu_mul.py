@@ -71,7 +71,10 @@ def test_gelu_gated_mlp_stays_unfused_with_the_reason(captured):
     out, eager, report = compile_and_run(GeluGatedMLP().to(BF16), randn(2, 37, 256))
     assert report.counts() == {"linear": 3, "silu_mul": 0, "moe": 0, "attention": 0}
     (skip,) = report.skipped("silu_mul")
-    assert skip.name == "down_proj" and skip.reason == "gated product with activation gelu: only silu(a) * b is fused"
+    assert (
+        skip.name == "down_proj"
+        and skip.reason == "gated product with activation gelu: only silu(a) * b is fused"
+    )
     assert calc_diff(out, eager) < MLP_BOUND
 
 
@@ -92,10 +95,14 @@ def test_e8m0_scales_of_the_fused_activation_are_powers_of_two(monkeypatch):
     scales = []
     real = reference.quant_act_block
     monkeypatch.setattr(
-        reference, "quant_act_block", lambda x, e8m0=False: (lambda q: scales.append(q[1]) or q)(real(x, e8m0))
+        reference,
+        "quant_act_block",
+        lambda x, e8m0=False: (lambda q: scales.append(q[1]) or q)(real(x, e8m0)),
     )
     out, eager, report = compile_and_run(GatedMLP().to(BF16), randn(2, 37, 256), e8m0=True)
-    assert report.counts()["silu_mul"] == 1 and len(scales) == 2  # x once (gate and up are one GEMM), the product once
+    assert (
+        report.counts()["silu_mul"] == 1 and len(scales) == 2
+    )  # x once (gate and up are one GEMM), the product once
     assert all(is_power_of_two(s) for s in scales)
     assert calc_diff(out, eager) < MLP_BOUND
 
@@ -127,20 +134,26 @@ def test_opcheck_the_ops_the_passes_emit_on_fp8_weights():
     w_fp8, w_scale = reference.quant_weight_block(randn(384, 256, scale=0.05))
     torch.library.opcheck(LINEAR, (randn(2, 3, 256), w_fp8, w_scale, randn(384), False), test_utils=utils)
     torch.library.opcheck(
-        FUSED, (randn(5, 256), randn(5, 256), w_fp8, w_scale, None, True, "reference", "swigluoai"), test_utils=utils
+        FUSED,
+        (randn(5, 256), randn(5, 256), w_fp8, w_scale, None, True, "reference", "swigluoai"),
+        test_utils=utils,
     )
     out = torch.ops.fp8compile.gated_qlinear(*(a := randn(5, 256), b := randn(5, 256)), w_fp8, w_scale)
     assert torch.equal(out, reference.gated_linear_block(a, b, w_fp8, w_scale))
 
 
 def test_passes_run_fusion_before_the_plain_linear_pass():
-    assert PASSES[-1] is linear_pass and PASSES.index(fp8compile.passes.silu_mul_pass) < PASSES.index(linear_pass)
+    assert PASSES[-1] is linear_pass and PASSES.index(fp8compile.passes.silu_mul_pass) < PASSES.index(
+        linear_pass
+    )
 
 
 def test_fusions_option_turns_the_fusion_off():
     _, _, report = compile_and_run(GatedMLP().to(BF16), randn(2, 9, 256), fusions=[])
     assert report.counts() == {"linear": 3, "silu_mul": 0, "moe": 0, "attention": 0}
-    with pytest.raises(ValueError, match="unknown fusion.*valid fusions: gqa_attention, moe, gate_up, qkv, silu_mul"):
+    with pytest.raises(
+        ValueError, match="unknown fusion.*valid fusions: gqa_attention, moe, gate_up, qkv, silu_mul"
+    ):
         fp8compile.backend(fusions=["moe_v2"])
 
 
@@ -166,7 +179,9 @@ def test_swigluoai_reference_is_gpt_oss_apply_gate():
     gate_up = randn(6, 512, scale=5.0).float()
     gate, up = gate_up[..., ::2], gate_up[..., 1::2]
     # transformers' GptOssExperts._apply_gate, verbatim in arithmetic
-    expected = (up.clamp(min=-7.0, max=7.0) + 1) * (gate.clamp(max=7.0) * torch.sigmoid(gate.clamp(max=7.0) * 1.702))
+    expected = (up.clamp(min=-7.0, max=7.0) + 1) * (
+        gate.clamp(max=7.0) * torch.sigmoid(gate.clamp(max=7.0) * 1.702)
+    )
     torch.testing.assert_close(reference.gated(gate, up, "swigluoai", 1.702, 7.0), expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match="valid gated activations are silu, swigluoai"):
         reference.gated(gate, up, "gelu")
@@ -189,5 +204,10 @@ def test_opcheck_gated_linear_swigluoai():
     torch.library.opcheck(
         torch.ops.fp8compile.gated_linear.default,
         args,
-        test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+        test_utils=(
+            "test_schema",
+            "test_autograd_registration",
+            "test_faketensor",
+            "test_aot_dispatch_dynamic",
+        ),
     )

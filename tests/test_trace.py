@@ -150,8 +150,18 @@ def _traced_ops():
             MOE_INPUTS,
             range(least, 8 * least),
         ),
-        ("moe_decode", lambda *v: ops.moe_decode(*v, None, None, False, max_tokens=16), MOE_INPUTS, range(2, 17)),
-        ("linear_decode", lambda *v: ops.linear_decode(*v, None, False, max_m=16), LINEAR_INPUTS, range(2, 17)),
+        (
+            "moe_decode",
+            lambda *v: ops.moe_decode(*v, None, None, False, max_tokens=16),
+            MOE_INPUTS,
+            range(2, 17),
+        ),
+        (
+            "linear_decode",
+            lambda *v: ops.linear_decode(*v, None, False, max_m=16),
+            LINEAR_INPUTS,
+            range(2, 17),
+        ),
         ("linear_scaled_mm", lambda *v: ops.linear_scaled_mm(*v), LINEAR_INPUTS, range(17, 5000)),
     ]
 

@@ -107,7 +107,9 @@ def test_tma_loads_only_while_capturing_a_cuda_graph_with_the_same_bits_as_eager
     waits on); inside one, once. Either way the kernels compute the same bits."""
     monkeypatch.setattr(triton_gemm, "USE_GLUON", False)  # this file's kernel above 512 rows too
     x, b = randn(3, 256, device=DEVICE), randn(3, 256, device=DEVICE)
-    x_fp8, x_scale = triton_quant.quant_act(randn(600, 256, device=DEVICE))  # past TILE_SWITCH_M: 128-row tiles
+    x_fp8, x_scale = triton_quant.quant_act(
+        randn(600, 256, device=DEVICE)
+    )  # past TILE_SWITCH_M: 128-row tiles
     w_fp8, w_scale = reference.quant_weight_block(randn(384, 256, scale=0.02, device=DEVICE))
 
     def kernels():
@@ -150,7 +152,9 @@ def test_large_m_gemm_refuses_a_tile_that_spans_two_weight_scale_blocks():
     x_fp8, x_scale = reference.quant_act_block(activation(4, 256))
     w_fp8, w_scale = reference.quant_weight_block(randn(256, 256, scale=0.02, device=DEVICE))
     with pytest.raises(ValueError, match="must divide the 128-row weight scale block"):
-        triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, config=dict(BLOCK_M=16, BLOCK_N=256, GROUP_M=1))
+        triton_gemm.gemm_large_m(
+            x_fp8, x_scale, w_fp8, w_scale, config=dict(BLOCK_M=16, BLOCK_N=256, GROUP_M=1)
+        )
 
 
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 33, 64])
@@ -188,7 +192,9 @@ def test_linear_decode_op_with_b_is_the_gated_down_projection(activation_name):
     a, b, _ = gated_inputs(16, 256)
     w_fp8, w_scale = reference.quant_weight_block(randn(384, 256, scale=0.02, device=DEVICE))
     out = torch.ops.fp8compile.linear_decode(a, w_fp8, w_scale, None, False, 16, b, activation_name)
-    assert torch.equal(out, triton_gemm.gated_linear_small_m(a, b, w_fp8, w_scale, activation=activation_name))
+    assert torch.equal(
+        out, triton_gemm.gated_linear_small_m(a, b, w_fp8, w_scale, activation=activation_name)
+    )
 
 
 def test_linear_decode_op_refuses_more_rows_than_the_decode_kernel_serves():
@@ -277,7 +283,9 @@ def test_dependent_launches_see_their_predecessors_output(m, monkeypatch):
     x = randn(m, 512, device=DEVICE)
     want = chain(x, pdl=False)
     assert torch.equal(chain(x, pdl=True), want)
-    assert torch.equal(chain(x, pdl=None), want)  # USE_PDL's default: the gated kernels launched as dependents
+    assert torch.equal(
+        chain(x, pdl=None), want
+    )  # USE_PDL's default: the gated kernels launched as dependents
     assert torch.equal(chain(x, pdl=True, prefetch=4), want)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -342,7 +350,8 @@ def test_fused_silu_mul_quantization_equals_quantizing_the_fp32_product(m, e8m0)
     torch.testing.assert_close(fused_scale, plain_scale, rtol=1e-6, atol=0)
     assert (
         calc_diff(
-            reference.dequant_act_block(fused_fp8, fused_scale), reference.dequant_act_block(plain_fp8, plain_scale)
+            reference.dequant_act_block(fused_fp8, fused_scale),
+            reference.dequant_act_block(plain_fp8, plain_scale),
         )
         < 1e-6
     )
@@ -379,7 +388,8 @@ def test_swigluoai_on_interleaved_halves_equals_the_plain_kernels_on_the_fp32_pr
     torch.testing.assert_close(fused_scale, plain_scale, rtol=1e-6, atol=0)
     assert (
         calc_diff(
-            reference.dequant_act_block(fused_fp8, fused_scale), reference.dequant_act_block(plain_fp8, plain_scale)
+            reference.dequant_act_block(fused_fp8, fused_scale),
+            reference.dequant_act_block(plain_fp8, plain_scale),
         )
         < 1e-6
     )
@@ -415,12 +425,15 @@ def test_linear_scaled_mm_traces_to_one_quantization_launch_and_one_scaled_mm():
         for b in (None, x):
             call = lambda x, w, s, bias, b: torch.ops.fp8compile.linear_scaled_mm(x, w, s, bias, False, b)
             traced = make_fx(dispatch_functionalize(call, FunctionalTensorMode()),
-                             decomposition_table=select_decomp_table(), tracing_mode="symbolic")(x, w, s, bias, b)
+                             decomposition_table=select_decomp_table(),
+                             tracing_mode="symbolic")(x, w, s, bias, b)
             print(json.dumps(sorted(str(n.target) for n in traced.graph.nodes if n.op == "call_function"
                          and isinstance(n.target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)))))
     """)
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     for line in done.stdout.strip().splitlines():
         targets = json.loads(line)

@@ -91,7 +91,9 @@ def stale_meta(monkeypatch) -> list[str]:
 SHAPES = [(1, 1), (3, 1), (16, 1), (33, 1), (2, 32), (65, 1), (3, 100), (1, 7)]
 
 
-def test_strided_sliced_and_transposed_inputs_give_the_same_bits_in_every_range_of_m(ranged_references, stale_meta):
+def test_strided_sliced_and_transposed_inputs_give_the_same_bits_in_every_range_of_m(
+    ranged_references, stale_meta
+):
     model = StridedInputs().to(BF16)
     ranged = CountingBackend(backends=ranged_references, **RANGES)
     one_kernel = fp8compile.backend(backends=["reference"])  # no dispatch: one call per site
@@ -111,11 +113,15 @@ def test_strided_sliced_and_transposed_inputs_give_the_same_bits_in_every_range_
     assert stale_meta == []
 
 
-def test_gate_up_halves_carry_their_row_stride_into_the_down_projections_branches(ranged_references, stale_meta):
+def test_gate_up_halves_carry_their_row_stride_into_the_down_projections_branches(
+    ranged_references, stale_meta
+):
     # The 64-token crash of a transformers Llama on the GPU: the gate half of the merged gate|up
     # output (row stride 2I) reached a medium-M branch compiled for a contiguous input.
     model = small_llama(layers=1)
-    compiled = torch.compile(model, backend=fp8compile.backend(backends=ranged_references, **RANGES), dynamic=True)
+    compiled = torch.compile(
+        model, backend=fp8compile.backend(backends=ranged_references, **RANGES), dynamic=True
+    )
     with torch.no_grad():
         for b in (16, 64, 70):
             ids = torch.randint(0, 32000, (b, 1))
@@ -182,7 +188,9 @@ def test_reduce_overhead_specializes_python_float_inputs_and_recompiles_when_one
         # at dynamic=True Dynamo passes RMSNorm's eps and attention's scaling as 0-d float64 CPU
         # tensors; under CUDA graphs a CPU input, used or not, breaks them: none is left
         inputs = [p.meta["val"] for p in captured[0].after.graph.find_nodes(op="placeholder")]
-        assert not [v for v in inputs if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dim() == 0]
+        assert not [
+            v for v in inputs if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dim() == 0
+        ]
         assert torch.equal(
             out, torch.compile(model, backend=fp8compile.backend(), dynamic=True)(ids, use_cache=False).logits
         )
@@ -218,7 +226,9 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path):
     table = model_table(rows)
     assert "fp8_ro/bf16_gqa_ro" in table and "fp8_ro/bf16_inductor_ro" not in table
     assert (tmp_path / "bench_model.json").exists()
-    assert "generate" in (tmp_path / "profile_tiny-llama_fp8_b2.txt").read_text()  # --profile: host time by function
+    assert (
+        "generate" in (tmp_path / "profile_tiny-llama_fp8_b2.txt").read_text()
+    )  # --profile: host time by function
     assert "step" in (tmp_path / "profile_tiny-llama_fp8_prefill.txt").read_text()  # and of one prefill
 
 
@@ -296,7 +306,8 @@ def test_bench_model_static_cache_is_made_before_the_first_call_and_marked_stati
     assert layer.is_initialized and layer.keys.shape == (3, 2, 20, 64)
     # Dynamo takes tensors marked here as static addresses: CUDA graphs need not copy them per call
     assert all(
-        getattr(t, "_dynamo_static_input_type", None) for t in (layer.keys, layer.values, layer.cumulative_length)
+        getattr(t, "_dynamo_static_input_type", None)
+        for t in (layer.keys, layer.values, layer.cumulative_length)
     )
 
 

@@ -31,7 +31,9 @@ class _Shape:
         torch._dynamo.reset()
         self.n, self.k = n, k
         r8, r16 = harness.copies(n * k), harness.copies(2 * n * k)
-        self.w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(max(r8, r16))]
+        self.w16 = [
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(max(r8, r16))
+        ]
         self.r16 = r16
         self.w8 = [reference.quant_weight_block(w) for w in self.w16[:r8]]
         self.linears, self.tuned = [], []
@@ -70,12 +72,15 @@ class _Shape:
             from flashinfer.gemm import fp8_blockscale_gemm_sm90
 
             v["flashinfer"] = [
-                lambda q=q: fp8_blockscale_gemm_sm90(x, q[0], None, q[1], out_dtype=torch.bfloat16) for q in self.w8
+                lambda q=q: fp8_blockscale_gemm_sm90(x, q[0], None, q[1], out_dtype=torch.bfloat16)
+                for q in self.w8
             ]
         if m <= triton_gemm.SMALL_M_MAX:
             v["triton_small_m"] = [lambda q=q: triton_gemm.linear_small_m(x, *q) for q in self.w8]
         if m >= 128:
-            v["triton_gemm"] = [lambda q=q: triton_gemm.gemm_large_m(x_fp8_row, x_scale_row, *q) for q in self.w8]
+            v["triton_gemm"] = [
+                lambda q=q: triton_gemm.gemm_large_m(x_fp8_row, x_scale_row, *q) for q in self.w8
+            ]
         # what a user pays: the compiled nn.Linear, activation quantization and M dispatch included
         v["fp8compile"] = [lambda f=f: f(x) for f in self.linears]
         v["fp8compile_tuned"] = [lambda f=f: f(x) for f in self.tuned]  # Fp8Config(autotune=True)
@@ -105,7 +110,9 @@ def bench_gemm(out_dir: Path, shapes=SHAPES, ms=MS, skip=()) -> list[dict]:
                             variant=name,
                             us=us,
                             tflops=None if us is None else 2 * m * n * k / us / 1e6,
-                            weight_tbps=None if us is None else n * k * (2 if name == "bf16" else 1) / us / 1e6,
+                            weight_tbps=None
+                            if us is None
+                            else n * k * (2 if name == "bf16" else 1) / us / 1e6,
                         )
                     )
                 progress.update()
@@ -144,8 +151,16 @@ def gemm_table(rows: list[dict]) -> str:
         ours = t["fp8compile"]
         r1 = f"{t['bf16'] / ours:9.2f}" if ours and t["bf16"] else f"{'-':>9}"
         r2 = f"{min(anchors) / ours:16.2f}" if ours and anchors else f"{'-':>16}"
-        r3 = f"{t['deep_gemm'] / t['triton_gemm']:7.2f}" if t["triton_gemm"] and t["deep_gemm"] else f"{'-':>7}"
-        r4 = f"{t['bf16'] / t['fp8compile_tuned']:11.2f}" if t["fp8compile_tuned"] and t["bf16"] else f"{'-':>11}"
+        r3 = (
+            f"{t['deep_gemm'] / t['triton_gemm']:7.2f}"
+            if t["triton_gemm"] and t["deep_gemm"]
+            else f"{'-':>7}"
+        )
+        r4 = (
+            f"{t['bf16'] / t['fp8compile_tuned']:11.2f}"
+            if t["fp8compile_tuned"] and t["bf16"]
+            else f"{'-':>11}"
+        )
         lines.append(f"{n:>6} {k:>6} {m:>5} {cells}   {r1} {r2} {r3}{r4}")
     return "\n".join(lines)
 
@@ -158,7 +173,9 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(2, len(shapes), figsize=(4 * len(shapes), 7), squeeze=False)
     for col, (n, k) in enumerate(shapes):
         for variant in sorted({r["variant"] for r in rows}):
-            pts = sorted((r["m"], r) for r in rows if (r["n"], r["k"], r["variant"]) == (n, k, variant) and r["us"])
+            pts = sorted(
+                (r["m"], r) for r in rows if (r["n"], r["k"], r["variant"]) == (n, k, variant) and r["us"]
+            )
             if not pts:
                 continue
             style = dict(marker="o", lw=2.5 if variant == "fp8compile" else 1, label=variant)

@@ -72,7 +72,9 @@ class _DecodeChain(torch.nn.Module):
         return x
 
 
-def bench_host(out_dir: Path, ms=(1, 16), n: int = 4096, k: int = 4096, calls: int = 200, chain: int = 1) -> list[dict]:
+def bench_host(
+    out_dir: Path, ms=(1, 16), n: int = 4096, k: int = 4096, calls: int = 200, chain: int = 1
+) -> list[dict]:
     from fp8compile.ops import triton_gemm
     from fp8compile.weights import fp8_weight
 
@@ -109,10 +111,16 @@ def bench_host(out_dir: Path, ms=(1, 16), n: int = 4096, k: int = 4096, calls: i
             for name, fn in variants.items():
                 host, wall = _host_and_wall_us(fn, calls)
                 per = chain if name in compiled else 1
-                rows.append(dict(m=m, n=n, k=k, chain=per, variant=name, host_us=host / per, wall_us=wall / per))
+                rows.append(
+                    dict(m=m, n=n, k=k, chain=per, variant=name, host_us=host / per, wall_us=wall / per)
+                )
             out = decode(x).float()
             rows.append(
-                dict(m=m, variant="fp8_inductor_launch_vs_fp8compile_calc_diff", value=calc_diff(out, fp8(x).float()))
+                dict(
+                    m=m,
+                    variant="fp8_inductor_launch_vs_fp8compile_calc_diff",
+                    value=calc_diff(out, fp8(x).float()),
+                )
             )
             relaunched = launcher.relaunch and bool(launcher.compiled)
             launcher.relaunch = False
@@ -123,10 +131,13 @@ def bench_host(out_dir: Path, ms=(1, 16), n: int = 4096, k: int = 4096, calls: i
             rows.append(dict(m=m, n=n, k=k, variant="fp8_kernel_triton", host_us=host, wall_us=wall))
             rows.append(dict(m=m, n=n, k=k, variant="direct_relaunch_used", value=relaunched))
             profiled(lambda: [fp8(x) for _ in range(100)], out_dir / f"host_profile_m{m}.txt", lines=25)
-            profiled(lambda: [decode(x) for _ in range(100)], out_dir / f"host_profile_decode_m{m}.txt", lines=25)
+            profiled(
+                lambda: [decode(x) for _ in range(100)], out_dir / f"host_profile_decode_m{m}.txt", lines=25
+            )
     (out_dir / "bench_host.json").write_text(json.dumps(rows, indent=1))
     print(
-        f"host cost of one linear N={n} K={k} on {torch.cuda.get_device_name(device)} ({calls} calls enqueued, "
+        f"host cost of one linear N={n} K={k} on {torch.cuda.get_device_name(device)} "
+        f"({calls} calls enqueued, "
         f"then one sync; compiled variants: a chain of {chain} linears, per linear): us per call"
     )
     print(f"{'variant':<20}" + "".join(f"{'M=' + str(m) + ' host':>14}{'wall':>8}" for m in ms))

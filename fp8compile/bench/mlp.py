@@ -37,7 +37,8 @@ def bench_mlp(out_dir: Path, ms=MLP_MS, mlps=MLPS, device: str = "cuda") -> list
     with torch.no_grad():
         for model_name, (hidden, inter) in tqdm(mlps.items(), desc="bench mlp"):
             copies = [
-                GatedMLP(hidden, inter).to(device, torch.bfloat16) for _ in range(harness.copies(3 * hidden * inter))
+                GatedMLP(hidden, inter).to(device, torch.bfloat16)
+                for _ in range(harness.copies(3 * hidden * inter))
             ]
             inputs = [(m, torch.randn(m, hidden, device=device, dtype=torch.bfloat16)) for m in ms]
             rows += harness.variant_rows(

@@ -136,7 +136,9 @@ def build(name: str, layers: int | None, device: str):
     import transformers
 
     model_cls, config_cls, fields = MODELS[name]
-    config = getattr(transformers, config_cls)(**{**fields, **({"num_hidden_layers": layers} if layers else {})})
+    config = getattr(transformers, config_cls)(
+        **{**fields, **({"num_hidden_layers": layers} if layers else {})}
+    )
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -201,7 +203,9 @@ class Variant:
         if self.backend is None or self.own:
             return None
         config = CompileConfig(backend=self.backend, mode=self.mode or "default")
-        config._compile_all_devices = device.type != "cuda"  # transformers compiles generate() on GPUs only otherwise
+        config._compile_all_devices = (
+            device.type != "cuda"
+        )  # transformers compiles generate() on GPUs only otherwise
         return config
 
 
@@ -264,8 +268,14 @@ def _unfused_fp8(model):
 # GPU kernel names -> what they compute, for the time split of a decode step (first match wins).
 KERNEL_KINDS = (
     ("attention", re.compile(r"flash|fmha|attention|attn|sdpa", re.I)),
-    ("moe", re.compile(r"moe|grouped|_route_|_topk_sum", re.I)),  # expert GEMMs and our routing, before "gemm"
-    ("linear", re.compile(r"gemm|nvjet|xmma|cutlass|splitk|_linear_small_m|quant_act|deep_gemm|matmul", re.I)),
+    (
+        "moe",
+        re.compile(r"moe|grouped|_route_|_topk_sum", re.I),
+    ),  # expert GEMMs and our routing, before "gemm"
+    (
+        "linear",
+        re.compile(r"gemm|nvjet|xmma|cutlass|splitk|_linear_small_m|quant_act|deep_gemm|matmul", re.I),
+    ),
 )
 
 
@@ -315,7 +325,9 @@ def static_cache(model, batch: int, max_len: int, device):
     return cache
 
 
-def decode(model, variant: Variant, batch: int, context: int, steps: int, device, profile: Path | None = None) -> dict:
+def decode(
+    model, variant: Variant, batch: int, context: int, steps: int, device, profile: Path | None = None
+) -> dict:
     """Two generate() calls at this batch size; the second is timed; if asked, a third under
     cProfile (host time by function, written to `profile`) and, on a GPU, the GPU time per step
     by kind of kernel (a generate() of `steps` steps minus one of a single step, which leaves the
@@ -342,7 +354,9 @@ def decode(model, variant: Variant, batch: int, context: int, steps: int, device
     first_s = time.perf_counter() - start
     clock, graphs = StepClock(device), _graphs()
     compile_peak_gb = None
-    if device.type == "cuda":  # the peak so far (weights, compile, first call) kept, then the timed call's own
+    if (
+        device.type == "cuda"
+    ):  # the peak so far (weights, compile, first call) kept, then the timed call's own
         compile_peak_gb = torch.cuda.max_memory_allocated(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
@@ -404,12 +418,16 @@ def prefill_and_accuracy(
     """Logits calc_diff against bf16 eager (64 tokens), then prefill of `tokens` tokens, timed;
     if asked, one more under cProfile (written to `profile`) and, on a GPU, its GPU time by
     kind of kernel."""
-    compiled = model if variant.backend is None else torch.compile(model, backend=variant.backend, mode=variant.mode)
+    compiled = (
+        model if variant.backend is None else torch.compile(model, backend=variant.backend, mode=variant.mode)
+    )
     start = time.perf_counter()
     logits = compiled(ids_acc, use_cache=False).logits.float()
     _sync(device)
     acc = dict(
-        kind="accuracy", calc_diff=fp8compile.calc_diff(logits, eager_logits), first_call_s=time.perf_counter() - start
+        kind="accuracy",
+        calc_diff=fp8compile.calc_diff(logits, eager_logits),
+        first_call_s=time.perf_counter() - start,
     )
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
 
@@ -465,9 +483,13 @@ def bench_model(
             base = dict(device=device_name, model=model_name, layers=n_layers)
             if not getattr(model.config, "num_experts", None):
                 with _unfused_fp8(model):
-                    unfused = fp8compile.calc_diff(model(ids_acc, use_cache=False).logits.float(), eager_logits)
+                    unfused = fp8compile.calc_diff(
+                        model(ids_acc, use_cache=False).logits.float(), eager_logits
+                    )
                 rows.append(dict(base, variant="fp8_unfused_eager", kind="accuracy", calc_diff=unfused))
-            for name in sorted(names, key=lambda n: n.startswith("torchao")):  # torchao changes the model: last
+            for name in sorted(
+                names, key=lambda n: n.startswith("torchao")
+            ):  # torchao changes the model: last
                 variant = _variant(name)
                 if variant is None:
                     progress.update(len(batches) + 1)
@@ -492,7 +514,11 @@ def bench_model(
                     for batch in batches:
                         path = out_dir / f"profile_{model_name}_{name}_b{batch}.txt" if profile else None
                         rows.append(
-                            dict(base, variant=name, **decode(model, variant, batch, context, steps, device, path))
+                            dict(
+                                base,
+                                variant=name,
+                                **decode(model, variant, batch, context, steps, device, path),
+                            )
                         )
                         progress.update()
                 finally:
@@ -506,7 +532,8 @@ def bench_model(
                         + [r.get(key) or 0.0 for r in mine for key in ("warm_peak_gb", "peak_before_gb")]
                     )
                     rows.append(dict(base, variant=name, kind="memory", warm_peak_gb=warm, peak_gb=peak))
-                fp8compile.restore_bf16_weights()  # fp8_ro_release gave them back: the next variant needs them
+                # fp8_ro_release gave them back: the next variant needs them
+                fp8compile.restore_bf16_weights()
                 if isinstance(variant.backend, fp8compile.Fp8Backend):
                     report = variant.backend.report
                     print(
@@ -516,7 +543,9 @@ def bench_model(
                     # Why candidates stayed bf16, once per kind and reason (a user's next question).
                     for kind, reason in dict.fromkeys((skip.kind, skip.reason) for skip in report.skips):
                         print(f"  kept bf16 ({kind}): {reason}")
-                (out_dir / "bench_model.json").write_text(json.dumps(rows, indent=1))  # a cut-off run keeps its rows
+                (out_dir / "bench_model.json").write_text(
+                    json.dumps(rows, indent=1)
+                )  # a cut-off run keeps its rows
             del model
     print(model_table(rows))
     _plot(rows, out_dir / "bench_model.png")
@@ -559,19 +588,28 @@ def model_table(rows: list[dict]) -> str:
             f"prefill tokens/s, logits calc_diff vs bf16 eager",
             f"{'variant':<20}"
             + "".join(f"{'B=' + str(b):>18}" for b in batches)
-            + f"{'prefill':>10}{'1st call s':>11}{'peak GB':>9}{'warm GB':>9}{'calc_diff':>10}{'recompiles':>11}",
+            + f"{'prefill':>10}{'1st call s':>11}{'peak GB':>9}{'warm GB':>9}"
+            + f"{'calc_diff':>10}{'recompiles':>11}",
         ]
         for v in variants:
             cells = ""
             for b in batches:
                 r = get.get((v, "decode", b))
                 cells += f"{r['tokens_per_s']:>9.1f} ({r['ms_per_step']:>5.2f})" if r else f"{'-':>18}"
-            pre, acc, mem = get.get((v, "prefill", 1)), get.get((v, "accuracy", None)), get.get((v, "memory", None))
-            first = max((r["first_call_s"] for r in mine if r["variant"] == v and "first_call_s" in r), default=None)
+            pre, acc, mem = (
+                get.get((v, "prefill", 1)),
+                get.get((v, "accuracy", None)),
+                get.get((v, "memory", None)),
+            )
+            first = max(
+                (r["first_call_s"] for r in mine if r["variant"] == v and "first_call_s" in r), default=None
+            )
             recompiles = sum(r.get("recompiles", 0) for r in mine if r["variant"] == v)
             cells += f"{pre['tokens_per_s']:>10.0f}" if pre else f"{'-':>10}"
             cells += f"{first:>11.1f}" if first is not None else f"{'-':>11}"
-            cells += f"{mem['peak_gb']:>9.1f}{mem.get('warm_peak_gb', 0.0):>9.1f}" if mem else f"{'-':>9}{'-':>9}"
+            cells += (
+                f"{mem['peak_gb']:>9.1f}{mem.get('warm_peak_gb', 0.0):>9.1f}" if mem else f"{'-':>9}{'-':>9}"
+            )
             cells += f"{acc['calc_diff']:>10.2e}" if acc else f"{'-':>10}"
             lines.append(f"{v:<20}{cells}{recompiles:>11}")
         for fp8, bf16 in (
@@ -592,7 +630,10 @@ def model_table(rows: list[dict]) -> str:
             a, z = get.get((fp8, "prefill", 1)), get.get((bf16, "prefill", 1))
             pre = f"{a['tokens_per_s'] / z['tokens_per_s']:>10.2f}" if a and z else f"{'-':>10}"
             firsts = [
-                max((r["first_call_s"] for r in mine if r["variant"] == v and "first_call_s" in r), default=None)
+                max(
+                    (r["first_call_s"] for r in mine if r["variant"] == v and "first_call_s" in r),
+                    default=None,
+                )
                 for v in (fp8, bf16)
             ]
             first = f"{firsts[0] / firsts[1]:>11.2f}" if None not in firsts else f"{'-':>11}"
@@ -600,16 +641,20 @@ def model_table(rows: list[dict]) -> str:
         split = [r for r in mine if r.get("kernel_ms_per_step")]
         if split:
             kinds = list(split[0]["kernel_ms_per_step"])
-            lines.append("GPU time per decode step (or prefill) by kernel kind, ms (--profile): " + ", ".join(kinds))
+            lines.append(
+                "GPU time per decode step (or prefill) by kernel kind, ms (--profile): " + ", ".join(kinds)
+            )
             lines += [
-                f"{r['variant']:<20}{_step_name(r):>8}" + "".join(f"{r['kernel_ms_per_step'][k]:>10.2f}" for k in kinds)
+                f"{r['variant']:<20}{_step_name(r):>8}"
+                + "".join(f"{r['kernel_ms_per_step'][k]:>10.2f}" for k in kinds)
                 for r in split
             ]
             for r in split:
                 lines.append(
                     f"top kernels, {r['variant']} {_step_name(r)}, ms per step: "
                     + "; ".join(
-                        f"{name[:60]} ({kind}) {ms:.3f}" for name, kind, ms in r.get("top_kernels_ms_per_step", [])[:6]
+                        f"{name[:60]} ({kind}) {ms:.3f}"
+                        for name, kind, ms in r.get("top_kernels_ms_per_step", [])[:6]
                     )
                 )
     return "\n".join(lines)

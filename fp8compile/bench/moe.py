@@ -54,7 +54,9 @@ def _deep_gemm_experts(block, tokens: int, top_k: int):
     ids = torch.topk(torch.rand(tokens, num_experts, device="cuda"), top_k, dim=-1).indices
     slots, block_expert = route(ids, num_experts, deep_gemm.get_mk_alignment_for_contiguous_layout())
     rows = slots.numel()
-    row_expert = torch.where(slots < ids.numel(), block_expert.repeat_interleave(rows // block_expert.numel()), -1)
+    row_expert = torch.where(
+        slots < ids.numel(), block_expert.repeat_interleave(rows // block_expert.numel()), -1
+    )
     a = quant_act(torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16), layout="mn_major")
     h = quant_act(torch.randn(rows, two_i // 2, device="cuda", dtype=torch.bfloat16), layout="mn_major")
     c1 = torch.empty(rows, two_i, device="cuda", dtype=torch.bfloat16)
@@ -114,7 +116,9 @@ def bench_moe(out_dir: Path, tokens=MOE_TOKENS, layers=MOE_LAYERS) -> list[dict]
             )
             for t, _ in inputs:
                 try:
-                    rows.append(row("deep_gemm_gemms", t, harness.time_us([_deep_gemm_experts(block, t, top_k)])))
+                    rows.append(
+                        row("deep_gemm_gemms", t, harness.time_us([_deep_gemm_experts(block, t, top_k)]))
+                    )
                 except Exception as e:  # DeepGEMM missing or failing: the other columns still count
                     print(f"    deep_gemm_gemms: {type(e).__name__}: {str(e)[:120]}")
             block = None  # free this layer before the next
@@ -134,6 +138,10 @@ def moe_table(rows: list[dict]) -> str:
         us = {v: by.get((layer, t, v)) for v in variants}
         cells = " ".join(f"{us[v]:>15.1f}" if us[v] else f"{'-':>15}" for v in variants)
         r1 = f"{us['bf16_inductor'] / us['fp8']:10.2f}" if us["fp8"] and us["bf16_inductor"] else f"{'-':>10}"
-        r2 = f"{us['deep_gemm_gemms'] / us['fp8']:12.2f}" if us["fp8"] and us["deep_gemm_gemms"] else f"{'-':>12}"
+        r2 = (
+            f"{us['deep_gemm_gemms'] / us['fp8']:12.2f}"
+            if us["fp8"] and us["deep_gemm_gemms"]
+            else f"{'-':>12}"
+        )
         lines.append(f"{layer:<14} {t:>6} {cells}   {r1} {r2}")
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""What the benches write: JSON with its table (save), plots (matplotlib where it is installed) and host profiles."""
+"""What the benches write: JSON with its table (save), plots (matplotlib where it is installed)
+and host profiles."""
 
 from __future__ import annotations
 

@@ -39,7 +39,9 @@ def _deep_gemm_us(x_q, w8, n: int) -> float | None:
     import deep_gemm
 
     out = torch.empty(x_q[0].shape[0], n, device="cuda", dtype=torch.bfloat16)
-    return harness.time_us([lambda q=q: deep_gemm.fp8_gemm_nt(x_q, q, out, disable_ue8m0_cast=True) for q in w8])
+    return harness.time_us(
+        [lambda q=q: deep_gemm.fp8_gemm_nt(x_q, q, out, disable_ue8m0_cast=True) for q in w8]
+    )
 
 
 def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
@@ -88,7 +90,11 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
             for m in (1024, 4096) if "large_m" in kernels else ():
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 x_q = {layout: triton_quant.quant_act(x, layout=layout) for layout in ("row", "mn_major")}
-                dg = _deep_gemm_us(x_q["mn_major"], w8[:2], n) if vendors.import_error("deep_gemm") is None else None
+                dg = (
+                    _deep_gemm_us(x_q["mn_major"], w8[:2], n)
+                    if vendors.import_error("deep_gemm") is None
+                    else None
+                )
                 first = None
                 for cfg, layout in LARGE_M_SWEEP:
                     cfg = {"GROUP_M": 8, "tma": False, **cfg}
@@ -103,7 +109,10 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
                     us = (
                         agrees
                         and harness.time_us(
-                            [lambda q=q: triton_gemm.gemm_large_m(*x_q[layout], *q, config=cfg) for q in w8[:2]]
+                            [
+                                lambda q=q: triton_gemm.gemm_large_m(*x_q[layout], *q, config=cfg)
+                                for q in w8[:2]
+                            ]
                         )
                         or None
                     )
@@ -129,7 +138,9 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
                     triton_gemm.gemm_large_m(*x_q, *w8[0], config=large),
                 )
                 us = {
-                    name: harness.time_us([lambda q=q: triton_gemm.gemm_large_m(*x_q, *q, config=cfg) for q in w8[:2]])
+                    name: harness.time_us(
+                        [lambda q=q: triton_gemm.gemm_large_m(*x_q, *q, config=cfg) for q in w8[:2]]
+                    )
                     for name, cfg in (("small_tiles", small), ("large_tiles", large))
                 }
                 results["tiles"].append(dict(n=n, k=k, m=m, same_bits=same, **us))
@@ -146,7 +157,9 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
         groups: dict[tuple, list] = {}
         for r in results[kind]:
             groups.setdefault(tuple(r[key] for key in keys), []).append(r["us"])
-        scored = sorted((math.exp(sum(map(math.log, ts)) / len(ts)), cfg) for cfg, ts in groups.items() if all(ts))
+        scored = sorted(
+            (math.exp(sum(map(math.log, ts)) / len(ts)), cfg) for cfg, ts in groups.items() if all(ts)
+        )
         print(f"{kind}: best fixed configs by geometric-mean time over shapes x M ({', '.join(keys)}):")
         for score, cfg in scored[:5]:
             print(f"   {cfg}: {score:.1f} us")

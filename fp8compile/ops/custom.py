@@ -72,7 +72,9 @@ def quant_weight(w: Tensor, e8m0: bool = False) -> tuple[Tensor, Tensor]:
 @_fake(quant_weight)
 def _(w: Tensor, e8m0: bool = False) -> tuple[Tensor, Tensor]:
     n, k = w.shape
-    return w.new_empty(n, k, dtype=FP8_DTYPE), w.new_empty(ceil_div(n, BLOCK), k // BLOCK, dtype=torch.float32)
+    return w.new_empty(n, k, dtype=FP8_DTYPE), w.new_empty(
+        ceil_div(n, BLOCK), k // BLOCK, dtype=torch.float32
+    )
 
 
 @_op
@@ -104,7 +106,8 @@ def _weight_out_features(x: Tensor, w: Tensor, bias: Tensor | None, w_kn: bool) 
 
 
 @_op(
-    schema="(Tensor x, Tensor w, Tensor? bias=None, bool e8m0=False, str backend='reference', bool w_kn=False, "
+    schema="(Tensor x, Tensor w, Tensor? bias=None, bool e8m0=False, str backend='reference', "
+    "bool w_kn=False, "
     "Tensor[]? w_next=None, Tensor[]? bias_next=None) -> Tensor"
 )
 def linear(
@@ -190,8 +193,12 @@ def gated_linear(
 
 
 @_fake(gated_linear)
-def _(a, b, w, bias=None, e8m0=False, backend="reference", w_kn=False, activation="silu", alpha=1.702, limit=7.0):
-    torch._check(a.shape == b.shape, lambda: f"act(a, b) needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
+def _(
+    a, b, w, bias=None, e8m0=False, backend="reference", w_kn=False, activation="silu", alpha=1.702, limit=7.0
+):
+    torch._check(
+        a.shape == b.shape, lambda: f"act(a, b) needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}"
+    )
     torch._check(
         activation in reference.GATED_ACTIVATIONS,
         lambda: f"activation {activation!r}: valid gated activations are {reference.GATED_ACTIVATIONS}",
@@ -213,12 +220,27 @@ def gated_qlinear(
     limit: float = 7.0,
 ) -> Tensor:
     """gated_linear on the weight's FP8 copy, passed in (as qlinear is to linear)."""
-    return registry.implementation("gated_linear", backend)(a, b, w_fp8, w_scale, bias, e8m0, activation, alpha, limit)
+    return registry.implementation("gated_linear", backend)(
+        a, b, w_fp8, w_scale, bias, e8m0, activation, alpha, limit
+    )
 
 
 @_fake(gated_qlinear)
-def _(a, b, w_fp8, w_scale, bias=None, e8m0=False, backend="reference", activation="silu", alpha=1.702, limit=7.0):
-    torch._check(a.shape == b.shape, lambda: f"act(a, b) needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
+def _(
+    a,
+    b,
+    w_fp8,
+    w_scale,
+    bias=None,
+    e8m0=False,
+    backend="reference",
+    activation="silu",
+    alpha=1.702,
+    limit=7.0,
+):
+    torch._check(
+        a.shape == b.shape, lambda: f"act(a, b) needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}"
+    )
     torch._check(
         activation in reference.GATED_ACTIVATIONS,
         lambda: f"activation {activation!r}: valid gated activations are {reference.GATED_ACTIVATIONS}",
@@ -238,7 +260,9 @@ def _check_moe_args(x, topk_ids, topk_weights, w13, w2, w3, b13, w_kn, gate_up, 
             f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}"
         ),
     )
-    torch._check(gate_up in GATE_UP_LAYOUTS, lambda: f"gate_up {gate_up!r}: valid layouts are {GATE_UP_LAYOUTS}")
+    torch._check(
+        gate_up in GATE_UP_LAYOUTS, lambda: f"gate_up {gate_up!r}: valid layouts are {GATE_UP_LAYOUTS}"
+    )
     torch._check(
         (w3 is not None) == (gate_up == "separate") and not (w3 is not None and b13 is not None),
         lambda: "w3 (the up projection) is given exactly when gate_up is 'separate', and then without b13",
@@ -253,7 +277,10 @@ def _check_moe_args(x, topk_ids, topk_weights, w13, w2, w3, b13, w_kn, gate_up, 
         and w2.dim() == 3
         and x.shape[1] == (w13.shape[1] if w_kn else w13.shape[2])
         and hidden == x.shape[1],
-        lambda: f"expert weights {tuple(w13.shape)}, {tuple(w2.shape)} (w_kn={w_kn}) do not fit x {tuple(x.shape)}",
+        lambda: (
+            f"expert weights {tuple(w13.shape)}, {tuple(w2.shape)} (w_kn={w_kn}) "
+            f"do not fit x {tuple(x.shape)}"
+        ),
     )
 
 

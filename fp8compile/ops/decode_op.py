@@ -45,7 +45,9 @@ def linear_decode(
     Split-K programs meet on zeroed int32 counters it allocates (one small fill per call, which
     keeps the op functional: nothing outside it is written)."""
     if not 1 <= max_m <= triton_gemm.SMALL_M_MAX:
-        raise ValueError(f"linear_decode serves 1 <= M <= {triton_gemm.SMALL_M_MAX}, asked for M up to {max_m}")
+        raise ValueError(
+            f"linear_decode serves 1 <= M <= {triton_gemm.SMALL_M_MAX}, asked for M up to {max_m}"
+        )
     m = x.shape[0]
     n, k = (int(size) for size in w_fp8.shape)  # the grid and the split are fixed at trace time
     gated = b is not None

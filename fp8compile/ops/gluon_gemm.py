@@ -103,7 +103,9 @@ def why_not(x_fp8: torch.Tensor, w_fp8: torch.Tensor, out_dtype: torch.dtype = t
     return None
 
 
-def why_not_shape(k: int, n: int, device: torch.device, out_dtype: torch.dtype = torch.bfloat16) -> str | None:
+def why_not_shape(
+    k: int, n: int, device: torch.device, out_dtype: torch.dtype = torch.bfloat16
+) -> str | None:
     """What why_not checks that holds for every call of these sizes on this device (no tensor
     needed: what a compile-time decision can ask)."""
     if IMPORT_ERROR is not None:
@@ -167,7 +169,9 @@ if IMPORT_ERROR is None:
         STAGES: gl.constexpr = ready.shape[0]
         TILE_M: gl.constexpr = A_BOXES * ROWS
         TILE_N: gl.constexpr = B_BOXES * BOX_N
-        BYTES: gl.constexpr = STAGE_GROUPS * (A_BOXES * a_desc.block_type.nbytes + B_BOXES * b_desc.block_type.nbytes)
+        BYTES: gl.constexpr = STAGE_GROUPS * (
+            A_BOXES * a_desc.block_type.nbytes + B_BOXES * b_desc.block_type.nbytes
+        )
         num_m = gl.cdiv(M, TILE_M)
         num_n = gl.cdiv(N, TILE_N)
         s = 0
@@ -306,7 +310,9 @@ if IMPORT_ERROR is None:
                     # while x's runs. No wgmma is in flight across the loop's back edge: LLVM's copies
                     # there would touch its registers, and ptxas then serializes every wgmma. Scales
                     # load at the top of an iteration.
-                    gl.static_assert(STAGE_GROUPS == 2, "the overlapped loop takes a buffer's two groups in turn")
+                    gl.static_assert(
+                        STAGE_GROUPS == 2, "the overlapped loop takes a buffer's two groups in turn"
+                    )
                     x_a, x_b = _scales(a_s_rows, b_s, 0, stride_asg, stride_bsg)
                     y_a, y_b = _scales(a_s_rows, b_s, 1, stride_asg, stride_bsg)
                     mbarrier.wait(ready.index(s), phase)
@@ -316,7 +322,9 @@ if IMPORT_ERROR is None:
                     acc += x_free * (x_a * x_b)[:, None]
                     y_free = _finish(y, empty, s)
                     s, phase = _advance(s, phase, STAGES)
-                    for g in range(2, groups, 2):  # issue g (x), promote g - 1 (y), issue g + 1 (y), promote g
+                    for g in range(
+                        2, groups, 2
+                    ):  # issue g (x), promote g - 1 (y), issue g + 1 (y), promote g
                         x_a, x_b = _scales(a_s_rows, b_s, g, stride_asg, stride_bsg)
                         next_a, next_b = _scales(a_s_rows, b_s, g + 1, stride_asg, stride_bsg)
                         mbarrier.wait(ready.index(s), phase)
@@ -346,7 +354,9 @@ if IMPORT_ERROR is None:
                         s, phase = _advance(s, phase, STAGES)
                 if HAS_BIAS:
                     cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-                    acc += gl.load(bias_ptr + e * stride_be + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
+                    acc += gl.load(bias_ptr + e * stride_be + cols, mask=cols < N, other=0.0).to(gl.float32)[
+                        None, :
+                    ]
                 tma.store_wait(0)  # the previous tile's store has read c_smem
                 c_smem.store(acc.to(c_desc.dtype))
                 fence_async_shared()
@@ -425,8 +435,14 @@ if IMPORT_ERROR is None:
         if CONSUMERS == 2:
             gl.warp_specialize(
                 [
-                    (_consume, (shared, 0, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
-                    (_consume, (shared, 1, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
+                    (
+                        _consume,
+                        (shared, 0, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES),
+                    ),
+                    (
+                        _consume,
+                        (shared, 1, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES),
+                    ),
                     (
                         _produce,
                         (
@@ -455,9 +471,18 @@ if IMPORT_ERROR is None:
             gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
             gl.warp_specialize(
                 [
-                    (_consume, (shared, 0, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
-                    (_consume, (shared, 1, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
-                    (_consume, (shared, 2, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES)),
+                    (
+                        _consume,
+                        (shared, 0, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES),
+                    ),
+                    (
+                        _consume,
+                        (shared, 1, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES),
+                    ),
+                    (
+                        _consume,
+                        (shared, 2, HAS_BIAS, GROUP_M, OVERLAP, STAGE_GROUPS, GROUPED, A_BOXES, B_BOXES),
+                    ),
                     (
                         _produce,
                         (
@@ -531,13 +556,19 @@ def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None, block_ex
             f"{block_expert.numel()}) and N={n} in whole {bn}-column tiles"
         )
     if cfg["OVERLAP"] and consumers != 2:
-        raise ValueError("the overlapped loop keeps three 64 x BLOCK_N fp32 tiles per thread: two consumers only")
+        raise ValueError(
+            "the overlapped loop keeps three 64 x BLOCK_N fp32 tiles per thread: two consumers only"
+        )
     stages, stage_groups, overlap = cfg["STAGES"], cfg["STAGE_GROUPS"], cfg["OVERLAP"]
     if stage_groups not in (1, 2):
         raise ValueError(f"a ring buffer holds one or two K groups; got STAGE_GROUPS={stage_groups}")
     if overlap and stage_groups != 2:
-        raise ValueError("the overlapped loop takes the two K groups of a buffer in turn: STAGE_GROUPS=2 only")
-    if k // BLOCK % stage_groups:  # an odd number of K groups: one per buffer (as many), one at a time (same bits)
+        raise ValueError(
+            "the overlapped loop takes the two K groups of a buffer in turn: STAGE_GROUPS=2 only"
+        )
+    if (
+        k // BLOCK % stage_groups
+    ):  # an odd number of K groups: one per buffer (as many), one at a time (same bits)
         stages, stage_groups, overlap = stages * stage_groups, 1, False
     w_rows = w_fp8.reshape(-1, k)  # grouped: the experts' weights one after another, expert e at rows e * N
     a_desc = TensorDescriptor.from_tensor(x_fp8, [64, BLOCK], _layout([64, BLOCK], x_fp8.dtype))
@@ -601,7 +632,9 @@ def pick_config(m: int, n: int, sms: int) -> dict:
     def waves(block_m: int) -> int:
         return ceil_div(ceil_div(m, block_m) * ceil_div(n, CONFIG["BLOCK_N"]), sms)
 
-    return TALL_CONFIG if waves(TALL_CONFIG["BLOCK_M"]) * TALL_TILE_COST < waves(CONFIG["BLOCK_M"]) else CONFIG
+    return (
+        TALL_CONFIG if waves(TALL_CONFIG["BLOCK_M"]) * TALL_TILE_COST < waves(CONFIG["BLOCK_M"]) else CONFIG
+    )
 
 
 def gemm(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bfloat16, config=None):
@@ -630,7 +663,9 @@ def config_of_rows(block_m: int) -> dict:
     """The grouped config whose row blocks are block_m rows (what grouped_config picked for a routing)."""
     config = next((c for c in (WIDE_CONFIG, CONFIG) if c["BLOCK_M"] == block_m), None)
     if config is None:
-        raise ValueError(f"grouped row blocks are {WIDE_CONFIG['BLOCK_M']} or {CONFIG['BLOCK_M']} rows, got {block_m}")
+        raise ValueError(
+            f"grouped row blocks are {WIDE_CONFIG['BLOCK_M']} or {CONFIG['BLOCK_M']} rows, got {block_m}"
+        )
     return config
 
 
@@ -648,7 +683,9 @@ def why_not_grouped(x_fp8: torch.Tensor, w_fp8: torch.Tensor) -> str | None:
     return why if why is not None else why_not_grouped_shape(x_fp8.shape[1], w_fp8.shape[1], x_fp8.device)
 
 
-def grouped_gemm(x_fp8, x_scale, w_fp8, w_scale, block_expert, bias=None, out_dtype=torch.bfloat16, config=None):
+def grouped_gemm(
+    x_fp8, x_scale, w_fp8, w_scale, block_expert, bias=None, out_dtype=torch.bfloat16, config=None
+):
     """Row block i of x_fp8 (M, K) @ w_fp8[block_expert[i]].T (+ bias[e]) -> (M, N) out_dtype;
     blocks of expert -1 are skipped and their rows left unwritten. A block is the tile's rows:
     grouped_config(N)'s BLOCK_M unless config says. w_fp8 (E, N, K), w_scale (E, N/128, G),
@@ -734,7 +771,10 @@ def main_loop_report(cubin: bytes) -> str:
         sass = subprocess.run(
             [os.path.join(bin_dir, "cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True
         ).stdout
-    code = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    code = [
+        (int(m.group(1), 16), m.group(2).strip())
+        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+    ]
     index = {addr: i for i, (addr, _) in enumerate(code)}
     last_exit = max(addr for addr, text in code if text.endswith("EXIT"))
     opcodes = [text.split()[1 if text.startswith("@") else 0] for _, text in code]  # past a predicate
@@ -749,7 +789,9 @@ def main_loop_report(cubin: bytes) -> str:
         return "no loop with a wgmma found"
     ops = collections.Counter(min(loops, key=len))
     return (
-        f"main loop: {sum(ops.values())} instructions, {sum(n for op, n in ops.items() if 'GMMA' in op)} wgmma, "
-        f"{ops['FFMA']} FFMA, {ops['MOV']} MOV, {ops['BAR.SYNC.DEFER_BLOCKING']} bar.sync, {ops['LDG.E']} LDG, "
+        f"main loop: {sum(ops.values())} instructions, "
+        f"{sum(n for op, n in ops.items() if 'GMMA' in op)} wgmma, "
+        f"{ops['FFMA']} FFMA, {ops['MOV']} MOV, {ops['BAR.SYNC.DEFER_BLOCKING']} bar.sync, "
+        f"{ops['LDG.E']} LDG, "
         f"{ops['SYNCS.PHASECHK.TRANS64.TRYWAIT']} mbarrier waits"
     )

@@ -37,7 +37,8 @@ MAX_SIGNATURES = 1024
 
 @functools.cache
 def capability(device_index: int) -> tuple[int, int]:
-    """The GPU's compute capability, asked of the driver once (what a kernel's why_not checks on every call)."""
+    """The GPU's compute capability, asked of the driver once (what a kernel's why_not checks
+    on every call)."""
     return torch.cuda.get_device_capability(device_index)
 
 

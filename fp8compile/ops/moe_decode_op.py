@@ -81,7 +81,9 @@ def moe_decode(
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
     launch(
         triton_moe._route_kernel,
-        *triton_moe.route_kernel_arguments(topk_ids, slots, block_expert, num_experts, block_m, max_tokens * top_k),
+        *triton_moe.route_kernel_arguments(
+            topk_ids, slots, block_expert, num_experts, block_m, max_tokens * top_k
+        ),
     )
     # 2. the tokens, quantized once
     rows = min(QUANT_ROWS, next_pow2(max_tokens))

@@ -35,7 +35,9 @@ def min_tokens(num_experts: int, top_k: int) -> int:
     return ceil_div(triton_moe.GLUON_MIN_SLOTS_PER_EXPERT * num_experts, top_k)
 
 
-def fits(num_experts: int, top_k: int, tokens_from: int, two_i: int, hidden: int, device: torch.device) -> bool:
+def fits(
+    num_experts: int, top_k: int, tokens_from: int, two_i: int, hidden: int, device: torch.device
+) -> bool:
     """Whether moe_gluon serves every token count from tokens_from up as moe_triton does: on the
     Gluon path (enough slots per expert; not batch-invariant, which the caller checks) with
     experts of these sizes on this device."""
@@ -102,7 +104,9 @@ def moe_gluon(
             f"moe_gluon serves {least} tokens and more for top-{top_k} of {num_experts} experts "
             f"(moe_triton's Gluon path); asked from {tokens_from}"
         )
-    if isinstance(t, int) and t < tokens_from:  # traced, T is the dispatch's symbol: its cond branch bounds it
+    if (
+        isinstance(t, int) and t < tokens_from
+    ):  # traced, T is the dispatch's symbol: its cond branch bounds it
         raise ValueError(f"moe_gluon was built for {tokens_from} tokens and more, got {t}")
     block_m = gluon_gemm.grouped_config(two_i, int(w2_fp8.shape[1]))["BLOCK_M"]
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()  # read as flat slot arrays
@@ -117,7 +121,8 @@ def moe_gluon(
     hist, start = triton_moe.route_chunked_scratch(s, num_experts, device)
     kernels = (triton_moe._route_count_kernel, triton_moe._route_scan_kernel, triton_moe._route_place_kernel)
     for kernel, arguments in zip(
-        kernels, triton_moe.route_chunked_arguments(topk_ids, slots, block_expert, hist, start, num_experts, block_m)
+        kernels,
+        triton_moe.route_chunked_arguments(topk_ids, slots, block_expert, hist, start, num_experts, block_m),
     ):
         launch(kernel, *arguments)
     # 2. the tokens quantized into routed order
@@ -134,7 +139,9 @@ def moe_gluon(
     half = two_i // 2
     h_fp8, h_scale = quant_act(c1[:, :half], c1[:, half:], e8m0, activation, alpha, limit, QUANT_ROWS)
     # 5. down
-    c2 = torch.ops.fp8compile.gluon_grouped_gemm(h_fp8, h_scale, w2_fp8, w2_scale, block_expert, None, block_m)
+    c2 = torch.ops.fp8compile.gluon_grouped_gemm(
+        h_fp8, h_scale, w2_fp8, w2_scale, block_expert, None, block_m
+    )
     # 6. the top-k sum, each slot's row read through `rows`
     out = torch.empty(t, h, dtype=x.dtype, device=device)
     launch(

@@ -15,7 +15,9 @@ from ..numerics import BLOCK, FP8_DTYPE, FP8_MAX, ceil_div, scale_from_amax
 
 def _check_k(k: int) -> None:
     if k % BLOCK:
-        raise ValueError(f"K={k} is not a multiple of {BLOCK}: the block recipe scales K in groups of {BLOCK}")
+        raise ValueError(
+            f"K={k} is not a multiple of {BLOCK}: the block recipe scales K in groups of {BLOCK}"
+        )
 
 
 def quant_act_block(x: torch.Tensor, e8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,14 +196,21 @@ def moe_block(
             h = h + b13[e].float()
         h = h.to(x.dtype)
         y = linear_block(
-            gated(h[:, :half], h[:, half:], activation, alpha, limit), w2_fp8[e], w2_scale[e], None, e8m0, torch.float32
+            gated(h[:, :half], h[:, half:], activation, alpha, limit),
+            w2_fp8[e],
+            w2_scale[e],
+            None,
+            e8m0,
+            torch.float32,
         )
         return y if b2 is None else y + b2[e].float()
 
     return _routed(x, topk_ids, topk_weights, w13_fp8.shape[0], expert)
 
 
-def moe_dense(x, topk_ids, topk_weights, w13, w2, b13=None, b2=None, activation="silu", alpha=1.702, limit=7.0):
+def moe_dense(
+    x, topk_ids, topk_weights, w13, w2, b13=None, b2=None, activation="silu", alpha=1.702, limit=7.0
+):
     """The same routed experts without quantization, in fp32: w13 (E, 2I, H) gate rows then up
     rows, w2 (E, H, I). What an MoE block computes; the moe pass checks its matches against it."""
     half = w13.shape[1] // 2

@@ -50,7 +50,9 @@ def linear_scaled_mm(
     # (M', K/128) with strides (1, M'), as empty_scales(m_out, ..., "col") makes it but without its
     # [:m] slice: traced, a written slice comes back as a slice_scatter, one more kernel.
     x_scale = torch.empty(k // BLOCK, m_out, dtype=torch.float32, device=x.device).t()
-    grid, args, constexprs = triton_quant.quant_act_arguments(x, b, x_fp8, x_scale, e8m0, activation, alpha, limit)
+    grid, args, constexprs = triton_quant.quant_act_arguments(
+        x, b, x_fp8, x_scale, e8m0, activation, alpha, limit
+    )
     wrap_triton(triton_quant._quant_act_kernel)[grid](*args, **constexprs, num_warps=4)
     out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)[:m]
     return out if bias is None else out + bias

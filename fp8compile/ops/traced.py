@@ -22,6 +22,8 @@ def quant_act(x, b, e8m0: bool, activation: str, alpha: float, limit: float, row
     m, k = x.shape
     x_fp8 = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(m, k // BLOCK, dtype=torch.float32, device=x.device)
-    grid, args, constexprs = triton_quant.quant_act_arguments(x, b, x_fp8, scale, e8m0, activation, alpha, limit, rows)
+    grid, args, constexprs = triton_quant.quant_act_arguments(
+        x, b, x_fp8, scale, e8m0, activation, alpha, limit, rows
+    )
     launch(triton_quant._quant_act_kernel, grid, args, constexprs, dict(num_warps=4))
     return x_fp8, scale

@@ -97,7 +97,9 @@ def _gemm_large_m_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask
+        )
 
 
 @triton.jit
@@ -312,7 +314,13 @@ def gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bflo
         return out
     cfg = dict(
         config
-        or (INTERPRETER_CONFIG if _interpreting(x_fp8) else SMALL_TILE_CONFIG if m <= TILE_SWITCH_M else LARGE_M_CONFIG)
+        or (
+            INTERPRETER_CONFIG
+            if _interpreting(x_fp8)
+            else SMALL_TILE_CONFIG
+            if m <= TILE_SWITCH_M
+            else LARGE_M_CONFIG
+        )
     )
     from_config = cfg.pop("tma", None)
     tma = from_config if tma is None else tma
@@ -323,7 +331,9 @@ def gemm_large_m(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bflo
     tiles = ceil_div(m, cfg["BLOCK_M"]) * ceil_div(n, cfg["BLOCK_N"])
     sms = 1 if _interpreting(x_fp8) else num_sms(x_fp8.device.index or 0)  # the interpreter: 1 "SM"
     programs = min(tiles, per_sm * sms) if per_sm else tiles
-    descriptors = (_descriptor(x_fp8, cfg["BLOCK_M"]), _descriptor(w_fp8, cfg["BLOCK_N"])) if tma else (x_fp8, w_fp8)
+    descriptors = (
+        (_descriptor(x_fp8, cfg["BLOCK_M"]), _descriptor(w_fp8, cfg["BLOCK_N"])) if tma else (x_fp8, w_fp8)
+    )
     _gemm_large_m_kernel[(programs,)](
         x_fp8,
         descriptors[0],
@@ -382,7 +392,11 @@ def linear_large_m(x, w_fp8, w_scale, bias=None, e8m0=False):
 
 @functools.lru_cache(maxsize=1024)
 def small_m_split(
-    n: int, k: int, device: torch.device, block_n: int = SMALL_M_BLOCK_N, programs_per_sm: int = SMALL_M_PROGRAMS_PER_SM
+    n: int,
+    k: int,
+    device: torch.device,
+    block_n: int = SMALL_M_BLOCK_N,
+    programs_per_sm: int = SMALL_M_PROGRAMS_PER_SM,
 ) -> int:
     """Split-K factor: enough programs to keep every SM streaming, never more splits than groups."""
     if device.type != "cuda":
@@ -427,7 +441,9 @@ def use_tma(w: torch.Tensor) -> bool:
     """Whether a TMA descriptor can address w: Hopper or newer (or the interpreter), row-major,
     16-byte aligned base and row stride."""
     hopper = not w.is_cuda or _hopper_or_newer(w.device.index or 0)
-    return hopper and w.stride(1) == 1 and (w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+    return (
+        hopper and w.stride(1) == 1 and (w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+    )
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -445,8 +461,8 @@ def tma_pays_off(device: torch.device) -> bool:
     """TMA loads by default only while a CUDA graph is being captured (and in the interpreter).
 
     Triton's launcher encodes every TMA descriptor on the host at every launch. Measured by
-    scripts/host_probe.py (now `bench host`) on an H200 machine (BENCHMARKS.md, "Host cost"): the decode kernel
-    costs 65 us of host time per call with its TMA descriptor, 46-48 without, against 9-11 us
+    scripts/host_probe.py (now `bench host`) on an H200 machine (BENCHMARKS.md, "Host cost"): the
+    decode kernel costs 65 us of host time per call with its TMA descriptor, 46-48 without, against 9-11 us
     of GPU time, so outside a CUDA graph a decode step waits on the host. In a graph the
     descriptor is encoded once at capture, and TMA loads are faster on the GPU: 5.6% for the
     decode kernel (decode probe), 13% for the large-M GEMM at M = 4096."""
@@ -515,9 +531,13 @@ def linear_small_m(
     pdl = trigger and gated if pdl is None else pdl
     if pdl:
         if prefetch < 1 or prefetch & (prefetch - 1):
-            raise ValueError(f"prefetch must be a power of two >= 1 (weight groups per program), got {prefetch}")
+            raise ValueError(
+                f"prefetch must be a power of two >= 1 (weight groups per program), got {prefetch}"
+            )
         if not pdl_supported(x.device):
-            raise ValueError("programmatic dependent launch needs a CUDA GPU of compute capability 9.0 or newer")
+            raise ValueError(
+                "programmatic dependent launch needs a CUDA GPU of compute capability 9.0 or newer"
+            )
         launch["launch_pdl"] = True
     act_tma = tma and ACT_TMA and not gated and use_tma(x2)
     _small_m_launch(
@@ -571,12 +591,16 @@ def linear_small_m(
 _small_m_launch = Launcher(_linear_small_m_kernel)
 
 
-def gated_linear_small_m(a, b, w_fp8, w_scale, bias=None, e8m0=False, activation="silu", alpha=1.702, limit=7.0):
+def gated_linear_small_m(
+    a, b, w_fp8, w_scale, bias=None, e8m0=False, activation="silu", alpha=1.702, limit=7.0
+):
     """Gated-MLP down projection for M <= 64: act(a, b), quantization and GEMM in one launch."""
     return linear_small_m(a, w_fp8, w_scale, bias, e8m0, b=b, activation=activation, alpha=alpha, limit=limit)
 
 
-def gated_linear_large_m(a, b, w_fp8, w_scale, bias=None, e8m0=False, activation="silu", alpha=1.702, limit=7.0):
+def gated_linear_large_m(
+    a, b, w_fp8, w_scale, bias=None, e8m0=False, activation="silu", alpha=1.702, limit=7.0
+):
     """Triton act(a, b) + 1x128 quantization in one pass, then gemm_large_m."""
     a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
     h_fp8, h_scale = quant_act(a2, e8m0, b=b2, activation=activation, alpha=alpha, limit=limit)

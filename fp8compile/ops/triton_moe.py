@@ -67,7 +67,9 @@ def route_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     sorted_bucket = bucket[order]
     rank = torch.arange(s, device=device) - (counts.cumsum(0) - counts)[sorted_bucket]
     row_start = torch.cat([padded_end - padded, padded.new_zeros(1)])
-    row = torch.where(sorted_bucket < num_experts, row_start[sorted_bucket] + rank, capacity)  # dropped: spare row
+    row = torch.where(
+        sorted_bucket < num_experts, row_start[sorted_bucket] + rank, capacity
+    )  # dropped: spare row
     slots = torch.full((capacity + 1,), s, dtype=torch.int32, device=device)
     slots.scatter_(0, row, order.int())
     block_start = torch.arange(0, capacity, block_m, device=device)
@@ -87,7 +89,9 @@ def _store_block_experts(
         ended = (padded_end[None, :] <= offs_b[:, None] * BLOCK_M) & (offs_e[None, :] < num_experts)
         e_of_b = tl.sum(ended.to(tl.int32), 1)
         tl.store(
-            block_expert_ptr + offs_b, tl.where(e_of_b < num_experts, e_of_b, -1), mask=offs_b < capacity // BLOCK_M
+            block_expert_ptr + offs_b,
+            tl.where(e_of_b < num_experts, e_of_b, -1),
+            mask=offs_b < capacity // BLOCK_M,
         )
 
 
@@ -153,7 +157,10 @@ def route_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
     capacity = route_capacity(s, num_experts, block_m)
     slots = torch.empty(capacity, dtype=torch.int32, device=topk_ids.device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=topk_ids.device)
-    _run(_route_launch, *route_kernel_arguments(topk_ids.contiguous(), slots, block_expert, num_experts, block_m, s))
+    _run(
+        _route_launch,
+        *route_kernel_arguments(topk_ids.contiguous(), slots, block_expert, num_experts, block_m, s),
+    )
     return slots, block_expert
 
 
@@ -173,7 +180,9 @@ def route_kernel_arguments(topk_ids, slots, block_expert, num_experts: int, bloc
 
 
 @triton.jit
-def _route_count_kernel(ids_ptr, hist_ptr, num_slots, num_experts, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+def _route_count_kernel(
+    ids_ptr, hist_ptr, num_slots, num_experts, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr
+):
     """hist[c, e] = slots of chunk c routed to expert e (bin E and above: routed nowhere)."""
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -228,7 +237,14 @@ _route_scan_launch = Launcher(_route_scan_kernel)
 
 @triton.jit
 def _route_place_kernel(
-    ids_ptr, hist_ptr, start_ptr, slots_ptr, num_slots, num_experts, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr
+    ids_ptr,
+    hist_ptr,
+    start_ptr,
+    slots_ptr,
+    num_slots,
+    num_experts,
+    CHUNK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     """Each slot of chunk c to its row: its expert's first row + the expert's slots in earlier
     chunks + those earlier in this chunk (a stable order, as route_torch's sort)."""
@@ -248,7 +264,9 @@ def _route_place_kernel(
 _route_place_launch = Launcher(_route_place_kernel)
 
 
-def route_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route_chunked(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """route_torch in three launches over chunks of ROUTE_CHUNK slots (count, scan, place), for
     any number of slots: the same two tensors, element for element."""
     s = topk_ids.numel()
@@ -291,10 +309,17 @@ def route_chunked_arguments(topk_ids, slots, block_expert, hist, start, num_expe
         (
             (1,),
             (hist, start, slots, block_expert, s, num_experts, num_chunks, capacity),
-            dict(BLOCK_M=block_m, BLOCK_C=max(1, 8192 // block_e), BLOCK_E=block_e, BLOCK_B=32, BLOCK_FILL=1024),
+            dict(
+                BLOCK_M=block_m, BLOCK_C=max(1, 8192 // block_e), BLOCK_E=block_e, BLOCK_B=32, BLOCK_FILL=1024
+            ),
             dict(num_warps=8),
         ),
-        ((num_chunks,), (topk_ids, hist, start, slots, s, num_experts), dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e), {}),
+        (
+            (num_chunks,),
+            (topk_ids, hist, start, slots, s, num_experts),
+            dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e),
+            {},
+        ),
     )
 
 
@@ -388,7 +413,9 @@ def _gather_quant_kernel(
     valid = slots < num_slots
     src = (tl.where(valid, slots, 0) // rows_per_a).to(tl.int64)
     cols = g * GROUP + tl.arange(0, GROUP)
-    x = tl.load(x_ptr + src[:, None] * stride_xm + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + src[:, None] * stride_xm + cols[None, :], mask=valid[:, None], other=0.0).to(
+        tl.float32
+    )
     x_fp8, scale = quant_group(x, eps, fp8_max, E8M0)
     tl.store(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + cols[None, :], x_fp8)
     tl.store(a_s_ptr + offs_m * stride_asm + g, scale)
@@ -418,7 +445,9 @@ def gather_quant(x, slots, block_expert, num_slots: int, rows_per_a: int, block_
     return a, a_scale, rows
 
 
-def gather_quant_arguments(x, slots, block_expert, a, a_scale, rows, rows_per_a: int, block_m: int, e8m0: bool):
+def gather_quant_arguments(
+    x, slots, block_expert, a, a_scale, rows, rows_per_a: int, block_m: int, e8m0: bool
+):
     """(grid, args, constexprs, options) of _gather_quant_kernel (x row-major); the one place its
     arguments are laid out (gather_quant, moe_gluon_op)."""
     r, k = a.shape
@@ -494,7 +523,9 @@ def topk_sum(
     if t:
         _run(
             _topk_sum_launch,
-            *topk_sum_arguments(c, topk_ids.contiguous(), topk_weights.contiguous(), num_experts, bias, rows, out),
+            *topk_sum_arguments(
+                c, topk_ids.contiguous(), topk_weights.contiguous(), num_experts, bias, rows, out
+            ),
         )
     return out
 
@@ -675,7 +706,19 @@ def moe_triton(
         return x.new_zeros(x.shape)
     if _gluon_runs(x, w13_fp8, w2_fp8, s, batch_invariant):
         return moe_gluon(
-            x, topk_ids, topk_weights, w13_fp8, w13_scale, w2_fp8, w2_scale, b13, b2, e8m0, activation, alpha, limit
+            x,
+            topk_ids,
+            topk_weights,
+            w13_fp8,
+            w13_scale,
+            w2_fp8,
+            w2_scale,
+            b13,
+            b2,
+            e8m0,
+            activation,
+            alpha,
+            limit,
         )
     block_m = block_m_for(s, num_experts, batch_invariant)
     slots, block_expert = route(topk_ids, num_experts, block_m)

@@ -48,14 +48,29 @@ ACT_CODES = {"silu": 1, "swigluoai": 2}
 
 @triton.jit
 def load_activation(
-    x_ptr, b_ptr, rows, cols, stride_xm, stride_xk, stride_bm, stride_bk, mask, alpha, limit, ACT: tl.constexpr
+    x_ptr,
+    b_ptr,
+    rows,
+    cols,
+    stride_xm,
+    stride_xk,
+    stride_bm,
+    stride_bk,
+    mask,
+    alpha,
+    limit,
+    ACT: tl.constexpr,
 ):
     """The fp32 (rows, cols) tile to quantize: x itself, or act(x, b) of a gated MLP, never
     rounded to bf16. Masked rows load zeros, so they quantize to zeros. Strided last dims serve
     interleaved gate/up halves (gate_up[..., ::2]) without a copy."""
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0).to(
+        tl.float32
+    )
     if ACT != 0:
-        b = tl.load(b_ptr + rows[:, None] * stride_bm + cols[None, :] * stride_bk, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + rows[:, None] * stride_bm + cols[None, :] * stride_bk, mask=mask, other=0.0).to(
+            tl.float32
+        )
         if ACT == 1:
             x = x * tl.sigmoid(x) * b
         else:
@@ -98,7 +113,18 @@ def _quant_act_kernel(
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
     x = load_activation(
-        x_ptr, b_ptr, rows, cols, stride_xm, stride_xk, stride_bm, stride_bk, rows[:, None] < M, alpha, limit, ACT
+        x_ptr,
+        b_ptr,
+        rows,
+        cols,
+        stride_xm,
+        stride_xk,
+        stride_bm,
+        stride_bk,
+        rows[:, None] < M,
+        alpha,
+        limit,
+        ACT,
     )
     x_fp8, scale = quant_group(x, eps, fp8_max, E8M0)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], x_fp8, mask=rows[:, None] < M_OUT)

@@ -96,7 +96,9 @@ def linear_deep_gemm(x, w_fp8, w_scale, bias=None, e8m0=False):
     return _deep_gemm(x, None, w_fp8, w_scale, bias, e8m0)
 
 
-def gated_linear_deep_gemm(a, b, w_fp8, w_scale, bias=None, e8m0=False, activation="silu", alpha=1.702, limit=7.0):
+def gated_linear_deep_gemm(
+    a, b, w_fp8, w_scale, bias=None, e8m0=False, activation="silu", alpha=1.702, limit=7.0
+):
     return _deep_gemm(a, b, w_fp8, w_scale, bias, e8m0, (activation, alpha, limit))
 
 
@@ -104,7 +106,9 @@ def linear_cublas(x, w_fp8, w_scale, bias=None, e8m0=False):
     return _cublas(x, None, w_fp8, w_scale, bias, e8m0)
 
 
-def gated_linear_cublas(a, b, w_fp8, w_scale, bias=None, e8m0=False, activation="silu", alpha=1.702, limit=7.0):
+def gated_linear_cublas(
+    a, b, w_fp8, w_scale, bias=None, e8m0=False, activation="silu", alpha=1.702, limit=7.0
+):
     return _cublas(a, b, w_fp8, w_scale, bias, e8m0, (activation, alpha, limit))
 
 
@@ -170,6 +174,8 @@ def moe_deep_gemm(
     # Row of each slot in the contiguous layout (slots routed nowhere point at row 0 and are skipped).
     row_of_slot = torch.zeros(s + 1, dtype=torch.int32, device=x.device)
     row_of_slot.scatter_(
-        0, torch.where(is_slot, slots, s).long(), torch.arange(slots.numel(), dtype=torch.int32, device=x.device)
+        0,
+        torch.where(is_slot, slots, s).long(),
+        torch.arange(slots.numel(), dtype=torch.int32, device=x.device),
     )
     return topk_sum(c2, topk_ids, topk_weights, num_experts, b2, rows=row_of_slot[:s], out_dtype=x.dtype)

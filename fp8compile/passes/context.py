@@ -82,7 +82,8 @@ class GraphInputs:
             fake = node.meta.get("val")
             if isinstance(value, torch.Tensor) != isinstance(fake, torch.Tensor):
                 return (
-                    f"input {node.name} is a {type(fake).__name__} in the graph but {type(value).__name__} from Dynamo"
+                    f"input {node.name} is a {type(fake).__name__} in the graph "
+                    f"but {type(value).__name__} from Dynamo"
                 )
             if isinstance(value, torch.Tensor) and value.dtype != fake.dtype:
                 return f"input {node.name} has dtype {fake.dtype} in the graph but {value.dtype} from Dynamo"
@@ -108,13 +109,17 @@ class PassContext:
         self.fake_mode = fake_mode
         # Decode-kernel sides of the dispatch as launches Inductor makes itself (passes/inline.py):
         # as the config says, else outside CUDA graphs, where every call pays its host cost.
-        self.inductor_launch = config.inductor_launch if config.inductor_launch is not None else not cuda_graphs
+        self.inductor_launch = (
+            config.inductor_launch if config.inductor_launch is not None else not cuda_graphs
+        )
         self.traced_launches = 0  # how many it emitted: Inductor must launch them statically (backend.py)
         self.traces = TraceCache()  # inline_traced's traces, one per call signature (passes/inline.py)
         self.dispatch_branches: dict[tuple, list[str]] = {}  # M dispatch: call signature -> branch modules
         # matmul node -> why a fusion pass wants it left bf16 (linear_pass records the reason)
         self.keep_bf16: dict[fx.Node, str] = {}
-        self._index = {node: i for i, node in enumerate(inputs)}  # placeholder -> its position among the inputs
+        self._index = {
+            node: i for i, node in enumerate(inputs)
+        }  # placeholder -> its position among the inputs
         # Inputs the backend appends to the graph and computes per call (derived_inputs):
         # (key, sources) -> (what computes them, their placeholders).
         self._derived: dict[tuple, tuple[DerivedInput, tuple[fx.Node, ...]]] = {}
@@ -147,7 +152,10 @@ class PassContext:
                 last = graph.placeholder(self._fresh_placeholder_name(name))
             last.meta["val"] = self.fake_mode.from_tensor(value, static_shapes=True)
             nodes.append(last)
-        self._derived[memo_key] = (DerivedInput(tuple(self._index[node] for node in sources), make), tuple(nodes))
+        self._derived[memo_key] = (
+            DerivedInput(tuple(self._index[node] for node in sources), make),
+            tuple(nodes),
+        )
         return tuple(nodes)
 
     def drop_unused_derived_inputs(self) -> None:
@@ -165,7 +173,11 @@ class PassContext:
         keep, dropped = [], []
         for node, i in list(self._index.items()):
             value = self.inputs[node][0]
-            if node.users or not isinstance(value, torch.Tensor) or not isinstance(node.meta.get("val"), torch.Tensor):
+            if (
+                node.users
+                or not isinstance(value, torch.Tensor)
+                or not isinstance(node.meta.get("val"), torch.Tensor)
+            ):
                 keep.append(i)
                 continue
             self.gm.graph.erase_node(node)
@@ -232,7 +244,9 @@ class PassContext:
 
     def rewrote(self, kind: str, name: str, m: Any, n: int, k: int, kernels, detail: str = "") -> None:
         m_desc = str(m) if isinstance(m, int) else "dynamic"
-        self.report.rewrites.append(Rewrite(kind, name, m_desc, n, k, tuple(kernels), self.graph_index, detail))
+        self.report.rewrites.append(
+            Rewrite(kind, name, m_desc, n, k, tuple(kernels), self.graph_index, detail)
+        )
 
     def skipped(self, kind: str, name: str, reason: str, shape: str = "") -> None:
         self.report.skips.append(Skip(kind, name, reason, self.graph_index, shape))

@@ -148,7 +148,13 @@ def _placeholders(graph: fx.Graph, operands: list[fx.Node]) -> dict[fx.Node, fx.
 
 
 def _branch(
-    ctx: PassContext, target, operands: list[fx.Node], args: tuple, kwargs: dict, sides: list[Side], m_source: fx.Node
+    ctx: PassContext,
+    target,
+    operands: list[fx.Node],
+    args: tuple,
+    kwargs: dict,
+    sides: list[Side],
+    m_source: fx.Node,
 ) -> fx.GraphModule:
     """GraphModule(*operands) -> (out,): target(*args, **kwargs) with the one side's kernel, or,
     for several sides, the cond between them (a nested cond)."""
@@ -157,7 +163,16 @@ def _branch(
     owner = torch.nn.Module()
     args, kwargs = fx.node.map_arg((args, kwargs), inner.__getitem__)
     out = _dispatch(
-        ctx, graph, owner, lambda side: side, target, list(inner.values()), args, kwargs, inner[m_source], sides
+        ctx,
+        graph,
+        owner,
+        lambda side: side,
+        target,
+        list(inner.values()),
+        args,
+        kwargs,
+        inner[m_source],
+        sides,
     )
     graph.output((out,))
     return fx.GraphModule(owner, graph)
@@ -244,7 +259,15 @@ def emit(
         key = _signature(target, operands, args, kwargs, m_source, sides)
         if key in ctx.dispatch_branches:
             return _cond(
-                ctx, ctx.gm.graph, ctx.dispatch_branches[key], target, operands, args, kwargs, m_source, sides[0]
+                ctx,
+                ctx.gm.graph,
+                ctx.dispatch_branches[key],
+                target,
+                operands,
+                args,
+                kwargs,
+                m_source,
+                sides[0],
             )
     out = _dispatch(
         ctx,

@@ -6,8 +6,8 @@ copied once per query head that reads it (in ATen, unsqueeze -> expand -> clone 
 the attention then reads the copy. At decode that is the most expensive part of a step at
 larger batches: on an H100, Llama-3-8B widths, 32 layers, prompt 1024, batch 16, the copy takes
 3.9 ms and the attention 3.5 ms of an 18.6 ms bf16 step (14.2 ms in FP8), where reading the cache
-once would take 0.7 ms at 3.35 TB/s (BENCHMARKS.md, "Sixteenth session"). The same kernels run in bf16 and FP8, so
-this caps what FP8 linears can give a whole model there.
+once would take 0.7 ms at 3.35 TB/s (BENCHMARKS.md, "Sixteenth session"). The same kernels run
+in bf16 and FP8, so this caps what FP8 linears can give a whole model there.
 
 For a few query tokens the copy is not needed: the rep query heads that share a K/V head become
 rep x S query rows of that head. q (B, H, S, D) -> (B, KV, rep * S, D); the mask's rows follow
@@ -110,7 +110,10 @@ def gqa_pattern(node: fx.Node) -> GqaMatch | str | None:
         return "dropout or is_causal (a mask is expected: its rows are regrouped)"
     rows = args["query"].meta["val"].shape[2]
     if not isinstance(rows, int) or rows > MAX_QUERY_ROWS:
-        return f"query length {rows} is not a constant <= {MAX_QUERY_ROWS} (prefill: the K/V copy is small next to it)"
+        return (
+            f"query length {rows} is not a constant <= {MAX_QUERY_ROWS} "
+            "(prefill: the K/V copy is small next to it)"
+        )
     outs = list(node.users)
     if len(outs) != 1 or outs[0].target is not operator.getitem or outs[0].args[1] != 0:
         return "an output other than the attention's is read"
@@ -174,7 +177,9 @@ def gqa_attention_pass(ctx: PassContext) -> None:
         call = functools.partial(call, heads_outer=layouts[0])
         before = node.prev
         with graph.inserting_before(node):
-            out = inline_traced(graph, call, inputs, ctx.traces, ("grouped_sdpa", match.scale, match.rep, layouts[0]))
+            out = inline_traced(
+                graph, call, inputs, ctx.traces, ("grouped_sdpa", match.scale, match.rep, layouts[0])
+            )
         kernel = next(
             (
                 n.target.__name__.split(".")[0].removeprefix("_scaled_dot_product_")

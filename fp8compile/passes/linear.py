@@ -116,7 +116,9 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
     return None
 
 
-def fp8_weight_inputs(ctx: PassContext, name: str, weights: list[fx.Node], kn: bool) -> tuple[fx.Node, fx.Node]:
+def fp8_weight_inputs(
+    ctx: PassContext, name: str, weights: list[fx.Node], kn: bool
+) -> tuple[fx.Node, fx.Node]:
     """Graph inputs (w_fp8, w_scale) for the FP8 copy of these weight parameters (more than one:
     stacked along N, weights.fp8_weight), quantized now and looked up per call."""
     e8m0 = ctx.config.e8m0
@@ -183,7 +185,9 @@ def replace_with_fp8(
     weight's FP8 copy is made here, at compile time, and becomes a graph input the backend looks
     up per call from the parameter passed."""
     name = module_name(param_name)
-    emitted = emit_fp8(ctx, match, name, kind, target, activations, [match.weight], match.bias, op_kwargs or {})
+    emitted = emit_fp8(
+        ctx, match, name, kind, target, activations, [match.weight], match.bias, op_kwargs or {}
+    )
     if emitted is None:
         return
     out, sides, (n, k) = emitted
@@ -192,7 +196,9 @@ def replace_with_fp8(
     ctx.rewrote(kind, name, match.x.meta["val"].shape[0], n, k, [(s.label, s.kernel) for s in sides], detail)
 
 
-def linear_replacement(ctx: PassContext, match: LinearMatch, param: torch.nn.Parameter, param_name: str) -> None:
+def linear_replacement(
+    ctx: PassContext, match: LinearMatch, param: torch.nn.Parameter, param_name: str
+) -> None:
     replace_with_fp8(ctx, match, param_name, "linear", torch.ops.fp8compile.qlinear.default, (match.x,))
 
 
@@ -212,7 +218,8 @@ def linear_pass(ctx: PassContext) -> None:
             ctx.skipped(
                 "linear",
                 name,
-                f"weight reaches the matmul through {_path(node, weight)}; only a plain transpose is supported",
+                f"weight reaches the matmul through {_path(node, weight)}; "
+                "only a plain transpose is supported",
                 shape,
             )
         elif param is None:

@@ -66,7 +66,8 @@ def merge_linears(ctx: PassContext, matches: list[LinearMatch]) -> bool:
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     with ctx.gm.graph.inserting_before(first.node):
         parts = [
-            ctx.gm.graph.call_function(aten.slice.Tensor, (out, 1, lo, lo + size)) for lo, size in zip(offsets, sizes)
+            ctx.gm.graph.call_function(aten.slice.Tensor, (out, 1, lo, lo + size))
+            for lo, size in zip(offsets, sizes)
         ]
     for match, part in zip(matches, parts):  # erased after the inserts: first.node is their anchor
         part.meta["val"] = ctx.fake(aten.slice.Tensor, *part.args)

@@ -60,7 +60,13 @@ _LAYOUT = (
 )
 _INDEX = aten.index.Tensor
 # Routing bookkeeping between the top-k ids and the expert offsets of a grouped GEMM.
-_ROUTING = (aten.sort.default, aten.sort.stable, aten.histc.default, aten.cumsum.default, aten.bincount.default)
+_ROUTING = (
+    aten.sort.default,
+    aten.sort.stable,
+    aten.histc.default,
+    aten.cumsum.default,
+    aten.bincount.default,
+)
 
 # A correct match differs from reference.moe_dense only by bf16 rounding (measured 1e-5..2e-5);
 # a misread one (gate/up swapped, a weight transposed) by far more than FP8's own 2e-3.
@@ -99,7 +105,9 @@ def _zero_masked(node) -> fx.Node | None:
     sentinel rows that transformers applies around its grouped GEMMs (the op drops those rows too)."""
     if node.target == aten.where.self and len(node.args) == 3:
         zero = node.args[1]
-        if zero == 0 or (isinstance(zero, fx.Node) and zero.target == aten.full.default and zero.args[1] == 0):
+        if zero == 0 or (
+            isinstance(zero, fx.Node) and zero.target == aten.full.default and zero.args[1] == 0
+        ):
             return node.args[2]
     if node.target in (aten.masked_fill.Scalar, aten.masked_fill_.Scalar) and node.args[2] == 0:
         return node.args[0]
@@ -138,7 +146,11 @@ def _shape(node) -> tuple[str, ...]:
 
 def _param(ctx: PassContext, node, dim: int):
     """node if it is the placeholder of a parameter with `dim` dimensions."""
-    return node if (isinstance(node, fx.Node) and ctx.parameter(node) is not None and _val(node).dim() == dim) else None
+    return (
+        node
+        if (isinstance(node, fx.Node) and ctx.parameter(node) is not None and _val(node).dim() == dim)
+        else None
+    )
 
 
 def _gathered(ctx: PassContext, node, dim: int):
@@ -244,7 +256,11 @@ def _forward_to_output(ctx: PassContext, gemm: fx.Node) -> tuple[fx.Node, fx.Nod
             raise NoMatch(f"an intermediate of the experts ({node.name}) is used outside the block")
         user = next(iter(node.users))
         other = [a for a in user.args[:2] if isinstance(a, fx.Node) and a is not node]
-        if user.target in _LAYOUT or (user.target == _INDEX and user.args[0] is node) or _zero_masked(user) is node:
+        if (
+            user.target in _LAYOUT
+            or (user.target == _INDEX and user.args[0] is node)
+            or _zero_masked(user) is node
+        ):
             pass
         elif weights is None and bias is None and _bias_add(ctx, user) is not None:
             bias = _bias_add(ctx, user)[1]
@@ -274,11 +290,15 @@ def match_block(ctx: PassContext, down: ExpertGemm, gemms: dict[fx.Node, ExpertG
     output, weights_operand, b2 = _forward_to_output(ctx, down.node)
     # The hidden states: the first tensor back from the gate/up GEMM (through views and the
     # token gather) with the output's shape (T, H).
-    hidden = _walk(gate_up.activation, (*_LAYOUT, _INDEX), lambda n: _is_2d(n) and _shape(n) == _shape(output))
+    hidden = _walk(
+        gate_up.activation, (*_LAYOUT, _INDEX), lambda n: _is_2d(n) and _shape(n) == _shape(output)
+    )
     if hidden is None:
         raise NoMatch(f"no input of the gate/up projection has the output's shape {list(_shape(output))}")
     ids = _ids(ctx, gate_up, down)
-    topk_weights = _walk(weights_operand, (*_LAYOUT, _INDEX), lambda n: _is_2d(n) and _shape(n) == _shape(ids))
+    topk_weights = _walk(
+        weights_operand, (*_LAYOUT, _INDEX), lambda n: _is_2d(n) and _shape(n) == _shape(ids)
+    )
     if topk_weights is None:
         raise NoMatch("routing weights of shape (tokens, top_k) not found")
     if up is not None and up.weight is gate_up.weight:
@@ -438,7 +458,9 @@ def _run(ctx: PassContext, env: dict, output: fx.Node, symbols: dict) -> torch.T
             elif ctx.parameter(node) is not None:
                 env[node] = ctx.parameter(node)[0]
             else:
-                raise NoMatch(f"the experts read graph input {node.name} besides the hidden states and the routing")
+                raise NoMatch(
+                    f"the experts read graph input {node.name} besides the hidden states and the routing"
+                )
         elif node.op == "call_function":
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
             env[node] = node.target(*args, **kwargs)
@@ -516,7 +538,9 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
     router = _router(m.topk_ids)
     if router is not None:
         ctx.keep_bf16[router] = ROUTER_STAYS_BF16
-    detail = f"{e} experts, top-{top_k}, {m.gate_up}{', bias' if m.b13 is not None or m.b2 is not None else ''}"
+    detail = (
+        f"{e} experts, top-{top_k}, {m.gate_up}{', bias' if m.b13 is not None or m.b2 is not None else ''}"
+    )
     detail += f", {m.act.get('activation', 'silu')}"
     m_desc = _val(m.hidden).shape[0]
     ctx.rewrote("moe", name, m_desc, 2 * inter, h, [(s.label, s.kernel) for s in sides], detail)
@@ -570,7 +594,8 @@ def _one_hot_mask_leaves_graph(ctx: PassContext) -> bool:
     output = next(iter(ctx.gm.graph.find_nodes(op="output")))
     for node in ctx.gm.graph.nodes:
         one_hot = node.target == aten.one_hot.default or (
-            node.target == aten.eq.Tensor and any(getattr(a, "target", None) == prims.iota.default for a in node.args)
+            node.target == aten.eq.Tensor
+            and any(getattr(a, "target", None) == prims.iota.default for a in node.args)
         )
         if one_hot:
             frontier = [node]
@@ -606,7 +631,9 @@ def moe_pass(ctx: PassContext) -> None:
                 dtype = str(_val(down.weight).dtype).replace("torch.", "")
                 raise NoMatch(f"dtype {dtype}: only bfloat16 experts are rewritten")
             if role == "non-gated":
-                raise NoMatch("the down projection's input is not a gated product act(gate) * up (non-gated experts)")
+                raise NoMatch(
+                    "the down projection's input is not a gated product act(gate) * up (non-gated experts)"
+                )
             m = match_block(ctx, down, gemms)
             e, inter, h = _check(m)
             orientations = _orientations(m, e, inter, h)

@@ -1,4 +1,5 @@
-"""silu_mul pass: down(act(a, b)) -> fp8compile::gated_qlinear(a, b, w_down's FP8 copy), act silu or swigluoai.
+"""silu_mul pass: down(act(a, b)) -> fp8compile::gated_qlinear(a, b, w_down's FP8 copy), act silu or
+swigluoai.
 
 A gated MLP writes the bf16 product silu(gate(x)) * up(x) to memory only to read it back and
 quantize it for the down projection. The fused op computes the product in fp32 and quantizes
@@ -53,7 +54,10 @@ def _is_exp_neg_plus_one(node, x) -> bool:
     if not _is(node, aten.add.Tensor):
         return False
     a, b = node.args[:2]
-    return any(_is(e, aten.exp.default) and _is(e.args[0], aten.neg.default, x) and o == 1 for e, o in ((a, b), (b, a)))
+    return any(
+        _is(e, aten.exp.default) and _is(e.args[0], aten.neg.default, x) and o == 1
+        for e, o in ((a, b), (b, a))
+    )
 
 
 def _is_sigmoid_of(node, x) -> bool:
@@ -177,7 +181,13 @@ def _chain(node, targets, depth: int = 12) -> bool:
 
 
 def silu_mul_replacement(
-    ctx: PassContext, match: LinearMatch, a: fx.Node, b: fx.Node, act: dict, param: torch.nn.Parameter, param_name: str
+    ctx: PassContext,
+    match: LinearMatch,
+    a: fx.Node,
+    b: fx.Node,
+    act: dict,
+    param: torch.nn.Parameter,
+    param_name: str,
 ) -> None:
     replace_with_fp8(
         ctx,

@@ -74,7 +74,9 @@ def _trace(fn, vals: list):
     )(*vals)
 
 
-def inline_traced(graph: fx.Graph, fn, inputs: list[fx.Node], cache: TraceCache | None = None, key=None) -> fx.Node:
+def inline_traced(
+    graph: fx.Graph, fn, inputs: list[fx.Node], cache: TraceCache | None = None, key=None
+) -> fx.Node:
     """fn(*inputs) traced as AOTAutograd traces for Inductor (functionalized, with Inductor's
     decompositions, over the inputs' fake values: the graph's fake mode and shape environment),
     its nodes copied into `graph` at the current insertion point; returns the node of fn's (one
