@@ -147,7 +147,7 @@ def test_explain_reports_rewrites_and_skips_with_reasons():
     text = str(report)
     assert "1 rewritten, 2 left in bf16" in text
     assert "fits" in text and "M = 8: reference" in text
-    assert "odd_n" in text and "N=100 is not a multiple of 128" in text
+    assert "odd_n" in text and "N=100 is less than one 128-row weight block" in text
     assert "odd_k" in text and "K=200 is not a multiple of 128" in text
 
 

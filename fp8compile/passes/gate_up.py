@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from .context import PassContext
+from ..numerics import BLOCK
 from .linear import MATMULS, LinearMatch, linear_extra_check, linear_pattern, module_name
 from .merge import merge_linears
 from .silu_mul import _CASTS, _VIEWS, _strip, silu_mul_pattern
@@ -49,7 +50,7 @@ def gate_up_pattern(down: fx.Node) -> tuple[LinearMatch, LinearMatch] | None:
 def gate_up_extra_check(ctx: PassContext, gate: LinearMatch, up: LinearMatch) -> str | None:
     """Why the pair stays two GEMMs, or None. Each must be a linear the linear pass would rewrite
     (else the merge would move a bf16 linear into FP8), over the same x, both with a bias or
-    neither, with distinct weights stored the same way."""
+    neither, with distinct weights stored the same way, gate's in whole 128-row blocks."""
     params = [ctx.parameter(m.weight) for m in (gate, up)]
     if None in params or params[0][0] is params[1][0]:
         return "weights are not two distinct parameters"
@@ -61,6 +62,9 @@ def gate_up_extra_check(ctx: PassContext, gate: LinearMatch, up: LinearMatch) ->
         return "different inputs or weight layouts"
     if gate.x.meta["val"].shape != up.x.meta["val"].shape:
         return "different input shapes"
+    n = gate.weight.meta["val"].shape[1 if gate.transposed else 0]
+    if n % BLOCK:  # stacked first, a partial last block of gate would span gate and up
+        return f"intermediate size {n} is not a multiple of {BLOCK}: a block would hold gate and up rows"
     return None
 
 

@@ -90,7 +90,9 @@ def _skip_pattern(name: str, patterns: tuple[str, ...]) -> str | None:
 def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str | None:
     """Why this linear must stay bf16, or None. Dtype: FP8 replaces bf16 math only (an fp32 or
     fp16 model asked for its precision); shape: the block recipe needs whole 128-wide groups
-    along K and whole 128-row weight blocks along N; skip: the user asked for bf16."""
+    along K, and along N at least one 128-row weight block (the last may be partial, as in
+    DeepSeek's own FP8 checkpoints for an MLA kv_a_proj_with_mqa of N = 576; the registry says
+    which kernels serve it); skip: the user asked for bf16."""
     x_val, w_val, out_val = match.x.meta["val"], match.weight.meta["val"], match.node.meta["val"]
     dtypes = {x_val.dtype, w_val.dtype, out_val.dtype}
     if dtypes != {torch.bfloat16}:
@@ -101,12 +103,13 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
     if match.node in ctx.keep_bf16:
         return ctx.keep_bf16[match.node]
     k, n = w_val.shape if match.transposed else reversed(w_val.shape)
-    for dim, size in (("K", k), ("N", n)):
-        if size % BLOCK:
-            return (
-                f"{dim}={size} is not a multiple of {BLOCK} (block recipe: 1x{BLOCK} activation groups, "
-                f"{BLOCK}x{BLOCK} weight blocks)"
-            )
+    if k % BLOCK:
+        return f"K={k} is not a multiple of {BLOCK} (block recipe: 1x{BLOCK} activation groups)"
+    if n < BLOCK:
+        return (
+            f"N={n} is less than one {BLOCK}-row weight block: nothing for FP8 to gain (a router's N, "
+            "where FP8 error would change the top-k)"
+        )
     if match.bias is not None:
         alpha, beta = match.node.kwargs.get("alpha", 1), match.node.kwargs.get("beta", 1)
         if alpha != 1 or beta != 1:

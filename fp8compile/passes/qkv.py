@@ -14,6 +14,7 @@ first, and before silu_mul.
 
 from __future__ import annotations
 
+from ..numerics import BLOCK
 from .context import PassContext
 from .linear import MATMULS, LinearMatch, linear_extra_check, linear_pattern, module_name
 from .merge import merge_linears
@@ -37,13 +38,16 @@ def qkv_pattern(ctx: PassContext) -> list[list[LinearMatch]]:
 
 def qkv_extra_check(ctx: PassContext, group: list[LinearMatch]) -> list[LinearMatch]:
     """The part of a group that can share one GEMM: one linear per parameter (a weight used twice
-    over the same x is one GEMM already). Whole 128-row blocks hold: linear_extra_check asks N % 128."""
-    seen, distinct = set(), []
+    over the same x is one GEMM already), those of whole 128-row weight blocks, and at most one
+    with a partial last block, stacked last (no weight block may span two linears)."""
+    seen, whole, partial = set(), [], []
     for match in group:
         param = ctx.parameter(match.weight)[0]
         if id(param) not in seen:
             seen.add(id(param))
-            distinct.append(match)
+            n = match.weight.meta["val"].shape[1 if match.transposed else 0]
+            (partial if n % BLOCK else whole).append(match)
+    distinct = whole + partial[:1]
     return distinct if len(distinct) > 1 else []
 
 
