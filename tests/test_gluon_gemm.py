@@ -45,15 +45,38 @@ def test_kernel_compiles_for_hopper_without_spills_or_serialized_wgmma(config):
     "config", [gluon_gemm.CONFIG, gluon_gemm.WIDE_CONFIG], ids=["128_rows", "64_rows_256_columns"]
 )
 @pytest.mark.parametrize("bias", [False, True])
-def test_grouped_kernel_compiles_for_hopper_without_spills_or_serialized_wgmma(config, bias):
+@pytest.mark.parametrize("device_descriptors", [True, False], ids=["device_descriptors", "host_descriptors"])
+def test_grouped_kernel_compiles_for_hopper_without_spills_or_serialized_wgmma(
+    config, bias, device_descriptors
+):
     """The grouped variant (the routed experts' GEMMs) skips row blocks of no expert in both the
     producer and the consumers; the branch around a tile must not cost spills or wgmma
-    serialization, with the consumers splitting a tile's rows or its columns."""
-    kernel = gluon_gemm.compile_sm90(m=32768, n=1536, k=2048, bias=bias, experts=128, config=config)
+    serialization, with the consumers splitting a tile's rows or its columns, and with its TMA
+    descriptors built by the kernel or encoded by the host."""
+    kernel = gluon_gemm.compile_sm90(
+        m=32768, n=1536, k=2048, bias=bias, experts=128, config=config, device_descriptors=device_descriptors
+    )
     report = gluon_gemm.ptxas_report(kernel.asm["ptx"])
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     assert not re.search(r"serialized|C751[4-9]", report), report
     assert kernel.metadata.shared <= 227 * 1024
+
+
+@needs_gluon
+def test_outside_cuda_graphs_the_kernel_builds_its_three_tma_descriptors_itself():
+    """A launch outside CUDA graph capture passes pointers, and each program builds the
+    activation's, the weights' and the output's descriptors in 128 bytes of global scratch
+    apiece (the host's encoding cost 20-60 us a call); the host-encoded variant (taken under
+    capture, where it is encoded once) asks for no scratch."""
+    on_device = gluon_gemm.compile_sm90(m=2048, n=2048, k=768, experts=128)
+    on_host = gluon_gemm.compile_sm90(m=2048, n=2048, k=768, experts=128, device_descriptors=False)
+    assert on_device.metadata.global_scratch_size == 3 * 128
+    assert on_host.metadata.global_scratch_size == 0
+    x, w = torch.empty(256, 512, dtype=torch.float8_e4m3fn), torch.empty(256, 512, dtype=torch.float8_e4m3fn)
+    scales, out = (torch.empty(256, 4), torch.empty(2, 4)), torch.empty(256, 256, dtype=torch.bfloat16)
+    _, args, meta = gluon_gemm.launch_args(x, scales[0], w, scales[1], None, out)
+    assert meta["DEVICE_DESCRIPTORS"]
+    assert args[0] is x and args[1].data_ptr() == w.data_ptr() and args[2] is out  # tensors: pointers
 
 
 def test_grouped_gemms_take_64_row_blocks_where_256_column_tiles_divide_every_experts_n():
@@ -187,8 +210,9 @@ def test_grouped_gemm_gives_each_row_block_its_experts_gemm_bit_for_bit(config, 
 
 @needs_hopper
 def test_large_m_gemm_hands_large_m_to_gluon_and_replays_in_a_cuda_graph(monkeypatch):
-    """Above TILE_SWITCH_M rows gemm_large_m runs the Gluon kernel (USE_GLUON), below it its own;
-    the TMA descriptors are kernel parameters, so a captured graph replays the same bits."""
+    """Above TILE_SWITCH_M rows gemm_large_m runs the Gluon kernel (USE_GLUON), below it its own.
+    Eager, the kernel builds its TMA descriptors; captured, the host encodes them once as kernel
+    parameters: the replay gives the same bits."""
     calls = []
     real = gluon_gemm.gemm
     monkeypatch.setattr(gluon_gemm, "gemm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))

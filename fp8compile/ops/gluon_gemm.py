@@ -29,6 +29,11 @@ is the same sequence of 128-wide fp32 products, each scaled once and added in K 
 the tile config and M (tests/test_gluon_gemm.py), so switching kernels by M keeps
 batch invariance.
 
+TMA descriptors: outside CUDA graphs each program builds its three on the device (the launch
+takes pointers; the host's encoding of them cost 20-60 us a call on an H100 lease's host), and
+a launch being captured into a graph takes host-encoded ones, encoded once for every replay
+(launch_args).
+
 Requirements (checked by `why_not`): an sm_90 GPU (wgmma is Hopper's), Gluon in the installed
 Triton, K % 128 == 0, N % 8 == 0 and 16-byte aligned rows (TMA). The Gluon API moved between
 Triton 3.6 (the GPU kit) and 3.9 (CI); both spellings are handled, and compile_sm90() builds the
@@ -45,7 +50,7 @@ import torch
 import triton
 
 from ..numerics import BLOCK, ceil_div
-from .launch import Launcher, capability, num_sms
+from .launch import Launcher, capability, ensure_scratch_allocator, num_sms
 
 try:
     from triton.experimental import gluon
@@ -365,9 +370,9 @@ if IMPORT_ERROR is None:
 
     @gluon.jit
     def _gemm_kernel(
-        a_desc,
-        b_desc,
-        c_desc,
+        a,
+        b,
+        c,
         a_s_ptr,
         b_s_ptr,
         bias_ptr,
@@ -375,6 +380,10 @@ if IMPORT_ERROR is None:
         M,
         N,
         K,
+        W_ROWS,
+        stride_am,
+        stride_wn,
+        stride_cm,
         stride_asm,
         stride_asg,
         stride_bse,
@@ -391,7 +400,26 @@ if IMPORT_ERROR is None:
         SPLIT_N: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
+        BOX_N: gl.constexpr,
+        A_LAYOUT: gl.constexpr,
+        B_LAYOUT: gl.constexpr,
+        C_LAYOUT: gl.constexpr,
+        DEVICE_DESCRIPTORS: gl.constexpr,
     ):
+        # a, b, c: the activation (64-row boxes, one consumer's rows), the weights (E * N rows
+        # when grouped; BOX_N-row boxes) and the output (64 x BOX_N boxes), as TMA descriptors
+        # the host encoded, or, DEVICE_DESCRIPTORS, as pointers that each program turns into
+        # descriptors in its global scratch (which the launch allocates through Triton's
+        # allocator): no encoding on the host, where it costs 20-60 us a call, for about 2 us
+        # of GPU time (launch_args says when each is taken).
+        if DEVICE_DESCRIPTORS:
+            a_desc = tma.make_tensor_descriptor(a, [M, K], [stride_am, 1], [64, 128], A_LAYOUT)
+            b_desc = tma.make_tensor_descriptor(b, [W_ROWS, K], [stride_wn, 1], [BOX_N, 128], B_LAYOUT)
+            c_desc = tma.make_tensor_descriptor(c, [M, N], [stride_cm, 1], [64, BOX_N], C_LAYOUT)
+        else:
+            a_desc = a
+            b_desc = b
+            c_desc = c
         # The consumers split a tile's rows (one 64-row activation box each, one shared weight
         # box) or, SPLIT_N, its columns (one shared activation box, a weight box each).
         A_BOXES: gl.constexpr = 1 if SPLIT_N else CONSUMERS
@@ -511,14 +539,10 @@ if IMPORT_ERROR is None:
     _gemm_launch = Launcher(_gemm_kernel)
 
 
-def _layout(block_shape, dtype: torch.dtype):
-    return _shared_layout(tuple(block_shape), dtype)
-
-
 @functools.lru_cache(maxsize=None)
 def _shared_layout(block_shape: tuple[int, ...], dtype: torch.dtype):
-    """The TMA boxes' shared-memory layout, built once per (box, dtype): three per launch
-    otherwise, on the host's critical path outside CUDA graphs."""
+    """The TMA boxes' shared-memory layout (a constexpr of the kernel), built once per (box, dtype):
+    three per launch otherwise, on the host's critical path outside CUDA graphs."""
     gl_dtype = {
         torch.float8_e4m3fn: gl.float8e4nv,
         torch.bfloat16: gl.bfloat16,
@@ -528,10 +552,18 @@ def _shared_layout(block_shape: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl_dtype)
 
 
-def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None, block_expert=None):
+def launch_args(
+    x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None, block_expert=None, device_descriptors=None
+):
     """(grid, args, constexprs and launch options as keywords) of one launch; scripts compile
     the kernel on a CPU from them too. config: keys of CONFIG to override; default pick_config's
     (grouped: grouped_config's).
+
+    device_descriptors: the kernel builds its TMA descriptors (True) or the host encodes them
+    (False). Default: on the device except while a CUDA graph is captured, where the host
+    encodes them once for every replay and the kernel does not pay the ~2 us of building them
+    (H100: 1-3% of the GPU time at a 2048-token prefill's shapes, for 20-60 us less host time
+    a call outside graphs; BENCHMARKS.md, "Twenty-second session").
 
     Grouped (block_expert given): w_fp8 (E, N, K), w_scale (E, N/128, G), bias (E, N); row block
     i of x_fp8 (BLOCK_M rows) is multiplied by expert block_expert[i]'s weights, or skipped where
@@ -570,16 +602,29 @@ def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None, block_ex
         k // BLOCK % stage_groups
     ):  # an odd number of K groups: one per buffer (as many), one at a time (same bits)
         stages, stage_groups, overlap = stages * stage_groups, 1, False
-    w_rows = w_fp8.reshape(-1, k)  # grouped: the experts' weights one after another, expert e at rows e * N
-    a_desc = TensorDescriptor.from_tensor(x_fp8, [64, BLOCK], _layout([64, BLOCK], x_fp8.dtype))
-    b_desc = TensorDescriptor.from_tensor(w_rows, [box_n, BLOCK], _layout([box_n, BLOCK], w_fp8.dtype))
-    c_desc = TensorDescriptor.from_tensor(out, [64, box_n], _layout([64, box_n], out.dtype))
+    if device_descriptors is None:
+        device_descriptors = not (out.is_cuda and torch.cuda.is_current_stream_capturing())
+    # Grouped: the experts' weights one after another, expert e at rows e * N (why_not_grouped
+    # asks for that layout).
+    w_rows = w_fp8.reshape(-1, k)
+    layouts = (
+        _shared_layout((64, BLOCK), x_fp8.dtype),
+        _shared_layout((box_n, BLOCK), w_fp8.dtype),
+        _shared_layout((64, box_n), out.dtype),
+    )
+    if device_descriptors:
+        operands = (x_fp8, w_rows, out)
+    else:
+        operands = tuple(
+            TensorDescriptor.from_tensor(t, [rows, cols], layout)
+            for t, (rows, cols), layout in zip(
+                (x_fp8, w_rows, out), ((64, BLOCK), (box_n, BLOCK), (64, box_n)), layouts
+            )
+        )
     tiles = ceil_div(m, bm) * ceil_div(n, bn)
     stride_bse, stride_be = (w_scale.stride(0), 0 if bias is None else bias.stride(0)) if grouped else (0, 0)
     args = (
-        a_desc,
-        b_desc,
-        c_desc,
+        *operands,
         x_scale,
         w_scale,
         bias if bias is not None else w_scale,
@@ -587,6 +632,10 @@ def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None, block_ex
         m,
         n,
         k,
+        w_rows.shape[0],
+        x_fp8.stride(0),
+        w_rows.stride(0),
+        out.stride(0),
         x_scale.stride(0),
         x_scale.stride(1),
         stride_bse,
@@ -609,6 +658,11 @@ def launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None, block_ex
         SPLIT_N=split_n,
         CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=PRODUCER_REGS,
+        BOX_N=box_n,
+        A_LAYOUT=layouts[0],
+        B_LAYOUT=layouts[1],
+        C_LAYOUT=layouts[2],
+        DEVICE_DESCRIPTORS=device_descriptors,
         num_warps=4,
         maxnreg=launch,
     )
@@ -619,6 +673,8 @@ def _launch(grid: tuple, args: tuple, meta: dict) -> None:
     """_gemm_kernel[grid](*args, **meta) through our Launcher (launch.py): outside CUDA graphs a
     launch through Triton's own path cost 135 us of host time on an H100 lease's host."""
     options = {key: meta[key] for key in _OPTIONS}
+    if meta["DEVICE_DESCRIPTORS"]:
+        ensure_scratch_allocator()  # where the kernel builds its TMA descriptors
     _gemm_launch(grid, args, {key: value for key, value in meta.items() if key not in _OPTIONS}, **options)
 
 
@@ -702,9 +758,10 @@ def grouped_gemm(
     return out
 
 
-def compile_sm90(m=4096, n=4096, k=7168, bias=False, config=None, experts=0):
+def compile_sm90(m=4096, n=4096, k=7168, bias=False, config=None, experts=0, device_descriptors=True):
     """Compile the kernel for sm_90a as gemm() (or, with experts > 0, grouped_gemm()) would launch
-    it, without a GPU (a CPU is enough): returns Triton's compiled kernel (PTX and cubin in .asm).
+    it, without a GPU (a CPU is enough), its TMA descriptors built on the device or encoded by
+    the host: returns Triton's compiled kernel (PTX and cubin in .asm).
     Catches Gluon API drift between Triton versions; ptxas_report() says what ptxas made of it."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -718,7 +775,7 @@ def compile_sm90(m=4096, n=4096, k=7168, bias=False, config=None, experts=0):
     b = torch.empty(*lead, n, dtype=torch.bfloat16) if bias else None
     block_m = {**(grouped_config(n) if experts else CONFIG), **(config or {})}["BLOCK_M"]
     block_expert = torch.empty(ceil_div(m, block_m), dtype=torch.int32) if experts else None
-    _, args, meta = launch_args(x, scales[0], w, scales[1], b, out, config, block_expert)
+    _, args, meta = launch_args(x, scales[0], w, scales[1], b, out, config, block_expert, device_descriptors)
     options = {key: meta.pop(key) for key in ("num_warps", "maxnreg")}
     names = _gemm_kernel.arg_names
     signature = {name: mangle_type(a) for name, a in zip(names, args)}

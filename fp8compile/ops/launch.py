@@ -24,6 +24,11 @@ try:
 except ImportError:  # no Triton, or one without knobs: every launch takes Triton's own path
     _knobs = None
 
+try:
+    from triton.runtime import _allocation as _triton_allocation
+except ImportError:  # no Triton, or one without runtime allocations: no kernel of ours asks for one
+    _triton_allocation = None
+
 log = logging.getLogger("fp8compile")
 # The current device and its current stream's handle, one C call each.
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
@@ -46,6 +51,26 @@ def capability(device_index: int) -> tuple[int, int]:
 def num_sms(device_index: int) -> int:
     """The GPU's streaming multiprocessors: what persistent and split-K grids are sized by."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for a launch (what a kernel that builds its TMA descriptors on the device
+    writes them into), from torch's caching allocator: ordered on the current stream, and from
+    the graph's pool while a CUDA graph is captured. Its blocks are 512-byte aligned, more than
+    Triton asks (128)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_scratch_allocator() -> None:
+    """Give Triton an allocator for launch scratch where none is set (Triton's default refuses
+    every allocation); one the user or another library set is left in place. Triton keeps it in
+    a context variable, which a new thread starts without: callers ask before each launch (a
+    lookup, no allocation)."""
+    if _triton_allocation is None:
+        return
+    current = _triton_allocation._allocator.get()
+    if isinstance(current, _triton_allocation.NullAllocator):
+        _triton_allocation._allocator.set(_scratch)
 
 
 def _arg_key(a):

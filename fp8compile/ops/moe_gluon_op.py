@@ -9,13 +9,13 @@ traced into the graph (passes/inline.py), its routing (count, scan, place), the 
 into routed order, the gated activation's quantization and the top-k sum become launches
 Inductor's wrapper makes with the buffers it allocates. The two grouped GEMMs stay calls of
 fp8compile::gluon_grouped_gemm, an opaque op: a Gluon kernel is not a function Inductor can
-compile and launch, and its TMA descriptors are built per call.
+compile and launch. Outside CUDA graphs the kernel builds its TMA descriptors on the device, so
+a call pays no descriptor encoding on the host (gluon_gemm.launch_args).
 
 Everything is decided at trace time from `tokens_from` (the bottom of the token range the call
 site's side of the M dispatch serves, min_tokens or more): from there up moe_triton takes the
-Gluon path (`fits`),
-and the body makes its choices (tiles, row blocks, chunked routing), so the numbers are the op's,
-bit for bit (tests/test_gpu.py).
+Gluon path (`fits`), and the body makes its choices (tiles, row blocks, chunked routing), so the
+numbers are the op's, bit for bit (tests/test_gpu.py).
 """
 
 from __future__ import annotations
