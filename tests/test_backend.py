@@ -383,3 +383,21 @@ def test_static_launch_of_our_kernels_reaches_compile_workers_unless_the_user_ch
     assert static_launch_for_user_kernels() == (user_value != "0")
     assert os.environ[STATIC_LAUNCH_ENV] == (user_value or "1")
     assert pool.shut == (user_value is None)
+
+
+@pytest.mark.parametrize(
+    "source, name",
+    [
+        ("L['self']._modules['mlp']._parameters['weight']", "mlp.weight"),
+        ("L['fn'].model.norm.weight", "model.norm.weight"),
+        # generate() of transformers 5.24 calls a compiled bound forward with the model in *args
+        ("L['args'][0].model.layers.0.self_attn", "model.layers.0.self_attn"),
+        ("L['kwargs']['model'].lm_head.weight", "lm_head.weight"),
+        ("L['args'].model.norm", "model.norm"),  # a parameter named args: only it is the root
+        ("G['lm_head'].weight", "lm_head.weight"),  # a global keeps its name
+    ],
+)
+def test_report_names_are_the_models_own_whatever_dynamo_calls_the_compiled_root(source, name):
+    from fp8compile.passes.context import qualified_name
+
+    assert qualified_name(source) == name

@@ -30,15 +30,17 @@ def qualified_name(source_name: str) -> str:
     """Dynamo source name -> the name model.named_parameters() would give:
     "L['self']._modules['mlp']._parameters['weight']" -> "mlp.weight", and a plain attribute the
     same way: "L['self']._modules['norm'].variance_epsilon" -> "norm.variance_epsilon". A local
-    root (the compiled module, whatever Dynamo calls it: self, fn, an argument) is dropped; a
-    global's name is kept."""
+    root (the compiled module, whatever Dynamo calls it: self, fn, an argument, or an element of
+    *args / **kwargs, as in "L['args'][0].model.norm.weight" when generate() calls a compiled
+    bound forward) is dropped; a global's name is kept."""
     keys = [
         key or attr
         for key, attr in re.findall(r"\[['\"]?([^'\"\]]+)['\"]?\]|\.(\w+)", source_name)
         if attr not in _MODULE_DICTS
     ]
     if keys and source_name.startswith("L[") and len(keys) > 1:
-        keys = keys[1:]
+        root = 2 if len(keys) > 2 and re.match(r"L\[['\"](args|kwargs)['\"]\]\[", source_name) else 1
+        keys = keys[root:]
     return ".".join(keys) or source_name
 
 
