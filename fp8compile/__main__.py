@@ -1,4 +1,4 @@
-"""Command line: `python -m fp8compile demo | backends`."""
+"""Command line: `python -m fp8compile demo | backends | models | bench`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,39 @@ def _backends(args) -> int:
     return 0
 
 
+def _models(args) -> int:
+    import dataclasses
+    import json
+    import logging
+    import warnings
+    from pathlib import Path
+
+    from . import architectures
+
+    warnings.filterwarnings("ignore")  # per-architecture deprecation chatter; the matrix says what matters
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    if args.in_process:  # one architecture, its row as JSON on the last line
+        (arch,) = args.arch
+        print(json.dumps(dataclasses.asdict(architectures.run(arch))))
+        return 0
+    archs = args.arch or architectures.causal_lm_architectures()
+    rows = []
+    print(architectures.table([]))
+    for arch in archs:
+        rows.append(architectures.run_isolated(arch, args.timeout))
+        print(architectures.table(rows[-1:]).splitlines()[-1], flush=True)
+    counts = {
+        status: sum(r.status == status for r in rows) for status in dict.fromkeys(r.status for r in rows)
+    }
+    print(f"{len(rows)} architectures: " + ", ".join(f"{n} {status}" for status, n in counts.items()))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "models.md").write_text(architectures.table(rows) + "\n")
+        (out / "models.json").write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+    return 0 if all(r.status != "failed" and r.status != "over bound" for r in rows) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fp8compile")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,6 +77,17 @@ def main(argv: list[str] | None = None) -> int:
     backends.add_argument("-m", type=int, default=1)
     backends.add_argument("-n", type=int, default=4096)
     backends.add_argument("-k", type=int, default=4096)
+    models = sub.add_parser(
+        "models",
+        help="the architecture matrix: transformers causal LMs built small, compiled with backend='fp8' "
+        "on the CPU: what was rewritten, what stayed bf16 and why, logits against the FP8 composition",
+    )
+    models.add_argument("arch", nargs="*", help="model types (default: every causal LM of transformers)")
+    models.add_argument("--out", default=None, help="also write the matrix (Markdown) and JSON here")
+    models.add_argument(
+        "--timeout", type=int, default=600, help="seconds per architecture, each in its own process"
+    )
+    models.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # one arch, JSON out
     bench = sub.add_parser(
         "bench",
         help="benchmarks: whole models (model), host cost per decode linear (host), "
@@ -116,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as bench_main
 
         return bench_main(args)
+    if args.command == "models":
+        return _models(args)
     if args.command == "demo":
         from .demo import main as demo_main
 

@@ -1,0 +1,311 @@
+"""The architecture matrix: causal LMs of the installed transformers, built small with random
+weights and compiled with backend="fp8" on the CPU (`python -m fp8compile models`).
+
+For each architecture: what was rewritten (counts per kind), what stayed bf16 and why, and the
+logits' calc_diff against eager bf16 beside that of the same model's own unfused block-FP8
+composition (`composition`): every bf16 nn.Linear (or GPT-2-style Conv1D) that the linear pass
+would take (K a multiple of 128, N at least 128: a router's N is not) runs the reference
+block-FP8 linear,
+and every expert GEMM that transformers' experts integration makes (its `_grouped_mm`) runs the
+reference block-FP8 linear per expert, activations quantized 1x128 per token, weights 128x128
+per expert. That is the FP8 error of the model's GEMMs taken one by one; the compiled model may
+differ from it only where a fused op rounds once where eager rounds twice.
+
+The bound is on the typical token: the median over tokens of each token's logits calc_diff, no
+more than 1.15x the composition's. In these small random-weight MoE models a few tokens' top-k
+choices flip under any FP8 rounding, and those tokens dominate the pooled calc_diff: on
+DeepSeek-V3, seeds 0-2, the compiled model's pooled calc_diff was 1.18x, 1.00x and 0.91x the
+composition's while the medians agreed to 0.3% (4.90e-3 against 4.89e-3 on seed 0, its worst
+five tokens 0.14-0.18 on both sides). The pooled calc_diff is reported beside it, and more than
+1.5x the composition's fails too.
+
+A config is built small by setting, where the architecture's config has them, the sizes below
+(widths multiples of 128, 2 layers, 8 experts, top-2); an architecture that cannot be built or
+run that way in eager is listed as such, since that is no fault of the backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+
+import torch
+
+from .numerics import BLOCK, calc_diff
+
+# Sizes set on a config where it has the attribute (its constructor sees them, so values it
+# derives from them follow).
+SMALL = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    ffn_hidden_size=512,
+    num_hidden_layers=2,
+    num_layers=2,
+    n_layer=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=256,
+    # the same sizes under other names (GPT-2, OPT, BART-style decoders)
+    n_embd=256,
+    n_head=4,
+    n_inner=512,
+    n_positions=256,
+    d_model=256,
+    ffn_dim=512,
+    word_embed_proj_dim=256,
+    decoder_layers=2,
+    decoder_attention_heads=4,
+    decoder_ffn_dim=512,
+    encoder_layers=2,
+    encoder_attention_heads=4,
+    encoder_ffn_dim=512,
+    # MoE
+    num_experts=8,
+    num_local_experts=8,
+    n_routed_experts=8,
+    moe_num_experts=8,
+    num_experts_per_tok=2,
+    moe_topk=2,
+    moe_intermediate_size=256,
+    shared_expert_intermediate_size=256,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    # MLA
+    q_lora_rank=256,
+    kv_lora_rank=128,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+    # sliding windows shorter than the prompt, so that they matter
+    sliding_window=16,
+)
+BATCH, TOKENS = 4, 64  # 256 tokens: a few flipped top-k choices weigh less in calc_diff
+BOUND_FACTOR = 1.15  # the typical token's: no worse than 1.15x the unfused composition's
+POOLED_FACTOR = 1.5  # the pooled calc_diff's, loose for the flipped top-k choices (module docstring)
+
+
+@dataclasses.dataclass
+class Row:
+    """One architecture's line of the matrix."""
+
+    arch: str
+    status: str  # "rewritten", "over bound", "nothing rewritten", "not built small", "failed"
+    counts: dict = dataclasses.field(default_factory=dict)
+    experts: str = ""  # "MoE" where the model has experts blocks
+    calc_diff: float | None = None  # pooled over every token's logits
+    composition: float | None = None
+    median: float | None = None  # the median token's
+    median_composition: float | None = None
+    kept: dict = dataclasses.field(default_factory=dict)  # reason -> how many candidates
+    note: str = ""
+    seconds: float = 0.0
+
+    @property
+    def within_bound(self) -> bool:
+        return (
+            self.median <= BOUND_FACTOR * self.median_composition
+            and self.calc_diff <= POOLED_FACTOR * self.composition
+        )
+
+
+def causal_lm_architectures() -> list[str]:
+    """The model types transformers maps to a causal LM."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def small_config(arch: str):
+    """The architecture's config with SMALL's sizes where it has those attributes."""
+    from transformers import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[arch]
+    default = config_class()
+    sizes = {key: value for key, value in SMALL.items() if hasattr(default, key)}
+    for name, token in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
+        if getattr(default, name, None) is not None:
+            sizes[name] = token  # the default ones may lie past the small vocabulary
+    if hasattr(default, "kv_lora_rank"):  # MLA: every head has its own K and V
+        sizes["num_key_value_heads"] = SMALL["num_attention_heads"]
+    return config_class(**sizes)
+
+
+def build(arch: str, seed: int = 0) -> torch.nn.Module:
+    """The small model in bf16, eval mode, weights N(0, 0.02) (transformers' own init, reseeded)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(small_config(arch))
+    model = model.to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.02)
+    return model
+
+
+def _linear_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The (N, K) weight of a linear the linear pass would take (K a multiple of 128, N at least
+    128, bf16): an nn.Linear's, or a GPT-2-style Conv1D's (weight (K, N), x @ w + b), else None."""
+    if isinstance(module, torch.nn.Linear):
+        w = module.weight
+    elif type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        w = module.weight.t()
+    else:
+        return None
+    n, k = w.shape
+    return w.detach() if w.dtype == torch.bfloat16 and k % BLOCK == 0 and n >= BLOCK else None
+
+
+def _block_fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """transformers' _grouped_mm (x (S, K) sorted by expert, w (E, K, N), offs the experts' ends)
+    in unfused block FP8: each expert's rows through the reference block-FP8 linear."""
+    from .ops import reference
+
+    out = x.new_zeros(x.shape[0], w.shape[-1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            w_fp8, w_scale = reference.quant_weight_block(w[e].t())
+            out[start:end] = reference.linear_block(x[start:end], w_fp8, w_scale)
+        start = end
+    return out
+
+
+@contextlib.contextmanager
+def composition(model: torch.nn.Module):
+    """Within the block, `model` runs its unfused block-FP8 composition (module docstring)."""
+    from .ops import reference
+
+    patched = []
+    for module in model.modules():
+        weight = _linear_weight(module)
+        if weight is not None:
+            w_fp8, w_scale = reference.quant_weight_block(weight)
+            module.forward = lambda x, w=w_fp8, s=w_scale, b=module.bias: reference.linear_block(x, w, s, b)
+            patched.append(module)
+    try:
+        from transformers.integrations import moe as experts_integration
+    except ImportError:
+        experts_integration = None
+    grouped = getattr(experts_integration, "_grouped_mm", None)
+    if grouped is not None:
+        experts_integration._grouped_mm = _block_fp8_grouped_mm
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+        if grouped is not None:
+            experts_integration._grouped_mm = grouped
+
+
+def _logits(out) -> torch.Tensor:
+    return (out.logits if hasattr(out, "logits") else out[0]).float()
+
+
+def median_token_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """The median over tokens of calc_diff between each token's logits (last dimension)."""
+    x, y = x.double().flatten(0, -2), y.double().flatten(0, -2)
+    per_token = 1 - 2 * (x * y).sum(-1) / (x * x + y * y).sum(-1).clamp_min(torch.finfo(torch.float64).tiny)
+    return float(per_token.median())
+
+
+def run(arch: str, seed: int = 0) -> Row:
+    """One architecture through the matrix (module docstring)."""
+    import fp8compile
+
+    begin = time.perf_counter()
+    row = Row(arch, "failed")
+    try:
+        model = build(arch, seed)
+        torch.manual_seed(seed + 1)
+        ids = torch.randint(0, model.config.vocab_size, (BATCH, TOKENS))
+        with torch.no_grad():
+            eager = _logits(model(ids))
+            with composition(model):
+                simulated = _logits(model(ids))
+    except Exception as e:  # noqa: BLE001  the architecture itself, in eager: not the backend's
+        row.status, row.note = "not built small", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        row.seconds = time.perf_counter() - begin
+        return row
+    if any(type(m).__name__.endswith("Experts") for m in model.modules()):
+        row.experts = "MoE"
+    fp8 = fp8compile.backend()
+    try:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            logits = _logits(torch.compile(model, backend=fp8)(ids))
+    except Exception as e:  # noqa: BLE001  recorded in the matrix: a crash is what it must show
+        row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        row.seconds = time.perf_counter() - begin
+        return row
+    finally:
+        torch._dynamo.reset()
+    row.counts = {kind: n for kind, n in fp8.report.counts().items() if n}
+    for skip in fp8.report.skips:
+        reason = skip.reason.split(":")[0] if skip.kind == "graph" else skip.reason
+        key = f"{skip.kind}: {reason[:120]}"
+        row.kept[key] = row.kept.get(key, 0) + 1
+    row.calc_diff, row.composition = calc_diff(logits, eager), calc_diff(simulated, eager)
+    row.median, row.median_composition = median_token_diff(logits, eager), median_token_diff(simulated, eager)
+    if not row.counts:
+        row.status = "nothing rewritten"
+    elif row.within_bound:
+        row.status = "rewritten"
+    else:
+        row.status = "over bound"
+    row.seconds = time.perf_counter() - begin
+    return row
+
+
+def run_isolated(arch: str, timeout: float = 600) -> Row:
+    """run(arch) in a fresh Python process: an architecture that exhausts memory, hangs or kills
+    its process becomes a "failed" row instead of ending the matrix (and compiled graphs do not
+    pile up over hundreds of models in one process)."""
+    import json
+    import subprocess
+    import sys
+
+    begin = time.perf_counter()
+    command = [sys.executable, "-m", "fp8compile", "models", "--in-process", arch]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return Row(
+            arch, "failed", note=f"no result within {timeout:.0f} s", seconds=time.perf_counter() - begin
+        )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1][:160]
+        return Row(
+            arch,
+            "failed",
+            note=f"process exit {done.returncode}: {last}",
+            seconds=time.perf_counter() - begin,
+        )
+    return Row(**json.loads(lines[-1]))
+
+
+def table(rows: list[Row]) -> str:
+    """The matrix as a Markdown table."""
+    lines = [
+        "| architecture | status | rewritten | median token calc_diff, x composition | pooled, x composition "
+        "| kept bf16 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        counts = ", ".join(f"{kind} {n}" for kind, n in r.counts.items()) or "-"
+        median = pooled = "-"
+        if r.calc_diff is not None:
+            median = f"{r.median:.2e}, {r.median / max(r.median_composition, 1e-30):.2f}x"
+            pooled = f"{r.calc_diff:.2e}, {r.calc_diff / max(r.composition, 1e-30):.2f}x"
+        kept = "; ".join(f"{n} x {reason}" for reason, n in r.kept.items()) or r.note or "-"
+        arch = f"{r.arch} ({r.experts})" if r.experts else r.arch
+        lines.append(f"| {arch} | {r.status} | {counts} | {median} | {pooled} | {kept.replace('|', '/')} |")
+    return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""The architecture matrix (fp8compile/architectures.py, `python -m fp8compile models`) on a set
+of transformers causal LMs that spans what real checkpoints have: GQA and MLA attention, sliding
+windows, biases, fused qkv and gate_up projections, softcapping, softmax and sigmoid routers,
+grouped top-k, shared experts, dense first layers, fp32 routing weights, clamped, biased and
+interleaved experts. Each is built small with random weights, compiled with backend="fp8" on the
+CPU, and must be rewritten where the recipe fits and stay within its accuracy bound: the median
+token's logits calc_diff against eager bf16 no more than 1.15x that of the model's own unfused
+block-FP8 composition, the pooled calc_diff no more than 1.5x (the module says why two)."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from fp8compile import architectures  # noqa: E402
+
+# model type -> the kinds of rewrite it must show (at least one of each)
+MATRIX = {
+    "llama": ("linear", "silu_mul"),  # GQA, the baseline
+    "qwen2": ("linear", "silu_mul"),  # q/k/v biases
+    "phi3": ("linear", "silu_mul"),  # fused qkv_proj and gate_up_proj
+    "gemma2": ("linear",),  # GELU-tanh gate (not fused, with the reason), softcapping, sliding window
+    "starcoder2": ("linear",),  # plain GELU MLP with biases
+    "deepseek_v3": ("linear", "silu_mul", "moe"),  # MLA, sigmoid router with grouped top-k, shared experts
+    "qwen3_moe": ("linear", "moe"),  # softmax router, norm_topk_prob
+    "mixtral": ("linear", "moe"),  # fp32 routing weights
+    "gpt_oss": ("linear", "moe"),  # clamped swigluoai, expert biases, interleaved gate|up, sinks
+}
+
+
+@pytest.mark.parametrize("arch", MATRIX)
+def test_architecture_is_rewritten_and_within_its_bound_against_its_own_fp8_composition(arch):
+    row = architectures.run(arch)
+    assert row.status == "rewritten", architectures.table([row])
+    assert all(row.counts.get(kind, 0) > 0 for kind in MATRIX[arch]), row.counts
+    # Every bound compares like with like: the composition's own FP8 error is not zero.
+    assert 0 < row.median_composition and 0 < row.composition
+
+
+def test_moe_architectures_are_found_as_moe_and_their_routers_stay_bf16():
+    row = architectures.run("olmoe")
+    assert row.experts == "MoE" and row.counts["moe"] == 2
+    assert any("router of a rewritten MoE block" in reason for reason in row.kept), row.kept
+
+
+def test_small_config_sets_only_the_sizes_an_architecture_has_and_keeps_mla_without_gqa():
+    llama = architectures.small_config("llama")
+    assert (llama.hidden_size, llama.num_hidden_layers, llama.num_key_value_heads) == (256, 2, 2)
+    assert not hasattr(llama, "kv_lora_rank")
+    deepseek = architectures.small_config("deepseek_v3")  # MLA: every head has its own K and V
+    assert deepseek.num_key_value_heads == deepseek.num_attention_heads == 4
+    assert deepseek.kv_lora_rank == 128 and deepseek.n_routed_experts == 8
+
+
+def test_composition_quantizes_the_expert_gemms_and_the_linears_and_restores_the_model():
+    """Without the experts' GEMMs in FP8 the composition of an MoE model would understate its
+    FP8 error and make the bound too tight; after the block, the model is its bf16 self."""
+    from transformers.integrations import moe
+
+    model = architectures.build("qwen3_moe")
+    ids = torch.randint(0, 512, (1, 32))
+    original = moe._grouped_mm
+    calls = []
+    with torch.no_grad():
+        eager = model(ids).logits
+        with architectures.composition(model):
+            real = moe._grouped_mm
+            moe._grouped_mm = lambda x, w, offs: calls.append(w.shape) or real(x, w, offs)
+            simulated = model(ids).logits
+            moe._grouped_mm = real
+        again = model(ids).logits
+    assert moe._grouped_mm is original and torch.equal(again, eager)
+    assert len(calls) == 4  # gate_up and down of both layers' experts
+    assert architectures.calc_diff(simulated, eager) > 0
+
+
+def test_an_architecture_that_cannot_be_built_small_is_listed_as_such_not_as_a_failure(monkeypatch):
+    def refuse(arch, seed=0):
+        raise ValueError("this config needs a vision tower")
+
+    monkeypatch.setattr(architectures, "build", refuse)
+    row = architectures.run("llama")
+    assert row.status == "not built small" and "vision tower" in row.note
+
+
+def test_the_matrix_runs_each_architecture_in_its_own_process_and_keeps_going():
+    """`python -m fp8compile models` takes each architecture in a fresh process, so one that is
+    killed (DeepSeek-style defaults that exhaust memory, a hang) is a row, not the end of the
+    matrix; the row comes back through JSON whole."""
+    row = architectures.run_isolated("no_such_model_type", timeout=300)
+    assert row.arch == "no_such_model_type" and row.status == "not built small"
+    assert "KeyError" in row.note
