@@ -66,7 +66,7 @@ def test_grouped_kernel_compiles_for_hopper_without_spills_or_serialized_wgmma(
 def test_outside_cuda_graphs_the_kernel_builds_its_three_tma_descriptors_itself():
     """A launch outside CUDA graph capture passes pointers, and each program builds the
     activation's, the weights' and the output's descriptors in 128 bytes of global scratch
-    apiece (the host's encoding cost 20-60 us a call); the host-encoded variant (taken under
+    apiece (the host's encoding cost about 20-30 us a call); the host-encoded variant (taken under
     capture, where it is encoded once) asks for no scratch."""
     on_device = gluon_gemm.compile_sm90(m=2048, n=2048, k=768, experts=128)
     on_host = gluon_gemm.compile_sm90(m=2048, n=2048, k=768, experts=128, device_descriptors=False)

@@ -24,9 +24,9 @@ Prefill: torch.compile(model) on one sequence of `prefill` tokens (logits of the
 median of CUDA-event-timed calls. First calls are cold: the compiler's process-wide start-up is
 paid before the first variant, and Inductor's FX graph and AOTAutograd caches are off, so no
 variant reuses what an earlier one compiled. Accuracy: logits of a 64-token forward against
-bf16 eager, in calc_diff; for dense models beside the unfused FP8 composition (every nn.Linear
-run by the reference block-FP8 linear, eagerly), which is the bound the compiled FP8 model
-answers to.
+bf16 eager, in calc_diff; for dense models beside the unfused FP8 composition
+(architectures.composition: every linear the pass would take run by the reference block-FP8
+linear, eagerly), which is the bound the compiled FP8 model answers to.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import torch
 
 import fp8compile
 
+from .. import architectures
 from .output import profiled, pyplot
 
 # name -> (transformers model class, config class, config fields). Real widths; layer counts of
@@ -240,29 +241,6 @@ def _torchao_rowwise(model) -> None:
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
     quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
-
-
-@contextlib.contextmanager
-def _unfused_fp8(model):
-    """Every nn.Linear of model runs the reference block-FP8 linear, eagerly (the unfused FP8
-    composition); restored on exit."""
-    from fp8compile.ops import reference
-
-    patched = []
-    for module in model.modules():
-        if (
-            isinstance(module, torch.nn.Linear)
-            and module.weight.dtype == torch.bfloat16
-            and module.in_features % 128 == 0
-        ):
-            w_fp8, w_scale = reference.quant_weight_block(module.weight.detach())
-            module.forward = lambda x, w=w_fp8, s=w_scale, b=module.bias: reference.linear_block(x, w, s, b)
-            patched.append(module)
-    try:
-        yield
-    finally:
-        for module in patched:
-            del module.forward
 
 
 # GPU kernel names -> what they compute, for the time split of a decode step (first match wins).
@@ -482,7 +460,7 @@ def bench_model(
             eager_logits = model(ids_acc, use_cache=False).logits.float()
             base = dict(device=device_name, model=model_name, layers=n_layers)
             if not getattr(model.config, "num_experts", None):
-                with _unfused_fp8(model):
+                with architectures.composition(model):
                     unfused = fp8compile.calc_diff(
                         model(ids_acc, use_cache=False).logits.float(), eager_logits
                     )

@@ -30,7 +30,7 @@ the tile config and M (tests/test_gluon_gemm.py), so switching kernels by M keep
 batch invariance.
 
 TMA descriptors: outside CUDA graphs each program builds its three on the device (the launch
-takes pointers; the host's encoding of them cost 20-60 us a call on an H100 lease's host), and
+takes pointers; the host's encoding of them cost about 20-30 us a call on an H100 lease's host), and
 a launch being captured into a graph takes host-encoded ones, encoded once for every replay
 (launch_args).
 
@@ -410,7 +410,7 @@ if IMPORT_ERROR is None:
         # when grouped; BOX_N-row boxes) and the output (64 x BOX_N boxes), as TMA descriptors
         # the host encoded, or, DEVICE_DESCRIPTORS, as pointers that each program turns into
         # descriptors in its global scratch (which the launch allocates through Triton's
-        # allocator): no encoding on the host, where it costs 20-60 us a call, for about 2 us
+        # allocator): no encoding on the host, where it costs about 20-30 us a call, for about 2 us
         # of GPU time (launch_args says when each is taken).
         if DEVICE_DESCRIPTORS:
             a_desc = tma.make_tensor_descriptor(a, [M, K], [stride_am, 1], [64, 128], A_LAYOUT)
@@ -562,7 +562,7 @@ def launch_args(
     device_descriptors: the kernel builds its TMA descriptors (True) or the host encodes them
     (False). Default: on the device except while a CUDA graph is captured, where the host
     encodes them once for every replay and the kernel does not pay the ~2 us of building them
-    (H100: 1-3% of the GPU time at a 2048-token prefill's shapes, for 20-60 us less host time
+    (H100: 0.5-3% of the GPU time at a 2048-token prefill's shapes, for about 20-30 us less host time
     a call outside graphs; BENCHMARKS.md, "Twenty-second session").
 
     Grouped (block_expert given): w_fp8 (E, N, K), w_scale (E, N/128, G), bias (E, N); row block
