@@ -4,8 +4,10 @@
     model = torch.compile(model, backend=fp8compile.backend(e8m0=True, batch_invariant=True))
     print(fp8compile.explain(model, x))
 
-Importing this package registers the torch.ops.fp8compile ops; it does not initialise CUDA
-or import any vendor kernel library.
+Importing this package registers the torch.ops.fp8compile ops and sets
+TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=1 unless it is set (Inductor's compile
+workers then launch our Triton kernels with less host time); it does not initialise CUDA or
+import any vendor kernel library.
 """
 
 from __future__ import annotations
@@ -15,13 +17,17 @@ from typing import Any
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.fp8compile.*)
-from .backend import Fp8Backend, fp8_backend, last_report
+from .backend import Fp8Backend, fp8_backend, last_report, static_launch_for_user_kernels
 from .config import Fp8Config, make_config
 from .numerics import calc_diff
 from .release import restore as restore_bf16_weights
 from .report import Report
 
 __version__ = "0.1.0"
+
+# Before any compile starts Inductor's compile workers, which read it once, when they start
+# (backend.static_launch_for_user_kernels): set later, the workers are restarted.
+static_launch_for_user_kernels()
 
 
 def backend(config: Fp8Config | dict | None = None, **options: Any) -> Fp8Backend:

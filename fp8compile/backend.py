@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import re
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -213,24 +214,27 @@ def static_launch_for_user_kernels() -> bool:
     Inductor's cuBLAS call 33.2 (lent H100s, `bench host --chain 8`; BENCHMARKS.md). The choice
     is made where the kernel is compiled, mostly in Inductor's compile workers, which read
     their config from the environment when they start and are passed no config patch of ours.
-    So the environment variable is set here, unless the user set it (their choice stands), and
-    workers already running (started by an earlier compile, say a bf16 model's) are shut down:
-    the next compile starts them again, with the variable."""
-    if not hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels"):
-        return False  # an Inductor without the static launcher for user kernels
-    if STATIC_LAUNCH_ENV in os.environ:
-        return os.environ[STATIC_LAUNCH_ENV] == "1"
-    os.environ[STATIC_LAUNCH_ENV] = "1"
-    from torch._inductor import async_compile
-
-    if getattr(async_compile, "_pool_set", None):
-        log.info(
-            "fp8compile: restarting Inductor's compile workers so that they launch our Triton kernels "
-            "statically (%s=1)",
-            STATIC_LAUNCH_ENV,
-        )
-        async_compile.shutdown_compile_workers()
-    return True
+    So the environment variable is set here, unless the user set it (their choice stands).
+    Importing fp8compile calls this, before a compile starts the workers: workers already
+    running (started by an earlier compile, say a bf16 model's) are shut down, and the next
+    compile starts them again, which cost a Qwen3-MoE's first fp8 call 10 s (26.3 against
+    16.3 s at 4 layers, H100; BENCHMARKS.md, "Twenty-third session")."""
+    if STATIC_LAUNCH_ENV not in os.environ:
+        os.environ[STATIC_LAUNCH_ENV] = "1"  # an Inductor without the static launcher ignores it
+        # Not imported yet: no compile has started workers (and importing it here would cost
+        # `import fp8compile` Inductor's imports, a second on a CPU machine).
+        async_compile = sys.modules.get("torch._inductor.async_compile")
+        if async_compile is not None and getattr(async_compile, "_pool_set", None):
+            log.info(
+                "fp8compile: restarting Inductor's compile workers so that they launch our Triton "
+                "kernels statically (%s=1)",
+                STATIC_LAUNCH_ENV,
+            )
+            async_compile.shutdown_compile_workers()
+    if os.environ[STATIC_LAUNCH_ENV] != "1":
+        return False
+    config = sys.modules.get("torch._inductor.config")  # imported by every compile
+    return config is None or hasattr(config, "static_launch_user_defined_triton_kernels")
 
 
 def _specialize_float_inputs(gm: fx.GraphModule) -> None:

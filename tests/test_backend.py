@@ -385,6 +385,26 @@ def test_static_launch_of_our_kernels_reaches_compile_workers_unless_the_user_ch
     assert pool.shut == (user_value is None)
 
 
+@pytest.mark.parametrize("user_value", [None, "0"])
+def test_importing_fp8compile_sets_static_launch_before_a_compile_starts_workers(user_value):
+    """Set at import, the variable is there when the first compile starts Inductor's compile
+    workers (set at the first fp8 compile instead, workers an earlier compile started are
+    restarted: 10 s of a Qwen3-MoE's first call); importing does not import Inductor."""
+    from fp8compile.backend import STATIC_LAUNCH_ENV
+
+    env = {key: value for key, value in os.environ.items() if key != STATIC_LAUNCH_ENV}
+    if user_value is not None:
+        env[STATIC_LAUNCH_ENV] = user_value
+    probe = (
+        "import os, sys, fp8compile; "
+        f"print(os.environ.get('{STATIC_LAUNCH_ENV}'), 'torch._inductor' in sys.modules)"
+    )
+    seen = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert seen == [user_value or "1", "False"]
+
+
 @pytest.mark.parametrize(
     "source, name",
     [

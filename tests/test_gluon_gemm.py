@@ -125,6 +125,38 @@ def test_configs_outside_the_kernels_design_are_refused():
 
 
 @needs_gluon
+def test_a_launch_of_known_sizes_reuses_its_constexprs_whatever_m_and_the_tensors():
+    """What a launch's sizes decide (config checks, constexprs, layouts) is made once per sizes
+    and kept (host time outside CUDA graphs): a grouped GEMM of other M and other tensors gets
+    the same object, another N or descriptor mode another one; launch_args hands out a copy."""
+    w = torch.empty(4, 256, 256, dtype=torch.float8_e4m3fn)
+    w_scale = torch.empty(4, 2, 2)
+
+    def static(m, n=256, descriptors=True):
+        x = torch.empty(m, 256, dtype=torch.float8_e4m3fn)
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        weights = w if n == 256 else torch.empty(4, n, 256, dtype=torch.float8_e4m3fn)
+        scales = w_scale if n == 256 else torch.empty(4, n // 128, 2)
+        experts = torch.zeros(m // 64, dtype=torch.int32)
+        return gluon_gemm._prepare(
+            x, torch.empty(m, 2), weights, scales, None, out, None, experts, descriptors
+        )[2]
+
+    assert static(128) is static(1024)
+    assert static(128) is not static(128, n=512)
+    assert static(128) is not static(128, descriptors=False)
+    x, out = torch.empty(128, 256, dtype=torch.float8_e4m3fn), torch.empty(128, 256, dtype=torch.bfloat16)
+    meta = gluon_gemm.launch_args(
+        x, torch.empty(128, 2), w[0], w_scale[0], None, out, device_descriptors=True
+    )[2]
+    meta.pop("num_warps")
+    again = gluon_gemm.launch_args(
+        x, torch.empty(128, 2), w[0], w_scale[0], None, out, device_descriptors=True
+    )[2]
+    assert again["num_warps"] == 4
+
+
+@needs_gluon
 @pytest.mark.parametrize("config", [gluon_gemm.CONFIG, {**gluon_gemm.CONFIG, "OVERLAP": True}])
 def test_an_odd_number_of_k_groups_takes_one_group_per_buffer_in_as_many_buffers(config):
     """Two groups per buffer need an even count of 128-wide K groups; otherwise the launch falls

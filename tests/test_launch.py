@@ -153,3 +153,16 @@ def test_signatures_past_the_cap_are_forgotten_and_relearned(monkeypatch):
     assert [e[0] for e in kernel.log] == ["triton"] * 4 and len(run.compiled) == 2
     run((4,), (x, 32, 0.5), {"ACT": 1, "BLOCK": 128})
     assert kernel.log[-1][0] == "direct"
+
+
+def test_a_static_key_stands_for_the_constexprs_and_options_it_was_given_with():
+    """Launcher.launch keys a signature by the caller's static key instead of the constexprs'
+    values: the same key object relaunches, another key is a new signature."""
+    kernel = FakeKernel()
+    run = launch.Launcher(kernel)
+    x = torch.zeros(64)
+    constexprs, options = {"BLOCK": 128, "ACT": 1}, {"num_warps": 4}
+    kept, other = object(), object()
+    for key in (kept, kept, other):
+        run.launch((4,), (x, 32, 0.5), constexprs, options, key)
+    assert [e[0] for e in kernel.log] == ["triton", "direct", "triton"]

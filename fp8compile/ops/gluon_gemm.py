@@ -552,76 +552,119 @@ def _shared_layout(block_shape: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl_dtype)
 
 
-def launch_args(
+class _Static:
+    """What one launch's sizes and config decide (launch_args), made once per distinct
+    (config, N, K, bias, grouped, descriptor mode, dtypes) and kept: checking the config and
+    building the constexprs cost about 8 us a call on a CPU machine, and the Launcher's key over
+    them (three Gluon layouts hashed in Python) about 20 more. Compared by identity, it is the
+    Launcher's key for them (Launcher.launch's static_key)."""
+
+    def __init__(self, cfg: tuple, n: int, k: int, has_bias: bool, grouped: bool, descriptors: bool, dtypes):
+        cfg = dict(cfg)
+        bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        split_n = bm == 64
+        consumers = bn // 128 if split_n else bm // 64
+        box_n = 128 if split_n else bn
+        if not ((bm in (128, 192) and bn in (64, 128)) or (bm, bn) == (64, 256)):
+            raise ValueError(
+                "tiles are 128 or 192 rows (64 per consumer warpgroup) by 64 or 128 columns, or 64 rows "
+                f"by 256 columns (128 per consumer); got {bm}x{bn}"
+            )
+        if grouped and n % bn:
+            raise ValueError(f"a grouped launch takes N={n} in whole {bn}-column tiles")
+        if cfg["OVERLAP"] and consumers != 2:
+            raise ValueError(
+                "the overlapped loop keeps three 64 x BLOCK_N fp32 tiles per thread: two consumers only"
+            )
+        stages, stage_groups, overlap = cfg["STAGES"], cfg["STAGE_GROUPS"], cfg["OVERLAP"]
+        if stage_groups not in (1, 2):
+            raise ValueError(f"a ring buffer holds one or two K groups; got STAGE_GROUPS={stage_groups}")
+        if overlap and stage_groups != 2:
+            raise ValueError(
+                "the overlapped loop takes the two K groups of a buffer in turn: STAGE_GROUPS=2 only"
+            )
+        if (
+            k // BLOCK % stage_groups
+        ):  # an odd number of K groups: one per buffer (as many), one at a time (same bits)
+            stages, stage_groups, overlap = stages * stage_groups, 1, False
+        x_dtype, w_dtype, out_dtype = dtypes
+        self.block_m, self.block_n, self.descriptors = bm, bn, descriptors
+        self.boxes = ((64, BLOCK), (box_n, BLOCK), (64, box_n))
+        self.layouts = (
+            _shared_layout(self.boxes[0], x_dtype),
+            _shared_layout(self.boxes[1], w_dtype),
+            _shared_layout(self.boxes[2], out_dtype),
+        )
+        # Registers: at launch every warpgroup (the producer's warp counts as one) gets an equal
+        # share of the SM's 64K; setmaxnreg then gives the producer PRODUCER_REGS and the
+        # consumers the rest.
+        launch = 65536 // ((consumers + 1) * 128) // 8 * 8
+        consumer_regs = min(MAX_REGS, (launch * (consumers + 1) - PRODUCER_REGS) // consumers // 8 * 8)
+        self.constexprs = dict(
+            HAS_BIAS=has_bias,
+            GROUP_M=cfg["GROUP_M"],
+            STAGES=stages,
+            STAGE_GROUPS=stage_groups,
+            OVERLAP=overlap,
+            CONSUMERS=consumers,
+            GROUPED=grouped,
+            SPLIT_N=split_n,
+            CONSUMER_REGS=consumer_regs,
+            PRODUCER_REGS=PRODUCER_REGS,
+            BOX_N=box_n,
+            A_LAYOUT=self.layouts[0],
+            B_LAYOUT=self.layouts[1],
+            C_LAYOUT=self.layouts[2],
+            DEVICE_DESCRIPTORS=descriptors,
+        )
+        self.options = dict(num_warps=4, maxnreg=launch)
+
+
+@functools.lru_cache(maxsize=256)
+def _static(cfg: tuple, n: int, k: int, has_bias: bool, grouped: bool, descriptors: bool, dtypes) -> _Static:
+    return _Static(cfg, n, k, has_bias, grouped, descriptors, dtypes)
+
+
+def _prepare(
     x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None, block_expert=None, device_descriptors=None
-):
-    """(grid, args, constexprs and launch options as keywords) of one launch; scripts compile
-    the kernel on a CPU from them too. config: keys of CONFIG to override; default pick_config's
-    (grouped: grouped_config's).
-
-    device_descriptors: the kernel builds its TMA descriptors (True) or the host encodes them
-    (False). Default: on the device except while a CUDA graph is captured, where the host
-    encodes them once for every replay and the kernel does not pay the ~2 us of building them
-    (H100: 0.5-3% of the GPU time at a 2048-token prefill's shapes, for about 20-30 us less host time
-    a call outside graphs; BENCHMARKS.md, "Twenty-second session").
-
-    Grouped (block_expert given): w_fp8 (E, N, K), w_scale (E, N/128, G), bias (E, N); row block
-    i of x_fp8 (BLOCK_M rows) is multiplied by expert block_expert[i]'s weights, or skipped where
-    it is -1 (its output rows are left unwritten)."""
+) -> tuple[tuple, tuple, _Static]:
+    """(grid, args, static) of one launch: launch_args with the constexprs and options kept in
+    the cached _Static, what gemm() and grouped_gemm() launch from."""
     m, k = x_fp8.shape
     grouped = block_expert is not None
     n = w_fp8.shape[-2]
     sms = num_sms(out.device.index or 0) if out.device.type == "cuda" else 132
-    cfg = {**(grouped_config(n) if grouped else pick_config(m, n, sms)), **(config or {})}
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    split_n = bm == 64
-    consumers = bn // 128 if split_n else bm // 64
-    box_n = 128 if split_n else bn
-    if not ((bm in (128, 192) and bn in (64, 128)) or (bm, bn) == (64, 256)):
-        raise ValueError(
-            "tiles are 128 or 192 rows (64 per consumer warpgroup) by 64 or 128 columns, or 64 rows by "
-            f"256 columns (128 per consumer); got {bm}x{bn}"
-        )
-    if grouped and (n % bn or block_expert.numel() != ceil_div(m, bm)):
-        raise ValueError(
-            f"a grouped launch takes one expert per {bm}-row block ({ceil_div(m, bm)} of them, got "
-            f"{block_expert.numel()}) and N={n} in whole {bn}-column tiles"
-        )
-    if cfg["OVERLAP"] and consumers != 2:
-        raise ValueError(
-            "the overlapped loop keeps three 64 x BLOCK_N fp32 tiles per thread: two consumers only"
-        )
-    stages, stage_groups, overlap = cfg["STAGES"], cfg["STAGE_GROUPS"], cfg["OVERLAP"]
-    if stage_groups not in (1, 2):
-        raise ValueError(f"a ring buffer holds one or two K groups; got STAGE_GROUPS={stage_groups}")
-    if overlap and stage_groups != 2:
-        raise ValueError(
-            "the overlapped loop takes the two K groups of a buffer in turn: STAGE_GROUPS=2 only"
-        )
-    if (
-        k // BLOCK % stage_groups
-    ):  # an odd number of K groups: one per buffer (as many), one at a time (same bits)
-        stages, stage_groups, overlap = stages * stage_groups, 1, False
+    cfg = grouped_config(n) if grouped else pick_config(m, n, sms)
+    if config:
+        cfg = {**cfg, **config}
     if device_descriptors is None:
         device_descriptors = not (out.is_cuda and torch.cuda.is_current_stream_capturing())
+    static = _static(
+        tuple(cfg.items()),
+        n,
+        k,
+        bias is not None,
+        grouped,
+        device_descriptors,
+        (x_fp8.dtype, w_fp8.dtype, out.dtype),
+    )
+    bm = static.block_m
+    if grouped and block_expert.numel() != ceil_div(m, bm):
+        raise ValueError(
+            f"a grouped launch takes one expert per {bm}-row block ({ceil_div(m, bm)} of them, got "
+            f"{block_expert.numel()})"
+        )
     # Grouped: the experts' weights one after another, expert e at rows e * N (why_not_grouped
     # asks for that layout).
     w_rows = w_fp8.reshape(-1, k)
-    layouts = (
-        _shared_layout((64, BLOCK), x_fp8.dtype),
-        _shared_layout((box_n, BLOCK), w_fp8.dtype),
-        _shared_layout((64, box_n), out.dtype),
-    )
     if device_descriptors:
         operands = (x_fp8, w_rows, out)
     else:
         operands = tuple(
-            TensorDescriptor.from_tensor(t, [rows, cols], layout)
-            for t, (rows, cols), layout in zip(
-                (x_fp8, w_rows, out), ((64, BLOCK), (box_n, BLOCK), (64, box_n)), layouts
-            )
+            TensorDescriptor.from_tensor(t, list(box), layout)
+            for t, box, layout in zip((x_fp8, w_rows, out), static.boxes, static.layouts)
         )
-    tiles = ceil_div(m, bm) * ceil_div(n, bn)
+    tiles = ceil_div(m, bm) * ceil_div(n, static.block_n)
     stride_bse, stride_be = (w_scale.stride(0), 0 if bias is None else bias.stride(0)) if grouped else (0, 0)
     args = (
         *operands,
@@ -643,42 +686,38 @@ def launch_args(
         w_scale.stride(-1),
         stride_be,
     )
-    # Registers: at launch every warpgroup (the producer's warp counts as one) gets an equal share
-    # of the SM's 64K; setmaxnreg then gives the producer PRODUCER_REGS and the consumers the rest.
-    launch = 65536 // ((consumers + 1) * 128) // 8 * 8
-    consumer_regs = min(MAX_REGS, (launch * (consumers + 1) - PRODUCER_REGS) // consumers // 8 * 8)
-    meta = dict(
-        HAS_BIAS=bias is not None,
-        GROUP_M=cfg["GROUP_M"],
-        STAGES=stages,
-        STAGE_GROUPS=stage_groups,
-        OVERLAP=overlap,
-        CONSUMERS=consumers,
-        GROUPED=grouped,
-        SPLIT_N=split_n,
-        CONSUMER_REGS=consumer_regs,
-        PRODUCER_REGS=PRODUCER_REGS,
-        BOX_N=box_n,
-        A_LAYOUT=layouts[0],
-        B_LAYOUT=layouts[1],
-        C_LAYOUT=layouts[2],
-        DEVICE_DESCRIPTORS=device_descriptors,
-        num_warps=4,
-        maxnreg=launch,
+    return (min(tiles, sms),), args, static
+
+
+def launch_args(
+    x_fp8, x_scale, w_fp8, w_scale, bias, out, config=None, block_expert=None, device_descriptors=None
+):
+    """(grid, args, constexprs and launch options as keywords) of one launch; scripts compile
+    the kernel on a CPU from them too. config: keys of CONFIG to override; default pick_config's
+    (grouped: grouped_config's).
+
+    device_descriptors: the kernel builds its TMA descriptors (True) or the host encodes them
+    (False). Default: on the device except while a CUDA graph is captured, where the host
+    encodes them once for every replay and the kernel does not pay the ~2 us of building them
+    (H100: 0.5-3% of the GPU time at a 2048-token prefill's shapes, for about 20-30 us less host time
+    a call outside graphs; BENCHMARKS.md, "Twenty-second session").
+
+    Grouped (block_expert given): w_fp8 (E, N, K), w_scale (E, N/128, G), bias (E, N); row block
+    i of x_fp8 (BLOCK_M rows) is multiplied by expert block_expert[i]'s weights, or skipped where
+    it is -1 (its output rows are left unwritten)."""
+    grid, args, static = _prepare(
+        x_fp8, x_scale, w_fp8, w_scale, bias, out, config, block_expert, device_descriptors
     )
-    return (min(tiles, sms),), args, meta
+    return grid, args, {**static.constexprs, **static.options}
 
 
-def _launch(grid: tuple, args: tuple, meta: dict) -> None:
-    """_gemm_kernel[grid](*args, **meta) through our Launcher (launch.py): outside CUDA graphs a
-    launch through Triton's own path cost 135 us of host time on an H100 lease's host."""
-    options = {key: meta[key] for key in _OPTIONS}
-    if meta["DEVICE_DESCRIPTORS"]:
+def _launch(grid: tuple, args: tuple, static: _Static) -> None:
+    """_gemm_kernel[grid](*args, **constexprs, **options) through our Launcher (launch.py):
+    outside CUDA graphs a launch through Triton's own path cost 135 us of host time on an H100
+    lease's host."""
+    if static.descriptors:
         ensure_scratch_allocator()  # where the kernel builds its TMA descriptors
-    _gemm_launch(grid, args, {key: value for key, value in meta.items() if key not in _OPTIONS}, **options)
-
-
-_OPTIONS = ("num_warps", "maxnreg")
+    _gemm_launch.launch(grid, args, static.constexprs, static.options, static)
 
 
 def pick_config(m: int, n: int, sms: int) -> dict:
@@ -703,8 +742,7 @@ def gemm(x_fp8, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bfloat16, co
     out = torch.empty(m, w_fp8.shape[0], dtype=out_dtype, device=x_fp8.device)
     if m == 0:
         return out
-    grid, args, meta = launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config)
-    _launch(grid, args, meta)
+    _launch(*_prepare(x_fp8, x_scale, w_fp8, w_scale, bias, out, config))
     return out
 
 
@@ -753,8 +791,7 @@ def grouped_gemm(
     out = torch.empty(x_fp8.shape[0], w_fp8.shape[1], dtype=out_dtype, device=x_fp8.device)
     if x_fp8.shape[0] == 0:
         return out
-    grid, args, meta = launch_args(x_fp8, x_scale, w_fp8, w_scale, bias, out, config, block_expert)
-    _launch(grid, args, meta)
+    _launch(*_prepare(x_fp8, x_scale, w_fp8, w_scale, bias, out, config, block_expert))
     return out
 
 

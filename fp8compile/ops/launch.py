@@ -123,8 +123,15 @@ class Launcher:
         self.relaunch = True  # False once the installed Triton refused a direct relaunch
 
     def __call__(self, grid: tuple, args: tuple, constexprs: dict, **options):
+        self.launch(grid, args, constexprs, options, (tuple(constexprs.items()), tuple(options.items())))
+
+    def launch(self, grid: tuple, args: tuple, constexprs: dict, options: dict, static_key) -> None:
+        """The call, with static_key standing for constexprs and options in the signature key: any
+        hashable that is equal only where they are equal. A caller that relaunches with the same
+        ones passes an object it keeps (compared by identity, no hashing of their values per
+        call: gluon_gemm's three layouts cost about 20 us of it a call)."""
         try:
-            key = (_signature(args), tuple(constexprs.items()), tuple(options.items()))
+            key = (_signature(args), static_key)
         except TypeError:
             self.kernel[grid](*args, **constexprs, **options)
             return
