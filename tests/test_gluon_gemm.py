@@ -192,6 +192,21 @@ def test_why_not_names_what_the_kernel_cannot_do():
         gluon_gemm.gemm(x, torch.empty(8, 2), w, torch.empty(1, 2))
 
 
+def test_why_not_grouped_names_operands_the_grouped_kernel_cannot_read():
+    """The grouped kernel reads the experts' weights as one (E * N, K) matrix, so they must lie
+    one after another (a slice of each expert's rows does not), with x's K."""
+    x = torch.empty(64, 256, dtype=torch.float8_e4m3fn)
+    w = torch.empty(4, 256, 256, dtype=torch.float8_e4m3fn)
+    assert "same K" in gluon_gemm.why_not_grouped(x[:, :128], w)
+    assert "same K" in gluon_gemm.why_not_grouped(x, w[0])
+    assert "one after another" in gluon_gemm.why_not_grouped(x, w[:, :128])
+    if ON_HOPPER:
+        assert gluon_gemm.why_not_grouped(x.cuda(), w.cuda()) is None
+        assert "one after another" in gluon_gemm.why_not_grouped(x.cuda(), w.cuda()[:, 128:])
+        shifted = torch.empty(64 * 256 + 8, dtype=torch.float8_e4m3fn, device="cuda")[8:].view(64, 256)
+        assert "16-byte aligned" in gluon_gemm.why_not_grouped(shifted, w.cuda())
+
+
 @needs_hopper
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 @pytest.mark.parametrize("m, n, k", [(1, 256, 128), (7, 2112, 768), (600, 384, 640), (1000, 4096, 1024)])

@@ -100,10 +100,13 @@ PRODUCER_REGS = 24  # the producer warp only computes addresses
 def why_not(x_fp8: torch.Tensor, w_fp8: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> str | None:
     """None if gemm() can run on these operands, else why not."""
     why = why_not_shape(x_fp8.shape[1], w_fp8.shape[0], x_fp8.device, out_dtype)
-    if why is not None:
-        return why
-    for t in (x_fp8, w_fp8):
-        if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
+    return why if why is not None else _why_not_rows(x_fp8, w_fp8)
+
+
+def _why_not_rows(*operands: torch.Tensor) -> str | None:
+    """What the TMA loads ask of each operand's rows: contiguous, 16-byte aligned starts."""
+    for t in operands:
+        if t.stride(-1) != 1 or t.stride(-2) % 16 or t.data_ptr() % 16:
             return "operands must be row-major with 16-byte aligned rows (TMA)"
     return None
 
@@ -112,12 +115,21 @@ def why_not_shape(
     k: int, n: int, device: torch.device, out_dtype: torch.dtype = torch.bfloat16
 ) -> str | None:
     """What why_not checks that holds for every call of these sizes on this device (no tensor
-    needed: what a compile-time decision can ask)."""
+    needed: what a compile-time decision can ask). Answered once per (sizes, device, dtype): it
+    runs on every call of a grouped GEMM, on the host's critical path outside CUDA graphs."""
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    return _why_not_shape(k, n, device.type, index, out_dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _why_not_shape(k: int, n: int, device_type: str, index: int | None, out_dtype: torch.dtype) -> str | None:
     if IMPORT_ERROR is not None:
         return IMPORT_ERROR
-    if device.type != "cuda":
+    if device_type != "cuda":
         return "needs a CUDA device"
-    if capability(device.index if device.index is not None else torch.cuda.current_device())[0] != 9:
+    if capability(index)[0] != 9:
         return "needs sm_90 (Hopper wgmma)"
     if k == 0 or k % BLOCK:  # K = 0: the consumers would wait for a first group that never comes
         return f"K={k} is not a positive multiple of {BLOCK}"
@@ -655,14 +667,15 @@ def _prepare(
             f"{block_expert.numel()})"
         )
     # Grouped: the experts' weights one after another, expert e at rows e * N (why_not_grouped
-    # asks for that layout).
-    w_rows = w_fp8.reshape(-1, k)
+    # asks for that layout), so the kernel reads them as one (E * N, K) matrix. The kernel that
+    # builds its descriptors takes only the pointer and these sizes: no view made per call.
+    w_rows, w_row_stride = w_fp8.numel() // k, w_fp8.stride(-2)
     if device_descriptors:
-        operands = (x_fp8, w_rows, out)
+        operands = (x_fp8, w_fp8, out)
     else:
         operands = tuple(
             TensorDescriptor.from_tensor(t, list(box), layout)
-            for t, box, layout in zip((x_fp8, w_rows, out), static.boxes, static.layouts)
+            for t, box, layout in zip((x_fp8, w_fp8.reshape(-1, k), out), static.boxes, static.layouts)
         )
     tiles = ceil_div(m, bm) * ceil_div(n, static.block_n)
     stride_bse, stride_be = (w_scale.stride(0), 0 if bias is None else bias.stride(0)) if grouped else (0, 0)
@@ -675,9 +688,9 @@ def _prepare(
         m,
         n,
         k,
-        w_rows.shape[0],
+        w_rows,
         x_fp8.stride(0),
-        w_rows.stride(0),
+        w_row_stride,
         out.stride(0),
         x_scale.stride(0),
         x_scale.stride(1),
@@ -753,6 +766,7 @@ def grouped_config(*ns: int) -> dict:
     return WIDE_CONFIG if all(n % WIDE_CONFIG["BLOCK_N"] == 0 for n in ns) else CONFIG
 
 
+@functools.cache
 def config_of_rows(block_m: int) -> dict:
     """The grouped config whose row blocks are block_m rows (what grouped_config picked for a routing)."""
     config = next((c for c in (WIDE_CONFIG, CONFIG) if c["BLOCK_M"] == block_m), None)
@@ -772,9 +786,14 @@ def why_not_grouped_shape(k: int, n: int, device: torch.device) -> str | None:
 
 
 def why_not_grouped(x_fp8: torch.Tensor, w_fp8: torch.Tensor) -> str | None:
-    """None if grouped_gemm() can run on these operands (w_fp8 (E, N, K)), else why not."""
-    why = why_not(x_fp8, w_fp8.reshape(-1, w_fp8.shape[-1]))
-    return why if why is not None else why_not_grouped_shape(x_fp8.shape[1], w_fp8.shape[1], x_fp8.device)
+    """None if grouped_gemm() can run on these operands (x_fp8 (M, K), w_fp8 (E, N, K)), else why not."""
+    if w_fp8.dim() != 3 or x_fp8.dim() != 2 or x_fp8.shape[1] != w_fp8.shape[2]:
+        shapes = f"{tuple(x_fp8.shape)} and {tuple(w_fp8.shape)}"
+        return f"takes x (M, K) and the experts' weights (E, N, K) of the same K; got {shapes}"
+    if w_fp8.stride(0) != w_fp8.shape[1] * w_fp8.stride(1):
+        return "the experts' weights must lie one after another (expert e's rows at e * N)"
+    why = why_not_grouped_shape(x_fp8.shape[1], w_fp8.shape[1], x_fp8.device)
+    return why if why is not None else _why_not_rows(x_fp8, w_fp8)
 
 
 def grouped_gemm(
