@@ -86,6 +86,7 @@ SMALL = dict(
 )
 BATCH, TOKENS = 4, 64  # 256 tokens: a few flipped top-k choices weigh less in calc_diff
 BOUND_FACTOR = 1.15  # the typical token's: no worse than 1.15x the unfused composition's
+MAX_PARAMS = 100_000_000  # a small model has a few million; past this its sizes were not reached
 POOLED_FACTOR = 1.5  # the pooled calc_diff's, loose for the flipped top-k choices (module docstring)
 
 
@@ -121,26 +122,51 @@ def causal_lm_architectures() -> list[str]:
 
 
 def small_config(arch: str):
-    """The architecture's config with SMALL's sizes where it has those attributes."""
+    """The architecture's config with SMALL's sizes where it has those attributes, in its nested
+    text (and other) sub-configs too: a multimodal model's language model is what runs."""
     from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[arch]
-    default = config_class()
+    return config_class(**_small_sizes(config_class()))
+
+
+def _small_sizes(default) -> dict:
+    """SMALL's sizes for a config of these defaults, and for each of its sub-configs (as a dict of
+    its fields, less the per-layer lists sized for its default depth, which follow the new one)."""
     sizes = {key: value for key, value in SMALL.items() if hasattr(default, key)}
     for name, token in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
         if getattr(default, name, None) is not None:
             sizes[name] = token  # the default ones may lie past the small vocabulary
     if hasattr(default, "kv_lora_rank"):  # MLA: every head has its own K and V
         sizes["num_key_value_heads"] = SMALL["num_attention_heads"]
-    return config_class(**sizes)
+    for key, sub in vars(default).items():
+        if hasattr(sub, "to_dict") and hasattr(sub, "model_type"):
+            depth = getattr(sub, "num_hidden_layers", None)
+            fields = {
+                name: value
+                for name, value in sub.to_dict().items()
+                if not (isinstance(value, list) and depth and len(value) == depth)
+            }
+            sizes[key] = {**fields, **_small_sizes(sub)}
+    return sizes
 
 
 def build(arch: str, seed: int = 0) -> torch.nn.Module:
-    """The small model in bf16, eval mode, weights N(0, 0.02) (transformers' own init, reseeded)."""
+    """The small model in bf16, eval mode, weights N(0, 0.02) (transformers' own init, reseeded).
+    Built on the meta device first: a config whose sizes SMALL does not reach (other names) is
+    refused with its parameter count instead of exhausting the machine's memory."""
     from transformers import AutoModelForCausalLM
 
+    config = small_config(arch)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if params > MAX_PARAMS:
+        raise ValueError(
+            f"{params / 1e6:.0f}M parameters at the small sizes (at most {MAX_PARAMS / 1e6:.0f}M): "
+            "its sizes go by names the matrix does not set"
+        )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(small_config(arch))
+    model = AutoModelForCausalLM.from_config(config)
     model = model.to(torch.bfloat16).eval()
     with torch.no_grad():
         for p in model.parameters():

@@ -51,6 +51,24 @@ def test_small_config_sets_only_the_sizes_an_architecture_has_and_keeps_mla_with
     assert deepseek.kv_lora_rank == 128 and deepseek.n_routed_experts == 8
 
 
+def test_a_multimodal_models_language_model_gets_the_small_sizes_in_its_nested_config():
+    """Llama 4 and Mllama keep their language model's sizes in text_config: it gets SMALL's too
+    (the full-size defaults exhausted a 24 GiB machine), and its per-layer lists follow the new depth."""
+    llama4 = architectures.small_config("llama4").text_config
+    assert (llama4.hidden_size, llama4.num_hidden_layers, llama4.num_local_experts) == (256, 2, 8)
+    assert len(llama4.layer_types) == 2
+    assert architectures.small_config("mllama").text_config.hidden_size == 256
+
+
+def test_a_config_the_small_sizes_do_not_reach_is_refused_by_its_size_before_it_is_built(monkeypatch):
+    """Counted on the meta device: a model too large to be 'small' is a "not built small" row
+    with its parameter count, not a process the out-of-memory killer ends."""
+    monkeypatch.setattr(architectures, "MAX_PARAMS", 1_000_000)  # llama's small config has 1.4M
+    row = architectures.run("llama")
+    assert row.status == "not built small"
+    assert "1M parameters at the small sizes (at most 1M)" in row.note
+
+
 def test_composition_quantizes_the_expert_gemms_and_the_linears_and_restores_the_model():
     """Without the experts' GEMMs in FP8 the composition of an MoE model would understate its
     FP8 error and make the bound too tight; after the block, the model is its bf16 self."""
