@@ -113,6 +113,19 @@ def _deep_gemm_why_not(request: Request) -> str | None:
     return _vendor_why_not("deep_gemm", request, (9, 0))
 
 
+def _deep_gemm_masked_why_not(request: Request) -> str | None:
+    if request.op != "moe":
+        return "serves routed experts only (fp8compile::moe)"
+    from .ops.vendors import MASKED_MAX_TOKENS
+
+    if request.m_max is None or request.m_max > MASKED_MAX_TOKENS:
+        return (
+            f"masked layout: E blocks of up to T rows each, for T <= {MASKED_MAX_TOKENS} tokens "
+            f"({request.m_range} asked)"
+        )
+    return _deep_gemm_why_not(request)
+
+
 def _flashinfer_why_not(request: Request) -> str | None:
     if request.e8m0:
         return "quantizes activations itself, without E8M0 scale rounding"
@@ -154,6 +167,12 @@ _BACKENDS: dict[str, Backend] = {
             "moe": ".ops.vendors:moe_deep_gemm",
         },
         _deep_gemm_why_not,
+        prepare=".ops.vendors:prepare_deep_gemm",
+    ),
+    "deep_gemm_masked": Backend(
+        "deep_gemm_masked",
+        {"moe": ".ops.vendors:moe_deep_gemm_masked"},
+        _deep_gemm_masked_why_not,
         prepare=".ops.vendors:prepare_deep_gemm",
     ),
     "triton": Backend(
@@ -208,14 +227,24 @@ def names() -> tuple[str, ...]:
 
 # Preference order per range of M when Fp8Config.backends is None: the first that serves wins.
 # From `python -m fp8compile bench gemm` / `bench moe` on an H200 (BENCHMARKS.md):
-# - small (M <= small_m): our fused decode kernel (linears), our grouped Triton MoE kernel;
+# - small (M <= small_m): our fused decode kernel (linears), our grouped Triton MoE kernel
+#   (DeepGEMM's masked grouped GEMM after it: the whole MoE op 1.1-3.1x slower than the Triton
+#   path at 1-256 tokens on an H100, Qwen3-30B-A3B and DeepSeek-V3 widths: BENCHMARKS.md, "MoE layers");
 # - medium: cuBLAS for linears (DeepGEMM was 2.2-2.6x slower than cuBLAS at M = 1024 for
 #   N = 4096 and at M = 128 for N = 24576), Triton for MoE (DeepGEMM pads every expert to 128
 #   rows: slower up to 1024 tokens);
 # - large (M > large_m): DeepGEMM (8-14% faster than cuBLAS at M = 4096 on every shape).
 # reference always last.
 DEFAULT_ORDERS = {
-    "small": ("triton_small_m", "triton", "cublas", "deep_gemm", "flashinfer", "reference"),
+    "small": (
+        "triton_small_m",
+        "triton",
+        "deep_gemm_masked",
+        "cublas",
+        "deep_gemm",
+        "flashinfer",
+        "reference",
+    ),
     "medium": ("cublas", "triton", "deep_gemm", "flashinfer", "reference"),
     "large": ("deep_gemm", "cublas", "triton", "flashinfer", "reference"),
 }

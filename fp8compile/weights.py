@@ -27,6 +27,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import release
+from .numerics import FP8_DTYPE
 
 log = logging.getLogger("fp8compile")
 
@@ -141,6 +142,10 @@ def canonical_experts(
     return _gate_up_rows(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], gate_up)
 
 
+# Weight elements quantized at once by fp8_experts (its fp32 working copy: 1 GiB).
+QUANT_CHUNK_ELEMENTS = 1 << 28
+
+
 def fp8_experts(
     w: torch.Tensor,
     kn: bool = False,
@@ -159,8 +164,18 @@ def fp8_experts(
                 f"expert weights ({e}, {n}, {k}): N and K must be multiples of 128 "
                 "(128x128 blocks per expert)"
             )
-        w_fp8, w_scale = _quantize(stacked.reshape(e * n, k).contiguous(), e8m0)
-        return w_fp8.reshape(e, n, k), w_scale.reshape(e, n // 128, k // 128)
+        # A few experts at a time: the quantization works in fp32, and all 256 of DeepSeek-V3's
+        # gate|up experts at once took 28 GB more, which an H100 holding the bf16 block did not
+        # have (the experts then stayed bf16). The blocks are per expert, so the result is the same.
+        w_fp8 = torch.empty(e, n, k, dtype=FP8_DTYPE, device=stacked.device)
+        w_scale = torch.empty(e, n // 128, k // 128, dtype=torch.float32, device=stacked.device)
+        step = max(1, QUANT_CHUNK_ELEMENTS // (n * k))
+        for i in range(0, e, step):
+            part = stacked[i : i + step]
+            q, scale = _quantize(part.reshape(-1, k).contiguous(), e8m0)
+            w_fp8[i : i + step] = q.view(part.shape)
+            w_scale[i : i + step] = scale.view(part.shape[0], n // 128, k // 128)
+        return w_fp8, w_scale
 
     sources = (w,) if w_up is None else (w, w_up)
     return _memoized(sources, ("experts", kn, e8m0, gate_up), make)

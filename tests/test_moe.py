@@ -381,3 +381,23 @@ def test_fusions_option_without_moe_leaves_the_experts_bf16():
     out, eager, report = compile_block(qwen3_moe_block("grouped_mm"), randn(1, 9, 256), fusions=["silu_mul"])
     assert report.counts()["moe"] == 0 and report.skipped("moe") == []
     assert calc_diff(out, eager) < 1e-4
+
+
+def test_expert_weights_quantized_a_few_experts_at_a_time_are_those_of_all_at_once(monkeypatch):
+    """fp8_experts bounds the fp32 working copy of its quantization (DeepSeek-V3's 256 experts at
+    once took 28 GB more than an H100 beside the bf16 block had): each expert's 128x128 blocks
+    are its own, so chunks of experts, an uneven last one included, give the same bits."""
+    from fp8compile import weights
+
+    w = randn(5, 256, 384)
+    whole_fp8, whole_scale = reference.quant_weight_block(w.reshape(5 * 256, 384))
+    monkeypatch.setattr(weights, "QUANT_CHUNK_ELEMENTS", 2 * 256 * 384)  # 2, 2, then 1 expert
+    quantized, quantize = [], weights._quantize
+    monkeypatch.setattr(
+        weights, "_quantize", lambda x, e8m0: quantized.append(x.shape[0]) or quantize(x, e8m0)
+    )
+    w_fp8, w_scale = weights.fp8_experts(w)
+    assert quantized == [512, 512, 256]
+    assert w_fp8.shape == (5, 256, 384) and w_scale.shape == (5, 2, 3)
+    assert torch.equal(w_fp8.view(torch.uint8).reshape(5 * 256, 384), whole_fp8.view(torch.uint8))
+    assert torch.equal(w_scale.reshape(10, 3), whole_scale)

@@ -252,3 +252,73 @@ def test_moe_triton_takes_the_gluon_gemms_from_64_slots_per_expert_with_the_same
     triton_path = triton_moe.moe_triton(*args, False, activation=activation, batch_invariant=True)
     assert calls == []  # batch-invariant: the Triton kernel's fixed 64-row blocks
     assert calc_diff(out, triton_path) < 1e-4
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("tokens, max_m", [(1, 64), (5, 64), (37, 64), (70, 128)])
+def test_masked_layout_gives_each_routed_slot_its_own_row_of_its_experts_block_in_slot_order(
+    routing, tokens, max_m
+):
+    """DeepGEMM's masked layout (vendors.masked_layout): expert e's slots on rows e * max_m,
+    e * max_m + 1, ... in slot order, masked_m[e] of them; a slot routed outside [0, E) on the one
+    row past every block."""
+    from fp8compile.ops.vendors import masked_layout
+
+    num_experts, top_k = 8, 4
+    ids = ROUTINGS[routing](tokens, num_experts, top_k).to(DEVICE)
+    dest, masked_m = masked_layout(ids, num_experts, max_m)
+    flat = ids.reshape(-1).cpu()
+    dest, masked_m = dest.cpu(), masked_m.cpu()
+    assert masked_m.dtype == torch.int32
+    for e in range(num_experts):
+        slots = (flat == e).nonzero().squeeze(1)
+        assert masked_m[e] == slots.numel()
+        assert dest[slots].tolist() == [e * max_m + r for r in range(slots.numel())]
+    outside = (flat < 0) | (flat >= num_experts)
+    assert bool((dest[outside] == num_experts * max_m).all())
+
+
+class _MaskedGemmOfTheReference:
+    """deep_gemm's fp8_m_grouped_gemm_nt_masked as the reference block GEMM: writes rows
+    [0, masked_m[e]) of each expert's block, in the device's bf16 rounding, and leaves the rest
+    as they were, as DeepGEMM does."""
+
+    @staticmethod
+    def fp8_m_grouped_gemm_nt_masked(a, b, d, masked_m, expected_m, disable_ue8m0_cast=False):
+        (a_fp8, a_scale), (w_fp8, w_scale) = a, b
+        assert a_fp8.shape[:2] == d.shape[:2] and expected_m >= 1 and disable_ue8m0_cast
+        for e, m in enumerate(masked_m.tolist()):
+            if m:
+                exact = reference.gemm_block(
+                    a_fp8[e, :m], a_scale[e, :m], w_fp8[e], w_scale[e], None, torch.float64
+                )
+                d[e, :m] = to_bf16_as_the_device_does(exact)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+@pytest.mark.parametrize("activation, bias", [("silu", False), ("swigluoai", True)])
+def test_masked_deep_gemm_moe_scatters_and_gathers_every_slot_like_the_staged_reference(
+    tokens, activation, bias, monkeypatch
+):
+    """vendors.moe_deep_gemm_masked's own part (the masked layout, the quantized tokens scattered
+    into it, the activation over the blocks, the top-k sum read back through it) around the two
+    masked GEMMs: on the CPU with the reference GEMM in DeepGEMM's place, on the GPU with DeepGEMM."""
+    import sys
+
+    from fp8compile.ops import vendors
+
+    if ON_GPU:
+        if vendors.import_error("deep_gemm") is not None:
+            pytest.skip(vendors.import_error("deep_gemm"))
+    else:
+        monkeypatch.setitem(sys.modules, "deep_gemm", _MaskedGemmOfTheReference)
+        monkeypatch.setattr(vendors, "import_error", lambda module: None)
+    args = moe_inputs(tokens, bias=bias)
+    out = vendors.moe_deep_gemm_masked(*args, False, activation=activation)
+    want = staged_reference(*args, activation)
+    if ON_GPU or bias:
+        # DeepGEMM writes gate|up in bf16 and the bias is added after, so they round twice (the
+        # contiguous layout's bound, test_gpu.py); the tensor cores' fp32 sums, as for moe_triton.
+        assert calc_diff(out, want) < 3e-4
+    else:
+        assert_bf16_close(out, want)

@@ -71,7 +71,8 @@ def _deep_gemm_experts(block, tokens: int, top_k: int):
 
 def bench_moe(out_dir: Path, tokens=MOE_TOKENS, layers=MOE_LAYERS) -> list[dict]:
     """A routed-experts layer (router + top-k + experts): bf16 torch.compile (Inductor, grouped_mm)
-    vs the fp8 backend (default kernels, and Triton only) vs DeepGEMM's grouped GEMMs alone.
+    vs the fp8 backend (default kernels, Triton only, and DeepGEMM's masked layout for up to 64
+    tokens) vs DeepGEMM's grouped GEMMs alone.
     One compiled graph per variant serves every token count >= 2 (dynamic tokens)."""
     from tqdm import tqdm
 
@@ -81,6 +82,10 @@ def bench_moe(out_dir: Path, tokens=MOE_TOKENS, layers=MOE_LAYERS) -> list[dict]
         "bf16_inductor": "inductor",
         "fp8": fp8compile.backend(),
         "fp8_triton": fp8compile.backend(backends=("triton", "reference")),
+        # DeepGEMM's masked grouped GEMM on the decode side, up to 64 tokens
+        "fp8_deep_gemm_masked": fp8compile.backend(
+            backends=("deep_gemm_masked", "triton", "reference"), small_m=64
+        ),
     }
     with torch.no_grad():
         for name, (hidden, inter, experts, top_k) in tqdm(layers.items(), desc="bench moe"):
@@ -128,15 +133,15 @@ def bench_moe(out_dir: Path, tokens=MOE_TOKENS, layers=MOE_LAYERS) -> list[dict]
 
 
 def moe_table(rows: list[dict]) -> str:
-    variants = ("bf16_inductor", "fp8", "fp8_triton", "deep_gemm_gemms")
+    variants = ("bf16_inductor", "fp8", "fp8_triton", "fp8_deep_gemm_masked", "deep_gemm_gemms")
     by = {(r["layer"], r["tokens"], r["variant"]): r["us"] for r in rows}
     lines = [
         "times in us (CUDA-graph replay, median); ratios are speedups (>1 = faster)",
-        f"{'layer':<14} {'tokens':>6} " + " ".join(f"{v:>15}" for v in variants) + "   fp8/bf16 fp8/dg_gemms",
+        f"{'layer':<14} {'tokens':>6} " + " ".join(f"{v:>20}" for v in variants) + "   fp8/bf16 fp8/dg_gemms",
     ]
     for layer, t in sorted({(r["layer"], r["tokens"]) for r in rows}):
         us = {v: by.get((layer, t, v)) for v in variants}
-        cells = " ".join(f"{us[v]:>15.1f}" if us[v] else f"{'-':>15}" for v in variants)
+        cells = " ".join(f"{us[v]:>20.1f}" if us[v] else f"{'-':>20}" for v in variants)
         r1 = f"{us['bf16_inductor'] / us['fp8']:10.2f}" if us["fp8"] and us["bf16_inductor"] else f"{'-':>10}"
         r2 = (
             f"{us['deep_gemm_gemms'] / us['fp8']:12.2f}"

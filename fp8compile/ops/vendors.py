@@ -14,6 +14,7 @@ import importlib
 
 import torch
 
+from ..numerics import ceil_div
 from .triton_quant import TMA_ALIGN, empty_scales, quant_act
 
 INSTALL = {
@@ -179,3 +180,95 @@ def moe_deep_gemm(
         torch.arange(slots.numel(), dtype=torch.int32, device=x.device),
     )
     return topk_sum(c2, topk_ids, topk_weights, num_experts, b2, rows=row_of_slot[:s], out_dtype=x.dtype)
+
+
+def masked_layout(topk_ids: torch.Tensor, num_experts: int, max_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepGEMM's masked layout of a routing: (dest (S,) int64: the row of slot t * k + j in the
+    flattened (E * max_m) buffer, expert e's rows from e * max_m on in slot order, and E * max_m,
+    one row past them, for a slot of an expert outside [0, E) (another rank's); masked_m (E,)
+    int32: the rows of each expert). Plain tensor ops that never read a value back to the host
+    (unlike bincount or one_hot on CUDA), so a CUDA graph can hold them."""
+    e = topk_ids.reshape(-1).long()
+    hits = (e[:, None] == torch.arange(num_experts, device=e.device)[None, :]).int()  # (S, E)
+    rank = hits.cumsum(0).gather(1, e.clamp(0, num_experts - 1)[:, None]).squeeze(1) - 1
+    routed = (e >= 0) & (e < num_experts)
+    dest = torch.where(routed, e * max_m + rank, num_experts * max_m)
+    return dest, hits.sum(0).int()
+
+
+# Tokens up to which the masked layout serves a call: its buffers hold max_m >= T rows per expert
+# (the most one expert can get), E * max_m rows in all.
+MASKED_MAX_TOKENS = 256
+# An expert's block of rows is a multiple of this: with blocks of 4 or 16 rows DeepGEMM's masked
+# kernel (sgl-deep-gemm 0.1.5, H100) gave wrong rows (calc_diff 0.06-0.74 against the Triton
+# path), with 64, 128 and 256 the same numbers (1.5e-5; BENCHMARKS.md, "MoE layers").
+MASKED_BLOCK_ROWS = 64
+
+
+def moe_deep_gemm_masked(
+    x,
+    topk_ids,
+    topk_weights,
+    w13_fp8,
+    w13_scale,
+    w2_fp8,
+    w2_scale,
+    b13=None,
+    b2=None,
+    e8m0=False,
+    activation="silu",
+    alpha=1.702,
+    limit=7.0,
+    batch_invariant=False,
+):
+    """fp8compile::moe through DeepGEMM's fp8_m_grouped_gemm_nt_masked, for decode: each expert
+    gets a block of max_m >= T rows (the most a routing can give it) and a count of the valid
+    ones, so every shape depends on T alone and no value is read back: a CUDA graph holds the
+    call. The quantized tokens are scattered into the blocks, both expert GEMMs run masked, the
+    gated activation is quantized over the blocks, and the Triton top-k sum reads each slot's
+    row back through dest."""
+    from .triton_moe import topk_sum
+
+    deep_gemm = require("deep_gemm")
+    t, k = topk_ids.shape
+    num_experts, two_i, h = w13_fp8.shape
+    if t == 0:
+        return x.new_zeros(x.shape)
+    max_m = ceil_div(t, MASKED_BLOCK_ROWS) * MASKED_BLOCK_ROWS
+    rows = num_experts * max_m
+    dest, masked_m = masked_layout(topk_ids, num_experts, max_m)
+    token = torch.arange(t * k, device=x.device) // k
+    x_fp8, x_scale = quant_act(x.contiguous(), e8m0, "row")
+    a = torch.empty(rows + 1, h, dtype=x_fp8.dtype, device=x.device)  # + the row of unrouted slots
+    a_scale = torch.empty(rows + 1, x_scale.shape[1], dtype=torch.float32, device=x.device)
+    a[dest] = x_fp8[token]
+    a_scale[dest] = x_scale[token]
+    expected_m = max(1, ceil_div(t * k, num_experts))
+    c1 = torch.empty(num_experts, max_m, two_i, dtype=torch.bfloat16, device=x.device)
+    deep_gemm.fp8_m_grouped_gemm_nt_masked(
+        (a[:rows].view(num_experts, max_m, h), a_scale[:rows].view(num_experts, max_m, -1)),
+        (w13_fp8, w13_scale),
+        c1,
+        masked_m,
+        expected_m,
+        disable_ue8m0_cast=True,
+    )
+    if b13 is not None:
+        c1 += b13[:, None, :]
+    half = two_i // 2
+    flat = c1.view(rows, two_i)
+    h_fp8, h_scale = quant_act(
+        flat[:, :half], e8m0, "row", b=flat[:, half:], activation=activation, alpha=alpha, limit=limit
+    )
+    c2 = torch.empty(num_experts, max_m, w2_fp8.shape[1], dtype=torch.bfloat16, device=x.device)
+    deep_gemm.fp8_m_grouped_gemm_nt_masked(
+        (h_fp8.view(num_experts, max_m, half), h_scale.view(num_experts, max_m, -1)),
+        (w2_fp8, w2_scale),
+        c2,
+        masked_m,
+        expected_m,
+        disable_ue8m0_cast=True,
+    )
+    return topk_sum(
+        c2.view(rows, -1), topk_ids, topk_weights, num_experts, b2, rows=dest.int(), out_dtype=x.dtype
+    )
