@@ -228,8 +228,8 @@ def names() -> tuple[str, ...]:
 # Preference order per range of M when Fp8Config.backends is None: the first that serves wins.
 # From `python -m fp8compile bench gemm` / `bench moe` on an H200 (BENCHMARKS.md):
 # - small (M <= small_m): our fused decode kernel (linears), our grouped Triton MoE kernel
-#   (DeepGEMM's masked grouped GEMM after it: the whole MoE op 1.1-3.1x slower than the Triton
-#   path at 1-256 tokens on an H100, Qwen3-30B-A3B and DeepSeek-V3 widths: BENCHMARKS.md, "MoE layers");
+#   (DeepGEMM's masked grouped GEMM after it: a MoE layer took 1.11-2.63x the Triton path's time
+#   at 1-64 tokens on an H100, Qwen3-30B-A3B and DeepSeek-V3 widths: BENCHMARKS.md, "MoE layers");
 # - medium: cuBLAS for linears (DeepGEMM was 2.2-2.6x slower than cuBLAS at M = 1024 for
 #   N = 4096 and at M = 128 for N = 24576), Triton for MoE (DeepGEMM pads every expert to 128
 #   rows: slower up to 1024 tokens);
