@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.fp8compile.*)
+from .calibrate import calibrate, load_scales, save_scales
 from .backend import Fp8Backend, fp8_backend, last_report, static_launch_for_user_kernels
 from .config import Fp8Config, make_config
 from .numerics import calc_diff
@@ -53,9 +54,12 @@ __all__ = [
     "Report",
     "backend",
     "calc_diff",
+    "calibrate",
     "explain",
     "fp8_backend",
     "last_report",
+    "load_scales",
     "make_config",
     "restore_bf16_weights",
+    "save_scales",
 ]

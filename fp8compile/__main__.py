@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .config import RECIPES
+
 
 def _backends(args) -> int:
     import torch
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     demo.add_argument("--e8m0", action="store_true", help="power-of-two scales")
     demo.add_argument("--batch-invariant", action="store_true")
+    demo.add_argument("--recipe", choices=RECIPES, default="block", help="scaling recipe (Fp8Config.recipe)")
     backends = sub.add_parser(
         "backends", help="which kernel backend serves a linear here, and why not the others"
     )
@@ -96,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("what", choices=["model", "host", "gemm", "mlp", "moe", "tune"])
     bench.add_argument("--out", default=None, help="folder for JSON and PNG (default: $OUT or ./bench_out)")
+    bench.add_argument(
+        "--recipe",
+        choices=RECIPES,
+        default="block",
+        help="`bench model` / `bench mlp`: the fp8 variants' scaling recipe (dynamic activation scales)",
+    )
     bench.add_argument(
         "-m",
         type=int,
@@ -165,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import main as demo_main
 
-        return demo_main(args.device, e8m0=args.e8m0, batch_invariant=args.batch_invariant)
+        return demo_main(
+            args.device, e8m0=args.e8m0, batch_invariant=args.batch_invariant, recipe=args.recipe
+        )
     return _backends(args)
 
 

@@ -204,17 +204,26 @@ def _block_fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) 
 
 
 @contextlib.contextmanager
-def composition(model: torch.nn.Module):
-    """Within the block, `model` runs its unfused block-FP8 composition (module docstring)."""
-    from .ops import reference
+def composition(model: torch.nn.Module, recipe: str = "block"):
+    """Within the block, `model` runs its unfused block-FP8 composition (module docstring); with
+    recipe "rowwise" or "tensor", its linears run that recipe (dynamic scales) and the experts
+    stay block-FP8, as the compiled model's do not: bound those models by their dense peers."""
+    from .ops import reference, reference_scaled
 
     patched = []
     for module in model.modules():
         weight = _linear_weight(module)
-        if weight is not None:
+        if weight is None:
+            continue
+        if recipe == "block":
             w_fp8, w_scale = reference.quant_weight_block(weight)
             module.forward = lambda x, w=w_fp8, s=w_scale, b=module.bias: reference.linear_block(x, w, s, b)
-            patched.append(module)
+        else:
+            w_fp8, w_scale = reference_scaled.quant_weight_scaled(weight, recipe)
+            module.forward = lambda x, w=w_fp8, s=w_scale, b=module.bias: reference_scaled.linear_scaled(
+                x, w, s, b, recipe
+            )
+        patched.append(module)
     try:
         from transformers.integrations import moe as experts_integration
     except ImportError:

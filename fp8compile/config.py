@@ -6,11 +6,16 @@ import dataclasses
 import difflib
 import os
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from . import registry
 
-RECIPES = ("block",)  # "rowwise" and "tensor" join when their ops land
+# "block": DeepSeek-V3 (activations 1x128 per token, weights 128x128); "rowwise": a scale per
+# output channel of the weight and per token of the activation (torchao's PerRow, vLLM's
+# per-channel weights with per-token activations); "tensor": one scale for the weight and one
+# for the activation (ops/reference_scaled.py).
+RECIPES = ("block", "rowwise", "tensor")
 # Fusion passes, run in this order before the linear pass.
 FUSIONS = ("gqa_attention", "moe", "gate_up", "qkv", "silu_mul")
 
@@ -36,7 +41,11 @@ def _debug_dir_from_env() -> str | None:
 class Fp8Config:
     """What the fp8 backend rewrites and how.
 
-    recipe:          scaling recipe; "block" = DeepSeek-V3 (activations 1x128, weights 128x128).
+    recipe:          scaling recipe: "block" (DeepSeek-V3: activations 1x128, weights 128x128),
+                     "rowwise" (weights per output channel, activations per token) or "tensor"
+                     (one scale each). rowwise and tensor serve linears (gate/up and q/k/v
+                     still merged into one GEMM); a gated MLP's down projection is then a
+                     plain FP8 linear (no fused activation) and routed experts stay bf16.
     e8m0:            round every scale up to a power of two (UE8M0 checkpoints, Blackwell).
     batch_invariant: one kernel and one reduction order for every M, so row i of the output
                      does not depend on the other rows of the batch.
@@ -63,6 +72,11 @@ class Fp8Config:
                      (those with an FP8 copy): their values move to host memory (release.py)
                      and the eager modules holding them refuse to run until
                      fp8compile.restore_bf16_weights().
+    act_amax:        static activation scales ("rowwise" and "tensor"): {linear module name:
+                     calibrated amax of its input} (fp8compile.calibrate), scale = amax / 448;
+                     None = dynamic scales, computed per call. A linear the table lacks stays bf16.
+    act_amax_ub:     upper bound on a dynamic activation amax (vLLM's input_scale_ub): values
+                     past ub saturate at 448 * scale; 0 = none.
     """
 
     recipe: str = "block"
@@ -77,10 +91,13 @@ class Fp8Config:
     debug_dir: str | None = dataclasses.field(default_factory=_debug_dir_from_env)
     inductor_launch: bool | None = None
     release_bf16_weights: bool = False
+    act_amax: Mapping[str, float] | None = None
+    act_amax_ub: float = 0.0
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
             raise ValueError(f"recipe={self.recipe!r} is not supported; valid recipes: {', '.join(RECIPES)}")
+        self._check_recipe_options()
         for name in ("e8m0", "batch_invariant", "autotune", "release_bf16_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -121,11 +138,49 @@ class Fp8Config:
         if self.debug_dir is not None:
             object.__setattr__(self, "debug_dir", os.fspath(self.debug_dir))
 
+    def _check_recipe_options(self) -> None:
+        if self.recipe == "block":
+            if self.act_amax is not None or self.act_amax_ub:
+                raise ValueError(
+                    "act_amax and act_amax_ub serve the rowwise and tensor recipes; the block recipe "
+                    "scales each 1x128 group of a token from its own amax"
+                )
+            return
+        if self.batch_invariant:
+            raise ValueError(
+                f"batch_invariant=True needs recipe='block': the {self.recipe} recipe runs on cuBLAS "
+                "above the decode sizes, whose kernel choice depends on M"
+                + ("" if self.recipe == "rowwise" else ", and a dynamic per-tensor scale on every row")
+            )
+        ub = self.act_amax_ub
+        if isinstance(ub, bool) or not isinstance(ub, (int, float)) or not ub >= 0:
+            raise ValueError(f"act_amax_ub must be a number >= 0 (0 = no bound), got {ub!r}")
+        object.__setattr__(self, "act_amax_ub", float(ub))
+        if self.act_amax is not None:
+            if not isinstance(self.act_amax, Mapping):
+                raise TypeError(
+                    "act_amax must map linear module names to calibrated amax values "
+                    f"(fp8compile.calibrate), got {type(self.act_amax).__name__}"
+                )
+            bad = {k: v for k, v in self.act_amax.items() if not isinstance(k, str) or not _positive(v)}
+            if bad:
+                raise ValueError(f"act_amax needs module name -> positive finite amax, got {bad}")
+            if ub:
+                raise ValueError("act_amax_ub bounds dynamic scales; with act_amax the scales are static")
+            # A read-only copy: a frozen config must not change under the compiled graphs.
+            object.__setattr__(
+                self, "act_amax", MappingProxyType({k: float(v) for k, v in self.act_amax.items()})
+            )
+
     def replace(self, **changes: Any) -> Fp8Config:
         return make_config(self, **changes)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Fp8Config))
+
+
+def _positive(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < float("inf")
 
 
 def _str_tuple(name: str, value: Any) -> tuple[str, ...]:

@@ -135,6 +135,11 @@ def _flashinfer_why_not(request: Request) -> str | None:
 
 
 def _cublas_why_not(request: Request) -> str | None:
+    if request.op == "scaled_linear":  # tensorwise / rowwise _scaled_mm: no block-scaling limits
+        from .ops.scaled_cublas import why_not as shape_why_not
+
+        why = shape_why_not(request.n, request.k)
+        return why if why is not None else _cuda_why_not(request, (8, 9))
     if request.m_min < CUBLAS_MIN_M:
         return f"cuBLAS block scaling fails below M = {CUBLAS_MIN_M} (CUBLAS_STATUS_NOT_SUPPORTED at M = 1)"
     if request.n % 128:
@@ -155,6 +160,7 @@ _BACKENDS: dict[str, Backend] = {
         {
             "linear": ".ops.triton_gemm:linear_small_m",
             "gated_linear": ".ops.triton_gemm:gated_linear_small_m",
+            "scaled_linear": ".ops.triton_scaled:linear_scaled_small_m",
         },
         _triton_small_m_why_not,
         prepare=".ops.triton_gemm:prepare_small_m",
@@ -188,7 +194,11 @@ _BACKENDS: dict[str, Backend] = {
     ),
     "cublas": Backend(
         "cublas",
-        {"linear": ".ops.vendors:linear_cublas", "gated_linear": ".ops.vendors:gated_linear_cublas"},
+        {
+            "linear": ".ops.vendors:linear_cublas",
+            "gated_linear": ".ops.vendors:gated_linear_cublas",
+            "scaled_linear": ".ops.scaled_cublas:linear_scaled_cublas",
+        },
         _cublas_why_not,
     ),
     "flashinfer": Backend("flashinfer", {"linear": ".ops.vendors:linear_flashinfer"}, _flashinfer_why_not),
@@ -200,6 +210,7 @@ _BACKENDS: dict[str, Backend] = {
             "gemm": ".ops.reference:gemm_block",
             "quant_act": ".ops.reference:quant_act_block",
             "moe": ".ops.reference:moe_block",
+            "scaled_linear": ".ops.reference_scaled:linear_scaled",
         },
         why_not=_reference_why_not,
     ),

@@ -21,6 +21,7 @@ class Rewrite:
     ]  # (("M <= 32", "triton"), ("M > 32", "deep_gemm")) or (("all M", ...),)
     graph: int
     detail: str = ""  # e.g. the gated activation of a silu_mul rewrite: "silu", "swigluoai"
+    recipe: str = "block"  # its scaling: "block", or "rowwise" / "tensor" with "static" / "dynamic" scales
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,7 @@ class Report:
         if self.config is not None:
             c = self.config
             head += (
-                f"\nconfig: recipe={c.recipe} e8m0={c.e8m0} batch_invariant={c.batch_invariant} "
+                f"\nconfig: recipe={c.recipe}{_scales(c)} e8m0={c.e8m0} batch_invariant={c.batch_invariant} "
                 f"small_m={c.small_m} large_m={c.large_m} autotune={c.autotune}"
             )
         lines = [head]
@@ -74,11 +75,13 @@ class Report:
                     r.name,
                     r.m,
                     f"{r.k} -> {r.n}",
+                    r.recipe,
                     "; ".join(f"{side}: {k}" for side, k in r.kernels),
                 )
                 for r in self.rewrites
             ]
-            lines += ["", "rewritten:", *_table(("kind", "module", "M", "K -> N", "kernel"), rows)]
+            header = ("kind", "module", "M", "K -> N", "recipe", "kernel")
+            lines += ["", "rewritten:", *_table(header, rows)]
         if self.skips:
             rows = [(s.kind, s.name, s.shape, s.reason) for s in self.skips]
             lines += ["", "left in bf16:", *_table(("kind", "module", "shape", "reason"), rows)]
@@ -91,6 +94,15 @@ class Report:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _scales(config) -> str:
+    """How the config scales activations, where the recipe lets it choose."""
+    if getattr(config, "recipe", "block") == "block":
+        return ""
+    if config.act_amax is not None:
+        return f" act_scales=static ({len(config.act_amax)} calibrated)"
+    return " act_scales=dynamic" + (f" (amax <= {config.act_amax_ub:g})" if config.act_amax_ub else "")
 
 
 def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:

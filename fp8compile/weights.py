@@ -112,6 +112,29 @@ def fp8_weight(
     return _memoized(sources, ("linear", kn, e8m0), make)
 
 
+def fp8_weight_scaled(
+    w: torch.Tensor,
+    recipe: str,
+    kn: bool = False,
+    e8m0: bool = False,
+    w_next: Sequence[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_weight for the scaled recipes (ops/reference_scaled.py): (w_fp8 (N, K), w_scale () for
+    "tensor", (N,) for "rowwise"). Stacked weights (w_next) are quantized as one: per row, the
+    same as each on its own; per tensor, with the largest of their scales (the merged GEMM has
+    one), each value rounded once from bf16."""
+    from .ops.reference_scaled import quant_weight_scaled
+
+    sources = (w, *(w_next or ()))
+
+    def make():
+        parts = [p.detach().t() if kn else p.detach() for p in sources]
+        stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return quant_weight_scaled(stacked.contiguous(), recipe, e8m0)
+
+    return _memoized(sources, ("scaled", recipe, kn, e8m0), make)
+
+
 def stacked_bias(bias: torch.Tensor | None, bias_next: Sequence[torch.Tensor] | None) -> torch.Tensor | None:
     """The biases of linears merged into one GEMM (fp8_weight's w_next), concatenated in the same order."""
     if not bias_next:

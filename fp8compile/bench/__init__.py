@@ -34,6 +34,7 @@ def main(args) -> int:
             variants=args.variant,
             device=args.device,
             profile=args.profile,
+            recipe=args.recipe,
         )
     else:
         if not torch.cuda.is_available():
@@ -49,7 +50,7 @@ def main(args) -> int:
         elif args.what == "mlp":
             from . import mlp
 
-            mlp.bench_mlp(out, ms=args.m or mlp.MLP_MS)
+            mlp.bench_mlp(out, ms=args.m or mlp.MLP_MS, recipe=args.recipe)
         elif args.what == "moe":
             from . import moe
 

@@ -3,6 +3,7 @@ and without its fusions. Times: harness.py."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -16,12 +17,14 @@ MLPS = {"llama3-8b": (4096, 14336), "qwen2.5-7b": (3584, 18944)}  # (hidden, int
 MLP_MS = [1, 16, 128, 4096]
 
 
-def bench_mlp(out_dir: Path, ms=MLP_MS, mlps=MLPS, device: str = "cuda") -> list[dict]:
+def bench_mlp(out_dir: Path, ms=MLP_MS, mlps=MLPS, device: str = "cuda", recipe: str = "block") -> list[dict]:
     """Gated MLP down(silu(gate(x)) * up(x)): bf16 torch.compile (Inductor) vs the fp8 backend
     with every fusion (`fp8`: gate and up as one GEMM, silu_mul fused into the down projection),
     with gate and up as two GEMMs (`fp8_gate_up_apart`: fusions=("silu_mul",)), and with no
-    fusion (`fp8_unfused`). One compiled graph per variant and model serves every weight copy and
-    every M >= 2 (dynamic M)."""
+    fusion (`fp8_unfused`), all in `recipe` (in rowwise and tensor the silu_mul fusion does not
+    fire: the down projection is a plain FP8 linear); and torchao's float8 rowwise
+    (`torchao_rowwise`, Inductor) where torchao is importable. One compiled graph per variant and
+    model serves every weight copy and every M >= 2 (dynamic M)."""
     from tqdm import tqdm
 
     from fp8compile.demo import GatedMLP
@@ -30,10 +33,13 @@ def bench_mlp(out_dir: Path, ms=MLP_MS, mlps=MLPS, device: str = "cuda") -> list
     device_name = torch.cuda.get_device_name(0) if device == "cuda" else device
     backends = {
         "bf16_inductor": "inductor",
-        "fp8_unfused": fp8compile.backend(fusions=()),
-        "fp8_gate_up_apart": fp8compile.backend(fusions=("silu_mul",)),
-        "fp8": fp8compile.backend(),
+        "fp8_unfused": fp8compile.backend(fusions=(), recipe=recipe),
+        "fp8_gate_up_apart": fp8compile.backend(fusions=("silu_mul",), recipe=recipe),
+        "fp8": fp8compile.backend(recipe=recipe),
     }
+    torchao = _torchao_rowwise()
+    if torchao is not None:
+        backends["torchao_rowwise"] = "inductor"
     with torch.no_grad():
         for model_name, (hidden, inter) in tqdm(mlps.items(), desc="bench mlp"):
             copies = [
@@ -42,7 +48,10 @@ def bench_mlp(out_dir: Path, ms=MLP_MS, mlps=MLPS, device: str = "cuda") -> list
             ]
             inputs = [(m, torch.randn(m, hidden, device=device, dtype=torch.bfloat16)) for m in ms]
             rows += harness.variant_rows(
-                lambda v: [torch.compile(c, backend=backends[v]) for c in copies],
+                lambda v: [
+                    torch.compile(torchao(c) if v == "torchao_rowwise" else c, backend=backends[v])
+                    for c in copies
+                ],
                 backends,
                 inputs,
                 lambda v, m, us: dict(
@@ -52,6 +61,7 @@ def bench_mlp(out_dir: Path, ms=MLP_MS, mlps=MLPS, device: str = "cuda") -> list
                     inter=inter,
                     m=m,
                     variant=v,
+                    recipe=recipe if v.startswith("fp8") else None,
                     us=us,
                     weight_tbps=None
                     if us is None
@@ -63,7 +73,24 @@ def bench_mlp(out_dir: Path, ms=MLP_MS, mlps=MLPS, device: str = "cuda") -> list
     return save(out_dir, "bench_mlp.json", rows, mlp_table)
 
 
-MLP_COLUMNS = ("bf16_inductor", "fp8_unfused", "fp8_gate_up_apart", "fp8")
+def _torchao_rowwise():
+    """A function giving a copy of an MLP under torchao's float8 rowwise recipe (dynamic
+    per-token activations, per-channel weights), or None where torchao is not importable."""
+    try:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+    except ImportError:
+        print("torchao_rowwise: torchao is not importable, skipped")
+        return None
+
+    def quantized(mlp):
+        mlp = copy.deepcopy(mlp)
+        quantize_(mlp, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+        return mlp
+
+    return quantized
+
+
+MLP_COLUMNS = ("bf16_inductor", "torchao_rowwise", "fp8_unfused", "fp8_gate_up_apart", "fp8")
 
 
 def mlp_table(rows: list[dict]) -> str:
@@ -72,14 +99,19 @@ def mlp_table(rows: list[dict]) -> str:
         "times in us (CUDA-graph replay, median); ratios are speedups of fp8 (>1 = fp8 faster)",
         f"{'model':<12} {'M':>5} "
         + " ".join(f"{v:>17}" for v in MLP_COLUMNS)
-        + "  vs_bf16 vs_unfused vs_gate_up_apart",
+        + "  vs_bf16 vs_torchao vs_unfused vs_gate_up_apart",
     ]
     for model, m in sorted({(r["model"], r["m"]) for r in rows}, key=lambda t: (t[0], t[1])):
         t = {v: by.get((model, m, v)) for v in MLP_COLUMNS}
         cells = " ".join(f"{t[v]:>17.1f}" if t[v] else f"{'-':>17}" for v in MLP_COLUMNS)
         ratios = " ".join(
             f"{t[v] / t['fp8']:>{w}.2f}" if t["fp8"] and t[v] else f"{'-':>{w}}"
-            for v, w in (("bf16_inductor", 8), ("fp8_unfused", 10), ("fp8_gate_up_apart", 16))
+            for v, w in (
+                ("bf16_inductor", 8),
+                ("torchao_rowwise", 10),
+                ("fp8_unfused", 10),
+                ("fp8_gate_up_apart", 16),
+            )
         )
         lines.append(f"{model:<12} {m:>5} {cells}  {ratios}")
     return "\n".join(lines)

@@ -210,8 +210,9 @@ class Variant:
         return config
 
 
-def _variant(name: str):
-    """The Variant for a name, or None where it cannot run here (with the reason printed)."""
+def _variant(name: str, recipe: str = "block"):
+    """The Variant for a name, or None where it cannot run here (with the reason printed); the
+    fp8 variants in `recipe`."""
     mode = "reduce-overhead" if "_ro" in name else None
     own = name.endswith(("_own", "_release"))
     if name == "bf16":
@@ -221,12 +222,13 @@ def _variant(name: str):
     if name.startswith("bf16_gqa"):
         return Variant(name, fp8compile.backend(fusions=("gqa_attention",), skip=("*",)), mode)
     if name == "fp8_op_launch":
-        return Variant(name, fp8compile.backend(inductor_launch=False), mode)
+        return Variant(name, fp8compile.backend(inductor_launch=False, recipe=recipe), mode)
     if name == "fp8_ro_repeat_kv":
         fusions = tuple(f for f in fp8compile.Fp8Config().fusions if f != "gqa_attention")
-        return Variant(name, fp8compile.backend(fusions=fusions), mode)
+        return Variant(name, fp8compile.backend(fusions=fusions, recipe=recipe), mode)
     if name.startswith("fp8"):
-        return Variant(name, fp8compile.backend(release_bf16_weights=name.endswith("_release")), mode, own)
+        release = name.endswith("_release")
+        return Variant(name, fp8compile.backend(release_bf16_weights=release, recipe=recipe), mode, own)
     if name.startswith("torchao"):
         try:
             import torchao  # noqa: F401
@@ -435,7 +437,9 @@ def bench_model(
     variants=None,
     device: str | None = None,
     profile: bool = False,
+    recipe: str = "block",
 ) -> list[dict]:
+    """recipe: the fp8 variants' Fp8Config.recipe (and the unfused composition's)."""
     from tqdm import tqdm
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -458,9 +462,9 @@ def bench_model(
             )
             ids_acc = torch.randint(0, model.config.vocab_size, (1, 64), device=device)
             eager_logits = model(ids_acc, use_cache=False).logits.float()
-            base = dict(device=device_name, model=model_name, layers=n_layers)
+            base = dict(device=device_name, model=model_name, layers=n_layers, recipe=recipe)
             if not getattr(model.config, "num_experts", None):
-                with architectures.composition(model):
+                with architectures.composition(model, recipe):
                     unfused = fp8compile.calc_diff(
                         model(ids_acc, use_cache=False).logits.float(), eager_logits
                     )
@@ -468,7 +472,7 @@ def bench_model(
             for name in sorted(
                 names, key=lambda n: n.startswith("torchao")
             ):  # torchao changes the model: last
-                variant = _variant(name)
+                variant = _variant(name, recipe)
                 if variant is None:
                     progress.update(len(batches) + 1)
                     continue

@@ -20,7 +20,7 @@ from torch import Tensor
 from .. import registry
 from ..numerics import BLOCK, FP8_DTYPE, ceil_div
 from ..weights import GATE_UP_LAYOUTS, expert_bias, fp8_experts, fp8_weight, stacked_bias
-from . import reference
+from . import reference, reference_scaled
 
 _LIB = torch.library.Library("fp8compile", "DEF")
 
@@ -166,6 +166,60 @@ def qlinear(
 @_fake(qlinear)
 def _(x, w_fp8, w_scale, bias=None, e8m0=False, backend="reference"):
     _check_linear_shapes(x, w_fp8, w_scale, bias)
+    return x.new_empty(*x.shape[:-1], w_fp8.shape[0])
+
+
+def _check_scaled_shapes(x, w_fp8, w_scale, bias, recipe, x_scale) -> None:
+    n, k = w_fp8.shape
+    torch._check(x.shape[-1] == k, lambda: f"x has K={x.shape[-1]} but the weight has K={k}")
+    torch._check(
+        recipe in reference_scaled.SCALED_RECIPES,
+        lambda: f"recipe {recipe!r}: qlinear_scaled serves {reference_scaled.SCALED_RECIPES}",
+    )
+    want = (n,) if recipe == "rowwise" else ()
+    torch._check(
+        tuple(w_scale.shape) == want,
+        lambda: f"w_scale shape {tuple(w_scale.shape)} does not match recipe {recipe!r} for N={n} ({want})",
+    )
+    torch._check(
+        x_scale is None or x_scale.numel() == 1,
+        lambda: f"a static x_scale is one scale, got shape {tuple(x_scale.shape)}",
+    )
+    if bias is not None:
+        torch._check(tuple(bias.shape) == (n,), lambda: f"bias shape {tuple(bias.shape)} is not ({n},)")
+
+
+@_op
+def qlinear_scaled(
+    x: Tensor,
+    w_fp8: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None = None,
+    x_scale: Tensor | None = None,
+    recipe: str = "rowwise",
+    amax_ub: float = 0.0,
+    e8m0: bool = False,
+    backend: str = "reference",
+) -> Tensor:
+    """FP8 linear of the "tensor" or "rowwise" recipe (reference_scaled.py): bf16 x (..., K) times
+    w_fp8 (N, K) e4m3fn with w_scale () or (N,) (+ bias (N,)) -> bf16 (..., N).
+
+    x is quantized with the static scale x_scale (() fp32, calibrated) if given, else with a
+    dynamic one: per token ("rowwise") or over x ("tensor"), its amax capped at amax_ub if > 0.
+    """
+    _check_scaled_shapes(
+        x, w_fp8, w_scale, bias, recipe, x_scale
+    )  # a scale of the other recipe would broadcast
+    return registry.implementation("scaled_linear", backend)(
+        x, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0
+    )
+
+
+@_fake(qlinear_scaled)
+def _(
+    x, w_fp8, w_scale, bias=None, x_scale=None, recipe="rowwise", amax_ub=0.0, e8m0=False, backend="reference"
+):
+    _check_scaled_shapes(x, w_fp8, w_scale, bias, recipe, x_scale)
     return x.new_empty(*x.shape[:-1], w_fp8.shape[0])
 
 

@@ -246,8 +246,12 @@ class PassContext:
 
     def rewrote(self, kind: str, name: str, m: Any, n: int, k: int, kernels, detail: str = "") -> None:
         m_desc = str(m) if isinstance(m, int) else "dynamic"
+        recipe = "block"
+        if kind == "linear" and self.config.recipe != "block":  # the other kinds run the block recipe
+            scales = "static" if self.config.act_amax is not None else "dynamic"
+            recipe = f"{self.config.recipe}, {scales}"
         self.report.rewrites.append(
-            Rewrite(kind, name, m_desc, n, k, tuple(kernels), self.graph_index, detail)
+            Rewrite(kind, name, m_desc, n, k, tuple(kernels), self.graph_index, detail, recipe)
         )
 
     def skipped(self, kind: str, name: str, reason: str, shape: str = "") -> None:

@@ -18,10 +18,10 @@ import fnmatch
 import torch
 import torch.fx as fx
 
-from ..numerics import BLOCK
+from ..numerics import BLOCK, scale_from_amax
 from . import dispatch
 from .context import PassContext
-from ..weights import fp8_weight
+from ..weights import fp8_weight, fp8_weight_scaled
 
 aten = torch.ops.aten
 MATMULS = (aten.mm.default, aten.addmm.default)
@@ -29,7 +29,10 @@ MATMULS = (aten.mm.default, aten.addmm.default)
 REGISTRY_OPS = {
     torch.ops.fp8compile.qlinear.default: "linear",
     torch.ops.fp8compile.gated_qlinear.default: "gated_linear",
+    torch.ops.fp8compile.qlinear_scaled.default: "scaled_linear",
 }
+# Along K the scaled recipes need only what FP8 tensor cores and cuBLAS need: 16-byte rows.
+SCALED_K_ALIGN = 16
 
 
 @dataclasses.dataclass
@@ -103,8 +106,16 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
     if match.node in ctx.keep_bf16:
         return ctx.keep_bf16[match.node]
     k, n = w_val.shape if match.transposed else reversed(w_val.shape)
-    if k % BLOCK:
+    recipe = ctx.config.recipe
+    if recipe == "block" and k % BLOCK:
         return f"K={k} is not a multiple of {BLOCK} (block recipe: 1x{BLOCK} activation groups)"
+    if recipe != "block" and k % SCALED_K_ALIGN:
+        return f"K={k} is not a multiple of {SCALED_K_ALIGN} (FP8 GEMMs read 16-byte rows)"
+    if ctx.config.act_amax is not None and name not in ctx.config.act_amax:
+        return (
+            "no calibrated activation amax for it in act_amax (static scales): calibrate on this model "
+            "(fp8compile.calibrate) or leave act_amax out for dynamic scales"
+        )
     if n < BLOCK:
         return (
             f"N={n} is less than one {BLOCK}-row weight block: nothing for FP8 to gain (a router's N, "
@@ -124,13 +135,51 @@ def fp8_weight_inputs(
 ) -> tuple[fx.Node, fx.Node]:
     """Graph inputs (w_fp8, w_scale) for the FP8 copy of these weight parameters (more than one:
     stacked along N, weights.fp8_weight), quantized now and looked up per call."""
-    e8m0 = ctx.config.e8m0
+    e8m0, recipe = ctx.config.e8m0, ctx.config.recipe
+    if recipe != "block":
+        return ctx.derived_inputs(
+            ("scaled", recipe, kn, e8m0),
+            (f"{name}_fp8", f"{name}_fp8_scale"),
+            weights,
+            lambda w, *more: fp8_weight_scaled(w, recipe, kn, e8m0, more or None),
+        )
     return ctx.derived_inputs(
         ("linear", kn, e8m0),
         (f"{name}_fp8", f"{name}_fp8_scale"),
         weights,
         lambda w, *more: fp8_weight(w, kn, e8m0, more or None),
     )
+
+
+def static_act_scale(ctx: PassContext, names: list[str], weight: fx.Node) -> fx.Node | None:
+    """The graph input holding the static activation scale of linears over one x (names), from
+    the largest of their calibrated amax (Fp8Config.act_amax); None for dynamic scales."""
+    table = ctx.config.act_amax
+    if table is None:
+        return None
+    amax = max(table[name] for name in names)
+    e8m0 = ctx.config.e8m0
+
+    def make(w):
+        return (scale_from_amax(torch.tensor(amax, device=w.device), e8m0),)
+
+    (node,) = ctx.derived_inputs(("act_scale", amax, e8m0), (f"{names[0]}_act_scale",), [weight], make)
+    return node
+
+
+def scaled_call(
+    ctx: PassContext, target, names: list[str], weight: fx.Node, op_kwargs: dict
+) -> tuple[object, dict]:
+    """(target, kwargs) of a linear in the configured recipe: the block recipe's op as given, or
+    qlinear_scaled with the recipe's activation scale (static or dynamic) for a plain linear."""
+    if ctx.config.recipe == "block":
+        return target, op_kwargs
+    if target is not torch.ops.fp8compile.qlinear.default:
+        raise ValueError(f"{target} has no kernel in the {ctx.config.recipe} recipe")
+    kwargs = {**op_kwargs, "recipe": ctx.config.recipe, "x_scale": static_act_scale(ctx, names, weight)}
+    if ctx.config.act_amax_ub:
+        kwargs["amax_ub"] = ctx.config.act_amax_ub
+    return torch.ops.fp8compile.qlinear_scaled.default, kwargs
 
 
 def emit_fp8(
@@ -145,15 +194,19 @@ def emit_fp8(
     op_kwargs: dict,
     before: fx.Node | None = None,
     record_skip: bool = True,
+    names: list[str] | None = None,
 ):
     """Insert target(*activations, w_fp8, w_scale, bias, **op_kwargs) before `before` (default
     match.node), the activations viewed as the matmul's (M, K), behind the M dispatch; w_fp8 and
-    w_scale are the graph inputs of the weights' FP8 copy (fp8_weight_inputs). Returns
+    w_scale are the graph inputs of the weights' FP8 copy (fp8_weight_inputs). In the rowwise and
+    tensor recipes a linear becomes qlinear_scaled (scaled_call; names: the module names of the
+    linears over this x, default [name], for their static activation scale). Returns
     (output node, dispatch sides, (N, K)), or None (after recording why, if record_skip) when
     no M dispatch can be built."""
     m = match.x.meta["val"].shape[0]
     with ctx.gm.graph.inserting_before(before or match.node):
         w_fp8, w_scale = fp8_weight_inputs(ctx, name, weights, match.transposed)
+        target, op_kwargs = scaled_call(ctx, target, names or [name], match.weight, op_kwargs)
         n, k = w_fp8.meta["val"].shape
         sides = dispatch.plan(ctx, REGISTRY_OPS[target], match.weight.meta["val"].device, n, k, m)
         flat = [dispatch.flatten(ctx, a) for a in activations]  # unused if NoDispatch: removed as dead code

@@ -59,6 +59,7 @@ def merge_linears(ctx: PassContext, matches: list[LinearMatch]) -> bool:
         {},
         before=first.node,
         record_skip=False,
+        names=names,
     )
     if emitted is None:
         return False

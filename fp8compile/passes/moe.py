@@ -627,6 +627,10 @@ def moe_pass(ctx: PassContext) -> None:
             continue
         name = _block_name(ctx, down.weight)
         try:
+            if ctx.config.recipe != "block":
+                raise NoMatch(
+                    f"routed experts have FP8 kernels in the block recipe only (recipe={ctx.config.recipe!r})"
+                )
             if _val(down.weight).dtype != torch.bfloat16:
                 dtype = str(_val(down.weight).dtype).replace("torch.", "")
                 raise NoMatch(f"dtype {dtype}: only bfloat16 experts are rewritten")

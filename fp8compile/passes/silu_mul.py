@@ -201,6 +201,12 @@ def silu_mul_replacement(
     )
 
 
+NOT_FUSED_IN_SCALED_RECIPES = (
+    "not fused in the {recipe} recipe (the fused kernels quantize 1x128 groups): "
+    "a plain FP8 linear on act(gate, up)"
+)
+
+
 def silu_mul_pass(ctx: PassContext) -> None:
     for node in [n for n in ctx.gm.graph.nodes if n.op == "call_function" and n.target in MATMULS]:
         match = linear_pattern(node)
@@ -210,7 +216,9 @@ def silu_mul_pass(ctx: PassContext) -> None:
         if linear_extra_check(ctx, match, name) is not None:
             continue  # stays bf16: linear_pass records why
         found = silu_mul_pattern(match.x)
-        if isinstance(found, tuple):
+        if isinstance(found, tuple) and ctx.config.recipe != "block":
+            ctx.skipped("silu_mul", name, NOT_FUSED_IN_SCALED_RECIPES.format(recipe=ctx.config.recipe))
+        elif isinstance(found, tuple):
             silu_mul_replacement(ctx, match, *found, *param)
         elif isinstance(found, str):
             ctx.skipped("silu_mul", name, found)

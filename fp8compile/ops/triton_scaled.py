@@ -1,0 +1,304 @@
+"""Decode kernel of the scaled recipes ("tensor", "rowwise"; reference_scaled.py), M <= 64.
+
+Decode streams the FP8 weight once; what a recipe adds on top is its activation quantization
+and its scale arithmetic. One scale spans all of K here, so the kernel quantizes x itself
+(in one launch with the GEMM, as the block recipe's decode kernel does) and scales the
+accumulator once, in the epilogue, instead of once per 128-wide group. A dynamic scale needs
+each token's amax over all of K before any of it is quantized: a small launch before the GEMM
+writes it (row_amax, one program per row), or, traced, Inductor's reduction. (Read by every
+GEMM program in a prologue over K instead, it measured 2.4x the block recipe's time at K =
+14336 on an H100: a loop of dependent loads.) Then each program streams its weight tile over
+its part of K: swapAB (the weight tile is the MMA's M side, the tokens its N side), split-K over the SMs
+with fp32 partials that the last program to arrive at an N tile sums in split order
+(deterministic), as triton_gemm's decode kernel does.
+
+linear_scaled_small_m is fp8compile::qlinear_scaled's triton_small_m kernel; linear_scaled_decode
+is the same launch as a torch.library.triton_op, which the pass traces into the graph where CUDA
+graphs are off (passes/inline.py), so Inductor launches it with no Python of ours around it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from ..numerics import AMAX_EPS, FP8_MAX
+from .launch import Launcher
+from .reference_scaled import check_recipe
+from .triton_gemm import SMALL_M_MAX, SMALL_M_NUM_STAGES, _arrival_counters, _interpreting, _small_m_tiles
+from .triton_quant import round_up_pow2
+
+BLOCK_K = 128
+# How the activation scale is found: from each token's amax, from the amax over x, or given.
+ACT_PER_TOKEN, ACT_PER_TENSOR, ACT_STATIC = 0, 1, 2
+
+
+@triton.jit
+def _scaled_small_m_kernel(
+    x_ptr,
+    w_ptr,
+    w_s_ptr,
+    x_s_ptr,
+    bias_ptr,
+    out_ptr,
+    partial_ptr,
+    arrivals_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_om,
+    eps,
+    fp8_max,
+    amax_ub,
+    W_ROWWISE: tl.constexpr,
+    ACT_SCALE: tl.constexpr,
+    CAP: tl.constexpr,
+    E8M0: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    # Float arguments in fp32 whatever the launcher typed them as (Inductor passes Python floats as fp64).
+    eps, fp8_max, amax_ub = (
+        tl.cast(eps, tl.float32),
+        tl.cast(fp8_max, tl.float32),
+        tl.cast(amax_ub, tl.float32),
+    )
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = offs_m < M
+    safe_n = offs_n % N
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+
+    if ACT_SCALE == 2:
+        x_s = tl.load(x_s_ptr + offs_m * 0)  # the static scale, on every row
+    else:
+        # Each row's amax, which a launch before this one wrote there (row_amax).
+        amax = tl.load(x_s_ptr + offs_m, mask=rows, other=0.0)
+        if ACT_SCALE == 1:  # padding rows hold zeros: the max over the tile is the max over x
+            amax = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.max(amax, axis=0)
+        if CAP:
+            amax = tl.minimum(amax, amax_ub)
+        x_s = tl.maximum(amax, eps) / fp8_max
+        if E8M0:
+            x_s = round_up_pow2(x_s)
+
+    chunks = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(chunks, SPLIT_K)
+    c0 = pid_k * per_split
+    c1 = tl.minimum(c0 + per_split, chunks)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # swapAB: out^T tile
+    for c in range(c0, c1):
+        cols = c * BLOCK_K + offs_k
+        if EVEN_K:  # whole steps: the weight loads need no mask
+            x = tl.load(x_rows + cols[None, :] * stride_xk, mask=rows[:, None], other=0.0)
+            w = tl.load(w_ptr + safe_n[:, None] * stride_wn + cols[None, :])
+        else:
+            in_k = cols < K
+            x = tl.load(x_rows + cols[None, :] * stride_xk, mask=rows[:, None] & in_k[None, :], other=0.0)
+            w = tl.load(w_ptr + safe_n[:, None] * stride_wn + cols[None, :], mask=in_k[None, :], other=0.0)
+        x_fp8 = tl.clamp(x.to(tl.float32) / x_s[:, None], -fp8_max, fp8_max).to(tl.float8e4nv)
+        acc += tl.dot(w, tl.trans(x_fp8))
+    if W_ROWWISE:
+        acc = acc * tl.load(w_s_ptr + safe_n)[:, None]
+    else:
+        acc = acc * tl.load(w_s_ptr)
+    acc = acc * x_s[None, :]
+
+    mask = (offs_n[:, None] < N) & rows[None, :]
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    if SPLIT_K > 1:
+        # Publish this split's partial sums; the last split to arrive at this N tile adds all of
+        # them in split order (deterministic), then resets the counter for the next call.
+        tile = offs_m[None, :] * N + offs_n[:, None]
+        tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                acc += tl.load(partial_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + safe_n).to(tl.float32)[:, None]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(arrivals_ptr + pid_n, 0)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + safe_n).to(tl.float32)[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_amax_kernel(x_ptr, amax_ptr, K, stride_xm, stride_xk, BLOCK: tl.constexpr):
+    """amax[m] = max |x[m, :]|, one program per row, BLOCK elements per load."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        cols = k0 + offs
+        x = tl.load(x_ptr + row * stride_xm + cols * stride_xk, mask=cols < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    tl.store(amax_ptr + row, tl.max(amax, axis=0))
+
+
+AMAX_BLOCK = 2048
+_amax_launch = Launcher(_row_amax_kernel)
+
+
+def row_amax(x2: Tensor) -> Tensor:
+    """max |x| per row of x (M, K), fp32 (M,): what the GEMM kernel makes dynamic scales from."""
+    m, k = x2.shape
+    amax = torch.empty(m, dtype=torch.float32, device=x2.device)
+    launch = {} if _interpreting(x2) else dict(num_warps=4)
+    _amax_launch((m,), (x2, amax, k, x2.stride(0), x2.stride(1)), {"BLOCK": AMAX_BLOCK}, **launch)
+    return amax
+
+
+def _act_mode(recipe: str, x_scale: Tensor | None) -> int:
+    check_recipe(recipe)
+    if x_scale is not None:
+        return ACT_STATIC
+    return ACT_PER_TOKEN if recipe == "rowwise" else ACT_PER_TENSOR
+
+
+def _arguments(x2, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, out, partial, arrivals, tiles, amax):
+    """(args, constexprs) of one launch; x_scale: the static scale, else amax: each row's amax;
+    tiles = (block_m, block_n, split)."""
+    block_m, block_n, split = tiles
+    m, k = x2.shape
+    n = w_fp8.shape[0]
+    args = (
+        x2,
+        w_fp8,
+        w_scale,
+        x_scale if x_scale is not None else amax,
+        bias if bias is not None else w_scale,
+        out,
+        partial,
+        arrivals,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        x2.stride(1),
+        w_fp8.stride(0),
+        out.stride(0),
+        AMAX_EPS,
+        FP8_MAX,
+        float(amax_ub),
+    )
+    constexprs = dict(
+        W_ROWWISE=recipe == "rowwise",
+        ACT_SCALE=_act_mode(recipe, x_scale),
+        CAP=x_scale is None and amax_ub > 0,
+        E8M0=e8m0,
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % BLOCK_K == 0,
+        SPLIT_K=split,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=BLOCK_K,
+    )
+    return args, constexprs
+
+
+_launch = Launcher(_scaled_small_m_kernel)
+
+
+def linear_scaled_small_m(
+    x: Tensor,
+    w_fp8: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None = None,
+    recipe: str = "rowwise",
+    x_scale: Tensor | None = None,
+    amax_ub: float = 0.0,
+    e8m0: bool = False,
+) -> Tensor:
+    """bf16 x (..., K), at most 64 rows, times w_fp8 (N, K) with w_scale () or (N,) (+ bias) ->
+    bf16 (..., N): quantization and GEMM in one launch."""
+    x2 = x.reshape(-1, x.shape[-1])
+    m, k = x2.shape
+    n = w_fp8.shape[0]
+    if m > SMALL_M_MAX:
+        raise ValueError(f"linear_scaled_small_m serves M <= {SMALL_M_MAX}, got M={m}")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    block_m, block_n, split, n_tiles = _small_m_tiles(m, n, k, False, x.device, None, None)
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    arrivals = _arrival_counters(x.device, n_tiles) if split > 1 else out
+    args, constexprs = _arguments(
+        x2,
+        w_fp8,
+        w_scale,
+        bias,
+        recipe,
+        x_scale,
+        amax_ub,
+        e8m0,
+        out,
+        partial,
+        arrivals,
+        (block_m, block_n, split),
+        None if x_scale is not None else row_amax(x2),
+    )
+    launch = {} if _interpreting(x2) else dict(num_warps=4, num_stages=SMALL_M_NUM_STAGES)
+    _launch((n_tiles, split), args, constexprs, **launch)
+    return out.reshape(*x.shape[:-1], n)
+
+
+@triton_op("fp8compile::linear_scaled_decode", mutates_args=())
+def linear_scaled_decode(
+    x: Tensor,
+    w_fp8: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None = None,
+    x_scale: Tensor | None = None,
+    recipe: str = "rowwise",
+    amax_ub: float = 0.0,
+    e8m0: bool = False,
+    max_m: int = 16,
+) -> Tensor:
+    """linear_scaled_small_m for x (M, K), M <= max_m <= 64, as a launch Inductor makes: the tile
+    height and split are fixed at trace time from max_m (M is the dispatch's symbol there), and
+    the split-K counters are zeroed per call (one small fill, which keeps the op functional)."""
+    if not 1 <= max_m <= SMALL_M_MAX:
+        raise ValueError(f"linear_scaled_decode serves 1 <= M <= {SMALL_M_MAX}, asked for M up to {max_m}")
+    m = x.shape[0]
+    n, k = (int(size) for size in w_fp8.shape)
+    block_m, block_n, split, n_tiles = _small_m_tiles(max_m, n, k, False, x.device, None, None)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    arrivals = torch.zeros(n_tiles, dtype=torch.int32, device=x.device) if split > 1 else out
+    args, constexprs = _arguments(
+        x,
+        w_fp8,
+        w_scale,
+        bias,
+        recipe,
+        x_scale,
+        amax_ub,
+        e8m0,
+        out,
+        partial,
+        arrivals,
+        (block_m, block_n, split),
+        # Traced, the amax is Inductor's to compute: a reduction it can fuse with what made x.
+        None if x_scale is not None else x.abs().amax(dim=1).float(),
+    )
+    launch = {} if x.device.type == "cpu" else dict(num_warps=4, num_stages=SMALL_M_NUM_STAGES)
+    wrap_triton(_scaled_small_m_kernel)[(n_tiles, split)](*args, **constexprs, **launch)
+    return out
