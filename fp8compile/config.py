@@ -6,7 +6,6 @@ import dataclasses
 import difflib
 import os
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
 from . import registry
@@ -168,15 +167,36 @@ class Fp8Config:
             if ub:
                 raise ValueError("act_amax_ub bounds dynamic scales; with act_amax the scales are static")
             # A read-only copy: a frozen config must not change under the compiled graphs.
-            object.__setattr__(
-                self, "act_amax", MappingProxyType({k: float(v) for k, v in self.act_amax.items()})
-            )
+            object.__setattr__(self, "act_amax", AmaxTable(self.act_amax))
 
     def replace(self, **changes: Any) -> Fp8Config:
         return make_config(self, **changes)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Fp8Config))
+
+
+class AmaxTable(Mapping):
+    """A read-only {linear module name: calibrated amax} (Fp8Config.act_amax): hashable, so the
+    config stays hashable, and copyable (transformers deep-copies compile configs)."""
+
+    def __init__(self, table: Mapping[str, float]):
+        self._table = {str(k): float(v) for k, v in table.items()}
+
+    def __getitem__(self, name: str) -> float:
+        return self._table[name]
+
+    def __iter__(self):
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._table.items()))
+
+    def __repr__(self) -> str:
+        return f"AmaxTable({len(self)} linears)"
 
 
 def _positive(value: Any) -> bool:

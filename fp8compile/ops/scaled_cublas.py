@@ -1,12 +1,12 @@
 """The scaled recipes ("tensor", "rowwise") on cuBLAS: torch._scaled_mm's tensorwise and rowwise
 FP8 GEMMs, the kernels torchao's float8 recipes run.
 
-The activation is quantized by plain tensor ops (the amax, the division, the cast), so where
-the pass traces this function into the graph (passes/inline.py: default mode, where every op
-call pays its host cost), Inductor fuses the quantization into one kernel with whatever
-produced x (a norm, a gated MLP's silu(gate) * up) and calls cuBLAS from its generated code:
-no Python of ours at run time. Called as fp8compile::qlinear_scaled's cublas kernel it runs the
-same ops eagerly. The numbers are reference_scaled.linear_scaled's, the product in cuBLAS's
+The activation is quantized by plain tensor ops (reference_scaled.quant_act_scaled: the amax,
+the division, the cast), so where the pass traces this function into the graph (passes/inline.py,
+in both compile modes), Inductor fuses the quantization into one kernel with whatever produced
+x (a norm, a gated MLP's silu(gate) * up) and calls cuBLAS from its generated code: no Python
+of ours at run time. Called as fp8compile::qlinear_scaled's cublas kernel it runs the same ops
+eagerly. The numbers are reference_scaled.linear_scaled's, the product in cuBLAS's
 fp32 accumulation, the bias added to the bf16 result (as the block recipe's cuBLAS side does).
 """
 
@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..numerics import FP8_DTYPE, FP8_MAX
-from .reference_scaled import act_scale
+from .reference_scaled import quant_act_scaled
 
 # cuBLAS FP8 GEMMs want 16-byte aligned rows: K (and N, the output's row) multiples of 16.
 ALIGN = 16
@@ -43,15 +42,13 @@ def linear_scaled_cublas(
     m = x2.shape[0]
     if isinstance(m, int) and m == 0:  # traced, M is the dispatch's symbol, which its branch keeps >= 1
         return x.new_empty(*x.shape[:-1], w_fp8.shape[0])
-    sx = act_scale(x2, recipe, e8m0, x_scale, amax_ub)
+    x_fp8, sx = quant_act_scaled(x2, recipe, e8m0, x_scale, amax_ub)
     if recipe == "rowwise":
         # cuBLAS's rowwise mode: one scale per row of x (M, 1) and per column of w.T (1, N); a
         # static scale is the same for every row.
-        sx = sx.reshape(-1, 1) if sx.dim() else sx.reshape(1, 1).expand(m, 1)
-        x_fp8 = (x2.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        sa, sb = sx.contiguous(), w_scale.reshape(1, -1)
+        sa = sx.reshape(-1, 1) if sx.dim() else sx.reshape(1, 1).expand(m, 1).contiguous()
+        sb = w_scale.reshape(1, -1)
     else:
-        x_fp8 = (x2.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         sa, sb = sx.reshape(()), w_scale.reshape(())
     out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=sa, scale_b=sb, out_dtype=x.dtype)
     if bias is not None:

@@ -208,17 +208,42 @@ def _linear_small_m_kernel(
         acc += tl.dot(w, tl.trans(x_fp8)) * w_s[:, None] * x_s[None, :]
         w_ptrs += GROUP
 
+    store_split_k(
+        acc, out_ptr, partial_ptr, arrivals_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS, SPLIT_K
+    )
+
+
+@triton.jit
+def store_split_k(
+    acc,
+    out_ptr,
+    partial_ptr,
+    arrivals_ptr,
+    bias_ptr,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    """Epilogue of a swapAB decode program (acc: its fp32 out^T tile, BLOCK_N x BLOCK_M) in split-K
+    program_id(1) of SPLIT_K over N tile program_id(0): (+ bias) written to out in its dtype. With
+    SPLIT_K > 1 each split publishes its partial sums; the last split to arrive at the N tile adds
+    all of them in split order (deterministic), then resets the counter for the next call."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    safe_n = offs_n % N
     mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     if SPLIT_K > 1:
-        # Publish this split's partial sums; the last split to arrive at this N tile adds all
-        # of them in split order (deterministic), then resets the counter for the next call.
         tile = offs_m[None, :] * N + offs_n[:, None]
         tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=mask)
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc = tl.zeros(acc.shape, dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):  # unrolled: the loads fly together, the sum keeps split order
                 acc += tl.load(partial_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:

@@ -10,11 +10,11 @@ GEMM program in a prologue over K instead, it measured 2.4x the block recipe's t
 14336 on an H100: a loop of dependent loads.) Then each program streams its weight tile over
 its part of K: swapAB (the weight tile is the MMA's M side, the tokens its N side), split-K over the SMs
 with fp32 partials that the last program to arrive at an N tile sums in split order
-(deterministic), as triton_gemm's decode kernel does.
+(deterministic): triton_gemm.store_split_k, the block recipe's decode kernel's epilogue.
 
 linear_scaled_small_m is fp8compile::qlinear_scaled's triton_small_m kernel; linear_scaled_decode
-is the same launch as a torch.library.triton_op, which the pass traces into the graph where CUDA
-graphs are off (passes/inline.py), so Inductor launches it with no Python of ours around it.
+is the same launch as a torch.library.triton_op, which the pass traces into the graph in both
+compile modes (passes/inline.py), so Inductor launches it with no Python of ours around it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,14 @@ from torch.library import triton_op, wrap_triton
 from ..numerics import AMAX_EPS, FP8_MAX
 from .launch import Launcher
 from .reference_scaled import check_recipe
-from .triton_gemm import SMALL_M_MAX, SMALL_M_NUM_STAGES, _arrival_counters, _interpreting, _small_m_tiles
+from .triton_gemm import (
+    SMALL_M_MAX,
+    SMALL_M_NUM_STAGES,
+    _arrival_counters,
+    _interpreting,
+    _small_m_tiles,
+    store_split_k,
+)
 from .triton_quant import round_up_pow2
 
 BLOCK_K = 128
@@ -117,27 +124,9 @@ def _scaled_small_m_kernel(
         acc = acc * tl.load(w_s_ptr)
     acc = acc * x_s[None, :]
 
-    mask = (offs_n[:, None] < N) & rows[None, :]
-    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    if SPLIT_K > 1:
-        # Publish this split's partial sums; the last split to arrive at this N tile adds all of
-        # them in split order (deterministic), then resets the counter for the next call.
-        tile = offs_m[None, :] * N + offs_n[:, None]
-        tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=mask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                acc += tl.load(partial_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + safe_n).to(tl.float32)[:, None]
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(arrivals_ptr + pid_n, 0)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + safe_n).to(tl.float32)[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    store_split_k(
+        acc, out_ptr, partial_ptr, arrivals_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS, SPLIT_K
+    )
 
 
 @triton.jit
