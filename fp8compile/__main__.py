@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         "bench",
         help="benchmarks: whole models (model), host cost per decode linear (host), "
         "and kernels against bf16 cuBLAS, cuBLAS FP8, DeepGEMM, FlashInfer "
-        "(gemm, mlp, moe, tune)",
+        "(gemm, mlp, moe, tune), and sparse-attention indexer logits against DeepGEMM (mqa)",
     )
-    bench.add_argument("what", choices=["model", "host", "gemm", "mlp", "moe", "tune"])
+    bench.add_argument("what", choices=["model", "host", "gemm", "mlp", "moe", "mqa", "tune"])
     bench.add_argument("--out", default=None, help="folder for JSON and PNG (default: $OUT or ./bench_out)")
     bench.add_argument(
         "--recipe",

@@ -16,7 +16,7 @@ from . import registry
 # for the activation (ops/reference_scaled.py).
 RECIPES = ("block", "rowwise", "tensor")
 # Fusion passes, run in this order before the linear pass.
-FUSIONS = ("gqa_attention", "moe", "gate_up", "qkv", "silu_mul")
+FUSIONS = ("gqa_attention", "mqa_logits", "moe", "gate_up", "qkv", "silu_mul")
 
 # Small/large-M threshold for the torch.cond dispatch: M <= SMALL_M takes the decode path.
 # 32 is where the anchors' decode kernels stop streaming weights and start being compute-bound

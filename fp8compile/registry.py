@@ -107,7 +107,35 @@ def _vendor_why_not(module: str, request: Request, min_capability, exact_major=N
     return why
 
 
+# The indexer-logits ops (fp8compile::mqa_logits and its paged form): Request.n = H query heads,
+# Request.k = D, the head size.
+MQA_OPS = ("mqa_logits", "paged_mqa_logits", "paged_mqa_logits_metadata")
+
+
+def _triton_mqa_why_not(request: Request) -> str | None:
+    h, d = request.n, request.k
+    if h & (h - 1) or d & (d - 1) or d < 16:
+        return f"H={h} heads and D={d}: the Triton MQA kernels take powers of two (D >= 16)"
+    return _triton_device_why_not(request)
+
+
+def _triton_why_not(request: Request) -> str | None:
+    return _triton_mqa_why_not(request) if request.op in MQA_OPS else _triton_device_why_not(request)
+
+
+# What DeepGEMM's sm_90 MQA-logits kernels serve (its tests: H 32 or 64; D 32, 64 or 128).
+DEEP_GEMM_MQA_HEADS = (32, 64)
+DEEP_GEMM_MQA_HEAD_DIMS = (32, 64, 128)
+
+
 def _deep_gemm_why_not(request: Request) -> str | None:
+    if request.op in MQA_OPS:
+        if request.n not in DEEP_GEMM_MQA_HEADS or request.k not in DEEP_GEMM_MQA_HEAD_DIMS:
+            return (
+                f"H={request.n} heads, D={request.k}: DeepGEMM's MQA logits take H in "
+                f"{DEEP_GEMM_MQA_HEADS} and D in {DEEP_GEMM_MQA_HEAD_DIMS}"
+            )
+        return _vendor_why_not("deep_gemm", request, (9, 0), exact_major=9)
     if request.n % 64:
         return f"N={request.n} is not a multiple of 64"
     return _vendor_why_not("deep_gemm", request, (9, 0))
@@ -171,6 +199,7 @@ _BACKENDS: dict[str, Backend] = {
             "linear": ".ops.vendors:linear_deep_gemm",
             "gated_linear": ".ops.vendors:gated_linear_deep_gemm",
             "moe": ".ops.vendors:moe_deep_gemm",
+            "mqa_logits": ".ops.vendors_mqa:mqa_logits_deep_gemm",
         },
         _deep_gemm_why_not,
         prepare=".ops.vendors:prepare_deep_gemm",
@@ -189,8 +218,11 @@ _BACKENDS: dict[str, Backend] = {
             "gemm": ".ops.triton_gemm:gemm_large_m",
             "quant_act": ".ops.triton_quant:quant_act_row",
             "moe": ".ops.triton_moe:moe_triton",
+            "mqa_logits": ".ops.triton_mqa:mqa_logits",
+            "paged_mqa_logits": ".ops.triton_mqa:paged_mqa_logits",
+            "paged_mqa_logits_metadata": ".ops.reference_mqa:paged_schedule",
         },
-        _triton_device_why_not,
+        _triton_why_not,
     ),
     "cublas": Backend(
         "cublas",
@@ -211,6 +243,9 @@ _BACKENDS: dict[str, Backend] = {
             "quant_act": ".ops.reference:quant_act_block",
             "moe": ".ops.reference:moe_block",
             "scaled_linear": ".ops.reference_scaled:linear_scaled",
+            "mqa_logits": ".ops.reference_mqa:mqa_logits",
+            "paged_mqa_logits": ".ops.reference_mqa:paged_mqa_logits",
+            "paged_mqa_logits_metadata": ".ops.reference_mqa:paged_schedule",
         },
         why_not=_reference_why_not,
     ),
@@ -267,8 +302,16 @@ DEFAULT_ORDERS = {
 ORDER_EXCEPTIONS = {("moe", "large"): ("deep_gemm", "triton")}
 
 
+# The indexer logits have no range of M: one order for every call. DeepGEMM first: at prefill
+# (M = N = 4096 and 8192, H = 64, D = 128) it took 151 and 577 us on an H100 against our Triton
+# kernel's 562 and 2307 (bench mqa, BENCHMARKS.md, "Indexer logits"). It has no paged kernel here.
+MQA_ORDER = ("deep_gemm", "triton", "reference")
+
+
 def default_order(tier: str, op: str | None = None) -> tuple[str, ...]:
     """The preference order of a range of M ("small", "medium" or "large"), for `op` if given."""
+    if op in MQA_OPS:
+        return MQA_ORDER
     order = DEFAULT_ORDERS[tier]
     moved, after = ORDER_EXCEPTIONS.get((op, tier), (None, None))
     if moved in order and after in order and order.index(moved) < order.index(after):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-KINDS = ("linear", "silu_mul", "moe", "attention")
+KINDS = ("linear", "silu_mul", "moe", "attention", "mqa_logits")
 
 
 @dataclasses.dataclass(frozen=True)

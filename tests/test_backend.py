@@ -143,7 +143,7 @@ def test_a_graph_reused_for_another_instance_uses_that_instances_weights():
 
 def test_explain_reports_rewrites_and_skips_with_reasons():
     report = fp8compile.explain(OddDims().to(BF16), randn(8, 256), randn(8, 200), skip=["nothing"])
-    assert report.counts() == {"linear": 1, "silu_mul": 0, "moe": 0, "attention": 0}
+    assert report.counts() == {"linear": 1, "silu_mul": 0, "moe": 0, "attention": 0, "mqa_logits": 0}
     text = str(report)
     assert "1 rewritten, 2 left in bf16" in text
     assert "fits" in text and "M = 8: reference" in text
@@ -265,7 +265,7 @@ def test_inference_mode_works_like_no_grad():
     with torch.inference_mode():
         out = torch.compile(model, backend=fp8)(x)
         assert fp8compile.calc_diff(out, model(x)) < GATED_MLP
-    assert fp8.report.counts() == {"linear": 2, "silu_mul": 1, "moe": 0, "attention": 0}
+    assert fp8.report.counts() == {"linear": 2, "silu_mul": 1, "moe": 0, "attention": 0, "mqa_logits": 0}
 
 
 def test_graph_breaks_give_several_graphs_in_one_report():

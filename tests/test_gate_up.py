@@ -38,7 +38,7 @@ def test_gate_and_up_over_one_x_become_one_gemm_and_give_the_same_numbers(captur
         ("up_proj", "one GEMM with gate_proj"),
     }
     # still two linears, as the model has
-    assert report.counts() == {"linear": 2, "silu_mul": 1, "moe": 0, "attention": 0}
+    assert report.counts() == {"linear": 2, "silu_mul": 1, "moe": 0, "attention": 0, "mqa_logits": 0}
     torch._dynamo.reset()
     separate, _ = compile_and_run(model, x.clone(), fusions=("silu_mul",))
     # Same activation quantization, same weight blocks: the reference kernel gives the same bits.

@@ -49,7 +49,7 @@ def test_mlp_linears_all_become_fp8(captured):
     # (tests/test_dispatch.py covers the dispatch).
     assert len(g.ops(FP8_LINEAR)) == 2
     assert g.count(torch.ops.higher_order.cond) == 0
-    assert report.counts() == {"linear": 2, "silu_mul": 0, "moe": 0, "attention": 0}
+    assert report.counts() == {"linear": 2, "silu_mul": 0, "moe": 0, "attention": 0, "mqa_logits": 0}
     assert [r.name for r in report.rewrites] == ["0", "2"]
     assert calc_diff(out, eager) < TWO_GEMMS
 
@@ -239,7 +239,7 @@ def test_training_graph_is_left_alone_and_still_trains():
 
 
 def report_counts_zero(report) -> bool:
-    return report.counts() == {"linear": 0, "silu_mul": 0, "moe": 0, "attention": 0}
+    return report.counts() == {"linear": 0, "silu_mul": 0, "moe": 0, "attention": 0, "mqa_logits": 0}
 
 
 GOLDEN = Path(__file__).parent / "golden" / "two_layer_linear.diff"

@@ -58,7 +58,7 @@ def test_llama_every_linear_is_rewritten_mlps_fused_and_logits_stay_within_the_f
     expected = {f"model.layers.{i}.{p}" for i in range(2) for p in PROJECTIONS} | {"lm_head"}
     assert {r.name for r in fp8.report.rewrites} == expected
     assert (
-        fp8.report.counts() == {"linear": 13, "silu_mul": 2, "moe": 0, "attention": 0}
+        fp8.report.counts() == {"linear": 13, "silu_mul": 2, "moe": 0, "attention": 0, "mqa_logits": 0}
         and fp8.report.skips == []
     )
     fused = {r.name for r in fp8.report.rewrites if r.kind == "silu_mul"}

@@ -47,7 +47,7 @@ MLP_BOUND = GATED_MLP
 def test_each_way_of_writing_a_gated_mlp_fuses_into_one_op(make_model, linears, captured):
     out, eager, report = compile_and_run(make_model().to(BF16), randn(2, 37, 256))
     (g,) = captured
-    assert report.counts() == {"linear": linears, "silu_mul": 1, "moe": 0, "attention": 0}
+    assert report.counts() == {"linear": linears, "silu_mul": 1, "moe": 0, "attention": 0, "mqa_logits": 0}
     assert [r.name for r in report.rewrites if r.kind == "silu_mul"] == ["down_proj"]
     # one GEMM for gate and up (merged by the gate_up pass, or one fused linear already), and on
     # the CPU one kernel for every M: no cond
@@ -69,7 +69,7 @@ def test_fused_mlp_is_no_less_accurate_than_the_unfused_fp8_mlp():
 
 def test_gelu_gated_mlp_stays_unfused_with_the_reason(captured):
     out, eager, report = compile_and_run(GeluGatedMLP().to(BF16), randn(2, 37, 256))
-    assert report.counts() == {"linear": 3, "silu_mul": 0, "moe": 0, "attention": 0}
+    assert report.counts() == {"linear": 3, "silu_mul": 0, "moe": 0, "attention": 0, "mqa_logits": 0}
     (skip,) = report.skipped("silu_mul")
     assert (
         skip.name == "down_proj"
@@ -149,9 +149,10 @@ def test_passes_run_fusion_before_the_plain_linear_pass():
 
 def test_fusions_option_turns_the_fusion_off():
     _, _, report = compile_and_run(GatedMLP().to(BF16), randn(2, 9, 256), fusions=[])
-    assert report.counts() == {"linear": 3, "silu_mul": 0, "moe": 0, "attention": 0}
+    assert report.counts() == {"linear": 3, "silu_mul": 0, "moe": 0, "attention": 0, "mqa_logits": 0}
     with pytest.raises(
-        ValueError, match="unknown fusion.*valid fusions: gqa_attention, moe, gate_up, qkv, silu_mul"
+        ValueError,
+        match="unknown fusion.*valid fusions: gqa_attention, mqa_logits, moe, gate_up, qkv, silu_mul",
     ):
         fp8compile.backend(fusions=["moe_v2"])
 
@@ -163,7 +164,7 @@ def test_gpt_oss_swigluoai_fuses_with_its_alpha_and_limit(interleaved, captured)
     model = GptOssStyleMLP(interleaved, alpha=1.5, limit=6.0).to(BF16)
     out, eager, report = compile_and_run(model, randn(2, 37, 256, scale=4.0))
     (g,) = captured
-    assert report.counts() == {"linear": 1, "silu_mul": 1, "moe": 0, "attention": 0}
+    assert report.counts() == {"linear": 1, "silu_mul": 1, "moe": 0, "attention": 0, "mqa_logits": 0}
     (fused,) = [r for r in report.rewrites if r.kind == "silu_mul"]
     assert (fused.name, fused.detail) == ("down_proj", "swigluoai")
     assert "silu_mul[swigluoai]" in str(report)

@@ -1,8 +1,9 @@
-"""Benchmarks: `python -m fp8compile bench model | host | gemm | mlp | moe | tune`.
+"""Benchmarks: `python -m fp8compile bench model | host | gemm | mlp | moe | mqa | tune`.
 
 One module per bench: model.py times whole transformers models (what users judge); host.py the
 host cost of one decode linear outside CUDA graphs, layer by layer of the FP8 path; gemm.py,
-mlp.py and moe.py single linears, gated MLPs and MoE layers against the anchors; tune.py sweeps
+mlp.py, moe.py and mqa.py single linears, gated MLPs, MoE layers and indexer logits against the
+anchors; tune.py sweeps
 our kernels' tiles. harness.py is the kernel benches' timing (CUDA-graph replay, weights past
 L2); output.py what they all write (JSON with its table, plots, host profiles). Vendor
 libraries and triton are imported by the benchmark that uses them, never here.
@@ -51,6 +52,10 @@ def main(args) -> int:
             from . import mlp
 
             mlp.bench_mlp(out, ms=args.m or mlp.MLP_MS, recipe=args.recipe)
+        elif args.what == "mqa":
+            from . import mqa
+
+            mqa.bench_mqa(out)
         elif args.what == "moe":
             from . import moe
 

@@ -8,6 +8,7 @@ from .gate_up import gate_up_pass
 from .gqa_attention import gqa_attention_pass
 from .linear import linear_pass
 from .moe import moe_pass
+from .mqa_logits import mqa_logits_pass
 from .qkv import qkv_pass
 from .silu_mul import silu_mul_pass
 
@@ -15,6 +16,7 @@ from .silu_mul import silu_mul_pass
 # Each fusion runs when its name is in Fp8Config.fusions; linear_pass always runs, last.
 FUSION_PASSES = {
     "gqa_attention": gqa_attention_pass,
+    "mqa_logits": mqa_logits_pass,
     "moe": moe_pass,
     "gate_up": gate_up_pass,
     "qkv": qkv_pass,

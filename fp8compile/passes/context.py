@@ -247,7 +247,9 @@ class PassContext:
     def rewrote(self, kind: str, name: str, m: Any, n: int, k: int, kernels, detail: str = "") -> None:
         m_desc = str(m) if isinstance(m, int) else "dynamic"
         recipe = "block"
-        if kind == "linear" and self.config.recipe != "block":  # the other kinds run the block recipe
+        if kind == "mqa_logits":  # q per (token, head), k per token: one scale per row of D
+            recipe = "per row"
+        elif kind == "linear" and self.config.recipe != "block":  # the other kinds run the block recipe
             scales = "static" if self.config.act_amax is not None else "dynamic"
             recipe = f"{self.config.recipe}, {scales}"
         self.report.rewrites.append(

@@ -35,6 +35,7 @@ from ..numerics import BLOCK, calc_diff
 from ..ops import reference
 from . import dispatch, inline
 from .context import PassContext
+from .replay import ReplayError, concrete, run_subgraph, small_symbols
 from .silu_mul import silu_mul_pattern
 from ..weights import canonical_experts, expert_bias, fp8_experts
 
@@ -408,65 +409,31 @@ def _orientations(m: MoeMatch, e: int, inter: int, h: int) -> list[bool]:
     ]
 
 
-def _concrete(size, values: dict) -> int:
-    return int(size.node.expr.subs(values)) if isinstance(size, torch.SymInt) else int(size)
-
-
 def verify(ctx: PassContext, m: MoeMatch, w_kn: bool) -> float:
     """calc_diff between the matched subgraph, run on random tokens and routes with the real
     weights, and reference.moe_dense read with this interpretation."""
-    symbols = {}
-    for node in ctx.gm.graph.find_nodes(op="placeholder"):
-        val = _val(node)
-        if isinstance(val, torch.SymInt):
-            symbols[val.node.expr] = min(val.node.hint or VERIFY_TOKENS, VERIFY_TOKENS)
+    symbols = small_symbols(ctx, VERIFY_TOKENS)
     param = {n: ctx.parameter(n)[0] for n in (m.w13, m.w3, m.w2, m.b13, m.b2) if n is not None}
     device = param[m.w13].device
     gen = torch.Generator(device).manual_seed(0)
     x_val, ids_val = _val(m.hidden), _val(m.topk_ids)
-    t, k = _concrete(ids_val.shape[0], symbols), _concrete(ids_val.shape[1], symbols)
+    t, k = concrete(ids_val.shape[0], symbols), concrete(ids_val.shape[1], symbols)
     num_experts = _val(m.w13).shape[0]
     with unset_fake_temporarily(), torch.no_grad():
         x = torch.randn(t, x_val.shape[1], generator=gen, device=device).to(x_val.dtype)
         ids = torch.randint(0, num_experts, (t, k), generator=gen, device=device).to(ids_val.dtype)
         weights = torch.rand(t, k, generator=gen, device=device).to(_val(m.topk_weights).dtype)
-        got = _run(ctx, {m.hidden: x, m.topk_ids: ids, m.topk_weights: weights}, m.output, symbols)
+        try:
+            env = {m.hidden: x, m.topk_ids: ids, m.topk_weights: weights}
+            got = run_subgraph(ctx, env, m.output, symbols, "the experts")
+        except ReplayError as e:
+            raise NoMatch(str(e)) from None
         layout = m.gate_up
         w13 = canonical_experts(param[m.w13], w_kn, layout, param.get(m.w3))
         w2 = canonical_experts(param[m.w2], w_kn)
         b13 = expert_bias(param.get(m.b13), layout)
         want = reference.moe_dense(x, ids, weights, w13, w2, b13, param.get(m.b2), **m.act)
         return calc_diff(got, want)
-
-
-def _run(ctx: PassContext, env: dict, output: fx.Node, symbols: dict) -> torch.Tensor:
-    """Evaluate output from the values in env, parameters and concrete dynamic sizes."""
-    needed, stack = set(), [output]
-    while stack:
-        node = stack.pop()
-        if node not in needed and node not in env:
-            needed.add(node)
-            stack.extend(node.all_input_nodes)
-    env = dict(env)
-    for node in ctx.gm.graph.nodes:
-        if node not in needed:
-            continue
-        if node.op == "placeholder":
-            val = _val(node)
-            if isinstance(val, torch.SymInt):
-                env[node] = _concrete(val, symbols)
-            elif ctx.parameter(node) is not None:
-                env[node] = ctx.parameter(node)[0]
-            else:
-                raise NoMatch(
-                    f"the experts read graph input {node.name} besides the hidden states and the routing"
-                )
-        elif node.op == "call_function":
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-            env[node] = node.target(*args, **kwargs)
-        else:
-            raise NoMatch(f"the experts read {node.op} {node.target}")
-    return env[output]
 
 
 def _block_name(ctx: PassContext, down_weight: fx.Node) -> str:

@@ -1,0 +1,145 @@
+"""`python -m fp8compile bench mqa`: a sparse-attention indexer's logits (DeepSeek-V3.2: H = 64
+heads of D = 128, one key head), ours (Triton) and DeepGEMM's FP8 kernels against the bf16/fp32
+composition transformers runs (DeepseekV32Indexer), compiled by Inductor; and the same
+composition compiled with backend="fp8" (the mqa_logits pass rewrites it).
+
+prefill: M query tokens against N = M keys of one sequence, causal windows.
+decode:  paged, one new token per sequence (next_n = 1), blocks of 64 keys, context C; the
+         kernels read B * C * (D + 4) bytes of FP8 keys and scales: TB/s against that read.
+Times: harness.py (CUDA-graph replay, median us).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import fp8compile
+
+from . import harness
+from .output import save
+
+HEADS, HEAD_DIM, BLOCK = 64, 128, 64
+PREFILL = [4096, 8192]
+DECODE = [(1, 4096), (16, 4096), (64, 4096), (1, 65536), (16, 65536), (64, 65536)]
+
+
+def indexer_score(q, k, w):
+    """transformers' DeepseekV32Indexer score: q (B, S, H, D), k (B, T, D), w (B, S, H) -> (B, S, T)."""
+    scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * HEAD_DIM**-0.5
+    scores = torch.relu(scores)
+    weights = w.float() * HEADS**-0.5
+    return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+
+
+class Indexer(torch.nn.Module):
+    """The score and its mask, as a model holds them."""
+
+    def forward(self, q, k, w, mask=None):
+        score = indexer_score(q, k, w)
+        return score if mask is None else score.masked_fill(~mask, float("-inf"))
+
+
+def _fp8_inputs(q, k, w):
+    """What the kernels take: q and k quantized per row, q's scales and the constants in the weights."""
+    from fp8compile.ops.reference_mqa import quant_rows
+
+    q_fp8, q_scale = quant_rows(q.flatten(0, 1))
+    k_fp8, k_scale = quant_rows(k.flatten(0, 1))
+    weights = w.flatten(0, 1).float() * q_scale * (HEAD_DIM**-0.5 * HEADS**-0.5)
+    return q_fp8, k_fp8, k_scale, weights
+
+
+def _prefill_rows(m: int) -> list[dict]:
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(1, m, HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(1, m, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(1, m, HEADS, device="cuda", generator=gen).bfloat16()
+    causal = torch.ones(m, m, dtype=torch.bool, device="cuda").tril()
+    q_fp8, k_fp8, k_scale, weights = _fp8_inputs(q, k, w)
+    ks = torch.zeros(m, dtype=torch.int32, device="cuda")
+    ke = torch.arange(1, m + 1, dtype=torch.int32, device="cuda")
+    fp8 = fp8compile.backend()
+    bf16_model, fp8_model = torch.compile(Indexer()), torch.compile(Indexer(), backend=fp8)
+    variants = {
+        "bf16_composition": lambda: bf16_model(q, k, w, causal),
+        "fp8_compiled": lambda: fp8_model(q, k, w, causal),
+    }
+    for backend in ("triton", "deep_gemm"):
+        op = torch.ops.fp8compile.mqa_logits
+        variants[backend] = lambda b=backend: op(q_fp8, k_fp8, k_scale, weights, ks, ke, False, 0, b)
+    rows = []
+    for name, fn in variants.items():
+        torch._dynamo.reset()
+        us = harness.time_us([fn])
+        rows.append(dict(kind="prefill", m=m, n=m, variant=name, us=us))
+        print(f"prefill M=N={m} {name:<17} {us if us is None else round(us, 1)} us", flush=True)
+    print(f"fp8 backend: {fp8.report.counts()}")
+    return rows
+
+
+def _decode_rows(batch: int, context: int) -> list[dict]:
+    from fp8compile.ops.reference_mqa import quant_index_cache
+    from fp8compile.ops.triton_mqa import schedule_programs
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    blocks_each = context // BLOCK
+    keys = torch.randn(batch * blocks_each, BLOCK, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+    cache = quant_index_cache(keys)
+    tables = torch.randperm(batch * blocks_each, device="cuda", generator=gen).view(batch, blocks_each)
+    tables = tables.to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, 1, HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(batch, 1, HEADS, device="cuda", generator=gen).bfloat16()
+    k_bf16 = keys[tables.long()].view(batch, context, HEAD_DIM)  # the same keys, contiguous, bf16
+    q_fp8, _, _, weights = _fp8_inputs(q, keys[:1], w)
+    q_fp8 = q_fp8.view(batch, 1, HEADS, HEAD_DIM)
+    bf16_model = torch.compile(Indexer())
+    variants = {"bf16_composition": lambda: bf16_model(q, k_bf16, w)}
+    sms = schedule_programs(q.device)
+    for backend in ("triton", "deep_gemm"):
+        try:
+            sched = torch.ops.fp8compile.paged_mqa_logits_metadata(lens, BLOCK, sms, backend)
+        except Exception as e:  # a backend that cannot run here: its rows say so
+            print(f"    {backend} metadata failed: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        variants[backend] = lambda b=backend, s=sched: torch.ops.fp8compile.paged_mqa_logits(
+            q_fp8, cache, weights, lens, tables, s, context, False, b
+        )
+    rows = []
+    read = batch * context * (HEAD_DIM + 4)
+    for name, fn in variants.items():
+        torch._dynamo.reset()
+        us = harness.time_us([fn])
+        tbps = None if us is None or name == "bf16_composition" else read / us / 1e6
+        rows.append(dict(kind="decode", batch=batch, context=context, variant=name, us=us, tbps=tbps))
+        print(f"decode B={batch} C={context} {name:<17} {us if us is None else round(us, 1)} us", flush=True)
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    lines = []
+    for key in sorted({(r["kind"], r.get("m") or r.get("batch"), r.get("context", 0)) for r in rows}):
+        same = [r for r in rows if (r["kind"], r.get("m") or r.get("batch"), r.get("context", 0)) == key]
+        us = {r["variant"]: r["us"] for r in same}
+        base, tri, dg = us.get("bf16_composition"), us.get("triton"), us.get("deep_gemm")
+        cells = [f"{v}={u:.1f}us" if u else f"{v}=failed" for v, u in us.items()]
+        if base and tri:
+            cells.append(f"bf16/triton={base / tri:.2f}x")
+        if base and us.get("fp8_compiled"):
+            cells.append(f"bf16/fp8_compiled={base / us['fp8_compiled']:.2f}x")
+        if dg and tri:
+            cells.append(f"triton vs deep_gemm={dg / tri:.2f}x")
+        tb = [f"{r['variant']} {r['tbps']:.2f} TB/s" for r in same if r.get("tbps")]
+        lines.append(f"{key[0]} {key[1]}{' C=' + str(key[2]) if key[2] else ''}: " + ", ".join(cells + tb))
+    return "\n".join(lines)
+
+
+def bench_mqa(out: Path, prefill=PREFILL, decode=DECODE) -> list[dict]:
+    rows = []
+    for m in prefill:
+        rows += _prefill_rows(m)
+    for batch, context in decode:
+        rows += _decode_rows(batch, context)
+    return save(out, "bench_mqa.json", rows, _table)
