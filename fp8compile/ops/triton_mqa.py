@@ -241,16 +241,17 @@ def paged_mqa_logits(
     if b == 0 or max_context_len == 0 or programs <= 0:
         return out
     flat = kv_cache.view(-1)
+    tables = block_tables.to(torch.int32)  # its own strides: a copy may not keep the input's
     _paged_mqa_logits_kernel[(programs,)](
         q_fp8.contiguous(),
         flat.view(q_fp8.dtype),
         flat.view(torch.float32),
         weights.float().contiguous(),
         context_lens.reshape(-1).to(torch.int32).contiguous(),
-        block_tables.to(torch.int32),
+        tables,
         schedule.to(torch.int32).contiguous(),
         out,
-        block_tables.stride(0),
+        tables.stride(0),
         out.stride(0),
         max_context_len,
         NEXT_N=next_n,
