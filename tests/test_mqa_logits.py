@@ -3,6 +3,9 @@ kernels (Triton under the CPU interpreter here, on the GPU at real sizes; DeepGE
 imports), the paged index cache and its schedule, and the mqa_logits pass on transformers'
 DeepSeek-V3.2 indexer and on indexers written by hand."""
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -415,7 +418,29 @@ def test_pass_leaves_other_computations_as_they_were(model, reason):
         assert skips == []
     else:
         assert len(skips) == 1 and reason in skips[0].reason
+    # Left as it was: Inductor's bf16 graph against eager, within a few bf16 ulps (2^-8 = 3.9e-3).
     torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
+
+
+GOLDEN = Path(__file__).parent / "golden" / "mqa_logits.diff"
+
+
+def test_golden_graph_diff_of_a_hand_written_indexer(pass_diffs):
+    """The einsum, relu and weighted head sum leave; q and k are quantized per row (amax, scale,
+    cast), the scale constant and q's scales fold into the weights, and one
+    fp8compile::mqa_logits scores each sequence's keys (windows b * T .. (b + 1) * T, compressed
+    columns). Regenerate with FP8COMPILE_UPDATE_GOLDEN=1 after an intended change, and read it."""
+    q, k, w = indexer_inputs(b=2, s=8, t=16, device="cpu")
+    with torch.no_grad():
+        out = torch.compile(
+            EinsumIndexer(), backend=fp8compile.backend(fusions=("mqa_logits",)), dynamic=False
+        )(q, k, w)
+    want = torch.stack([exact_score(q[i] * 0.125, k[i], w[i]) for i in range(2)])
+    assert calc_diff(out, want) < LOGITS_BOUND
+    (diff,) = pass_diffs
+    if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):
+        GOLDEN.write_text(diff)
+    assert diff == GOLDEN.read_text()
 
 
 def test_pass_runs_through_every_length_without_recompiling():

@@ -74,7 +74,6 @@ class NoMatch(Exception):
 
 @dataclasses.dataclass
 class MqaMatch:
-    relu: fx.Node
     q: fx.Node  # (*L, H, D)
     k: fx.Node  # (B, T, D) or (T, D)
     w: fx.Node  # (*L, H)
@@ -180,7 +179,7 @@ def match(relu: fx.Node) -> MqaMatch | str | None:
             if reason is None:
                 on_the_way = [*qs[i + 1 :], *ks[j + 1 :], *ws[v + 1 :], *_chain(relu.args[0])[1:]]
                 on_the_way += _path(relu, after) + _path(out, output)
-                return MqaMatch(relu, q, k, w, output, _scalars(on_the_way))
+                return MqaMatch(q, k, w, output, _scalars(on_the_way))
     return f"the score's pieces are not laid out as q (*L, H, D), k (B, T, D), w (*L, H): {reason}"
 
 
@@ -266,14 +265,12 @@ def indexer_logits(q, k, w, *tensor_scalars, scalars, e8m0: bool, backend: str, 
     for multiply, value in scalars:
         value = next(live) if value is None else value
         weights = weights * value if multiply else weights / value
-    rows = q_fp8.shape[0]
-    if k.dim() == 3:  # sequence b's tokens score keys [b * T, (b + 1) * T): compressed columns
-        tokens = lead[1]
-        ks = (torch.arange(rows, device=q.device) // tokens * t).to(torch.int32)
-        logits = torch.ops.fp8compile.mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ks + t, True, t, backend)
-    else:
-        ks = torch.zeros(rows, dtype=torch.int32, device=q.device)
-        logits = torch.ops.fp8compile.mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ks + t, True, 0, backend)
+    rows = torch.arange(q_fp8.shape[0], device=q.device)
+    # Sequence b's tokens score keys [b * T, (b + 1) * T): compressed columns. Shared keys: all.
+    ks = (rows // lead[1] * t if k.dim() == 3 else rows * 0).to(torch.int32)
+    logits = torch.ops.fp8compile.mqa_logits(
+        q_fp8, k_fp8, k_scale, weights, ks, ks + t, True, t if k.dim() == 3 else 0, backend
+    )
     return logits.view(*lead, t).to(out_dtype)
 
 
