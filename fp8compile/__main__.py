@@ -33,6 +33,7 @@ def _backends(args) -> int:
 
 
 def _models(args) -> int:
+    import concurrent.futures
     import dataclasses
     import json
     import logging
@@ -45,14 +46,15 @@ def _models(args) -> int:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if args.in_process:  # one architecture, its row as JSON on the last line
         (arch,) = args.arch
-        print(json.dumps(dataclasses.asdict(architectures.run(arch))))
+        print(json.dumps(dataclasses.asdict(architectures.run(arch, device=args.device))))
         return 0
     archs = args.arch or architectures.causal_lm_architectures()
     rows = []
     print(architectures.table([]))
-    for arch in archs:
-        rows.append(architectures.run_isolated(arch, args.timeout))
-        print(architectures.table(rows[-1:]).splitlines()[-1], flush=True)
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # each its own process
+        for row in pool.map(lambda arch: architectures.run_isolated(arch, args.timeout, args.device), archs):
+            rows.append(row)
+            print(architectures.table([row]).splitlines()[-1], flush=True)
     counts = {
         status: sum(r.status == status for r in rows) for status in dict.fromkeys(r.status for r in rows)
     }
@@ -83,12 +85,19 @@ def main(argv: list[str] | None = None) -> int:
     models = sub.add_parser(
         "models",
         help="the architecture matrix: transformers causal LMs built small, compiled with backend='fp8' "
-        "on the CPU: what was rewritten, what stayed bf16 and why, logits against the FP8 composition",
+        "on the CPU (or --device cuda): what was rewritten, what stayed bf16 and why, logits against "
+        "the FP8 composition",
     )
     models.add_argument("arch", nargs="*", help="model types (default: every causal LM of transformers)")
     models.add_argument("--out", default=None, help="also write the matrix (Markdown) and JSON here")
     models.add_argument(
         "--timeout", type=int, default=600, help="seconds per architecture, each in its own process"
+    )
+    models.add_argument(
+        "--device", default="cpu", help="cpu (reference kernels) or cuda (the GPU kernels the registry picks)"
+    )
+    models.add_argument(
+        "--jobs", type=int, default=1, help="architectures run at once, each in its own process"
     )
     models.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # one arch, JSON out
     bench = sub.add_parser(

@@ -1,5 +1,7 @@
 """The architecture matrix: causal LMs of the installed transformers, built small with random
-weights and compiled with backend="fp8" on the CPU (`python -m fp8compile models`).
+weights and compiled with backend="fp8" on the CPU (`python -m fp8compile models`), or on the GPU
+with its kernels (`--device cuda`: what the CPU's reference kernels cannot show, such as a
+kernel that is wrong at a small model's shapes).
 
 For each architecture: what was rewritten (counts per kind), what stayed bf16 and why, and the
 logits' calc_diff against eager bf16 beside that of the same model's own unfused block-FP8
@@ -251,16 +253,17 @@ def median_token_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(per_token.median())
 
 
-def run(arch: str, seed: int = 0) -> Row:
-    """One architecture through the matrix (module docstring)."""
+def run(arch: str, seed: int = 0, device: str = "cpu") -> Row:
+    """One architecture through the matrix (module docstring). On "cuda" the compiled model runs
+    the GPU kernels the registry picks, and eager bf16 and the composition run there too."""
     import fp8compile
 
     begin = time.perf_counter()
     row = Row(arch, "failed")
     try:
-        model = build(arch, seed)
+        model = build(arch, seed).to(device)
         torch.manual_seed(seed + 1)
-        ids = torch.randint(0, model.config.vocab_size, (BATCH, TOKENS))
+        ids = torch.randint(0, model.config.vocab_size, (BATCH, TOKENS), device=device)
         with torch.no_grad():
             eager = _logits(model(ids))
             with composition(model):
@@ -299,7 +302,7 @@ def run(arch: str, seed: int = 0) -> Row:
     return row
 
 
-def run_isolated(arch: str, timeout: float = 600) -> Row:
+def run_isolated(arch: str, timeout: float = 600, device: str = "cpu") -> Row:
     """run(arch) in a fresh Python process: an architecture that exhausts memory, hangs or kills
     its process becomes a "failed" row instead of ending the matrix (and compiled graphs do not
     pile up over hundreds of models in one process)."""
@@ -308,7 +311,7 @@ def run_isolated(arch: str, timeout: float = 600) -> Row:
     import sys
 
     begin = time.perf_counter()
-    command = [sys.executable, "-m", "fp8compile", "models", "--in-process", arch]
+    command = [sys.executable, "-m", "fp8compile", "models", "--in-process", "--device", device, arch]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -172,6 +172,11 @@ def _cublas_why_not(request: Request) -> str | None:
         return f"cuBLAS block scaling fails below M = {CUBLAS_MIN_M} (CUBLAS_STATUS_NOT_SUPPORTED at M = 1)"
     if request.n % 128:
         return f"N={request.n} is not a multiple of 128"
+    if request.k % (CUBLAS_K_GROUPS * 128):
+        return (
+            f"K={request.k} is {request.k // 128} groups of 128, not a multiple of {CUBLAS_K_GROUPS}: "
+            "cuBLAS block scaling returns wrong numbers there, with no error"
+        )
     if request.batch_invariant:
         return "picks its kernel by M: not batch-invariant"
     return _cuda_why_not(request, (9, 0))
@@ -180,6 +185,12 @@ def _cublas_why_not(request: Request) -> str | None:
 # Measured on an H200 (../shared/device/README.md): torch._scaled_mm block scaling works at
 # M >= 8 and fails at M = 1.
 CUBLAS_MIN_M = 8
+# Measured on an H100 (torch 2.11, BENCHMARKS.md "cuBLAS block scaling and K"): torch._scaled_mm's
+# 1x128 / 128x128 block scaling is right (calc_diff 2e-7 against the reference) only where K/128,
+# the length of each transposed weight-scale column, is a multiple of 4 (16-byte aligned columns,
+# as cuBLAS wants of the activation scales too). At K/128 = 1, 2, 3, 5, 6, 7, 9 and 38 it returns
+# calc_diff 0.09-1.0 or NaN, with no error; a column stride padded to 4 is refused by torch.
+CUBLAS_K_GROUPS = 4
 
 
 _BACKENDS: dict[str, Backend] = {

@@ -7,6 +7,10 @@ CPU, and must be rewritten where the recipe fits and stay within its accuracy bo
 token's logits calc_diff against eager bf16 no more than 1.15x that of the model's own unfused
 block-FP8 composition, the pooled calc_diff no more than 1.5x (the module says why two)."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -107,3 +111,22 @@ def test_the_matrix_runs_each_architecture_in_its_own_process_and_keeps_going():
     row = architectures.run_isolated("no_such_model_type", timeout=300)
     assert row.arch == "no_such_model_type" and row.status == "not built small"
     assert "KeyError" in row.note
+
+
+def test_the_matrix_runs_architectures_side_by_side_and_prints_them_in_the_order_asked(tmp_path):
+    """`--jobs 2` runs two processes at once (the GPU matrix ran 8); the rows keep their order."""
+    result = subprocess.run(
+        [sys.executable, "-m", "fp8compile", "models", "--jobs", "2", "--out", str(tmp_path)]
+        + ["no_such_model_type", "llama"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads((tmp_path / "models.json").read_text())
+    assert [(r["arch"], r["status"]) for r in rows] == [
+        ("no_such_model_type", "not built small"),
+        ("llama", "rewritten"),
+    ]
+    printed = [line.split("|")[1].strip() for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert printed[1:] == ["no_such_model_type", "llama"]  # after the header

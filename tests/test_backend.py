@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fp8compile
-from fp8compile import weights
+from fp8compile import registry, weights
 from tests.conftest import BF16, GATED_MLP, TWO_GEMMS, randn
 from tests.models import GatedMLP, OddDims
 
@@ -196,6 +196,16 @@ def test_backends_command_names_the_chosen_backend_and_why_not_the_others():
     assert lines[0].startswith("backends for linear N=4096 K=7168 M=1")
     assert any("CHOSEN" in line for line in lines)
     assert any("cublas" in line and "fails below M = 8" in line for line in lines)
+
+
+@pytest.mark.parametrize("k, declined", [(256, True), (896, True), (4864, True), (512, False), (7168, False)])
+def test_cublas_declines_a_k_whose_weight_scale_columns_it_misreads(k, declined, monkeypatch):
+    # K/128 not a multiple of 4: torch._scaled_mm's block scaling returned calc_diff 0.09-1.0 or
+    # NaN with no error on an H100 (tests/test_gpu.py holds every backend that serves to the product).
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100
+    request = registry.Request("linear", torch.device("cuda"), 512, k, 128, 128)
+    why = registry.why_not("cublas", request) or ""
+    assert (f"K={k} is {k // 128} groups of 128, not a multiple of 4" in why) == declined
 
 
 def test_cli_runs_on_an_install_without_triton():

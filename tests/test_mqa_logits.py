@@ -471,13 +471,6 @@ def deepseek_v32(topk: int):
     return model.to(DEVICE)
 
 
-@pytest.mark.xfail(
-    DEVICE == "cuda",
-    reason="not this pass: on an H100 the same model compiled without it (FP8 linears, MoE) already "
-    "gives calc_diff 0.99999 against eager bf16, 0.030 with this pass alone (linears bf16) "
-    "(git show 7c0b067:scripts/mqa_gpu_diag.py); to be found under issue 20",
-    strict=False,
-)
 def test_pass_rewrites_every_deepseek_v32_indexer(captured):
     model = deepseek_v32(topk=16)
     ids = torch.randint(0, 200, (2, 64), device=DEVICE)

@@ -77,7 +77,8 @@ def _cublas(x, b, w_fp8, w_scale, bias, e8m0, act=("silu", 1.702, 7.0)):
     strides exactly (1, M), scale_b w_scale.t() (K/128, N/128). cuBLAS also needs those scale
     columns 16-byte aligned (M = 31 and 33 fail with CUBLAS_STATUS_NOT_SUPPORTED on an H200,
     16 and 32 run), so M is padded to a multiple of 4 with zero rows. It rejects M < 8
-    outright; the registry never routes those here."""
+    outright, and gives wrong numbers, with no error, where K/128 is not a multiple of 4 (the
+    weight-scale columns are then unaligned); the registry routes neither here."""
     x_fp8, x_scale, m = _quantized_activation(x, b, e8m0, "col", rows_multiple=TMA_ALIGN, act=act)
     out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)
     return _finish(out[:m], x, bias)
