@@ -20,7 +20,7 @@ class Rewrite:
         tuple[str, str], ...
     ]  # (("M <= 32", "triton"), ("M > 32", "deep_gemm")) or (("all M", ...),)
     graph: int
-    detail: str = ""  # e.g. the gated activation of a silu_mul rewrite: "silu", "swigluoai"
+    detail: str = ""  # e.g. the gated activation of a silu_mul rewrite: "silu", "swigluoai", "silu_limit"
     recipe: str = "block"  # its scaling: "block", or "rowwise" / "tensor" with "static" / "dynamic" scales
 
 

@@ -152,6 +152,26 @@ class GptOssStyleMLP(nn.Module):
         return self.down_proj((up + 1) * glu)
 
 
+class DeepseekV4StyleMLP(nn.Module):
+    """DeepSeek-V4's shared expert (transformers' DeepseekV4MLP): silu(clamp(gate, max=l)) *
+    clamp(up, -l, l), its swiglu_limit; up_clamped=False leaves up unclamped, which no fused
+    activation computes."""
+
+    def __init__(self, limit=10.0, up_clamped=True):
+        super().__init__()
+        self.limit, self.up_clamped = limit, up_clamped
+        self.gate_proj = nn.Linear(256, 512, bias=False)
+        self.up_proj = nn.Linear(256, 512, bias=False)
+        self.down_proj = nn.Linear(512, 256, bias=False)
+
+    def forward(self, x):
+        gate = self.gate_proj(x).clamp(max=self.limit)
+        up = self.up_proj(x)
+        if self.up_clamped:
+            up = up.clamp(min=-self.limit, max=self.limit)
+        return self.down_proj(F.silu(gate) * up)
+
+
 class GptFastMoE(nn.Module):
     """gpt-fast's MoE feed-forward: router, top-k, then expert weights gathered per token
     (w1[expert_ids]) and applied with einsum; w1 (gate) and w3 (up) separate."""

@@ -173,7 +173,7 @@ def staged_reference(x, ids, weights, w13_fp8, s13, w2_fp8, s2, b13, b2, activat
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-@pytest.mark.parametrize("activation, bias", [("silu", False), ("swigluoai", True)])
+@pytest.mark.parametrize("activation, bias", [("silu", False), ("swigluoai", True), ("silu_limit", False)])
 def test_moe_triton_equals_its_stages_composed_from_the_reference_gemm(tokens, activation, bias):
     args = moe_inputs(tokens, bias=bias)
     out = triton_moe.moe_triton(*args, False, activation=activation)
@@ -193,7 +193,7 @@ def test_moe_triton_equals_its_stages_composed_from_the_reference_gemm(tokens, a
 
 
 @pytest.mark.parametrize("tokens, max_tokens", [(1, 1), (3, 16), (16, 16), (32, 32)])
-@pytest.mark.parametrize("activation, bias", [("silu", False), ("swigluoai", True)])
+@pytest.mark.parametrize("activation, bias", [("silu", False), ("swigluoai", True), ("silu_limit", False)])
 def test_moe_decode_op_gives_the_bits_of_moe_triton(tokens, max_tokens, activation, bias):
     """fp8compile::moe_decode (the op Inductor launches itself at decode sizes) routes in one
     program sized for max_tokens and runs the Triton kernel's 16-row blocks: moe_triton's own
@@ -222,7 +222,7 @@ def test_moe_decode_fits_only_where_moe_triton_routes_in_one_program_with_its_sm
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel runs on an sm_90 GPU only")
-@pytest.mark.parametrize("activation, bias", [("silu", False), ("swigluoai", True)])
+@pytest.mark.parametrize("activation, bias", [("silu", False), ("swigluoai", True), ("silu_limit", False)])
 def test_moe_triton_takes_the_gluon_gemms_from_64_slots_per_expert_with_the_same_numbers(
     monkeypatch, activation, bias
 ):
@@ -296,7 +296,7 @@ class _MaskedGemmOfTheReference:
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 70])
-@pytest.mark.parametrize("activation, bias", [("silu", False), ("swigluoai", True)])
+@pytest.mark.parametrize("activation, bias", [("silu", False), ("swigluoai", True), ("silu_limit", False)])
 def test_masked_deep_gemm_moe_scatters_and_gathers_every_slot_like_the_staged_reference(
     tokens, activation, bias, monkeypatch
 ):

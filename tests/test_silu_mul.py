@@ -4,6 +4,7 @@ quantizes the fp32 product in the same pass (no bf16 product written, no second 
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import fp8compile
 from fp8compile import calc_diff
@@ -11,7 +12,15 @@ from fp8compile.numerics import is_power_of_two
 from fp8compile.ops import reference
 from fp8compile.passes import PASSES, linear_pass
 from tests.conftest import BF16, GATED_MLP, randn
-from tests.models import FusedGateUpMLP, GatedMLP, GeluGatedMLP, GptOssStyleMLP, SigmoidMLP, SiLUModuleMLP
+from tests.models import (
+    DeepseekV4StyleMLP,
+    FusedGateUpMLP,
+    GatedMLP,
+    GeluGatedMLP,
+    GptOssStyleMLP,
+    SigmoidMLP,
+    SiLUModuleMLP,
+)
 
 aten = torch.ops.aten
 FUSED = torch.ops.fp8compile.gated_qlinear.default
@@ -173,6 +182,44 @@ def test_gpt_oss_swigluoai_fuses_with_its_alpha_and_limit(interleaved, captured)
     for op in (*PRODUCT_OPS, aten.clamp_max.default, aten.clamp_min.default, aten.add.Tensor):
         assert g.count(op) == 0, f"{op} of the bf16 activation is still computed"
     assert calc_diff(out, eager) < GATED_MLP
+
+
+def test_deepseek_v4_clamped_swiglu_fuses_with_its_limit(captured):
+    # Inputs large enough that the clamps at +-3 engage on both halves.
+    model = DeepseekV4StyleMLP(limit=3.0).to(BF16)
+    x = randn(2, 37, 256, scale=8.0)
+    out, eager, report = compile_and_run(model, x)
+    (g,) = captured
+    torch._dynamo.reset()
+    unfused, _, _ = compile_and_run(model, x, fusions=())  # the same FP8 linears, act in bf16
+    assert report.counts()["silu_mul"] == 1
+    (fused,) = [r for r in report.rewrites if r.kind == "silu_mul"]
+    assert (fused.name, fused.detail) == ("down_proj", "silu_limit")
+    (node,) = g.ops(FUSED)
+    assert (node.kwargs["activation"], node.kwargs["limit"]) == ("silu_limit", 3.0)
+    for op in (*PRODUCT_OPS, aten.clamp_max.default, aten.clamp_min.default):
+        assert g.count(op) == 0, f"{op} of the bf16 activation is still computed"
+    # Clamped halves carry less of x than free ones, so the FP8 error is above GATED_MLP's on both
+    # sides; the fused one is bounded by its composition (seeds 0-2: 2.68e-3..2.82e-3 against
+    # 2.67e-3..2.82e-3, 1.00x).
+    assert calc_diff(out, eager) < 1.15 * calc_diff(unfused, eager)
+
+
+def test_silu_of_a_clamped_gate_with_a_free_up_stays_bf16_with_the_reason():
+    model = DeepseekV4StyleMLP(limit=3.0, up_clamped=False).to(BF16)
+    out, eager, report = compile_and_run(model, randn(2, 37, 256, scale=8.0))
+    assert report.counts() == {"linear": 3, "silu_mul": 0, "moe": 0, "attention": 0, "mqa_logits": 0}
+    (skip,) = [s for s in report.skips if s.kind == "silu_mul"]
+    assert skip.name == "down_proj" and "clamps other than DeepSeek-V4's" in skip.reason
+
+
+def test_silu_limit_reference_is_deepseek_v4_apply_gate():
+    gate_up = randn(6, 512, scale=5.0).float()
+    gate, up = gate_up.chunk(2, dim=-1)
+    # transformers' DeepseekV4Experts._apply_gate, in arithmetic
+    expected = F.silu(gate.clamp(max=4.0)) * up.clamp(min=-4.0, max=4.0)
+    got = reference.gated(gate, up, "silu_limit", limit=4.0)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_swigluoai_reference_is_gpt_oss_apply_gate():

@@ -184,7 +184,7 @@ def test_linear_decode_op_is_the_decode_kernel_on_prequantized_weights(m, max_m,
     assert_bf16_close(out, reference_linear(x, w_fp8, w_scale, b, e8m0))
 
 
-@pytest.mark.parametrize("activation_name", ["silu", "swigluoai"])
+@pytest.mark.parametrize("activation_name", ["silu", "swigluoai", "silu_limit"])
 def test_linear_decode_op_with_b_is_the_gated_down_projection(activation_name):
     from fp8compile.ops import decode_op  # noqa: F401  (registers the op)
 
@@ -378,12 +378,13 @@ def test_fused_silu_mul_large_m_path_equals_the_plain_gemm_on_the_fp32_product()
     assert_bf16_close(fused, to_bf16_as_the_device_does(plain))
 
 
+@pytest.mark.parametrize("activation", ["swigluoai", "silu_limit"])
 @pytest.mark.parametrize("m", [1, 20])
-def test_swigluoai_on_interleaved_halves_equals_the_plain_kernels_on_the_fp32_product(m):
+def test_clamped_activation_on_interleaved_halves_equals_the_plain_kernels_on_the_fp32_product(m, activation):
     gate_up = randn(m, 512, scale=5.0, device=DEVICE)  # clamps at +-7 engage
     a, b = gate_up[:, ::2], gate_up[:, 1::2]  # strided views: no copy on the way into the kernels
-    h = reference.gated(a, b, "swigluoai", 1.702, 7.0)
-    fused_fp8, fused_scale = triton_quant.quant_act(a, b=b, activation="swigluoai")
+    h = reference.gated(a, b, activation, 1.702, 7.0)
+    fused_fp8, fused_scale = triton_quant.quant_act(a, b=b, activation=activation)
     plain_fp8, plain_scale = triton_quant.quant_act(h)
     torch.testing.assert_close(fused_scale, plain_scale, rtol=1e-6, atol=0)
     assert (
@@ -394,7 +395,7 @@ def test_swigluoai_on_interleaved_halves_equals_the_plain_kernels_on_the_fp32_pr
         < 1e-6
     )
     w_fp8, w_scale = reference.quant_weight_block(randn(128, 256, scale=0.02, device=DEVICE))
-    fused = triton_gemm.gated_linear_small_m(a, b, w_fp8, w_scale, activation="swigluoai")
+    fused = triton_gemm.gated_linear_small_m(a, b, w_fp8, w_scale, activation=activation)
     plain = triton_gemm.linear_small_m(h, w_fp8, w_scale)
     assert_bf16_close(fused, to_bf16_as_the_device_does(plain))
 

@@ -238,9 +238,10 @@ def gated_linear(
 ) -> Tensor:
     """Gated-MLP down projection: linear(act(a, b), w, bias) in FP8, a (gate) and b (up) bf16 (..., K).
 
-    act is "silu" (silu(a) * b) or "swigluoai" (GPT-OSS: clamped, alpha, (b + 1); see
-    reference.gated). It is computed in fp32 and quantized 1x128 in the same pass (inside the
-    GEMM for the decode kernel): the bf16 product is never written, never quantized twice.
+    act is "silu" (silu(a) * b), "swigluoai" (GPT-OSS: clamped, alpha, (b + 1)) or "silu_limit"
+    (DeepSeek-V4: silu(a) * b with a and b clamped); see reference.gated. It is computed in fp32
+    and quantized 1x128 in the same pass (inside the GEMM for the decode kernel): the bf16
+    product is never written, never quantized twice.
     """
     w_fp8, w_scale = fp8_weight(w, w_kn, e8m0)
     return gated_qlinear(a, b, w_fp8, w_scale, bias, e8m0, backend, activation, alpha, limit)

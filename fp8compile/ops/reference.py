@@ -99,7 +99,8 @@ def linear_block(
 #   silu       silu(a) * b                                          Llama, Qwen, Mistral, ...
 #   swigluoai  a' * sigmoid(alpha * a') * (b' + 1), a' = min(a, limit), b' = clamp(b, -limit, limit)
 #              GPT-OSS (alpha 1.702, limit 7.0 there)
-GATED_ACTIVATIONS = ("silu", "swigluoai")
+#   silu_limit silu(a') * b', the same clamps                        DeepSeek-V4 (its swiglu_limit)
+GATED_ACTIVATIONS = ("silu", "swigluoai", "silu_limit")
 
 
 def gated(
@@ -112,6 +113,9 @@ def gated(
     if activation == "swigluoai":
         a, b = a.clamp(max=limit), b.clamp(-limit, limit)
         return a * torch.sigmoid(a * alpha) * (b + 1)
+    if activation == "silu_limit":
+        a, b = a.clamp(max=limit), b.clamp(-limit, limit)
+        return a * torch.sigmoid(a) * b
     raise ValueError(f"activation {activation!r}: valid gated activations are {', '.join(GATED_ACTIVATIONS)}")
 
 

@@ -43,7 +43,7 @@ def quant_group(x, eps, fp8_max, E8M0: tl.constexpr):
 
 
 # Prologue of the quantization: 0 = x itself, else a gated MLP's act(x, b) (reference.gated).
-ACT_CODES = {"silu": 1, "swigluoai": 2}
+ACT_CODES = {"silu": 1, "swigluoai": 2, "silu_limit": 3}  # reference.gated's activations
 
 
 @triton.jit
@@ -73,9 +73,12 @@ def load_activation(
         )
         if ACT == 1:
             x = x * tl.sigmoid(x) * b
-        else:
+        elif ACT == 2:
             x = tl.minimum(x, limit)
             x = x * tl.sigmoid(x * alpha) * (tl.clamp(b, -limit, limit) + 1.0)
+        else:
+            x = tl.minimum(x, limit)
+            x = x * tl.sigmoid(x) * tl.clamp(b, -limit, limit)
     return x
 
 

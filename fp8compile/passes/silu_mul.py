@@ -1,5 +1,5 @@
-"""silu_mul pass: down(act(a, b)) -> fp8compile::gated_qlinear(a, b, w_down's FP8 copy), act silu or
-swigluoai.
+"""silu_mul pass: down(act(a, b)) -> fp8compile::gated_qlinear(a, b, w_down's FP8 copy), act silu,
+swigluoai or silu_limit.
 
 A gated MLP writes the bf16 product silu(gate(x)) * up(x) to memory only to read it back and
 quantize it for the down projection. The fused op computes the product in fp32 and quantizes
@@ -12,7 +12,8 @@ silu as it reaches the ATen graph (after Inductor's decompositions):
     x * sigmoid(x)          written by hand
     aten.silu(x)            where it is not decomposed
 and GPT-OSS's swigluoai, (clamp(up, -l, l) + 1) * (g * sigmoid(alpha * g)), g = clamp(gate, max=l),
-over interleaved (gate_up[..., ::2], [..., 1::2]) or concatenated halves.
+over interleaved (gate_up[..., ::2], [..., 1::2]) or concatenated halves; and DeepSeek-V4's
+silu_limit, silu(clamp(gate, max=l)) * clamp(up, -l, l).
 This pass must run before linear_pass: it claims the down projection's matmul.
 """
 
@@ -123,8 +124,18 @@ def swigluoai_inputs(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | None:
     return None
 
 
+def silu_limit_inputs(gate_c: fx.Node, up_c: fx.Node) -> tuple[fx.Node, fx.Node, dict] | None:
+    """(gate, up, op kwargs) if gate_c = clamp(gate, max=l) and up_c = clamp(up, -l, l), the
+    silu's input and the other factor of a product: DeepSeek-V4's clamped SwiGLU (swiglu_limit)."""
+    gate, lo_g, limit = _clamped(gate_c)
+    up, lo_u, hi_u = _clamped(up_c)
+    if lo_g is None and isinstance(limit, (int, float)) and hi_u == limit and lo_u == -limit:
+        return gate, up, {"activation": "silu_limit", "limit": float(limit)}
+    return None
+
+
 def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
-    """(a, b, op kwargs) if h is a view of act(a, b) (silu or swigluoai) over two bf16 tensors
+    """(a, b, op kwargs) if h is a view of act(a, b) (silu, swigluoai, silu_limit) over two bf16 tensors
     of one shape; a reason if h is a gated product with another activation; None if h is no
     product at all."""
     h = _strip(h, _VIEWS)
@@ -135,6 +146,11 @@ def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
     for a, b, kwargs in candidates:
         if a is None:
             continue
+        if not kwargs and _clamped(a)[0] is not a:  # silu of a clamped gate
+            limited = silu_limit_inputs(a, b)
+            if limited is None:
+                return "silu(clamp(a)) * b with clamps other than DeepSeek-V4's (a <= l, -l <= b <= l)"
+            a, b, kwargs = limited
         a_val, b_val = a.meta["val"], b.meta["val"]
         if a_val.shape != b_val.shape or {a_val.dtype, b_val.dtype} != {torch.bfloat16}:
             return (
