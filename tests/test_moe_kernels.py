@@ -192,7 +192,7 @@ def test_moe_triton_equals_its_stages_composed_from_the_reference_gemm(tokens, a
         # The kernel equals the staged composition bit for bit (calc_diff 0.0 on an H100); against
         # the exact definition the tensor cores' fp32 sums in GEMM 1 flip a few FP8 roundings of
         # the activation: 3.1e-6..1.1e-4 on an H100 over 1, 5 and 40 tokens, silu and silu_limit
-        # (git show MOE_ACT_PROBE:scripts/moe_act_probe.py), 3.3e-6..1.5e-5 on an H200. 2x the worst.
+        # (git show 636e3e4:scripts/moe_act_probe.py), 3.3e-6..1.5e-5 on an H200. 2x the worst.
         assert calc_diff(out.cpu(), ref) < 2.3e-4
 
 
