@@ -7,8 +7,8 @@ SMs (passes/merge.py). Its (M, 2I) output is sliced back into gate and up, which
 pass then reads as the strided halves it already takes from a fused gate_up linear.
 
 Merged: two bf16 linears over the same x whose outputs are the a and b of a silu, swigluoai or
-silu_limit product (silu_mul_pattern), with parameter weights stored the same way, both with a bias or
-neither (the biases are stacked like the weights), each of which the linear pass would
+silu_limit product (silu_mul_pattern), with parameter weights stored the same way, both with a
+bias or neither (the biases are stacked like the weights), each of which the linear pass would
 rewrite. Runs before silu_mul, which then fuses the down projection.
 """
 

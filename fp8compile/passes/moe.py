@@ -5,8 +5,8 @@ A block is found from its expert GEMMs: a batched matmul whose weight operand is
 "grouped_mm" experts) or gathered per token-slot (index(W, [ids]) into bmm: transformers'
 "batched_mm" experts, gpt-fast's einsum over w1[ids]). The down projection is the expert GEMM
 whose input is act(gate, up) (silu, swigluoai or silu_limit, the silu_mul pass's matcher); gate
-and up are the two halves of one expert GEMM (split: concatenated, stride-2 slices: interleaved) or two
-expert GEMMs (w1 and w3). From there the pass walks the graph to the block's other ends:
+and up are the two halves of one expert GEMM (split: concatenated, stride-2 slices: interleaved)
+or two expert GEMMs (w1 and w3). From there the pass walks the graph to the block's other ends:
     hidden states x (T, H)   back from the gate/up GEMM through views and the token gather;
     topk_ids (T, k)          the index of the weight gather, or the input of the expert sort;
     output (T, H)            forward from the down GEMM through the bias, the routing-weight

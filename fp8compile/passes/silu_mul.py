@@ -148,9 +148,11 @@ def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
             continue
         if not kwargs and _clamped(a)[0] is not a:  # silu of a clamped gate
             limited = silu_limit_inputs(a, b)
-            if limited is None:
+            if limited is not None:
+                a, b, kwargs = limited
+            elif {a.meta["val"].dtype, b.meta["val"].dtype} != {torch.bfloat16}:
+                # (a bf16 clamp is just how a was made: silu(a) * b is fused over it below)
                 return "silu(clamp(a)) * b with clamps other than DeepSeek-V4's (a <= l, -l <= b <= l)"
-            a, b, kwargs = limited
         a_val, b_val = a.meta["val"], b.meta["val"]
         if a_val.shape != b_val.shape or {a_val.dtype, b_val.dtype} != {torch.bfloat16}:
             return (
