@@ -169,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         "--device", default=None, help="`bench model`: cuda or cpu (default: cuda if available)"
     )
     bench.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="`bench model`: shard the models over this many GPUs of the host (tensor parallel, NCCL)",
+    )
+    bench.add_argument(
         "--profile",
         action="store_true",
         help="`bench model`: cProfile one more generate() per batch (profile_*.txt: host time by function)",

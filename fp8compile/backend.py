@@ -19,6 +19,7 @@ whether CUDA graphs are on, and if not, why.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -129,12 +130,15 @@ def compile_graph(
             graph_index,
             fake_mode,
             cuda_graphs=bool(patches.get("triton.cudagraphs")),
+            parameters=inputs.parameter_nodes(bound),
+            shards=inputs.shard_notes(bound),
         )
         if dump:
             dump.before(aten_gm)
         run_passes(ctx)
         if dump:
             dump.after(aten_gm)
+        _record_rank(report, graph_index, aten_gm)
         box = kwargs.get("cudagraphs")  # Inductor's: it turns False where CUDA graphs cannot be used
         asked = bool(getattr(box, "value", False))
         keep, dropped = ctx.drop_unused_inputs()
@@ -181,7 +185,21 @@ def compile_graph(
     return compiled
 
 
-def _release_weights(ctx, dropped: list[torch.nn.Parameter]) -> None:
+def _record_rank(report: Report, graph_index: int, gm: fx.GraphModule) -> None:
+    """Under torch.distributed, the report's rank and a digest of the graph our passes made: its
+    code with every subgraph's, numbers left out (a vocab-sharded embedding's offsets are this
+    rank's own). Ranks that compiled the same program show the same digest."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    report.rank = (dist.get_rank(), dist.get_world_size())
+    code = gm.print_readable(print_output=False, include_stride=True, include_device=True)
+    code = re.sub(r"\b\d+(\.\d+)?(e-?\d+)?\b", "#", code)
+    report.digests[graph_index] = hashlib.sha256(code.encode()).hexdigest()[:12]
+
+
+def _release_weights(ctx, dropped: list[torch.Tensor]) -> None:
     """Fp8Config.release_bf16_weights: the parameters this graph reads in bf16 stay on their
     device (brought back if an earlier graph released them); those it dropped for their FP8
     copies are released (release.py)."""
@@ -193,9 +211,7 @@ def _release_weights(ctx, dropped: list[torch.nn.Parameter]) -> None:
     with_copies = {id(values[i]) for d in ctx.derived for i in d.sources}
     with unset_fake_temporarily():  # real host buffers, not the compiler's fakes
         release.keep_resident(
-            value
-            for node, (value, _) in ctx.inputs.items()
-            if isinstance(value, torch.nn.Parameter) and node.users
+            value for node, (value, _) in ctx.inputs.items() if node in ctx.parameters and node.users
         )
         freed = release.release(p for p in dropped if id(p) in with_copies)
     if freed:

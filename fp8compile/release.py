@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import shards
+
 # parameter -> its values in host memory, while released (by identity: tensors compare elementwise)
 _RELEASED = WeakIdKeyDictionary()
 # parameters a compiled graph reads in bf16: never released
@@ -108,7 +110,7 @@ def _refuse_eager(module: torch.nn.Module, args) -> None:
     if torch.compiler.is_compiling():
         return
     for name, p in module._parameters.items():
-        if p is not None and p in _RELEASED:
+        if p is not None and any(t in _RELEASED for t in shards.inner_tensors(p)):  # a DTensor: its shard
             raise RuntimeError(
                 f"fp8compile released the bf16 values of this {type(module).__name__}'s {name!r} "
                 "(Fp8Config(release_bf16_weights=True)): the compiled graphs read its FP8 copy, "

@@ -22,6 +22,9 @@ class Rewrite:
     graph: int
     detail: str = ""  # e.g. the gated activation of a silu_mul rewrite: "silu", "swigluoai", "silu_limit"
     recipe: str = "block"  # its scaling: "block", or "rowwise" / "tensor" with "static" / "dynamic" scales
+    shard: str = (
+        ""  # tensor parallel: this rank's weight in its whole, "Shard(dim=0) over 2 ranks of 512x512"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +50,11 @@ class Report:
         self.cuda_graphs: dict[
             int, str
         ] = {}  # graph index -> whether its calls replay CUDA graphs, or why not
+        # Under torch.distributed: (this rank, world size), and per graph a digest of the graph our
+        # passes handed to Inductor. Every rank of a tensor-parallel model should show the same
+        # rewrites and the same digests; ranks that differ compiled different programs.
+        self.rank: tuple[int, int] | None = None
+        self.digests: dict[int, str] = {}
 
     def counts(self) -> dict[str, int]:
         """Rewrites per kind; every kind in KINDS is present, 0 where nothing matched."""
@@ -67,8 +75,12 @@ class Report:
                 f"\nconfig: recipe={c.recipe}{_scales(c)} e8m0={c.e8m0} batch_invariant={c.batch_invariant} "
                 f"small_m={c.small_m} large_m={c.large_m} autotune={c.autotune}"
             )
+        if self.rank is not None:
+            digests = ", ".join(f"{g}: {d}" for g, d in sorted(self.digests.items()))
+            head += f"\nrank {self.rank[0]} of {self.rank[1]} (torch.distributed); graph digests {digests}"
         lines = [head]
         if self.rewrites:
+            sharded = any(r.shard for r in self.rewrites)
             rows = [
                 (
                     f"{r.kind}[{r.detail}]" if r.detail else r.kind,
@@ -76,11 +88,20 @@ class Report:
                     r.m,
                     f"{r.k} -> {r.n}",
                     r.recipe,
+                    *((r.shard or "whole",) if sharded else ()),
                     "; ".join(f"{side}: {k}" for side, k in r.kernels),
                 )
                 for r in self.rewrites
             ]
-            header = ("kind", "module", "M", "K -> N", "recipe", "kernel")
+            header = (
+                "kind",
+                "module",
+                "M",
+                "K -> N",
+                "recipe",
+                *(("this rank's shard",) if sharded else ()),
+                "kernel",
+            )
             lines += ["", "rewritten:", *_table(header, rows)]
         if self.skips:
             rows = [(s.kind, s.name, s.shape, s.reason) for s in self.skips]

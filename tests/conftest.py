@@ -181,6 +181,12 @@ def ranged_references(monkeypatch) -> tuple[str, ...]:
     the tensors that reach it is tested on the CPU too. Returns the backends option."""
     monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
     monkeypatch.setattr(registry, "DEFAULT_ORDERS", dict(registry.DEFAULT_ORDERS))
+    return register_ranged_references()
+
+
+def register_ranged_references() -> tuple[str, ...]:
+    """ranged_references' backends, registered for the rest of this process (a test's own
+    worker processes)."""
     reference = registry._BACKENDS["reference"]
 
     def serving(lo, hi):

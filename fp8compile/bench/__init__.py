@@ -36,6 +36,7 @@ def main(args) -> int:
             device=args.device,
             profile=args.profile,
             recipe=args.recipe,
+            tp=args.tp,
         )
     else:
         if not torch.cuda.is_available():

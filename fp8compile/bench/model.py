@@ -45,6 +45,7 @@ import torch
 import fp8compile
 
 from .. import architectures
+from . import tp as tp_bench
 from .output import profiled, pyplot
 
 # name -> (transformers model class, config class, config fields). Real widths; layer counts of
@@ -197,13 +198,15 @@ class Variant:
     backend: object  # None = eager
     mode: str | None = None
     own: bool = False  # decode through the user's own torch.compile of model.forward, not a CompileConfig
+    # torch.compile's dynamic; False when sharded (tp.py: DTensor under automatic dynamic shapes fails)
+    dynamic: bool | None = None
 
     def compile_config(self, device):
         from transformers.generation.configuration_utils import CompileConfig
 
         if self.backend is None or self.own:
             return None
-        config = CompileConfig(backend=self.backend, mode=self.mode or "default")
+        config = CompileConfig(backend=self.backend, mode=self.mode or "default", dynamic=self.dynamic)
         config._compile_all_devices = (
             device.type != "cuda"
         )  # transformers compiles generate() on GPUs only otherwise
@@ -298,10 +301,10 @@ def static_cache(model, batch: int, max_len: int, device):
     from transformers import StaticCache
 
     config = model.config.get_text_config(decoder=True)
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     cache = StaticCache(config=model.config, max_cache_len=max_len)
-    cache.early_initialization(batch, heads, head_dim, model.dtype, device)
+    heads = tp_bench.sharded_kv_heads(model) or getattr(config, "num_key_value_heads", None)
+    cache.early_initialization(batch, heads or config.num_attention_heads, head_dim, model.dtype, device)
     return cache
 
 
@@ -320,7 +323,9 @@ def decode(
         compile_config=variant.compile_config(device),
         disable_compile=variant.backend is None or variant.own,
     )
-    cache = static_cache(model, batch, context + steps + 1, device) if variant.own else None
+    # Sharded (--tp), every variant decodes through a cache of this rank's KV heads (tp.py).
+    own_cache = variant.own or tp_bench.sharded_kv_heads(model) is not None
+    cache = static_cache(model, batch, context + steps + 1, device) if own_cache else None
 
     def generate(**more):
         if cache is None:
@@ -399,7 +404,9 @@ def prefill_and_accuracy(
     if asked, one more under cProfile (written to `profile`) and, on a GPU, its GPU time by
     kind of kernel."""
     compiled = (
-        model if variant.backend is None else torch.compile(model, backend=variant.backend, mode=variant.mode)
+        model
+        if variant.backend is None
+        else torch.compile(model, backend=variant.backend, mode=variant.mode, dynamic=variant.dynamic)
     )
     start = time.perf_counter()
     logits = compiled(ids_acc, use_cache=False).logits.float()
@@ -438,32 +445,45 @@ def bench_model(
     device: str | None = None,
     profile: bool = False,
     recipe: str = "block",
+    tp: int = 1,
 ) -> list[dict]:
-    """recipe: the fp8 variants' Fp8Config.recipe (and the unfused composition's)."""
+    """recipe: the fp8 variants' Fp8Config.recipe (and the unfused composition's); tp: shard the
+    model over this many ranks of the host (tp.py), one process each."""
     from tqdm import tqdm
 
+    options = dict(models=models, layers=layers, batches=batches, context=context, steps=steps)
+    options.update(prefill=prefill, variants=variants, profile=profile, recipe=recipe)
+    if tp > 1 and tp_bench.world() == 1:
+        return tp_bench.spawn(bench_model, tp, out_dir, device, **options)
+    leader = tp_bench.is_main()
+    say = print if leader else lambda *a, **k: None
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     models = models or ["llama-3-8b", "qwen2.5-7b", "qwen3-30b-a3b"]
     batches = batches or list(BATCHES)
-    names = variants or list(VARIANTS)
+    names = variants or list(tp_bench.TP_VARIANTS if tp > 1 else VARIANTS)
     rows: list[dict] = []
     out_dir.mkdir(parents=True, exist_ok=True)
     _warm_up_compiler(device)
     total = len(models) * len(names) * (len(batches) + 1)
-    with torch.no_grad(), _cold_compiles(), tqdm(total=total, desc="bench model") as progress:
+    bar = tqdm(total=total, desc="bench model", disable=not leader)
+    with torch.no_grad(), _cold_compiles(), bar as progress:
         for model_name in models:
             model = build(model_name, layers, device)
             n_layers = model.config.num_hidden_layers
             released = MODELS[model_name][2]["num_hidden_layers"]
-            print(
+            say(
                 f"{model_name}: {n_layers} layers ({released} in the released model), "
                 f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, on {device_name}"
+                + (f", sharded over {tp} ranks (tensor parallel)" if tp > 1 else "")
             )
+            if tp > 1:
+                tp_bench.shard(model, tp, device)
             ids_acc = torch.randint(0, model.config.vocab_size, (1, 64), device=device)
             eager_logits = model(ids_acc, use_cache=False).logits.float()
-            base = dict(device=device_name, model=model_name, layers=n_layers, recipe=recipe)
-            if not getattr(model.config, "num_experts", None):
+            base = dict(device=device_name, model=model_name, layers=n_layers, recipe=recipe, tp=tp)
+            # The composition swaps nn.Linear forwards for the reference FP8 linear on whole weights.
+            if not getattr(model.config, "num_experts", None) and tp == 1:
                 with architectures.composition(model, recipe):
                     unfused = fp8compile.calc_diff(
                         model(ids_acc, use_cache=False).logits.float(), eager_logits
@@ -472,7 +492,13 @@ def bench_model(
             for name in sorted(
                 names, key=lambda n: n.startswith("torchao")
             ):  # torchao changes the model: last
+                if tp > 1 and name.startswith("torchao"):
+                    say(f"{name}: not run sharded (torchao quantizes whole weights in place)")
+                    progress.update(len(batches) + 1)
+                    continue
                 variant = _variant(name, recipe)
+                if variant is not None and tp > 1:
+                    variant.dynamic = False
                 if variant is None:
                     progress.update(len(batches) + 1)
                     continue
@@ -490,7 +516,10 @@ def bench_model(
                 progress.update()
                 if variant.own:
                     model.forward = torch.compile(
-                        type(model).forward.__get__(model), backend=variant.backend, mode=variant.mode
+                        type(model).forward.__get__(model),
+                        backend=variant.backend,
+                        mode=variant.mode,
+                        dynamic=variant.dynamic,
                     )
                 try:
                     for batch in batches:
@@ -518,19 +547,19 @@ def bench_model(
                 fp8compile.restore_bf16_weights()
                 if isinstance(variant.backend, fp8compile.Fp8Backend):
                     report = variant.backend.report
-                    print(
+                    say(
                         f"{name}: {report.counts()} over {report.graphs} graphs; CUDA graphs: "
                         f"{sorted(set(report.cuda_graphs.values()))}"
                     )
                     # Why candidates stayed bf16, once per kind and reason (a user's next question).
                     for kind, reason in dict.fromkeys((skip.kind, skip.reason) for skip in report.skips):
-                        print(f"  kept bf16 ({kind}): {reason}")
-                (out_dir / "bench_model.json").write_text(
-                    json.dumps(rows, indent=1)
-                )  # a cut-off run keeps its rows
+                        say(f"  kept bf16 ({kind}): {reason}")
+                if leader:  # a cut-off run keeps its rows
+                    (out_dir / "bench_model.json").write_text(json.dumps(rows, indent=1))
             del model
-    print(model_table(rows))
-    _plot(rows, out_dir / "bench_model.png")
+    if leader:
+        print(model_table(rows))
+        _plot(rows, out_dir / "bench_model.png")
     return rows
 
 
@@ -566,8 +595,10 @@ def model_table(rows: list[dict]) -> str:
         variants = list(dict.fromkeys(r["variant"] for r in mine))
         get = {(r["variant"], r["kind"], r.get("batch")): r for r in mine}
         lines += [
-            f"\n{model}, {mine[0]['layers']} layers, {mine[0]['device']}: decode tokens/s (ms/step), "
-            f"prefill tokens/s, logits calc_diff vs bf16 eager",
+            f"\n{model}, {mine[0]['layers']} layers, {mine[0]['device']}"
+            + (f" x {mine[0]['tp']} (tensor parallel)" if mine[0].get("tp", 1) > 1 else "")
+            + ": decode tokens/s (ms/step), "
+            "prefill tokens/s, logits calc_diff vs bf16 eager",
             f"{'variant':<20}"
             + "".join(f"{'B=' + str(b):>18}" for b in batches)
             + f"{'prefill':>10}{'1st call s':>11}{'peak GB':>9}{'warm GB':>9}"

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from .. import shards
 from ..config import Fp8Config
 from ..derived import DerivedInput
 from ..report import Report, Rewrite, Skip
@@ -63,23 +64,39 @@ def dynamo_input_names(gm: fx.GraphModule) -> list[str | None]:
 @dataclasses.dataclass
 class GraphInputs:
     """The real values behind an ATen graph's placeholders, in AOTAutograd's flat order:
-    the Dynamo graph's own parameters and buffers (lifted by AOTAutograd) then its inputs."""
+    the Dynamo graph's own parameters and buffers (lifted by AOTAutograd) then its inputs, each
+    tensor subclass among them (a tensor-parallel model's DTensor parameter) flattened into the
+    values inside it (shards.py)."""
 
     values: list[Any]
     names: list[str | None]
+    parameters: list[bool]  # a model parameter, or a parameter's local shard
+    shards: list[str]  # how a shard lies in its parameter ("Shard(dim=0) over 2 ranks of 256x512"), or ""
 
     @classmethod
     def from_dynamo(cls, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> GraphInputs:
         lifted = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
-        values = [t for _, t in lifted] + list(example_inputs)
-        names = [qualified_name(n) for n, _ in lifted] + dynamo_input_names(gm)
-        return cls(values, names)
+        outer = [t for _, t in lifted] + list(example_inputs)
+        outer_names = [qualified_name(n) for n, _ in lifted] + dynamo_input_names(gm)
+        inputs = cls([], [], [], [])
+        for value, name in zip(outer, outer_names):
+            for inner, inner_name, shard in shards.flatten(value, name):
+                inputs.values.append(inner)
+                inputs.names.append(inner_name)
+                inputs.parameters.append(
+                    isinstance(value, torch.nn.Parameter) and isinstance(inner, torch.Tensor)
+                )
+                inputs.shards.append(shard)
+        return inputs
 
     def bind(self, aten_gm: fx.GraphModule) -> dict[fx.Node, tuple[Any, str | None]] | str:
         """Map the ATen graph's placeholders to (real value, name), or say why that is not possible."""
         placeholders = list(aten_gm.graph.find_nodes(op="placeholder"))
         if len(placeholders) != len(self.values):
-            return f"graph has {len(placeholders)} inputs but Dynamo passed {len(self.values)}"
+            return (
+                f"graph has {len(placeholders)} inputs but Dynamo passed {len(self.values)} "
+                "(after flattening tensor subclasses)"
+            )
         for node, value in zip(placeholders, self.values):
             fake = node.meta.get("val")
             if isinstance(value, torch.Tensor) != isinstance(fake, torch.Tensor):
@@ -89,7 +106,26 @@ class GraphInputs:
                 )
             if isinstance(value, torch.Tensor) and value.dtype != fake.dtype:
                 return f"input {node.name} has dtype {fake.dtype} in the graph but {value.dtype} from Dynamo"
+            if (
+                isinstance(value, torch.Tensor)
+                and self._static(fake)  # first: comparing a symbolic size would add a guard
+                and tuple(value.shape) != tuple(fake.shape)
+            ):
+                return (
+                    f"input {node.name} has shape {tuple(fake.shape)} in the graph "
+                    f"but {tuple(value.shape)} from Dynamo"
+                )
         return {node: (value, name) for node, value, name in zip(placeholders, self.values, self.names)}
+
+    def parameter_nodes(self, bound: dict[fx.Node, Any]) -> set[fx.Node]:
+        return {node for node, is_param in zip(bound, self.parameters) if is_param}
+
+    def shard_notes(self, bound: dict[fx.Node, Any]) -> dict[fx.Node, str]:
+        return {node: note for node, note in zip(bound, self.shards) if note}
+
+    @staticmethod
+    def _static(fake: torch.Tensor) -> bool:
+        return all(type(d) is int for d in fake.shape)
 
 
 class PassContext:
@@ -102,9 +138,20 @@ class PassContext:
         graph_index: int,
         fake_mode,
         cuda_graphs: bool = False,
+        parameters: set[fx.Node] | None = None,
+        shards: dict[fx.Node, str] | None = None,
     ):
         self.gm = gm
         self.inputs = inputs
+        # The placeholders that are model parameters (or their local shards): weights the passes
+        # may quantize at compile time. By default the inputs whose values are nn.Parameters.
+        self.parameters = (
+            parameters
+            if parameters is not None
+            else {node for node, (value, _) in inputs.items() if isinstance(value, torch.nn.Parameter)}
+        )
+        self.shards = shards or {}  # placeholder -> how its shard lies in its parameter (shards.py)
+        self._shard_by_name = {inputs[node][1]: note for node, note in self.shards.items() if inputs[node][1]}
         self.config = config
         self.report = report
         self.graph_index = graph_index
@@ -183,7 +230,7 @@ class PassContext:
                 keep.append(i)
                 continue
             self.gm.graph.erase_node(node)
-            if isinstance(value, torch.nn.Parameter):
+            if node in self.parameters:
                 dropped.append(value)
         return keep, dropped
 
@@ -200,12 +247,13 @@ class PassContext:
             name, i = f"{base}_{i}", i + 1
         return name
 
-    def parameter(self, node: fx.Node) -> tuple[torch.nn.Parameter, str] | None:
-        """The model parameter a placeholder stands for, with its name; None if not a parameter."""
-        value, name = self.inputs.get(node, (None, None))
-        if isinstance(value, torch.nn.Parameter):
-            return value, name or node.name
-        return None
+    def parameter(self, node: fx.Node) -> tuple[torch.Tensor, str] | None:
+        """The model parameter a placeholder stands for (this rank's shard of a sharded one),
+        with its name; None if not a parameter."""
+        if node not in self.parameters:
+            return None
+        value, name = self.inputs[node]
+        return value, name or node.name
 
     def attr_name(self, hint: str) -> str:
         """A fresh attribute name on the graph module (for subgraphs), readable: _fp8_<hint>[_<i>]."""
@@ -253,10 +301,36 @@ class PassContext:
             scales = "static" if self.config.act_amax is not None else "dynamic"
             recipe = f"{self.config.recipe}, {scales}"
         self.report.rewrites.append(
-            Rewrite(kind, name, m_desc, n, k, tuple(kernels), self.graph_index, detail, recipe)
+            Rewrite(
+                kind,
+                name,
+                m_desc,
+                n,
+                k,
+                tuple(kernels),
+                self.graph_index,
+                detail,
+                recipe,
+                self.shard_of(name),
+            )
         )
 
+    def shard_of(self, module: str) -> str:
+        """How the sharded parameters of a module lie in their whole (tensor parallelism): the
+        weight's "Shard(dim=0) over 2 ranks of 512x512", or per parameter where it has several
+        (routed experts); "" where nothing of it is sharded."""
+        notes = {
+            name[len(module) + 1 :]: note
+            for name, note in self._shard_by_name.items()
+            if name.startswith(module + ".") and "." not in name[len(module) + 1 :]
+        }
+        if list(notes) in (["weight"], ["weight", "bias"]):
+            return notes["weight"]
+        return "; ".join(f"{attr}: {note}" for attr, note in notes.items())
+
     def skipped(self, kind: str, name: str, reason: str, shape: str = "") -> None:
+        if shard := self.shard_of(name):  # the shape in the reason is this rank's shard's
+            reason += f" (this rank's shard: {shard})"
         self.report.skips.append(Skip(kind, name, reason, self.graph_index, shape))
 
 

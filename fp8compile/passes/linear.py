@@ -252,9 +252,7 @@ def replace_with_fp8(
     ctx.rewrote(kind, name, match.x.meta["val"].shape[0], n, k, [(s.label, s.kernel) for s in sides], detail)
 
 
-def linear_replacement(
-    ctx: PassContext, match: LinearMatch, param: torch.nn.Parameter, param_name: str
-) -> None:
+def linear_replacement(ctx: PassContext, match: LinearMatch, param: torch.Tensor, param_name: str) -> None:
     replace_with_fp8(ctx, match, param_name, "linear", torch.ops.fp8compile.qlinear.default, (match.x,))
 
 

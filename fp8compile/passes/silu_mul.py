@@ -204,7 +204,7 @@ def silu_mul_replacement(
     a: fx.Node,
     b: fx.Node,
     act: dict,
-    param: torch.nn.Parameter,
+    param: torch.Tensor,
     param_name: str,
 ) -> None:
     replace_with_fp8(

@@ -1,0 +1,115 @@
+"""`bench model --tp N`: the whole-model bench on N ranks of one host, the model sharded with
+PyTorch's tensor parallelism (DTensor, parallelize_module) before each variant compiles it.
+
+Every rank builds the same random model, shards it Megatron's way (q, k, v, gate, up
+column-sharded; o and down row-sharded, an all-reduce after each; lm_head column-sharded with
+its logits gathered), and runs the same variants in the same order; collectives keep the ranks
+in step, and rank 0 prints and writes. NCCL on GPUs (rank r on cuda:r), gloo on the CPU (the
+plumbing test). Decode runs through the user's own compile of model.forward with a static cache
+made here with this rank's KV heads (the *_own variants): the cache generate() makes for a
+CompileConfig holds every head. Every variant compiles with dynamic=False: under automatic
+dynamic shapes, Dynamo fails on a sharded model's lm_head after the prefill's logits_to_keep
+slice (torch 2.13: "unhashable type: non-nested SymInt" in DTensor's sharding propagation), bf16
+Inductor as much as fp8; a graph per shape is what decode needs anyway (one per batch size).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Under --tp: generate() through a CompileConfig makes a cache of every KV head, which a sharded
+# attention does not fill; these variants decode through a cache of this rank's heads.
+TP_VARIANTS = ("bf16", "bf16_inductor_ro_own", "fp8_ro_own")
+
+
+def shard(model, world: int, device: torch.device) -> None:
+    """Shard a transformers decoder (Llama, Qwen2, Mistral layouts) over `world` ranks in place;
+    a clear error for a model whose layers are not q/k/v/o attention and a gate/up/down MLP."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    config = model.config.get_text_config(decoder=True)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if config.num_attention_heads % world or kv_heads % world:
+        raise SystemExit(
+            f"--tp {world}: {config.num_attention_heads} attention heads and {kv_heads} KV heads "
+            "do not split evenly over the ranks"
+        )
+    plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i, layer in enumerate(model.model.layers):
+        mlp, attn = getattr(layer, "mlp", None), getattr(layer, "self_attn", None)
+        if not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj")) or not all(
+            hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")
+        ):
+            raise SystemExit(
+                f"--tp: layer {i} of {type(model).__name__} is not q/k/v/o attention with a gate/up/down "
+                "MLP (MoE layers are not sharded by this bench)"
+            )
+        prefix = f"model.layers.{i}"
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        ):
+            plan[f"{prefix}.{name}"] = ColwiseParallel()
+        plan[f"{prefix}.self_attn.o_proj"] = RowwiseParallel()
+        plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel()
+    parallelize_module(model, init_device_mesh(device.type, (world,)), plan)
+
+
+def sharded_kv_heads(model) -> int | None:
+    """This rank's KV heads where shard() sharded the model (its k_proj weight is a DTensor);
+    None for a whole model."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    k_proj = getattr(getattr(layers[0], "self_attn", None), "k_proj", None) if layers else None
+    weight = getattr(k_proj, "weight", None)
+    if not hasattr(weight, "to_local"):
+        return None
+    config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return weight.to_local().shape[0] // head_dim
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    """Rank 0, or the only process: the one that prints and writes."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def spawn(bench, world_size: int, out_dir: Path, device: str | None, **kwargs) -> list[dict]:
+    """bench(out_dir, device=this rank's, tp=world_size, **kwargs) on world_size processes of one
+    host (bench: model.bench_model); rank 0's rows, from what it wrote."""
+    import torch.multiprocessing as mp
+
+    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda" and torch.cuda.device_count() < world_size:
+        raise SystemExit(f"--tp {world_size}: this host has {torch.cuda.device_count()} GPU(s)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(bench, world_size, port, kind, out_dir, kwargs), nprocs=world_size)
+    import json
+
+    return json.loads((out_dir / "bench_model.json").read_text())
+
+
+def _rank(rank: int, bench, world_size: int, port: int, kind: str, out_dir: Path, kwargs: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if kind == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if kind == "cuda" else "gloo", rank=rank, world_size=world_size)
+    try:
+        bench(out_dir, device=f"cuda:{rank}" if kind == "cuda" else "cpu", tp=world_size, **kwargs)
+    finally:
+        dist.destroy_process_group()
