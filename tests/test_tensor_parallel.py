@@ -275,20 +275,19 @@ def _qwen3_moe_worker(rank: int, path: str) -> dict:
 
 def test_a_qwen3_moe_sharded_by_transformers_tp_plan_has_its_experts_rewritten_per_shard(tmp_path):
     pytest.importorskip("accelerate")  # transformers' TP plan loads through it
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
+
+    from tests.test_moe import qwen3_moe_config
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(
+    # test_moe's Qwen3-MoE at widths whose shards over 2 ranks are whole 128-blocks
+    config = qwen3_moe_config(
+        "grouped_mm",
         vocab_size=1024,
         hidden_size=512,
         intermediate_size=1024,
-        moe_intermediate_size=256,
-        num_experts=8,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
         num_attention_heads=8,
         num_key_value_heads=4,
-        head_dim=64,
     )
     Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "model")
     ranks = run_ranks(_qwen3_moe_worker, tmp_path, str(tmp_path / "model"))

@@ -137,20 +137,16 @@ class PassContext:
         report: Report,
         graph_index: int,
         fake_mode,
-        cuda_graphs: bool = False,
-        parameters: set[fx.Node] | None = None,
-        shards: dict[fx.Node, str] | None = None,
+        cuda_graphs: bool,
+        parameters: set[fx.Node],
+        shards: dict[fx.Node, str],
     ):
         self.gm = gm
         self.inputs = inputs
         # The placeholders that are model parameters (or their local shards): weights the passes
-        # may quantize at compile time. By default the inputs whose values are nn.Parameters.
-        self.parameters = (
-            parameters
-            if parameters is not None
-            else {node for node, (value, _) in inputs.items() if isinstance(value, torch.nn.Parameter)}
-        )
-        self.shards = shards or {}  # placeholder -> how its shard lies in its parameter (shards.py)
+        # may quantize at compile time (GraphInputs.parameter_nodes).
+        self.parameters = parameters
+        self.shards = shards  # placeholder -> how its shard lies in its parameter (shards.py)
         self._shard_by_name = {inputs[node][1]: note for node, note in self.shards.items() if inputs[node][1]}
         self.config = config
         self.report = report
