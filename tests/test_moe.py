@@ -244,6 +244,33 @@ def test_non_gated_experts_stay_bf16_with_the_reason():
     assert "not a gated product" in skip.reason
 
 
+class DenseExperts(nn.Module):
+    """Llama 4's experts: every token through every expert (bmm over whole (E, K, N) weights), the
+    router's scores scaling the inputs, the experts' outputs summed."""
+
+    def __init__(self, dim=256, inter=256, experts=4):
+        super().__init__()
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, dim, 2 * inter) * 0.02)
+        self.down_proj = nn.Parameter(torch.randn(experts, inter, dim) * 0.02)
+
+    def forward(self, x):
+        scores = torch.sigmoid(self.router(x))  # (T, E)
+        routed = x.repeat(scores.shape[1], 1) * scores.t().reshape(-1, 1)
+        gate, up = torch.bmm(routed.view(scores.shape[1], -1, x.shape[-1]), self.gate_up_proj).chunk(2, -1)
+        out = torch.bmm(up * torch.nn.functional.silu(gate), self.down_proj)
+        return out.sum(0)
+
+
+def test_dense_experts_stay_bf16_with_the_reason_once_per_experts_module():
+    out, eager, report = compile_block(DenseExperts().to(BF16), randn(9, 256))
+    (skip,) = report.skipped("moe")
+    assert skip.name == "(top level)" and "dense experts" in skip.reason and "Llama 4" in skip.reason
+    assert skip.shape == "4x256x512"
+    assert report.counts()["moe"] == 0
+    assert calc_diff(out, eager) < 1e-4  # stays bf16
+
+
 def test_expert_weights_are_quantized_once_at_compile_time_and_the_model_is_untouched(weight_quantizations):
     calls = weight_quantizations
     model = qwen3_moe_block("grouped_mm")

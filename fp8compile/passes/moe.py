@@ -581,13 +581,37 @@ EXPERT_LOOP = (
 )
 
 
+DENSE_EXPERTS = (
+    "dense experts: a bmm of every token through every expert's whole (E, K, N) weight (Llama 4's "
+    "Llama4TextExperts, whose router scales the inputs), not a routed top-k; no FP8 op takes this "
+    "form, so the experts stay bf16"
+)
+
+
+def _dense_expert_weights(ctx: PassContext, node: fx.Node) -> fx.Node | None:
+    """The whole 3-D parameter a bmm reads (through layout ops), not gathered per token: dense experts."""
+    if node.target != aten.bmm.default:
+        return None
+    for w in node.args[:2]:
+        whole = _walk(w, _LAYOUT, lambda n: _param(ctx, n, 3) is not None)
+        if whole is not None:
+            return whole
+    return None
+
+
 def moe_pass(ctx: PassContext) -> None:
     if _one_hot_mask_leaves_graph(ctx):
         ctx.skipped("moe", f"graph {ctx.graph_index}", EXPERT_LOOP)
-    gemms = {}
+    gemms, dense = {}, {}
     for node in ctx.gm.graph.nodes:
-        if node.op == "call_function" and node.target in EXPERT_MATMULS and (g := expert_gemm(ctx, node)):
+        if node.op != "call_function" or node.target not in EXPERT_MATMULS:
+            continue
+        if g := expert_gemm(ctx, node):
             gemms[node] = g
+        elif (w := _dense_expert_weights(ctx, node)) is not None:
+            dense.setdefault(_block_name(ctx, w), w)
+    for name, w in dense.items():  # said once per experts module, not once per GEMM
+        ctx.skipped("moe", name, DENSE_EXPERTS, "x".join(map(str, _val(w).shape)))
     # Each block is taken from its down projection: the expert GEMM that reads the activation.
     for down, role in [(g, _role(g, gemms)) for g in gemms.values()]:
         if role is None:
