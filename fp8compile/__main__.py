@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=["small_m", "large_m", "tiles"],
         help="which Triton kernels `tune` sweeps",
     )
-    from .bench.model import BATCHES, MODELS, VARIANTS
+    from .bench.model import BATCHES, MODELS, PREFILL_BATCHES, VARIANTS
 
     bench.add_argument(
         "--model",
@@ -165,6 +165,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--steps", type=int, default=128, help="`bench model`: decode steps timed")
     bench.add_argument("--prefill", type=int, default=2048, help="`bench model`: tokens of the timed prefill")
+    bench.add_argument(
+        "--prefill-batch",
+        type=int,
+        action="append",
+        help=f"`bench model`: sequences per timed prefill (default {PREFILL_BATCHES})",
+    )
+    bench.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="`bench model`: timed generate() calls per decode point; the median is reported (default 3)",
+    )
     bench.add_argument(
         "--device", default=None, help="`bench model`: cuda or cpu (default: cuda if available)"
     )

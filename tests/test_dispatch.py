@@ -254,6 +254,36 @@ def test_a_side_cut_at_a_token_count_keeps_its_kernel_on_both_parts():
     assert split(static, 128) == static and split(static, 300) == static
 
 
+def test_moe_call_sites_are_cut_after_the_decode_range_so_dynamic_graphs_launch_moe_decode():
+    """inline.moe_decode_cut: a dynamic-M moe call site's triton side is cut after the most tokens
+    (at most small_m) that moe_decode serves with moe_triton's own choices, so that the decode
+    range is its own side (a traced launch); where moe_decode cannot serve small_m tokens the cut
+    comes earlier; no cut where no launch is wanted (CPU, batch invariance, CUDA graphs)."""
+    from types import SimpleNamespace
+
+    from fp8compile.ops.moe_decode_op import decode_fits
+    from fp8compile.passes.dispatch import Side, split
+    from fp8compile.passes.inline import moe_decode_cut
+
+    def ctx(launch=True, **config):
+        return SimpleNamespace(inductor_launch=launch, config=fp8compile.Fp8Config(**config))
+
+    cuda = torch.device("cuda")  # decode_fits is arithmetic: no GPU is touched
+    assert moe_decode_cut(ctx(), 128, 8, cuda) == 33  # Qwen3-30B-A3B: 256 slots, 2 per expert
+    assert moe_decode_cut(ctx(), 8, 2, cuda) == 33  # Mixtral
+    # 8 experts, top-8: from 17 tokens on, 17 slots per expert take 32-row blocks
+    assert decode_fits(8, 8, 16) and not decode_fits(8, 8, 17)
+    assert moe_decode_cut(ctx(), 8, 8, cuda) == 17
+    assert moe_decode_cut(ctx(small_m=8), 128, 8, cuda) == 9
+    assert moe_decode_cut(ctx(small_m=0), 128, 8, cuda) is None
+    assert moe_decode_cut(ctx(), 128, 8, torch.device("cpu")) is None
+    assert moe_decode_cut(ctx(launch=False), 128, 8, cuda) is None
+    assert moe_decode_cut(ctx(batch_invariant=True), 128, 8, cuda) is None
+    # With the Gluon cut, a Qwen3-MoE site gets three triton sides: moe_decode, the op, moe_gluon.
+    sides = split(split([Side("all M", "triton", None, 1)], 33, "triton"), 512, "triton")
+    assert [s.label for s in sides] == ["M <= 32", "32 < M <= 511", "M > 511"]
+
+
 def test_moe_gluon_serves_from_32_slots_per_expert_and_only_where_the_kernel_can_run():
     """moe_gluon_op.min_tokens: the fewest tokens moe_triton runs on the Gluon GEMMs (32 slots per
     expert: 512 tokens for Qwen3-30B-A3B's 128 experts, top-8); fits is False below it, and on a

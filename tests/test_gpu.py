@@ -548,6 +548,15 @@ def _first(y):
     return y[0] if isinstance(y, tuple) else y  # GptOssMLP also returns router scores
 
 
+def _subgraph(code: list[str], suffix: str) -> str:
+    """The body of the one cond branch in Inductor's generated code whose name ends in suffix."""
+    import re
+
+    bodies = re.findall(rf"^def (\w+{suffix})\(args\):\n(.*?)(?=^\S)", "\n".join(code), re.M | re.S)
+    assert len(bodies) == 1, [name for name, _ in bodies]
+    return bodies[0][1]
+
+
 def _default_mode_code(model, tokens: int) -> str:
     """Inductor's generated code for model compiled in default mode on `tokens` tokens (static),
     its one MoE block rewritten."""
@@ -577,6 +586,16 @@ def test_default_mode_moe_decode_side_is_launched_by_inductor_with_the_bits_of_t
         xs = [randn(1, m, 256, device="cuda") for m in (3, 5, 16, 32, 33, 300)]
         for x, got, want in _launched_and_op_path(model, xs):
             assert torch.equal(_first(got), _first(want)), x.shape
+        # A graph of dynamic M (a second batch size) has the decode range as its own side, the
+        # launch: not the op behind the dispatcher (moe_decode_cut).
+        from torch._inductor.utils import run_and_get_code
+
+        torch._dynamo.reset()
+        x = randn(1, 5, 256, device="cuda")
+        torch._dynamo.mark_dynamic(x, 1)
+        _, code = run_and_get_code(torch.compile(model, backend=fp8compile.backend()), x)
+        decode_side = _subgraph(code, "_m_le_32")
+        assert "_moe_gemm_kernel" in decode_side and "torch.ops.fp8compile" not in decode_side
     from tests.test_moe_kernels import quant_experts
 
     args = (

@@ -167,12 +167,13 @@ def _traced_ops():
 
 
 def failing_guards() -> dict[str, list[str]]:
-    """Per traced op, traced at M = 3 and at both ends of its side's range: the guards it added
-    that a token count of its side fails (with the first such count)."""
+    """Per traced op, traced at M = 3, at both ends of its side's range and far above it (a graph
+    compiled for a prefill traces its decode side there): the guards it added that a token count
+    of its side fails (with the first such count)."""
     failing = {}
     for name, call, inputs, served in _traced_ops():
         failing[name] = []
-        for hint in (3, served.start, served.stop - 1):
+        for hint in (3, served.start, served.stop - 1, 4 * served.stop):
             guards, symbols = _traced_op_guards(call, hint, inputs)
             for guard in guards:
                 first = next((v for v in served if not guard.subs({m: v for m in symbols})), None)

@@ -10,6 +10,8 @@
   passes as 0-d CPU tensors are specialized, with a guard: a changed one recompiles).
 """
 
+import statistics
+
 import pytest
 import torch
 from torch import nn
@@ -214,8 +216,16 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path):
         variants=["bf16", "bf16_gqa_ro", "fp8", "fp8_ro", "fp8_ro_release"],
         device="cpu",
         profile=True,
+        repeat=2,
+        prefill_batches=[1, 2],
     )
     decode = {r["variant"]: r for r in rows if r["kind"] == "decode"}
+    # each decode point is the median of `repeat` timed generate() calls, every one kept
+    assert all(len(r["ms_per_step_runs"]) == 2 for r in decode.values())
+    assert all(r["ms_per_step"] == statistics.median(r["ms_per_step_runs"]) for r in decode.values())
+    prefill = {(r["variant"], r["batch"]): r for r in rows if r["kind"] == "prefill"}
+    assert set(prefill) == {(v, b) for v in decode for b in (1, 2)}
+    assert all(r["tokens_per_s"] == r["batch"] * 8 * 1e3 / r["ms"] for r in prefill.values())
     # fp8_ro_release: the user's own compile of model.forward (the prompt through the graphs too),
     # with the bf16 weights released, then restored for what follows
     assert set(decode) == {"bf16", "bf16_gqa_ro", "fp8", "fp8_ro", "fp8_ro_release"}
@@ -225,6 +235,7 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path):
     # fp8 over the bf16 anchor with the same attention rewrite; a ratio needs both of its variants
     table = model_table(rows)
     assert "fp8_ro/bf16_gqa_ro" in table and "fp8_ro/bf16_inductor_ro" not in table
+    assert "2x prefill" in table
     assert (tmp_path / "bench_model.json").exists()
     assert (
         "generate" in (tmp_path / "profile_tiny-llama_fp8_b2.txt").read_text()

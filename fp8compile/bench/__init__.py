@@ -37,6 +37,8 @@ def main(args) -> int:
             profile=args.profile,
             recipe=args.recipe,
             tp=args.tp,
+            repeat=args.repeat,
+            prefill_batches=args.prefill_batch,
         )
     else:
         if not torch.cuda.is_available():

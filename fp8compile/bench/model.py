@@ -131,6 +131,7 @@ VARIANTS = (
     "torchao_rowwise_ro",
 )
 BATCHES = (1, 4, 16, 64)
+PREFILL_BATCHES = (1, 4)  # sequences of `prefill` tokens each
 
 
 def build(name: str, layers: int | None, device: str):
@@ -309,12 +310,20 @@ def static_cache(model, batch: int, max_len: int, device):
 
 
 def decode(
-    model, variant: Variant, batch: int, context: int, steps: int, device, profile: Path | None = None
+    model,
+    variant: Variant,
+    batch: int,
+    context: int,
+    steps: int,
+    device,
+    profile: Path | None = None,
+    repeat: int = 1,
 ) -> dict:
-    """Two generate() calls at this batch size; the second is timed; if asked, a third under
-    cProfile (host time by function, written to `profile`) and, on a GPU, the GPU time per step
-    by kind of kernel (a generate() of `steps` steps minus one of a single step, which leaves the
-    prompt out, over the steps between)."""
+    """A generate() call at this batch size to warm up, then `repeat` timed ones: ms per step is
+    their median (each run's in `ms_per_step_runs`: a lease's host moves a host-bound step between
+    calls); if asked, one more under cProfile (host time by function, written to `profile`) and,
+    on a GPU, the GPU time per step by kind of kernel (a generate() of `steps` steps minus one of
+    a single step, which leaves the prompt out, over the steps between)."""
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
     kwargs = dict(
         attention_mask=torch.ones_like(ids),
@@ -337,24 +346,29 @@ def decode(
     generate()
     _sync(device)
     first_s = time.perf_counter() - start
-    clock, graphs = StepClock(device), _graphs()
+    graphs = _graphs()
     compile_peak_gb = None
     if (
         device.type == "cuda"
     ):  # the peak so far (weights, compile, first call) kept, then the timed call's own
         compile_peak_gb = torch.cuda.max_memory_allocated(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    generate(logits_processor=[clock])
-    _sync(device)
-    second_s = time.perf_counter() - start
-    ms = clock.ms_per_step()
+    runs, second_s = [], None
+    for _ in range(max(1, repeat)):
+        clock = StepClock(device)
+        start = time.perf_counter()
+        generate(logits_processor=[clock])
+        _sync(device)
+        second_s = second_s or time.perf_counter() - start
+        runs.append(clock.ms_per_step())
+    ms = statistics.median(runs)
     row = dict(
         kind="decode",
         batch=batch,
         context=context,
         steps=steps,
         ms_per_step=ms,
+        ms_per_step_runs=runs,
         tokens_per_s=batch * 1e3 / ms,
         first_call_s=first_s,
         warm_call_s=second_s,
@@ -398,11 +412,18 @@ def _time_ms(fn, device, repeat: int) -> float:
 
 
 def prefill_and_accuracy(
-    model, variant: Variant, tokens: int, device, eager_logits, ids_acc, profile: Path | None = None
+    model,
+    variant: Variant,
+    tokens: int,
+    device,
+    eager_logits,
+    ids_acc,
+    profile: Path | None = None,
+    batches=(1,),
 ) -> list[dict]:
-    """Logits calc_diff against bf16 eager (64 tokens), then prefill of `tokens` tokens, timed;
-    if asked, one more under cProfile (written to `profile`) and, on a GPU, its GPU time by
-    kind of kernel."""
+    """Logits calc_diff against bf16 eager (64 tokens), then a prefill of `tokens` tokens at each
+    of `batches`, timed (median of 5); if asked, one more of the first batch under cProfile
+    (written to `profile`) and, on a GPU, its GPU time by kind of kernel."""
     compiled = (
         model
         if variant.backend is None
@@ -416,21 +437,24 @@ def prefill_and_accuracy(
         calc_diff=fp8compile.calc_diff(logits, eager_logits),
         first_call_s=time.perf_counter() - start,
     )
-    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
+    rows = [acc]
+    for batch in batches:
+        ids = torch.randint(0, model.config.vocab_size, (batch, tokens), device=device)
 
-    def step():
-        torch.compiler.cudagraph_mark_step_begin()
-        compiled(ids, use_cache=False, logits_to_keep=1)
+        def step():
+            torch.compiler.cudagraph_mark_step_begin()
+            compiled(ids, use_cache=False, logits_to_keep=1)
 
-    for _ in range(2):
-        step()
-    ms = _time_ms(step, device, repeat=5)
-    row = dict(kind="prefill", batch=1, tokens=tokens, ms=ms, tokens_per_s=tokens * 1e3 / ms)
-    if profile is not None:
-        profiled(step, profile)
-        if device.type == "cuda":
-            _kernel_split(row, _kernel_ms(step), 1)
-    return [acc, row]
+        for _ in range(2):
+            step()
+        ms = _time_ms(step, device, repeat=5)
+        row = dict(kind="prefill", batch=batch, tokens=tokens, ms=ms, tokens_per_s=batch * tokens * 1e3 / ms)
+        if profile is not None and batch == batches[0]:
+            profiled(step, profile)
+            if device.type == "cuda":
+                _kernel_split(row, _kernel_ms(step), 1)
+        rows.append(row)
+    return rows
 
 
 def bench_model(
@@ -446,13 +470,18 @@ def bench_model(
     profile: bool = False,
     recipe: str = "block",
     tp: int = 1,
+    repeat: int = 3,
+    prefill_batches=None,
 ) -> list[dict]:
     """recipe: the fp8 variants' Fp8Config.recipe (and the unfused composition's); tp: shard the
-    model over this many ranks of the host (tp.py), one process each."""
+    model over this many ranks of the host (tp.py), one process each; repeat: timed generate()
+    calls per decode point (their median is reported); prefill_batches: the prefills' batch
+    sizes (default PREFILL_BATCHES)."""
     from tqdm import tqdm
 
     options = dict(models=models, layers=layers, batches=batches, context=context, steps=steps)
-    options.update(prefill=prefill, variants=variants, profile=profile, recipe=recipe)
+    options.update(prefill=prefill, variants=variants, profile=profile, recipe=recipe, repeat=repeat)
+    options.update(prefill_batches=prefill_batches)
     if tp > 1 and tp_bench.world() == 1:
         return tp_bench.spawn(bench_model, tp, out_dir, device, **options)
     leader = tp_bench.is_main()
@@ -461,6 +490,7 @@ def bench_model(
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     models = models or ["llama-3-8b", "qwen2.5-7b", "qwen3-30b-a3b"]
     batches = batches or list(BATCHES)
+    prefill_batches = tuple(prefill_batches or PREFILL_BATCHES)
     names = variants or list(tp_bench.TP_VARIANTS if tp > 1 else VARIANTS)
     rows: list[dict] = []
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -511,7 +541,9 @@ def bench_model(
                     _torchao_rowwise(model)
                 progress.set_postfix_str(f"{model_name} {name}")
                 path = out_dir / f"profile_{model_name}_{name}_prefill.txt" if profile else None
-                for row in prefill_and_accuracy(model, variant, prefill, device, eager_logits, ids_acc, path):
+                for row in prefill_and_accuracy(
+                    model, variant, prefill, device, eager_logits, ids_acc, path, prefill_batches
+                ):
                     rows.append(dict(base, variant=name, **row))
                 progress.update()
                 if variant.own:
@@ -528,7 +560,7 @@ def bench_model(
                             dict(
                                 base,
                                 variant=name,
-                                **decode(model, variant, batch, context, steps, device, path),
+                                **decode(model, variant, batch, context, steps, device, path, repeat),
                             )
                         )
                         progress.update()
@@ -592,6 +624,8 @@ def model_table(rows: list[dict]) -> str:
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         batches = sorted({r["batch"] for r in mine if r["kind"] == "decode"})
+        prefills = sorted({r["batch"] for r in mine if r["kind"] == "prefill"}) or [1]
+        prefill_names = ["prefill" if b == 1 else f"{b}x prefill" for b in prefills]
         variants = list(dict.fromkeys(r["variant"] for r in mine))
         get = {(r["variant"], r["kind"], r.get("batch")): r for r in mine}
         lines += [
@@ -601,7 +635,8 @@ def model_table(rows: list[dict]) -> str:
             "prefill tokens/s, logits calc_diff vs bf16 eager",
             f"{'variant':<20}"
             + "".join(f"{'B=' + str(b):>18}" for b in batches)
-            + f"{'prefill':>10}{'1st call s':>11}{'peak GB':>9}{'warm GB':>9}"
+            + "".join(f"{name:>11}" for name in prefill_names)
+            + f"{'1st call s':>11}{'peak GB':>9}{'warm GB':>9}"
             + f"{'calc_diff':>10}{'recompiles':>11}",
         ]
         for v in variants:
@@ -609,16 +644,14 @@ def model_table(rows: list[dict]) -> str:
             for b in batches:
                 r = get.get((v, "decode", b))
                 cells += f"{r['tokens_per_s']:>9.1f} ({r['ms_per_step']:>5.2f})" if r else f"{'-':>18}"
-            pre, acc, mem = (
-                get.get((v, "prefill", 1)),
-                get.get((v, "accuracy", None)),
-                get.get((v, "memory", None)),
-            )
+            acc, mem = get.get((v, "accuracy", None)), get.get((v, "memory", None))
             first = max(
                 (r["first_call_s"] for r in mine if r["variant"] == v and "first_call_s" in r), default=None
             )
             recompiles = sum(r.get("recompiles", 0) for r in mine if r["variant"] == v)
-            cells += f"{pre['tokens_per_s']:>10.0f}" if pre else f"{'-':>10}"
+            for b in prefills:
+                pre = get.get((v, "prefill", b))
+                cells += f"{pre['tokens_per_s']:>11.0f}" if pre else f"{'-':>11}"
             cells += f"{first:>11.1f}" if first is not None else f"{'-':>11}"
             cells += (
                 f"{mem['peak_gb']:>9.1f}{mem.get('warm_peak_gb', 0.0):>9.1f}" if mem else f"{'-':>9}{'-':>9}"
@@ -640,8 +673,10 @@ def model_table(rows: list[dict]) -> str:
             for b in batches:
                 a, z = get.get((fp8, "decode", b)), get.get((bf16, "decode", b))
                 ratios.append(f"{a['tokens_per_s'] / z['tokens_per_s']:>18.2f}" if a and z else f"{'-':>18}")
-            a, z = get.get((fp8, "prefill", 1)), get.get((bf16, "prefill", 1))
-            pre = f"{a['tokens_per_s'] / z['tokens_per_s']:>10.2f}" if a and z else f"{'-':>10}"
+            pre = ""
+            for b in prefills:
+                a, z = get.get((fp8, "prefill", b)), get.get((bf16, "prefill", b))
+                pre += f"{a['tokens_per_s'] / z['tokens_per_s']:>11.2f}" if a and z else f"{'-':>11}"
             firsts = [
                 max(
                     (r["first_call_s"] for r in mine if r["variant"] == v and "first_call_s" in r),

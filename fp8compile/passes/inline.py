@@ -15,7 +15,8 @@ one token on an H100 lease's host (six launches behind its Python), and fp8compi
 (ops/moe_decode_op.py) is the same six kernels as a triton_op. From 32 routed rows per expert
 up, where the op runs the Gluon GEMMs, fp8compile::moe_gluon (ops/moe_gluon_op.py) is its
 routing, quantizations and top-k sum as launches around two calls of the Gluon GEMM: the moe
-pass cuts the triton side of the dispatch there (moe_gluon_cut). Both read the FP8 expert weights
+pass cuts the triton side of the dispatch at both ends of the op's own range (moe_decode_cut,
+moe_gluon_cut), so a graph of dynamic M takes each launch in its range. Both read the FP8 expert weights
 as graph values, which the moe pass adds to its call site under LAUNCH_OPERANDS (the op itself
 looks them up from the bf16 parameters).
 
@@ -111,6 +112,22 @@ def moe_launch_wanted(
         )
         for side in sides
     )
+
+
+def moe_decode_cut(ctx: PassContext, num_experts: int, top_k: int, device: torch.device) -> int | None:
+    """The token count just past a moe call site's decode range (the most tokens, at most
+    small_m, that moe_decode serves with moe_triton's own choices: decode_fits), where its triton
+    side is cut (dispatch.split) so that the part below can be moe_decode's traced launch; None
+    where no traced launch is wanted. Without the cut the small and medium ranges, both on the
+    triton kernel, are one side, and a graph compiled for dynamic M (generate() at a second batch
+    size) ran every decode step's experts through the op: 0.9 ms of host time a layer under
+    cProfile (H100, Qwen3-30B-A3B widths, batch 4), where a graph of static M takes the launch."""
+    from ..ops.moe_decode_op import decode_fits
+
+    if not (ctx.inductor_launch and device.type == "cuda" and not ctx.config.batch_invariant):
+        return None
+    most = next((m for m in range(ctx.config.small_m, 0, -1) if decode_fits(num_experts, top_k, m)), 0)
+    return most + 1 if most else None
 
 
 def moe_gluon_cut(

@@ -470,9 +470,12 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
     device = param[m.w13].device
     top_k = _val(m.topk_ids).shape[1]
     sides = dispatch.plan(ctx, "moe", device, 2 * inter, h, _val(m.hidden).shape[0])
-    cut = inline.moe_gluon_cut(ctx, e, top_k, 2 * inter, h, device)
-    if cut is not None:
-        sides = dispatch.split(sides, cut, inline.MOE_BACKEND)
+    for cut in (
+        inline.moe_decode_cut(ctx, e, top_k, device),
+        inline.moe_gluon_cut(ctx, e, top_k, 2 * inter, h, device),
+    ):
+        if cut is not None:
+            sides = dispatch.split(sides, cut, inline.MOE_BACKEND)
     kwargs = {
         "e8m0": ctx.config.e8m0,
         "w_kn": w_kn,
