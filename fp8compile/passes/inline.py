@@ -16,9 +16,9 @@ one token on an H100 lease's host (six launches behind its Python), and fp8compi
 up, where the op runs the Gluon GEMMs, fp8compile::moe_gluon (ops/moe_gluon_op.py) is its
 routing, quantizations and top-k sum as launches around two calls of the Gluon GEMM: the moe
 pass cuts the triton side of the dispatch at both ends of the op's own range (moe_decode_cut,
-moe_gluon_cut), so a graph of dynamic M takes each launch in its range. Both read the FP8 expert weights
-as graph values, which the moe pass adds to its call site under LAUNCH_OPERANDS (the op itself
-looks them up from the bf16 parameters).
+moe_gluon_cut), so a graph of dynamic M takes each launch in its range. Both read the FP8
+expert weights as graph values, which the moe pass adds to its call site under LAUNCH_OPERANDS
+(the op itself looks them up from the bf16 parameters).
 
 Our passes run after AOTAutograd, so the branch traces that body (passes/trace.py: once per
 call signature, the layers after the first copy it) and copies the nodes in. Used where the

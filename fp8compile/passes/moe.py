@@ -579,15 +579,16 @@ def _one_hot_mask_leaves_graph(ctx: PassContext) -> bool:
 EXPERT_LOOP = (
     "the routing mask (a one-hot of expert ids) leaves the graph: the experts run as a Python loop over "
     "the experts hit, which Dynamo splits into graphs around data-dependent shapes, so their matmuls run "
-    "in bf16 outside any graph. transformers models: set config._experts_implementation = 'grouped_mm' "
-    "or 'batched_mm'"
+    "in bf16 outside any graph. transformers models whose experts take an experts implementation: set "
+    "config._experts_implementation = 'grouped_mm' or 'batched_mm' (LongCat-Flash's, with identity "
+    "experts, have only this loop)"
 )
 
 
 DENSE_EXPERTS = (
-    "dense experts: a bmm of every token through every expert's whole (E, K, N) weight (Llama 4's "
-    "Llama4TextExperts, whose router scales the inputs), not a routed top-k; no FP8 op takes this "
-    "form, so the experts stay bf16"
+    "dense experts: a bmm over a whole (E, K, N) parameter, every token through every expert (as Llama "
+    "4's Llama4TextExperts, whose router scales the inputs), not a routed top-k; no FP8 op takes a "
+    "batched matmul of whole weights, so it stays bf16"
 )
 
 
