@@ -591,9 +591,8 @@ def test_default_mode_moe_decode_side_is_launched_by_inductor_with_the_bits_of_t
         from torch._inductor.utils import run_and_get_code
 
         torch._dynamo.reset()
-        x = randn(1, 5, 256, device="cuda")
-        torch._dynamo.mark_dynamic(x, 1)
-        _, code = run_and_get_code(torch.compile(model, backend=fp8compile.backend()), x)
+        compiled = torch.compile(model, backend=fp8compile.backend(), dynamic=True)
+        _, code = run_and_get_code(compiled, randn(1, 5, 256, device="cuda"))
         decode_side = _subgraph(code, "_m_le_32")
         assert "_moe_gemm_kernel" in decode_side and "torch.ops.fp8compile" not in decode_side
     from tests.test_moe_kernels import quant_experts
