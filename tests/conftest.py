@@ -204,3 +204,5 @@ def register_ranged_references() -> tuple[str, ...]:
 
 
 RANGES = dict(small_m=32, large_m=64)  # the ranges ranged_references serves
+# bench model's plumbing on the CPU: the tiny Llama, one decode batch of a few steps, a short prefill
+TINY_BENCH = dict(models=["tiny-llama"], batches=[2], context=4, steps=2, prefill=8, device="cpu")

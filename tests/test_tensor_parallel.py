@@ -27,6 +27,7 @@ from fp8compile import calc_diff
 
 pytest.importorskip("transformers")
 from fp8compile.demo import GatedMLP, small_llama  # noqa: E402
+from tests.conftest import TINY_BENCH  # noqa: E402
 from tests.test_llama import fp8_simulated  # noqa: E402
 
 WORLD = 2
@@ -314,16 +315,9 @@ def test_a_qwen3_moe_sharded_by_transformers_tp_plan_has_its_experts_rewritten_p
 def test_bench_model_tp_plumbing_shards_decodes_and_writes_rank_zeros_rows(tmp_path):
     from fp8compile.bench.model import bench_model, model_table
 
+    # one timed call and one prefill batch: test_whole_model's plumbing test covers the others
     rows = bench_model(
-        tmp_path,
-        models=["tiny-llama"],
-        batches=[2],
-        context=4,
-        steps=2,
-        prefill=8,
-        variants=["bf16", "fp8", "fp8_ro_own"],
-        device="cpu",
-        tp=2,
+        tmp_path, **TINY_BENCH, variants=["bf16", "fp8", "fp8_ro_own"], tp=2, repeat=1, prefill_batches=[1]
     )
     decode = {r["variant"]: r for r in rows if r["kind"] == "decode"}
     assert set(decode) == {"bf16", "fp8", "fp8_ro_own"} and all(r["tp"] == 2 for r in rows)

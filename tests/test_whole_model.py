@@ -20,7 +20,7 @@ import fp8compile
 import fp8compile.passes
 from fp8compile import calc_diff
 from fp8compile.passes.context import _same_layout
-from tests.conftest import BF16, RANGES, CountingBackend
+from tests.conftest import BF16, RANGES, TINY_BENCH, CountingBackend
 from tests.models import GatedMLP
 
 pytest.importorskip("transformers")
@@ -208,13 +208,8 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path):
 
     rows = bench_model(
         tmp_path,
-        models=["tiny-llama"],
-        batches=[2],
-        context=4,
-        steps=2,
-        prefill=8,
+        **TINY_BENCH,
         variants=["bf16", "bf16_gqa_ro", "fp8", "fp8_ro", "fp8_ro_release"],
-        device="cpu",
         profile=True,
         repeat=2,
         prefill_batches=[1, 2],
