@@ -93,8 +93,8 @@ def compile_graph(
         # For a graph compiled in this process (compile_threads=1); compile workers read the
         # environment (static_launch_for_user_kernels).
         patches["static_launch_user_defined_triton_kernels"] = True
-    if patches.get("triton.cudagraphs"):
-        _specialize_float_inputs(gm)  # raises to make Dynamo trace the frame again, if there are any
+    # raises to make Dynamo trace the frame again, if there are any to specialize
+    _specialize_float_inputs(gm, arguments_too=bool(patches.get("triton.cudagraphs")))
     graph_index = report.graphs
     report.graphs += 1
     inputs = GraphInputs.from_dynamo(gm, example_inputs)
@@ -253,19 +253,26 @@ def static_launch_for_user_kernels() -> bool:
     return config is None or hasattr(config, "static_launch_user_defined_triton_kernels")
 
 
-def _specialize_float_inputs(gm: fx.GraphModule) -> None:
+def _specialize_float_inputs(gm: fx.GraphModule, arguments_too: bool) -> None:
     """Have Dynamo trace the frame again with the Python floats it passed as graph inputs made
-    constants (guarded: a changed value recompiles), where there are any.
+    constants (guarded: a changed value recompiles), where there are any: those read from a
+    module or an object (RMSNorm.variance_epsilon, attention.scaling, GPT-OSS's experts.alpha and
+    .limit) always, the frame's own float arguments only when arguments_too (under CUDA graphs).
 
-    At dynamic=True Dynamo passes a float it reads from a module (RMSNorm.variance_epsilon,
-    attention.scaling) as a 0-d float64 CPU tensor input. A graph with a CPU input gets no CUDA
-    graphs ("skipping cudagraphs due to cpu device (arg3_1)"), and an unused one still breaks
-    the recording of a graph that follows another. bf16 Inductor gets around the first with graph
-    partitioning, which our graphs run without (a torch.cond would be a partition boundary).
-    Dynamo itself specializes floats it cannot turn into tensors by restarting the trace
-    (TensorifyState): we ask it the same for these, with the same mechanism."""
+    At dynamic=True Dynamo passes such a float as a 0-d float64 CPU tensor input, read with
+    .item() where it is used. The passes need a model's constants as constants: an activation's
+    clamp limit and slope are part of what an FP8 op computes (GPT-OSS's experts stayed bf16 at
+    dynamic=True, with no reason given), as they are in a graph of static shapes. A graph with a
+    CPU input gets no CUDA graphs ("skipping cudagraphs due to cpu device (arg3_1)"), and an
+    unused one still breaks the recording of a graph that follows another. bf16 Inductor gets
+    around the first with graph partitioning, which our graphs run without (a torch.cond would
+    be a partition boundary). A float the caller passes each call (a temperature, a scale) stays
+    an input outside CUDA graphs, so that a new value does not recompile. Dynamo itself
+    specializes floats it cannot turn into tensors by restarting the trace (TensorifyState): we
+    ask it the same for these, with the same mechanism."""
     try:
         from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+        from torch._dynamo.source import LocalSource
         from torch._dynamo.symbolic_convert import TensorifyState
     except ImportError:  # a torch without the mechanism: the report says which input stops CUDA graphs
         return
@@ -273,10 +280,13 @@ def _specialize_float_inputs(gm: fx.GraphModule) -> None:
     for node in gm.graph.find_nodes(op="placeholder"):
         memo = getattr(node.meta.get("example_value"), "item_memo", None)
         name = getattr(getattr(getattr(memo, "node", None), "_expr", None), "name", None)
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        if not arguments_too and (source is None or isinstance(source, LocalSource)):
+            continue
         if name is not None and not TensorifyState.should_specialize(name):
             names.append(name)
     if names:
-        log.info("fp8compile: CUDA graphs asked for: specializing float inputs %s and tracing again", names)
+        log.info("fp8compile: specializing float inputs %s and tracing again", names)
         for name in names:
             TensorifyState.specialize(name)
         raise TensorifyScalarRestartAnalysis

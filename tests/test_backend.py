@@ -432,3 +432,35 @@ def test_report_names_are_the_models_own_whatever_dynamo_calls_the_compiled_root
     from fp8compile.passes.context import qualified_name
 
     assert qualified_name(source) == name
+
+
+def test_dynamic_true_makes_a_modules_float_constants_constants_and_leaves_the_callers_floats_inputs():
+    """At dynamic=True Dynamo passes a float read from a module as a graph input; the backend has
+    it traced again as a guarded constant, so that GPT-OSS's experts (their clamp limit and
+    sigmoid slope are module floats) are rewritten as in a graph of static shapes, and a changed
+    value recompiles. A float the caller passes stays an input: a new value does not recompile."""
+    pytest.importorskip("transformers")
+    from tests.conftest import CountingBackend
+    from tests.test_moe import MOE_BLOCK, gpt_oss_mlp
+
+    model = gpt_oss_mlp("grouped_mm")
+    x = randn(1, 5, 256)
+    with torch.no_grad():
+        static = torch.compile(model, backend=fp8compile.backend())(x)[0] * 0.5
+        torch._dynamo.reset()
+        backend = CountingBackend()
+        compiled = torch.compile(lambda x, scale: model(x)[0] * scale, backend=backend, dynamic=True)
+        out = compiled(x, 0.5)
+        assert backend.report.counts()["moe"] == 1, backend.report
+        assert torch.equal(out, static)
+        compiles = backend.compiles
+        assert torch.equal(compiled(x, 0.25), out / 2)
+        assert compiled(randn(1, 9, 256), 2.0).shape == (1, 9, 256)
+        assert backend.compiles == compiles
+        assert compiles == 2  # the first call had Dynamo trace again with the floats constants
+        model.experts.limit = 0.1  # a guarded constant: a new value recompiles, with the new clamp
+        clamped = compiled(x, 0.5)
+        assert backend.compiles == compiles + 1
+        assert fp8compile.calc_diff(clamped, out) > 0.1  # the clamp bites (0.42 in eager bf16)
+        eager = model(x)[0] * 0.5
+        assert fp8compile.calc_diff(clamped, eager) < MOE_BLOCK
