@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from . import size_conds
 from .config import Fp8Config, make_config
 from .report import Report, Skip
 
@@ -179,7 +180,11 @@ def compile_graph(
     # AOTAutograd's cache would skip our inner compiler on a hit, and with it the report (and
     # the compile-time weight quantization): it is off for graphs we compile. Inductor's FX
     # graph cache stays on; it keys the graph after our passes, which holds no weight values.
-    with torch._functorch.config.patch(enable_autograd_cache=False), _size_conds_keep_cuda_graphs():
+    with (
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        size_conds.keep_cuda_graphs(),
+        size_conds.inline_branches() if config.inline_conds else contextlib.nullcontext(),
+    ):
         compiled = compile_fx(gm, example_inputs, inner_compile=fp8_inner_compile, config_patches=patches)
     log.info("fp8compile graph %d: %s", graph_index, report.counts())
     return compiled
@@ -290,43 +295,6 @@ def _specialize_float_inputs(gm: fx.GraphModule, arguments_too: bool) -> None:
         for name in names:
             TensorifyState.specialize(name)
         raise TensorifyScalarRestartAnalysis
-
-
-@contextlib.contextmanager
-def _size_conds_keep_cuda_graphs():
-    """While our graphs lower: a torch.cond whose predicate is not a tensor leaves Inductor's
-    CUDA-graph decision as it found it.
-
-    Inductor turns CUDA graphs off for any graph with a torch.cond over GPU tensors, because in
-    general the predicate is a tensor that the host must read in the middle of the graph. The
-    M dispatch's conds test M, a size the host knows before the graph runs, and Inductor's CUDA
-    graphs record one graph per value of the graph's int inputs (M among them): each recording
-    takes the one branch that is right for its M. Tensor predicates, and predicates on a size
-    read from a tensor's data (unbacked), keep Inductor's check."""
-    from torch._inductor import ir, lowering
-    from torch._inductor.virtualized import V
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    op = torch.ops.higher_order.cond
-    lower_cond = lowering.lowerings.get(op)
-    if lower_cond is None:  # an Inductor without a cond lowering: nothing to keep
-        yield
-        return
-
-    def lower_size_cond(pred, true_fn, false_fn, operands):
-        if isinstance(pred, ir.IRNode) or free_unbacked_symbols(pred):
-            return lower_cond(pred, true_fn, false_fn, operands)
-        reason = V.graph.disable_cudagraphs_reason
-        try:
-            return lower_cond(pred, true_fn, false_fn, operands)
-        finally:
-            V.graph.disable_cudagraphs_reason = reason
-
-    lowering.lowerings[op] = lower_size_cond
-    try:
-        yield
-    finally:
-        lowering.lowerings[op] = lower_cond
 
 
 # What to do about a known cause of "off", by the model input Inductor's reason names.

@@ -67,6 +67,10 @@ class Fp8Config:
                      as launches in Inductor's generated code (no Python op around them,
                      passes/inline.py) instead of the fp8compile op; None = where CUDA graphs
                      are not asked for (there every call pays the host's cost).
+    inline_conds:    emit the M dispatch's torch.cond branches inline in Inductor's generated code
+                     instead of as a function per branch (size_conds.py): less host time per
+                     call site outside CUDA graphs. Experimental, off until it has run whole
+                     models on a GPU (BENCHMARKS.md, thirty-first session).
     release_bf16_weights: give back the device memory of the bf16 weights no compiled graph reads
                      (those with an FP8 copy): their values move to host memory (release.py)
                      and the eager modules holding them refuse to run until
@@ -89,6 +93,7 @@ class Fp8Config:
     fusions: tuple[str, ...] = FUSIONS
     debug_dir: str | None = dataclasses.field(default_factory=_debug_dir_from_env)
     inductor_launch: bool | None = None
+    inline_conds: bool = False
     release_bf16_weights: bool = False
     act_amax: Mapping[str, float] | None = None
     act_amax_ub: float = 0.0
@@ -97,7 +102,7 @@ class Fp8Config:
         if self.recipe not in RECIPES:
             raise ValueError(f"recipe={self.recipe!r} is not supported; valid recipes: {', '.join(RECIPES)}")
         self._check_recipe_options()
-        for name in ("e8m0", "batch_invariant", "autotune", "release_bf16_weights"):
+        for name in ("e8m0", "batch_invariant", "autotune", "inline_conds", "release_bf16_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.inductor_launch is not None and not isinstance(self.inductor_launch, bool):

@@ -549,12 +549,52 @@ def _first(y):
 
 
 def _subgraph(code: list[str], suffix: str) -> str:
-    """The body of the one cond branch in Inductor's generated code whose name ends in suffix."""
+    """The code of the one cond branch in Inductor's generated code whose name ends in suffix:
+    its function (Inductor's emission) or, with Fp8Config(inline_conds=True), its block from the
+    `# subgraph:` line to the end of its indentation."""
     import re
 
-    bodies = re.findall(rf"^def (\w+{suffix})\(args\):\n(.*?)(?=^\S)", "\n".join(code), re.M | re.S)
-    assert len(bodies) == 1, [name for name, _ in bodies]
-    return bodies[0][1]
+    text = "\n".join(code)
+    bodies = [
+        body for _, body in re.findall(rf"^def (\w+{suffix})\(args\):\n(.*?)(?=^\S)", text, re.M | re.S)
+    ]
+    if not bodies:
+        bodies = [
+            body for _, _, body in re.findall(rf"^( +)# subgraph: (\w+{suffix})\n((?:\1.*\n)*)", text, re.M)
+        ]
+    assert len(bodies) == 1, len(bodies)
+    return bodies[0]
+
+
+@pytest.mark.parametrize("model_name", ["gated_mlp", "qwen3_moe", "gpt_oss", "gpt_fast"])
+def test_inline_conds_give_the_bits_of_inductors_branch_functions(model_name):
+    """Fp8Config(inline_conds=True) (size_conds.inline_branches) changes only how Inductor's
+    wrapper calls the M dispatch's branches: a dynamic-M graph in default mode, run through every
+    range of M (the decode launch, cuBLAS or the MoE op, the Gluon or DeepGEMM side), gives the
+    bits of the same graph with a function per branch, and its code has no branch function."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from tests.models import GatedMLP
+
+    if model_name == "gated_mlp":
+        model = GatedMLP(512, 1024).to(BF16).cuda()
+        xs = [randn(m, 512, device="cuda") for m in (3, 16, 32, 33, 300, 2049)]
+    else:
+        model = _moe_block(model_name)
+        xs = [randn(1, m, 256, device="cuda") for m in (3, 16, 32, 33, 127, 128, 300, 1000)]
+    outs = {}
+    with torch.no_grad():
+        for inline in (False, True):
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend=fp8compile.backend(inline_conds=inline), dynamic=True)
+            first, code = run_and_get_code(compiled, xs[0])
+            functions = re.findall(r"^def (\w+)\(args\):", "\n".join(code), re.M)
+            assert bool(functions) != inline, functions
+            outs[inline] = [first] + [compiled(x) for x in xs[1:]]
+    for x, got, want in zip(xs, outs[True], outs[False]):
+        assert torch.equal(_first(got), _first(want)), x.shape
 
 
 def _default_mode_code(model, tokens: int) -> str:
