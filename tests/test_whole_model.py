@@ -10,6 +10,7 @@
   passes as 0-d CPU tensors are specialized, with a guard: a changed one recompiles).
 """
 
+import dataclasses
 import statistics
 
 import pytest
@@ -236,6 +237,15 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path):
         "generate" in (tmp_path / "profile_tiny-llama_fp8_b2.txt").read_text()
     )  # --profile: host time by function
     assert "step" in (tmp_path / "profile_tiny-llama_fp8_prefill.txt").read_text()  # and of one prefill
+
+
+def test_bench_model_inline_conds_variant_is_default_mode_fp8_with_the_branches_inline():
+    from fp8compile.bench.model import _variant
+
+    inline, plain = _variant("fp8_inline_conds", "rowwise"), _variant("fp8", "rowwise")
+    assert inline.mode is None and inline.backend.config.inline_conds
+    assert not plain.backend.config.inline_conds
+    assert dataclasses.replace(inline.backend.config, inline_conds=False) == plain.backend.config
 
 
 def test_bench_model_splits_gpu_time_by_kernel_kind_attention_and_experts_before_gemm_names():

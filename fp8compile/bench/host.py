@@ -10,6 +10,8 @@ the wall time per call (the same with a sync at the end), layer by layer of the 
     fp8compile        nn.Linear compiled with backend="fp8", default mode: the decode side of the
                       dispatch launched by Inductor (passes/inline.py)
     fp8compile_op_launch  the same with inductor_launch=False: cond, op, kernel
+    fp8compile_inline_conds  fp8compile with Fp8Config(inline_conds=True): the cond's branches
+                      inline in Inductor's generated code, not a function per branch
     fp8_inductor_launch  fp8compile::linear_decode (ops/decode_op.py) compiled by Inductor, the
                       FP8 weight a module buffer: Inductor launches the decode kernel itself
     fp8_op            torch.ops.fp8compile.linear with the decode backend: dispatcher + op body
@@ -92,6 +94,7 @@ def bench_host(
     inductor = torch.compile(model, dynamic=True)
     fp8 = torch.compile(model, backend=fp8compile.backend(), dynamic=True)
     fp8_op_launch = torch.compile(model, backend=fp8compile.backend(inductor_launch=False), dynamic=True)
+    fp8_inline = torch.compile(model, backend=fp8compile.backend(inline_conds=True), dynamic=True)
     decode = torch.compile(_DecodeChain(linears, max(ms)), dynamic=True)
     launcher = triton_gemm._small_m_launch
     rows = []
@@ -103,11 +106,18 @@ def bench_host(
                 "bf16_inductor": lambda: inductor(x),
                 "fp8compile": lambda: fp8(x),
                 "fp8compile_op_launch": lambda: fp8_op_launch(x),
+                "fp8compile_inline_conds": lambda: fp8_inline(x),
                 "fp8_inductor_launch": lambda: decode(x),
                 "fp8_op": lambda: torch.ops.fp8compile.linear(x, w, backend="triton_small_m"),
                 "fp8_kernel": lambda: triton_gemm.linear_small_m(x, w_fp8, w_scale),
             }
-            compiled = ("bf16_inductor", "fp8compile", "fp8compile_op_launch", "fp8_inductor_launch")
+            compiled = (
+                "bf16_inductor",
+                "fp8compile",
+                "fp8compile_op_launch",
+                "fp8compile_inline_conds",
+                "fp8_inductor_launch",
+            )
             for name, fn in variants.items():
                 host, wall = _host_and_wall_us(fn, calls)
                 per = chain if name in compiled else 1
@@ -122,6 +132,7 @@ def bench_host(
                     value=calc_diff(out, fp8(x).float()),
                 )
             )
+            rows.append(dict(m=m, variant="inline_conds_same_bits", value=torch.equal(fp8_inline(x), fp8(x))))
             relaunched = launcher.relaunch and bool(launcher.compiled)
             launcher.relaunch = False
             try:
@@ -148,5 +159,9 @@ def bench_host(
     print(
         "fp8_inductor_launch against fp8compile, calc_diff:",
         [r["value"] for r in rows if r["variant"].endswith("calc_diff")],
+    )
+    print(
+        "fp8compile_inline_conds gives fp8compile's bits:",
+        [r["value"] for r in rows if r["variant"] == "inline_conds_same_bits"],
     )
     return rows

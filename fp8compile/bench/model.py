@@ -6,6 +6,8 @@ said in the output). Variants, in this order (torchao last: it quantizes the mod
     bf16                  eager
     bf16_inductor[_ro]    torch.compile, default mode / mode="reduce-overhead"
     fp8[_ro]              torch.compile(backend=fp8compile.backend()), the same two modes
+    fp8_inline_conds      fp8 with Fp8Config(inline_conds=True): the M dispatch's cond branches
+                          emitted inline in Inductor's code (size_conds.py), default mode
     *_own                 (bf16_inductor_ro_own, fp8_ro_own) decode with the user's own compile:
                           model.forward = torch.compile(model.forward, ...), generate() with
                           compiling off, so the prompt runs through compiled graphs too; the
@@ -124,6 +126,7 @@ VARIANTS = (
     "fp8",
     "fp8_ro",
     "fp8_op_launch",
+    "fp8_inline_conds",
     "fp8_ro_repeat_kv",
     "bf16_inductor_ro_own",
     "fp8_ro_own",
@@ -227,6 +230,8 @@ def _variant(name: str, recipe: str = "block"):
         return Variant(name, fp8compile.backend(fusions=("gqa_attention",), skip=("*",)), mode)
     if name == "fp8_op_launch":
         return Variant(name, fp8compile.backend(inductor_launch=False, recipe=recipe), mode)
+    if name == "fp8_inline_conds":
+        return Variant(name, fp8compile.backend(inline_conds=True, recipe=recipe), mode)
     if name == "fp8_ro_repeat_kv":
         fusions = tuple(f for f in fp8compile.Fp8Config().fusions if f != "gqa_attention")
         return Variant(name, fp8compile.backend(fusions=fusions, recipe=recipe), mode)
