@@ -69,8 +69,9 @@ class Fp8Config:
                      are not asked for (there every call pays the host's cost).
     inline_conds:    emit the M dispatch's torch.cond branches inline in Inductor's generated code
                      instead of as a function per branch (size_conds.py): less host time per
-                     call site outside CUDA graphs. Experimental, off until it has run whole
-                     models on a GPU (BENCHMARKS.md, thirty-first session).
+                     call site outside CUDA graphs. Experimental and off: the same bits as the
+                     functions on the GPU, but no whole-model gain measured (BENCHMARKS.md,
+                     thirty-second session).
     release_bf16_weights: give back the device memory of the bf16 weights no compiled graph reads
                      (those with an FP8 copy): their values move to host memory (release.py)
                      and the eager modules holding them refuse to run until

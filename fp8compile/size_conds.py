@@ -10,24 +10,28 @@ tensor's data, keep Inductor's behaviour):
   Its CUDA graphs record one graph per value of the graph's int inputs (M among them), and each
   recording takes the one branch that is right for its M, so a size cond leaves the decision
   as it was.
-- inline_branches (Fp8Config.inline_conds; off by default until it has run whole models on a
-  GPU): Inductor's Python wrapper emits each branch as a function of its own, and a call of it
-  costs the host an argument list, a size assert per tensor operand, a device guard and
+- inline_branches (Fp8Config.inline_conds; off by default: on an H100 it gives the functions'
+  bits, but no whole model ran faster with it; BENCHMARKS.md, thirty-second session):
+  Inductor's Python wrapper emits each branch as a function of its own, and a call of it costs
+  the host an argument list, a size assert per tensor operand, a device guard and
   torch.cuda.set_device, then asserts on its output: 15-23 us per call site a decode step
   (H100, `bench host --chain 8`, against the branch's kernel launch alone), in default mode
   where no CUDA graph hides the host. Emitted inline (the path Inductor takes for AOT
-  compilation), a branch is its kernel launches under an `if`. Three things the function kept
+  compilation), a branch is its kernel launches under an `if`. Four things the function kept
   apart are kept apart by hand: an operand whose layout Inductor cannot prove equal to what the
   branch was compiled for still gets the branch's size assert (a strided gate half reaching a
   branch compiled for a contiguous input fails as loudly as before); a branch that call sites
-  share is emitted at each with buffers of its own; and the sizes Inductor computes on the host
+  share is emitted at each with buffers of its own; the sizes Inductor computes on the host
   (ps0, ps1, ...) are named from one table for a graph and its branches, so that a name means
-  one expression in the one function they share.
+  one expression in the one function they share; and the buffer-reuse planner weighs a branch's
+  buffers against its own graph's peak memory (Inductor 2.11 keeps one estimate for all lines).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 
 import torch
 
@@ -70,6 +74,8 @@ def inline_branches():
         from torch._inductor.codegen.wrapper import EnterSubgraphLine, ExitSubgraphLine, PythonWrapperCodegen
         from torch._inductor.graph import GraphLowering
         from torch._inductor.virtualized import V
+
+        _peak_estimate_line()  # the buffer-reuse planner's estimate, which our branches swap
     except ImportError:  # another Inductor: its own codegen
         yield
         return
@@ -108,9 +114,11 @@ def inline_branches():
         for head, branch in zip(heads, _branches(conditional)):
             self.writeline(head)
             self.writeline(EnterSubgraphLine(self, branch.graph))
+            self.writeline(_peak_estimate_line()(self, branch.graph))
             _forget_buffers(self, branch.graph.name)
             _assert_unproven_layouts(self, conditional.operands, operands, branch.graph)
             self.codegen_subgraph_by_inlining(branch, operands, outputs)
+            self.writeline(_peak_estimate_line()(self, None))
             self.writeline(ExitSubgraphLine(self))
 
     PythonWrapperCodegen.codegen_conditional = codegen_conditional
@@ -133,6 +141,40 @@ def _shares_size_names(graph, branch_graph) -> bool:
         branch_graph is not None
         and branch_graph.sizevars.precomputed_replacements is graph.sizevars.precomputed_replacements
     )
+
+
+@functools.cache
+def _peak_estimate_line() -> type:
+    """A wrapper line that makes its branch's graph the one the buffer-reuse planner estimates
+    peak memory for (graph), or gives the enclosing graph's estimate back (None).
+
+    The planner asks, before it reuses a freed buffer, whether the peak between the free and the
+    allocation would grow: it looks that up by the allocation's index among its graph's
+    scheduler nodes. Inductors before 2.13 (2.11 on the GPU image) keep one estimate, the
+    outermost graph's, for every line: an inline branch's indices then read another graph's
+    table (past its end: "Start index 12 out of bounds" while compiling a Qwen3-MoE block; within
+    it: a decision on the wrong numbers). Newer Inductors swap it at each subgraph themselves;
+    there this line swaps it again, to an estimate of the same graph. It emits no code."""
+    from torch._inductor import config
+    from torch._inductor.codegen.wrapper import EfficientPeakEstimate, MemoryPlanningLine, NullLine
+    from torch._inductor.virtualized import V
+
+    @dataclasses.dataclass
+    class BranchPeakEstimate(MemoryPlanningLine):
+        graph: object = None
+
+        def plan(self, state):
+            enclosing = self.wrapper.__dict__.setdefault("_fp8_enclosing_peak_estimates", [])
+            if self.graph is None:
+                self.wrapper.estimate_peak = enclosing.pop()
+            else:
+                enclosing.append(getattr(self.wrapper, "estimate_peak", None))
+                if config.allow_buffer_reuse:
+                    with V.set_graph_handler(self.graph):
+                        self.wrapper.estimate_peak = EfficientPeakEstimate()
+            return NullLine(self.wrapper)
+
+    return BranchPeakEstimate
 
 
 def _forget_buffers(wrapper, graph_name: str) -> None:

@@ -193,3 +193,61 @@ def test_a_branch_that_call_sites_share_is_emitted_at_each_with_buffers_of_its_o
     assert branches.count("true_graph_1") == 2 and "true_graph_2" not in branches, branches
     assert BRANCH_FUNCTION.findall(code) == []
     assert torch.allclose(out.float(), three_conds(x).float(), atol=1e-2)
+
+
+def plan_with_one_peak_estimate(wrapper):
+    """Inductor 2.11's buffer-reuse planner (the GPU image's): a planning state per subgraph, but
+    one peak-memory estimate, the outermost graph's, for every line."""
+    from torch._inductor.codegen.wrapper import (
+        EnterSubgraphLine,
+        ExitSubgraphLine,
+        MemoryPlanningLine,
+        MemoryPlanningState,
+    )
+
+    states = [MemoryPlanningState()]
+    for i, line in enumerate(wrapper.lines):
+        if isinstance(line, MemoryPlanningLine):
+            wrapper.lines[i] = line.plan(states[-1])
+        elif isinstance(line, EnterSubgraphLine):
+            states.append(MemoryPlanningState())
+        elif isinstance(line, ExitSubgraphLine):
+            states.pop()
+
+
+@pytest.mark.parametrize("planner", ["inductors", "one_peak_estimate"])
+def test_a_branchs_buffer_reuse_is_planned_against_its_own_graphs_peak_memory(planner, monkeypatch):
+    """Before Inductor reuses a freed buffer it looks up the peak memory between the free and the
+    allocation by their indices among their graph's scheduler nodes. An inline branch's buffers
+    are looked up in the branch's own table, also under a planner that keeps one table for every
+    line (Inductor 2.11's): there the branch's indices ran past the end of the enclosing graph's
+    ("Start index 3 out of bounds [0, 2]"; a Qwen3-MoE block's decode side on the GPU)."""
+    from torch._inductor.codegen import wrapper
+
+    if planner == "one_peak_estimate":
+        monkeypatch.setattr(wrapper.PythonWrapperCodegen, "memory_plan_reuse", plan_with_one_peak_estimate)
+    allocate_lines = []
+    decide = wrapper.AllocateLine.should_reuse_buffer
+
+    def recording(line, free_line, size):
+        allocate_lines.append((line.scheduler_node_index, line.wrapper.estimate_peak.segmented_tree.n))
+        return decide(line, free_line, size)
+
+    monkeypatch.setattr(wrapper.AllocateLine, "should_reuse_buffer", recording)
+
+    def branch(t, w):  # six matmuls (extern kernels) between Inductor kernels: buffers to reuse
+        for _ in range(6):
+            t = torch.mm(t.softmax(-1) + 1, w)
+        return t
+
+    def fn(x, w):
+        return torch.cond(x.shape[0] <= 32, branch, lambda t, w: t * 3, (x, w))
+
+    x, w = torch.randn(8, 64), torch.randn(64, 64) / 8
+    with size_conds.inline_branches():
+        out, (code, *_) = run_and_get_code(torch.compile(fn, dynamic=True), x, w)
+    assert "# subgraph: true_graph_0" in code and BRANCH_FUNCTION.findall(code) == []
+    # reuse was decided in the branch, each time within the table it looked up
+    assert allocate_lines and all(index < nodes for index, nodes in allocate_lines), allocate_lines
+    assert "# reuse" in code
+    assert torch.allclose(out, fn(x, w), atol=1e-4)
