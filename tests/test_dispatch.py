@@ -292,6 +292,6 @@ def test_moe_gluon_serves_from_32_slots_per_expert_and_only_where_the_kernel_can
 
     assert moe_gluon_op.min_tokens(128, 8) == 512 and moe_gluon_op.min_tokens(8, 2) == 128
     assert moe_gluon_op.min_tokens(256, 8) == 1024 and moe_gluon_op.min_tokens(32, 3) == 342
-    assert not moe_gluon_op.fits(128, 8, 511, 1536, 2048, torch.device("cpu"))
-    assert not moe_gluon_op.fits(128, 8, 512, 1536, 2048, torch.device("cpu"))
+    assert not moe_gluon_op.fits(128, 8, 511, 1536, 768, 2048, torch.device("cpu"))
+    assert not moe_gluon_op.fits(128, 8, 512, 1536, 768, 2048, torch.device("cpu"))
     assert gluon_gemm.why_not_shape(2048, 1536, torch.device("cpu")) is not None

@@ -533,14 +533,16 @@ def test_default_mode_decode_side_is_launched_by_inductor_with_the_numbers_of_th
 
 def _moe_block(block: str):
     """An MoE block of 8 experts, top-2, hidden 256, on the GPU: transformers' Qwen3-MoE block,
-    GPT-OSS's MLP (biases, interleaved gate/up rows) or gpt-fast's (separate gate and up weights)."""
+    GPT-OSS's MLP (biases, interleaved gate/up rows), gpt-fast's (separate gate and up weights)
+    or Nemotron-H's (non-gated relu(up)^2 experts)."""
     from tests.models import GptFastMoE
-    from tests.test_moe import gpt_oss_mlp, qwen3_moe_block
+    from tests.test_moe import gpt_oss_mlp, nemotron_h_moe, qwen3_moe_block
 
     return {
         "qwen3_moe": lambda: qwen3_moe_block("grouped_mm"),
         "gpt_oss": lambda: gpt_oss_mlp("grouped_mm"),
         "gpt_fast": lambda: GptFastMoE().to(BF16),
+        "nemotron_h": lambda: nemotron_h_moe("grouped_mm"),
     }[block]().cuda()
 
 
@@ -566,7 +568,7 @@ def _subgraph(code: list[str], suffix: str) -> str:
     return bodies[0]
 
 
-@pytest.mark.parametrize("model_name", ["gated_mlp", "qwen3_moe", "gpt_oss", "gpt_fast"])
+@pytest.mark.parametrize("model_name", ["gated_mlp", "qwen3_moe", "gpt_oss", "gpt_fast", "nemotron_h"])
 def test_inline_conds_give_the_bits_of_inductors_branch_functions(model_name):
     """Fp8Config(inline_conds=True) (size_conds.inline_branches) changes only how Inductor's
     wrapper calls the M dispatch's branches: a dynamic-M graph in default mode, run through every
@@ -608,14 +610,14 @@ def _default_mode_code(model, tokens: int) -> str:
     return "\n".join(code)
 
 
-@pytest.mark.parametrize("block", ["qwen3_moe", "gpt_oss", "gpt_fast"])
+@pytest.mark.parametrize("block", ["qwen3_moe", "gpt_oss", "gpt_fast", "nemotron_h"])
 def test_default_mode_moe_decode_side_is_launched_by_inductor_with_the_bits_of_the_op(block):
     """Outside CUDA graphs the routed experts' decode side is fp8compile::moe_decode traced
     (passes/inline.py): a static two-token graph calls no fp8compile op, only our routing,
     quantization, grouped GEMM and top-k sum kernels; a dynamic graph gives the op path's bits
     (the same kernels with the same choices) through the decode range and the op's above it.
     GPT-OSS: biases and interleaved gate/up rows (its FP8 rows reordered); gpt-fast: separate
-    gate and up weights."""
+    gate and up weights; Nemotron-H: non-gated experts (the up projection alone, relu^2)."""
     from fp8compile.ops import moe_decode_op
 
     model = _moe_block(block)
@@ -633,7 +635,8 @@ def test_default_mode_moe_decode_side_is_launched_by_inductor_with_the_bits_of_t
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=fp8compile.backend(), dynamic=True)
         _, code = run_and_get_code(compiled, randn(1, 5, 256, device="cuda"))
-        decode_side = _subgraph(code, "_m_le_32")
+        # (Nemotron-H's shared expert is two linears, each with its own M dispatch)
+        decode_side = _subgraph(code, "experts_m_le_32" if block == "nemotron_h" else "_m_le_32")
         assert "_moe_gemm_kernel" in decode_side and "torch.ops.fp8compile" not in decode_side
     from tests.test_moe_kernels import quant_experts
 
@@ -652,7 +655,7 @@ def test_default_mode_moe_decode_side_is_launched_by_inductor_with_the_bits_of_t
     )
 
 
-@pytest.mark.parametrize("block", ["qwen3_moe", "gpt_oss", "gpt_fast"])
+@pytest.mark.parametrize("block", ["qwen3_moe", "gpt_oss", "gpt_fast", "nemotron_h"])
 def test_default_mode_moe_gluon_side_is_launched_by_inductor_with_the_numbers_of_the_op(block):
     """Outside CUDA graphs the routed experts from the Gluon GEMMs' first token count up are
     fp8compile::moe_gluon traced (passes/inline.py): a static 300-token graph calls no

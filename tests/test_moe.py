@@ -238,10 +238,65 @@ class ReluSquaredExperts(nn.Module):
         return (y * weights.reshape(-1, 1)).view(x.shape[0], self.top_k, -1).sum(1)
 
 
-def test_non_gated_experts_stay_bf16_with_the_reason():
+def nemotron_h_moe(impl: str):
+    """Nemotron-H's MoE block: non-gated experts down(relu(up(x))^2), a sigmoid router with a
+    score-correction bias (fp32), and a shared expert."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+
+    cfg = transformers.NemotronHConfig(
+        hidden_size=256,
+        moe_intermediate_size=256,
+        moe_shared_expert_intermediate_size=256,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+    )
+    cfg._experts_implementation = impl
+    return init_normal(NemotronHMoE(cfg).to(BF16))
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_nemotron_h_non_gated_relu_squared_experts_are_rewritten(impl, captured):
+    torch.manual_seed(0)
+    out, eager, report = compile_block(nemotron_h_moe(impl), randn(1, 37, 256))
+    (r,) = [r for r in report.rewrites if r.kind == "moe"]
+    # the up projection alone: N = I (256), not 2I
+    assert (r.name, r.detail, r.n, r.k) == ("experts", "8 experts, top-2, none, relu2", 256, 256)
+    (g,) = captured
+    assert sum(g.count(t) for t in EXPERT_GEMMS) == 0
+    # The router stays bf16... here fp32: it casts its weight, and says so.
+    (skip,) = report.skipped("linear")
+    assert skip.name == "gate" and skip.reason.startswith("dtype float32: only bfloat16 linears")
+    assert "cast to float32 before the matmul" in skip.reason
+    assert calc_diff(out, eager) < MOE_BLOCK
+
+
+def test_plain_pytorch_relu_squared_experts_are_rewritten():
     out, eager, report = compile_block(ReluSquaredExperts().to(BF16), randn(9, 256))
+    (r,) = [r for r in report.rewrites if r.kind == "moe"]
+    assert r.detail == "8 experts, top-2, none, relu2"
+    assert calc_diff(out, eager) < MOE_BLOCK
+
+
+class GeluExperts(ReluSquaredExperts):
+    """Non-gated experts with an activation the op has no kernel for: down(gelu(up(x)))."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k, dim=-1)
+        flat = ids.reshape(-1)
+        xs = x.repeat_interleave(self.top_k, dim=0)
+        h = torch.nn.functional.gelu(torch.bmm(self.up[flat], xs.unsqueeze(-1)).squeeze(-1))
+        y = torch.bmm(self.down[flat], h.unsqueeze(-1)).squeeze(-1)
+        return (y * weights.reshape(-1, 1)).view(x.shape[0], self.top_k, -1).sum(1)
+
+
+def test_non_gated_experts_with_another_activation_stay_bf16_naming_it():
+    out, eager, report = compile_block(GeluExperts().to(BF16), randn(9, 256))
     (skip,) = report.skipped("moe")
-    assert "not a gated product" in skip.reason
+    assert "non-gated experts with the activation" in skip.reason and "relu2" in skip.reason, skip.reason
+    assert "gelu" in skip.reason or "erf" in skip.reason, skip.reason
+    assert torch.allclose(out, eager, atol=1e-2)
 
 
 class DenseExperts(nn.Module):
@@ -322,9 +377,9 @@ def slot_by_slot(x, ids, topk_weights, w13, w2, b13=None, b2=None, **act):
             )
             if b13 is not None:
                 h = h + b13[e].float()
-            h, half = h.to(x.dtype), n13 // 2
+            act_args = {"activation": "silu", "alpha": 1.702, "limit": 7.0, **act}
             y = reference.linear_block(
-                reference.gated(h[:, :half], h[:, half:], **act),
+                reference.expert_activation(h.to(x.dtype), **act_args),
                 w2_fp8[rows2],
                 s2[e * n2 // 128 : (e + 1) * n2 // 128],
                 None,
@@ -362,6 +417,27 @@ def test_moe_op_with_biases_and_swigluoai_matches_the_definition():
     act = {"activation": "swigluoai", "alpha": 1.702, "limit": 7.0}
     out = torch.ops.fp8compile.moe(x, ids, tw, w13, w2, None, b13, b2, **act)
     assert torch.equal(out, slot_by_slot(x, ids, tw, w13, w2, b13, b2, **act))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_moe_op_with_non_gated_relu2_experts_matches_the_definition(bias):
+    """gate_up="none": w13 is the up projection alone (E, I, H), an expert down(relu(up(x))^2)."""
+    ids, x, tw = torch.tensor([[0, 3], [3, 3], [1, 2]]), randn(3, 256), torch.rand(3, 2).to(BF16)
+    w13, w2, b13, b2 = random_experts(bias=bias)
+    up, b_up = w13[:, :256].contiguous(), None if b13 is None else b13[:, :256].contiguous()
+    act = {"gate_up": "none", "activation": "relu2"}
+    out = torch.ops.fp8compile.moe(x, ids, tw, up, w2, None, b_up, b2, **act)
+    assert torch.equal(out, slot_by_slot(x, ids, tw, up, w2, b_up, b2, activation="relu2"))
+    torch.library.opcheck(torch.ops.fp8compile.moe.default, (x, ids, tw, up, w2, None, b_up, b2), act)
+
+
+def test_moe_op_refuses_an_activation_that_does_not_fit_the_layout():
+    ids, x, tw = torch.tensor([[0, 3]]), randn(1, 256), torch.rand(1, 2).to(BF16)
+    w13, w2, _, _ = random_experts()
+    with pytest.raises(RuntimeError, match="valid non-gated activations"):
+        torch.ops.fp8compile.moe(x, ids, tw, w13[:, :256], w2, gate_up="none")  # silu needs a gate
+    with pytest.raises(RuntimeError, match="valid gated activations"):
+        torch.ops.fp8compile.moe(x, ids, tw, w13, w2, activation="relu2")  # relu2 has no gate
 
 
 def test_moe_op_reads_interleaved_separate_and_transposed_weight_layouts_alike():

@@ -70,15 +70,22 @@ def quant_experts(w):
     return w_fp8.reshape(e, n, k), scale.reshape(e, n // 128, k // 128)
 
 
-def moe_inputs(tokens, num_experts=4, hidden=256, inter=256, top_k=2, bias=False, seed=0):
+# Gated (gate and up halves) and non-gated (Nemotron-H's relu(up)^2) experts, with and without biases.
+ACTIVATIONS = [("silu", False), ("swigluoai", True), ("silu_limit", False), ("relu2", False), ("relu2", True)]
+
+
+def moe_inputs(tokens, num_experts=4, hidden=256, inter=256, top_k=2, bias=False, seed=0, activation="silu"):
+    """The moe kernels' operands: w13 gate rows then up rows, or up rows alone for a non-gated
+    activation (reference.UNARY_ACTIVATIONS)."""
     g = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.05).bfloat16()
+    n13 = inter if activation in reference.UNARY_ACTIVATIONS else 2 * inter
+    w13 = (torch.randn(num_experts, n13, hidden, generator=g) * 0.05).bfloat16()
     w2 = (torch.randn(num_experts, hidden, inter, generator=g) * 0.05).bfloat16()
     (w13_fp8, s13), (w2_fp8, s2) = quant_experts(w13), quant_experts(w2)
     x = randn(tokens, hidden) if ON_GPU else fp8_exact_activation(tokens, hidden)
     ids = torch.randint(0, num_experts, (tokens, top_k), generator=g)
     weights = torch.rand(tokens, top_k, generator=g).bfloat16()
-    b13 = (torch.randn(num_experts, 2 * inter, generator=g) * 0.1).bfloat16() if bias else None
+    b13 = (torch.randn(num_experts, n13, generator=g) * 0.1).bfloat16() if bias else None
     b2 = (torch.randn(num_experts, hidden, generator=g) * 0.1).bfloat16() if bias else None
     to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
     return [to(t) for t in (x, ids, weights, w13_fp8, s13, w2_fp8, s2, b13, b2)]
@@ -150,16 +157,16 @@ def staged_reference(x, ids, weights, w13_fp8, s13, w2_fp8, s2, b13, b2, activat
     t, k = ids.shape
     flat = ids.reshape(-1)
     token = torch.arange(t * k, device=x.device) // k
-    half = w13_fp8.shape[1] // 2
     x_fp8, x_scale = triton_quant.quant_act(x)
-    c1 = torch.zeros(t * k, 2 * half, dtype=torch.bfloat16, device=x.device)
+    c1 = torch.zeros(t * k, w13_fp8.shape[1], dtype=torch.bfloat16, device=x.device)
     for e in flat.unique().tolist():
         rows = (flat == e).nonzero().squeeze(1)
         exact = reference.gemm_block(
             x_fp8[token[rows]], x_scale[token[rows]], w13_fp8[e], s13[e], None, torch.float64
         )
         c1[rows] = to_bf16_as_the_device_does(exact + (b13[e].double() if b13 is not None else 0))
-    h_fp8, h_scale = triton_quant.quant_act(c1[:, :half], b=c1[:, half:], activation=activation)
+    gate, up = reference.act_operands(c1, activation)
+    h_fp8, h_scale = triton_quant.quant_act(gate, b=up, activation=activation)
     out = torch.zeros(t * k, w2_fp8.shape[1], dtype=torch.float64, device=x.device)
     for e in flat.unique().tolist():
         rows = (flat == e).nonzero().squeeze(1)
@@ -173,9 +180,9 @@ def staged_reference(x, ids, weights, w13_fp8, s13, w2_fp8, s2, b13, b2, activat
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-@pytest.mark.parametrize("activation, bias", [("silu", False), ("swigluoai", True), ("silu_limit", False)])
+@pytest.mark.parametrize("activation, bias", ACTIVATIONS)
 def test_moe_triton_equals_its_stages_composed_from_the_reference_gemm(tokens, activation, bias):
-    args = moe_inputs(tokens, bias=bias)
+    args = moe_inputs(tokens, bias=bias, activation=activation)
     out = triton_moe.moe_triton(*args, False, activation=activation)
     if ON_GPU:
         # The reference sums GEMM 1 exactly, the tensor cores in (reduced-precision) fp32: a gate|up
@@ -197,14 +204,14 @@ def test_moe_triton_equals_its_stages_composed_from_the_reference_gemm(tokens, a
 
 
 @pytest.mark.parametrize("tokens, max_tokens", [(1, 1), (3, 16), (16, 16), (32, 32)])
-@pytest.mark.parametrize("activation, bias", [("silu", False), ("swigluoai", True), ("silu_limit", False)])
+@pytest.mark.parametrize("activation, bias", ACTIVATIONS)
 def test_moe_decode_op_gives_the_bits_of_moe_triton(tokens, max_tokens, activation, bias):
     """fp8compile::moe_decode (the op Inductor launches itself at decode sizes) routes in one
     program sized for max_tokens and runs the Triton kernel's 16-row blocks: moe_triton's own
     choices there, so the same bits for any token count up to max_tokens."""
     from fp8compile.ops import moe_decode_op
 
-    args = moe_inputs(tokens, bias=bias)
+    args = moe_inputs(tokens, bias=bias, activation=activation)
     assert moe_decode_op.decode_fits(4, 2, max_tokens)
     out = torch.ops.fp8compile.moe_decode(*args, False, max_tokens, activation=activation)
     assert torch.equal(out, triton_moe.moe_triton(*args, False, activation=activation))
@@ -226,7 +233,7 @@ def test_moe_decode_fits_only_where_moe_triton_routes_in_one_program_with_its_sm
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel runs on an sm_90 GPU only")
-@pytest.mark.parametrize("activation, bias", [("silu", False), ("swigluoai", True), ("silu_limit", False)])
+@pytest.mark.parametrize("activation, bias", ACTIVATIONS)
 def test_moe_triton_takes_the_gluon_gemms_from_64_slots_per_expert_with_the_same_numbers(
     monkeypatch, activation, bias
 ):
@@ -244,7 +251,7 @@ def test_moe_triton_takes_the_gluon_gemms_from_64_slots_per_expert_with_the_same
     calls = []
     real = triton_moe.moe_gluon
     monkeypatch.setattr(triton_moe, "moe_gluon", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
-    args = moe_inputs(300, bias=bias)
+    args = moe_inputs(300, bias=bias, activation=activation)
     out = triton_moe.moe_triton(*args, False, activation=activation)
     assert calls == [args[1].shape]
     assert calc_diff(out, staged_reference(*args, activation)) < 1e-4
@@ -300,7 +307,7 @@ class _MaskedGemmOfTheReference:
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 70])
-@pytest.mark.parametrize("activation, bias", [("silu", False), ("swigluoai", True), ("silu_limit", False)])
+@pytest.mark.parametrize("activation, bias", ACTIVATIONS)
 def test_masked_deep_gemm_moe_scatters_and_gathers_every_slot_like_the_staged_reference(
     tokens, activation, bias, monkeypatch
 ):
@@ -317,7 +324,7 @@ def test_masked_deep_gemm_moe_scatters_and_gathers_every_slot_like_the_staged_re
     else:
         monkeypatch.setitem(sys.modules, "deep_gemm", _MaskedGemmOfTheReference)
         monkeypatch.setattr(vendors, "import_error", lambda module: None)
-    args = moe_inputs(tokens, bias=bias)
+    args = moe_inputs(tokens, bias=bias, activation=activation)
     out = vendors.moe_deep_gemm_masked(*args, False, activation=activation)
     want = staged_reference(*args, activation)
     if ON_GPU or bias:

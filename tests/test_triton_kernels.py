@@ -400,6 +400,25 @@ def test_clamped_activation_on_interleaved_halves_equals_the_plain_kernels_on_th
     assert_bf16_close(fused, to_bf16_as_the_device_does(plain))
 
 
+@pytest.mark.parametrize("m", [1, 20])
+def test_non_gated_relu2_quantization_equals_quantizing_the_fp32_activation(m):
+    """Non-gated experts' activation (Nemotron-H's relu(up)^2) fused into the quantization, read
+    from a strided view as the MoE kernels pass it: the scales and values of quantizing
+    reference.unary's fp32 result, which is never rounded to bf16 on the way."""
+    up = randn(m, 512, scale=3.0, device=DEVICE)[:, ::2]  # negatives (zeroed) and squares past bf16's ulps
+    fused_fp8, fused_scale = triton_quant.quant_act(up, activation="relu2")
+    h = reference.unary(up, "relu2")
+    torch.testing.assert_close(fused_scale, reference.quant_act_block(h)[1], rtol=1e-6, atol=0)
+    # values against the same kernel on the fp32 product (the interpreter's float -> e4m3 is not torch's)
+    got, want = (
+        reference.dequant_act_block(*q) for q in ((fused_fp8, fused_scale), triton_quant.quant_act(h))
+    )
+    assert calc_diff(got, want) < 1e-6 and torch.equal(got == 0, want == 0)
+    # Without b and without a non-gated activation, x itself is quantized (a block's own input).
+    plain_fp8, plain_scale = triton_quant.quant_act(up, activation="silu")
+    torch.testing.assert_close(plain_scale, reference.quant_act_block(up)[1], rtol=1e-6, atol=0)
+
+
 def test_linear_scaled_mm_traces_to_one_quantization_launch_and_one_scaled_mm():
     # What passes/inline.py copies into a default-mode graph for the cuBLAS side: the op's body
     # traced as AOTAutograd traces it (functionalized, symbolic M). It must be our quantization

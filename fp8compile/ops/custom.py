@@ -322,9 +322,13 @@ def _check_moe_args(x, topk_ids, topk_weights, w13, w2, w3, b13, w_kn, gate_up, 
         (w3 is not None) == (gate_up == "separate") and not (w3 is not None and b13 is not None),
         lambda: "w3 (the up projection) is given exactly when gate_up is 'separate', and then without b13",
     )
+    valid = reference.UNARY_ACTIVATIONS if gate_up == "none" else reference.GATED_ACTIVATIONS
     torch._check(
-        activation in reference.GATED_ACTIVATIONS,
-        lambda: f"activation {activation!r}: valid gated activations are {reference.GATED_ACTIVATIONS}",
+        activation in valid,
+        lambda: (
+            f"activation {activation!r} with gate_up {gate_up!r}: valid "
+            f"{'non-gated' if gate_up == 'none' else 'gated'} activations are {valid}"
+        ),
     )
     hidden = w2.shape[2] if w_kn else w2.shape[1]
     torch._check(
@@ -362,10 +366,12 @@ def moe(
 
     An expert is down(act(gate(x), up(x))) over the stacked bf16 parameters: w13 (E, 2I, H) with
     gate/up rows as `gate_up` says ("concat", "interleave"; or "separate": w13 is gate (E, I, H)
-    and w3 is up), w2 (E, H, I); both stored transposed if w_kn. Biases b13 (E, 2I), b2 (E, H).
-    Their FP8 copies (128x128 blocks per expert) come from the memo the compiler filled. Router
-    and top-k stay outside: topk_ids (T, k) int, topk_weights (T, k); an id outside [0, E) adds
-    nothing. batch_invariant asks the kernel for one tiling whatever T is.
+    and w3 is up), w2 (E, H, I); with gate_up "none" and a non-gated activation ("relu2"), an
+    expert is down(act(up(x))), w13 the up projection (E, I, H); both stored transposed if
+    w_kn. Biases b13 (E, 2I), b2 (E, H). Their FP8 copies (128x128 blocks per expert) come from
+    the memo the compiler filled. Router and top-k stay outside: topk_ids (T, k) int,
+    topk_weights (T, k); an id outside [0, E) adds nothing. batch_invariant asks the kernel for
+    one tiling whatever T is.
     """
     _check_moe_args(x, topk_ids, topk_weights, w13, w2, w3, b13, w_kn, gate_up, activation)
     w13_fp8, w13_scale = fp8_experts(w13, w_kn, e8m0, gate_up, w3)

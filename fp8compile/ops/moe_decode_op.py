@@ -25,6 +25,7 @@ from torch.library import triton_op
 
 from ..numerics import next_pow2
 from . import triton_moe
+from .reference import act_operands
 from .traced import launch, quant_act
 from .triton_quant import QUANT_ROWS
 
@@ -60,7 +61,7 @@ def moe_decode(
     topk_weights (T, k), w13_fp8 (E, 2I, H) with w13_scale (E, 2I/128, H/128), w2_fp8 (E, H, I)
     with w2_scale, biases b13 (E, 2I) and b2 (E, H) in fp8_experts' row order -> (T, H) x.dtype."""
     t, top_k = topk_ids.shape
-    num_experts, two_i, h = (int(size) for size in w13_fp8.shape)
+    num_experts, n13, h = (int(size) for size in w13_fp8.shape)
     if isinstance(t, int) and t == 0:
         return x.new_zeros(x.shape)
     if not decode_fits(num_experts, top_k, max_tokens):
@@ -87,12 +88,11 @@ def moe_decode(
     )
     # 2. the tokens, quantized once
     rows = min(QUANT_ROWS, next_pow2(max_tokens))
-    x_fp8, x_scale = quant_act(x, None, e8m0, activation, alpha, limit, rows)
+    x_fp8, x_scale = quant_act(x, None, e8m0, "none", alpha, limit, rows)
     # 3. gate | up of every slot
     c1 = _grouped_gemm(x_fp8, x_scale, w13_fp8, w13_scale, b13, slots, block_expert, s, top_k, block_m)
-    # 4. act(gate, up), quantized
-    half = two_i // 2
-    h_fp8, h_scale = quant_act(c1[:, :half], c1[:, half:], e8m0, activation, alpha, limit, rows)
+    # 4. act(gate, up) (or act(up): non-gated), quantized
+    h_fp8, h_scale = quant_act(*act_operands(c1, activation), e8m0, activation, alpha, limit, rows)
     # 5. down
     c2 = _grouped_gemm(h_fp8, h_scale, w2_fp8, w2_scale, None, slots, block_expert, s, 1, block_m)
     # 6. the top-k sum, in slot order

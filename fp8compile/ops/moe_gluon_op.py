@@ -26,6 +26,7 @@ from torch.library import triton_op
 
 from ..numerics import BLOCK, ceil_div
 from . import gluon_gemm, triton_moe
+from .reference import act_operands
 from .traced import launch, quant_act
 from .triton_quant import QUANT_ROWS
 
@@ -36,15 +37,16 @@ def min_tokens(num_experts: int, top_k: int) -> int:
 
 
 def fits(
-    num_experts: int, top_k: int, tokens_from: int, two_i: int, hidden: int, device: torch.device
+    num_experts: int, top_k: int, tokens_from: int, n13: int, inter: int, hidden: int, device: torch.device
 ) -> bool:
     """Whether moe_gluon serves every token count from tokens_from up as moe_triton does: on the
     Gluon path (enough slots per expert; not batch-invariant, which the caller checks) with
-    experts of these sizes on this device."""
+    experts of these sizes on this device: n13 outputs of the first GEMM (2I gated, I not),
+    inter inputs of the down projection."""
     return (
         tokens_from >= min_tokens(num_experts, top_k)
-        and gluon_gemm.why_not_grouped_shape(hidden, two_i, device) is None
-        and gluon_gemm.why_not_grouped_shape(two_i // 2, hidden, device) is None
+        and gluon_gemm.why_not_grouped_shape(hidden, n13, device) is None
+        and gluon_gemm.why_not_grouped_shape(inter, hidden, device) is None
     )
 
 
@@ -97,7 +99,7 @@ def moe_gluon(
     and topk_weights (T, k), w13_fp8 (E, 2I, H) with w13_scale (E, 2I/128, H/128), w2_fp8 (E, H, I)
     with w2_scale, biases b13 (E, 2I) and b2 (E, H) in fp8_experts' row order -> (T, H) x.dtype."""
     t, top_k = topk_ids.shape
-    num_experts, two_i, h = (int(size) for size in w13_fp8.shape)
+    num_experts, n13, h = (int(size) for size in w13_fp8.shape)
     least = min_tokens(num_experts, top_k)
     if tokens_from < least:
         raise ValueError(
@@ -108,7 +110,7 @@ def moe_gluon(
         isinstance(t, int) and t < tokens_from
     ):  # traced, T is the dispatch's symbol: its cond branch bounds it
         raise ValueError(f"moe_gluon was built for {tokens_from} tokens and more, got {t}")
-    block_m = gluon_gemm.grouped_config(two_i, int(w2_fp8.shape[1]))["BLOCK_M"]
+    block_m = gluon_gemm.grouped_config(n13, int(w2_fp8.shape[1]))["BLOCK_M"]
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()  # read as flat slot arrays
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -135,9 +137,9 @@ def moe_gluon(
     )
     # 3. gate | up of every routed row
     c1 = torch.ops.fp8compile.gluon_grouped_gemm(a, a_scale, w13_fp8, w13_scale, block_expert, b13, block_m)
-    # 4. act(gate, up), quantized (QUANT_ROWS rows a program, as quant_act takes at these sizes)
-    half = two_i // 2
-    h_fp8, h_scale = quant_act(c1[:, :half], c1[:, half:], e8m0, activation, alpha, limit, QUANT_ROWS)
+    # 4. act(gate, up) (or act(up): non-gated), quantized (QUANT_ROWS rows a program, as quant_act
+    # takes at these sizes)
+    h_fp8, h_scale = quant_act(*act_operands(c1, activation), e8m0, activation, alpha, limit, QUANT_ROWS)
     # 5. down
     c2 = torch.ops.fp8compile.gluon_grouped_gemm(
         h_fp8, h_scale, w2_fp8, w2_scale, block_expert, None, block_m

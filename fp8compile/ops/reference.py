@@ -101,6 +101,33 @@ def linear_block(
 #              GPT-OSS (alpha 1.702, limit 7.0 there)
 #   silu_limit silu(a') * b', the same clamps                        DeepSeek-V4 (its swiglu_limit)
 GATED_ACTIVATIONS = ("silu", "swigluoai", "silu_limit")
+# Activations of a non-gated MLP, act(a) of the up projection alone:
+#   relu2      relu(a)^2                                            Nemotron-H's routed experts
+UNARY_ACTIVATIONS = ("relu2",)
+
+
+def unary(a: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(a) of a non-gated MLP in fp32."""
+    if activation == "relu2":
+        return torch.relu(a.float()).square()
+    raise ValueError(
+        f"activation {activation!r}: valid non-gated activations are {', '.join(UNARY_ACTIVATIONS)}"
+    )
+
+
+def act_operands(h: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The operands of an expert's activation over its first GEMM's output h (rows, N13): the
+    gate and up halves (a, b) for a gated activation, (h, None) for a non-gated one (N13 = I)."""
+    if activation in UNARY_ACTIVATIONS:
+        return h, None
+    half = h.shape[-1] // 2
+    return h[..., :half], h[..., half:]
+
+
+def expert_activation(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """act over an expert's first GEMM output h, in fp32: gated over its halves, or non-gated."""
+    a, b = act_operands(h, activation)
+    return unary(a, activation) if b is None else gated(a, b, activation, alpha, limit)
 
 
 def gated(
@@ -185,14 +212,14 @@ def moe_block(
 ) -> torch.Tensor:
     """Routed experts in FP8: out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
 
-    x (T, H); topk_ids, topk_weights (T, k); w13_fp8 (E, 2I, H) gate rows then up rows, w2_fp8
-    (E, H, I), scales (E, N/128, K/128); biases (E, 2I), (E, H). An expert is
-    down(act(gate(x), up(x))): each GEMM quantizes its input 1x128 per token; gate|up (+ bias) is
+    x (T, H); topk_ids, topk_weights (T, k); w13_fp8 (E, 2I, H) gate rows then up rows (or
+    (E, I, H), up rows alone, for a non-gated activation), w2_fp8 (E, H, I), scales (E, N/128,
+    K/128); biases (E, 2I), (E, H). An expert is down(act(gate(x), up(x))), or down(act(up(x))):
+    each GEMM quantizes its input 1x128 per token; gate|up (+ bias) is
     written in x.dtype, as the grouped GEMMs write it and as the bf16 model does, and the
     activation runs in fp32 from there. Every slot is computed on its own, so the result for a
     token never depends on the others (batch-invariant whatever the flag says).
     """
-    half = w13_fp8.shape[1] // 2
 
     def expert(e, xs):
         h = linear_block(xs, w13_fp8[e], w13_scale[e], None, e8m0, torch.float32)
@@ -200,7 +227,7 @@ def moe_block(
             h = h + b13[e].float()
         h = h.to(x.dtype)
         y = linear_block(
-            gated(h[:, :half], h[:, half:], activation, alpha, limit),
+            expert_activation(h, activation, alpha, limit),
             w2_fp8[e],
             w2_scale[e],
             None,
@@ -216,14 +243,14 @@ def moe_dense(
     x, topk_ids, topk_weights, w13, w2, b13=None, b2=None, activation="silu", alpha=1.702, limit=7.0
 ):
     """The same routed experts without quantization, in fp32: w13 (E, 2I, H) gate rows then up
-    rows, w2 (E, H, I). What an MoE block computes; the moe pass checks its matches against it."""
-    half = w13.shape[1] // 2
+    rows (or (E, I, H) for a non-gated activation), w2 (E, H, I). What an MoE block computes; the
+    moe pass checks its matches against it."""
 
     def expert(e, xs):
         h = xs.float() @ w13[e].float().T
         if b13 is not None:
             h = h + b13[e].float()
-        y = gated(h[:, :half], h[:, half:], activation, alpha, limit) @ w2[e].float().T
+        y = expert_activation(h, activation, alpha, limit) @ w2[e].float().T
         return y if b2 is None else y + b2[e].float()
 
     return _routed(x, topk_ids, topk_weights, w13.shape[0], expert)

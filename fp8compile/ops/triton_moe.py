@@ -34,6 +34,7 @@ import triton.language as tl
 
 from ..numerics import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, ceil_div, next_pow2
 from .launch import Launcher
+from .reference import act_operands
 from .triton_quant import quant_act, quant_group
 
 
@@ -667,17 +668,15 @@ def moe_gluon(
     from . import gluon_gemm
 
     t, k = topk_ids.shape
-    num_experts, two_i, _ = w13_fp8.shape
+    num_experts, n13, _ = w13_fp8.shape
     s = t * k
-    config = config or gluon_gemm.grouped_config(two_i, w2_fp8.shape[1])
+    config = config or gluon_gemm.grouped_config(n13, w2_fp8.shape[1])
     block_m = config["BLOCK_M"]
     slots, block_expert = route(topk_ids, num_experts, block_m)
     a, a_scale, rows = gather_quant(x, slots, block_expert, s, k, block_m, e8m0)
     c1 = gluon_gemm.grouped_gemm(a, a_scale, w13_fp8, w13_scale, block_expert, b13, config=config)
-    half = two_i // 2
-    h_fp8, h_scale = quant_act(
-        c1[:, :half], e8m0, "row", b=c1[:, half:], activation=activation, alpha=alpha, limit=limit
-    )
+    gate, up = act_operands(c1, activation)
+    h_fp8, h_scale = quant_act(gate, e8m0, "row", b=up, activation=activation, alpha=alpha, limit=limit)
     c2 = gluon_gemm.grouped_gemm(h_fp8, h_scale, w2_fp8, w2_scale, block_expert, config=config)
     return topk_sum(c2, topk_ids, topk_weights, num_experts, b2, rows=rows, out_dtype=x.dtype)
 
@@ -700,7 +699,7 @@ def moe_triton(
 ):
     """fp8compile::moe on the GPU (see the module docstring for the steps)."""
     t, k = topk_ids.shape
-    num_experts, two_i, _ = w13_fp8.shape
+    num_experts = w13_fp8.shape[0]
     s = t * k
     if s == 0:
         return x.new_zeros(x.shape)
@@ -724,9 +723,7 @@ def moe_triton(
     slots, block_expert = route(topk_ids, num_experts, block_m)
     x_fp8, x_scale = quant_act(x.contiguous(), e8m0, "row")
     c1 = grouped_gemm(x_fp8, x_scale, w13_fp8, w13_scale, b13, slots, block_expert, s, k, block_m)
-    half = two_i // 2
-    h_fp8, h_scale = quant_act(
-        c1[:, :half], e8m0, "row", b=c1[:, half:], activation=activation, alpha=alpha, limit=limit
-    )
+    gate, up = act_operands(c1, activation)
+    h_fp8, h_scale = quant_act(gate, e8m0, "row", b=up, activation=activation, alpha=alpha, limit=limit)
     c2 = grouped_gemm(h_fp8, h_scale, w2_fp8, w2_scale, None, slots, block_expert, s, 1, block_m)
     return topk_sum(c2, topk_ids, topk_weights, num_experts, b2, out_dtype=x.dtype)

@@ -42,8 +42,10 @@ def quant_group(x, eps, fp8_max, E8M0: tl.constexpr):
     return x_fp8, scale
 
 
-# Prologue of the quantization: 0 = x itself, else a gated MLP's act(x, b) (reference.gated).
+# Prologue of the quantization: 0 = x itself, else a gated MLP's act(x, b) (reference.gated) or
+# a non-gated one's act(x) (reference.unary).
 ACT_CODES = {"silu": 1, "swigluoai": 2, "silu_limit": 3}  # reference.gated's activations
+UNARY_CODES = {"relu2": 4}  # reference.unary's
 
 
 @triton.jit
@@ -61,13 +63,16 @@ def load_activation(
     limit,
     ACT: tl.constexpr,
 ):
-    """The fp32 (rows, cols) tile to quantize: x itself, or act(x, b) of a gated MLP, never
-    rounded to bf16. Masked rows load zeros, so they quantize to zeros. Strided last dims serve
-    interleaved gate/up halves (gate_up[..., ::2]) without a copy."""
+    """The fp32 (rows, cols) tile to quantize: x itself, act(x, b) of a gated MLP or act(x) of a
+    non-gated one, never rounded to bf16. Masked rows load zeros, so they quantize to zeros.
+    Strided last dims serve interleaved gate/up halves (gate_up[..., ::2]) without a copy."""
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0).to(
         tl.float32
     )
-    if ACT != 0:
+    if ACT == 4:
+        x = tl.maximum(x, 0.0)
+        x = x * x
+    elif ACT != 0:
         b = tl.load(b_ptr + rows[:, None] * stride_bm + cols[None, :] * stride_bk, mask=mask, other=0.0).to(
             tl.float32
         )
@@ -147,8 +152,10 @@ def empty_scales(m: int, groups: int, layout: str, device) -> torch.Tensor:
 
 
 def activation_code(b: torch.Tensor | None, activation: str) -> int:
+    """The kernel's ACT: with b a gated activation's code; without, a non-gated activation's, or
+    0 (x itself) for any other name (a gated block's own input quantization passes its name)."""
     if b is None:
-        return 0
+        return UNARY_CODES.get(activation, 0)
     if activation not in ACT_CODES:
         raise ValueError(f"activation {activation!r}: valid gated activations are {', '.join(ACT_CODES)}")
     return ACT_CODES[activation]
@@ -167,8 +174,8 @@ def quant_act(
     """x (M, K) bf16 (or fp32), K a multiple of 128 -> (x_fp8 (M', K), x_scale (M', K/128)),
     M' = M rounded up to a multiple of rows_multiple, the rows past M quantized zeros.
 
-    With b (M, K): quantizes the gated activation act(x, b) instead (reference.gated),
-    computed in fp32 in the same pass."""
+    With b (M, K): quantizes the gated activation act(x, b) instead (reference.gated); without b
+    and with a non-gated activation, act(x) (reference.unary); computed in fp32 in the same pass."""
     m, k = x.shape
     if k % BLOCK:
         raise ValueError(f"K={k} is not a multiple of {BLOCK}")

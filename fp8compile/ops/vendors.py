@@ -15,6 +15,7 @@ import importlib
 import torch
 
 from ..numerics import ceil_div
+from .reference import act_operands
 from .triton_quant import TMA_ALIGN, empty_scales, quant_act
 
 INSTALL = {
@@ -147,7 +148,7 @@ def moe_deep_gemm(
 
     deep_gemm = require("deep_gemm")
     t, k = topk_ids.shape
-    num_experts, two_i, _ = w13_fp8.shape
+    num_experts, n13, _ = w13_fp8.shape
     s = t * k
     if s == 0:
         return x.new_zeros(x.shape)
@@ -159,16 +160,14 @@ def moe_deep_gemm(
     token = torch.where(is_slot, slots, 0).long() // k
     a_scale = empty_scales(slots.numel(), x_scale.shape[1], "mn_major", x.device)
     a_scale.copy_(x_scale[token])
-    c1 = torch.empty(slots.numel(), two_i, dtype=torch.bfloat16, device=x.device)
+    c1 = torch.empty(slots.numel(), n13, dtype=torch.bfloat16, device=x.device)
     deep_gemm.m_grouped_fp8_gemm_nt_contiguous(
         (x_fp8[token], a_scale), (w13_fp8, w13_scale), c1, row_expert, disable_ue8m0_cast=True
     )
     if b13 is not None:
         c1 += b13[row_expert.clamp(min=0).long()]
-    half = two_i // 2
-    h_fp8, h_scale = quant_act(
-        c1[:, :half], e8m0, "mn_major", b=c1[:, half:], activation=activation, alpha=alpha, limit=limit
-    )
+    gate, up = act_operands(c1, activation)
+    h_fp8, h_scale = quant_act(gate, e8m0, "mn_major", b=up, activation=activation, alpha=alpha, limit=limit)
     c2 = torch.empty(slots.numel(), w2_fp8.shape[1], dtype=torch.bfloat16, device=x.device)
     deep_gemm.m_grouped_fp8_gemm_nt_contiguous(
         (h_fp8, h_scale), (w2_fp8, w2_scale), c2, row_expert, disable_ue8m0_cast=True
@@ -232,7 +231,7 @@ def moe_deep_gemm_masked(
 
     deep_gemm = require("deep_gemm")
     t, k = topk_ids.shape
-    num_experts, two_i, h = w13_fp8.shape
+    num_experts, n13, h = w13_fp8.shape
     if t == 0:
         return x.new_zeros(x.shape)
     max_m = ceil_div(t, MASKED_BLOCK_ROWS) * MASKED_BLOCK_ROWS
@@ -245,7 +244,7 @@ def moe_deep_gemm_masked(
     a[dest] = x_fp8[token]
     a_scale[dest] = x_scale[token]
     expected_m = max(1, ceil_div(t * k, num_experts))
-    c1 = torch.empty(num_experts, max_m, two_i, dtype=torch.bfloat16, device=x.device)
+    c1 = torch.empty(num_experts, max_m, n13, dtype=torch.bfloat16, device=x.device)
     deep_gemm.fp8_m_grouped_gemm_nt_masked(
         (a[:rows].view(num_experts, max_m, h), a_scale[:rows].view(num_experts, max_m, -1)),
         (w13_fp8, w13_scale),
@@ -256,14 +255,11 @@ def moe_deep_gemm_masked(
     )
     if b13 is not None:
         c1 += b13[:, None, :]
-    half = two_i // 2
-    flat = c1.view(rows, two_i)
-    h_fp8, h_scale = quant_act(
-        flat[:, :half], e8m0, "row", b=flat[:, half:], activation=activation, alpha=alpha, limit=limit
-    )
+    gate, up = act_operands(c1.view(rows, n13), activation)
+    h_fp8, h_scale = quant_act(gate, e8m0, "row", b=up, activation=activation, alpha=alpha, limit=limit)
     c2 = torch.empty(num_experts, max_m, w2_fp8.shape[1], dtype=torch.bfloat16, device=x.device)
     deep_gemm.fp8_m_grouped_gemm_nt_masked(
-        (h_fp8.view(num_experts, max_m, half), h_scale.view(num_experts, max_m, -1)),
+        (h_fp8.view(num_experts, max_m, -1), h_scale.view(num_experts, max_m, -1)),
         (w2_fp8, w2_scale),
         c2,
         masked_m,

@@ -94,7 +94,14 @@ def inductor_launch(
 
 
 def moe_launch_wanted(
-    ctx: PassContext, sides, num_experts: int, top_k: int, two_i: int, hidden: int, device: torch.device
+    ctx: PassContext,
+    sides,
+    num_experts: int,
+    top_k: int,
+    n13: int,
+    inter: int,
+    hidden: int,
+    device: torch.device,
 ) -> bool:
     """Whether a moe call site on these sides of the dispatch gets a traced launch on one of them
     (so its FP8 expert weights must enter the graph: LAUNCH_OPERANDS)."""
@@ -108,7 +115,7 @@ def moe_launch_wanted(
         and (
             side.m_max is not None
             and decode_fits(num_experts, top_k, side.m_max)
-            or moe_gluon_op.fits(num_experts, top_k, side.m_min, two_i, hidden, device)
+            or moe_gluon_op.fits(num_experts, top_k, side.m_min, n13, inter, hidden, device)
         )
         for side in sides
     )
@@ -131,7 +138,7 @@ def moe_decode_cut(ctx: PassContext, num_experts: int, top_k: int, device: torch
 
 
 def moe_gluon_cut(
-    ctx: PassContext, num_experts: int, top_k: int, two_i: int, hidden: int, device: torch.device
+    ctx: PassContext, num_experts: int, top_k: int, n13: int, inter: int, hidden: int, device: torch.device
 ) -> int | None:
     """The token count at which a moe call site's triton side is cut (dispatch.split), so that
     its part from there up can be moe_gluon's traced launch: the Gluon GEMMs' first count
@@ -144,7 +151,7 @@ def moe_gluon_cut(
         ctx.inductor_launch
         and device.type == "cuda"
         and not ctx.config.batch_invariant
-        and moe_gluon_op.fits(num_experts, top_k, at, two_i, hidden, device)
+        and moe_gluon_op.fits(num_experts, top_k, at, n13, inter, hidden, device)
     ):
         return at
     return None
@@ -164,9 +171,10 @@ def moe_gluon_fits(args: tuple, kwargs: dict, m_min: int) -> bool:
     tokens and more (moe_gluon_op.fits)."""
     from ..ops import moe_gluon_op
 
-    num_experts, two_i, hidden = kwargs[LAUNCH_OPERANDS][0].meta["val"].shape
+    num_experts, n13, hidden = kwargs[LAUNCH_OPERANDS][0].meta["val"].shape
+    inter = kwargs[LAUNCH_OPERANDS][2].meta["val"].shape[2]  # w2_fp8 (E, H, I)
     return moe_gluon_op.fits(
-        num_experts, args[1].meta["val"].shape[1], m_min, two_i, hidden, args[0].meta["val"].device
+        num_experts, args[1].meta["val"].shape[1], m_min, n13, inter, hidden, args[0].meta["val"].device
     )
 
 

@@ -269,13 +269,7 @@ def linear_pass(ctx: PassContext) -> None:
         name = module_name(param[1] if param else (input_name or weight.name))
         shape = "x".join(map(str, weight.meta["val"].shape))
         if not isinstance(found, LinearMatch):
-            ctx.skipped(
-                "linear",
-                name,
-                f"weight reaches the matmul through {_path(node, weight)}; "
-                "only a plain transpose is supported",
-                shape,
-            )
+            ctx.skipped("linear", name, _unsupported_weight_reason(node, weight), shape)
         elif param is None:
             kind = "buffer or input" if isinstance(value, torch.Tensor) else "graph input"
             ctx.skipped(
@@ -289,6 +283,17 @@ def linear_pass(ctx: PassContext) -> None:
             ctx.skipped("linear", name, reason, shape)
         else:
             linear_replacement(ctx, found, *param)
+
+
+def _unsupported_weight_reason(node: fx.Node, placeholder: fx.Node) -> str:
+    path, dtype = _path(node, placeholder), node.meta["val"].dtype
+    if dtype != torch.bfloat16 and "convert_element_type" in path:
+        name = str(dtype).replace("torch.", "")
+        return (
+            f"dtype {name}: only bfloat16 linears are rewritten (the weight is cast to {name} before "
+            f"the matmul, as a router that computes its scores in {name} does)"
+        )
+    return f"weight reaches the matmul through {path}; only a plain transpose is supported"
 
 
 def _path(node: fx.Node, placeholder: fx.Node) -> str:

@@ -6,7 +6,9 @@ A block is found from its expert GEMMs: a batched matmul whose weight operand is
 "batched_mm" experts, gpt-fast's einsum over w1[ids]). The down projection is the expert GEMM
 whose input is act(gate, up) (silu, swigluoai or silu_limit, the silu_mul pass's matcher); gate
 and up are the two halves of one expert GEMM (split: concatenated, stride-2 slices: interleaved)
-or two expert GEMMs (w1 and w3). From there the pass walks the graph to the block's other ends:
+or two expert GEMMs (w1 and w3). Non-gated experts (Nemotron-H's down(relu(up(x))^2)) have a
+down projection whose input is an activation of one expert GEMM alone (gate_up "none"). From
+there the pass walks the graph to the block's other ends:
     hidden states x (T, H)   back from the gate/up GEMM through views and the token gather;
     topk_ids (T, k)          the index of the weight gather, or the input of the expert sort;
     output (T, H)            forward from the down GEMM through the bias, the routing-weight
@@ -282,12 +284,80 @@ def _two_d(node, through):
     return _walk(node, through, _is_2d)
 
 
+def _gated_product(g: ExpertGemm):
+    """silu_mul_pattern's answer for the product g reads (a, b, act) or a reason, if g reads a
+    gated product act(gate) * up; None otherwise (a square x * x is not one)."""
+    product = _walk(g.activation, _LAYOUT, lambda n: n.target == aten.mul.Tensor)
+    if product is None or product.args[0] is product.args[1]:
+        return None
+    return silu_mul_pattern(product)
+
+
+def _unary_chain(g: ExpertGemm, gemms) -> tuple[ExpertGemm, list[fx.Node]] | None:
+    """(the expert GEMM, the ops between, from g back) if what g reads is computed from one other
+    expert GEMM alone (layout ops and an elementwise activation such as relu(x)^2), else None."""
+    frontier, seen, ops, found = [g.activation], set(), [], set()
+    while frontier:
+        node = frontier.pop(0)
+        if node in seen:
+            continue
+        seen.add(node)
+        if len(seen) > 24 or not isinstance(node, fx.Node) or node.op != "call_function":
+            return None  # far, or fed by another input (a gate, a parameter): not one GEMM's activation
+        if node in gemms:
+            found.add(node)
+        elif (masked := _zero_masked(node)) is not None:  # expert-parallel sentinel rows zeroed
+            frontier.append(masked)
+        else:
+            if node.target not in _LAYOUT:
+                ops.append(node)
+            frontier.extend(node.all_input_nodes)
+    return (gemms[found.pop()], ops) if len(found) == 1 else None
+
+
+def _is_square(node: fx.Node) -> bool:
+    return (node.target == aten.pow.Tensor_Scalar and node.args[1] == 2) or (
+        node.target == aten.mul.Tensor and node.args[0] is node.args[1]
+    )
+
+
+# what names an activation that non-gated experts compute with ops the op has no kernel for
+_ACTIVATION_OPS = {
+    aten.erf.default: "gelu",
+    aten.tanh.default: "tanh / gelu-tanh",
+    aten.sigmoid.default: "sigmoid / silu",
+    aten.relu.default: "relu",
+}
+
+
+def _unary_activation(ops: list[fx.Node]) -> str:
+    """The non-gated activation these ops (from the down projection's input back) compute, or
+    NoMatch naming it."""
+    if len(ops) == 2 and _is_square(ops[0]) and ops[1].target == aten.relu.default:
+        return "relu2"
+    names = [_ACTIVATION_OPS[op.target] for op in ops if op.target in _ACTIVATION_OPS]
+    found = names[0] if names else " -> ".join(getattr(op.target, "__name__", str(op.target)) for op in ops)
+    raise NoMatch(
+        f"non-gated experts with the activation {found or 'identity'}: the non-gated activations with "
+        f"a kernel are {', '.join(reference.UNARY_ACTIVATIONS)} (relu(x)^2)"
+    )
+
+
 def match_block(ctx: PassContext, down: ExpertGemm, gemms: dict[fx.Node, ExpertGemm]) -> MoeMatch:
-    found = silu_mul_pattern(_walk(down.activation, _LAYOUT, lambda n: n.target == aten.mul.Tensor))
+    found = _gated_product(down)
     if isinstance(found, str):
         raise NoMatch(found)
-    a, b, act = found
-    gate_up, up, b13, layout = _gate_up(ctx, a, b, gemms)
+    if found is not None:
+        a, b, act = found
+        gate_up, up, b13, layout = _gate_up(ctx, a, b, gemms)
+    else:  # non-gated: down(act(up(x)))
+        chain = _unary_chain(down, gemms)
+        if chain is None:
+            raise NoMatch(
+                "the down projection's input is neither a gated product nor one expert GEMM's activation"
+            )
+        gate_up, ops = chain
+        up, b13, layout, act = None, None, "none", {"activation": _unary_activation(ops)}
     output, weights_operand, b2 = _forward_to_output(ctx, down.node)
     # The hidden states: the first tensor back from the gate/up GEMM (through views and the
     # token gather) with the output's shape (T, H).
@@ -391,16 +461,22 @@ def _check(m: MoeMatch) -> tuple[int, int, int]:
                 "float32 are rewritten"
             )
     e, h = w13.shape[0], x.shape[1]
-    inter = (w13.shape[1] * w13.shape[2] // h) // (1 if m.gate_up == "separate" else 2)
+    inter = (w13.shape[1] * w13.shape[2] // h) // (1 if m.gate_up in ("separate", "none") else 2)
     for dim, size in (("hidden size", h), ("expert intermediate size", inter)):
         if size % BLOCK:
             raise NoMatch(f"{dim} {size} is not a multiple of {BLOCK} (128x128 blocks per expert)")
     return e, inter, h
 
 
+def _n13(m: MoeMatch, inter: int) -> int:
+    """Rows of the first expert GEMM in its FP8 copy: gate and up (2I, "separate" stacked), or
+    up alone (I)."""
+    return inter if m.gate_up == "none" else 2 * inter
+
+
 def _orientations(m: MoeMatch, e: int, inter: int, h: int) -> list[bool]:
     """w_kn values the weight shapes allow (both when I == H: the shapes cannot tell)."""
-    n13 = inter if m.gate_up == "separate" else 2 * inter
+    n13 = inter if m.gate_up in ("separate", "none") else 2 * inter  # rows of the w13 tensor itself
     w13, w2 = tuple(_val(m.w13).shape), tuple(_val(m.w2).shape)
     return [
         kn
@@ -469,10 +545,11 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
     expert_bias(param.get(m.b13), m.gate_up)
     device = param[m.w13].device
     top_k = _val(m.topk_ids).shape[1]
-    sides = dispatch.plan(ctx, "moe", device, 2 * inter, h, _val(m.hidden).shape[0])
+    n13 = _n13(m, inter)
+    sides = dispatch.plan(ctx, "moe", device, n13, h, _val(m.hidden).shape[0])
     for cut in (
         inline.moe_decode_cut(ctx, e, top_k, device),
-        inline.moe_gluon_cut(ctx, e, top_k, 2 * inter, h, device),
+        inline.moe_gluon_cut(ctx, e, top_k, n13, inter, h, device),
     ):
         if cut is not None:
             sides = dispatch.split(sides, cut, inline.MOE_BACKEND)
@@ -483,7 +560,7 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
         "batch_invariant": ctx.config.batch_invariant,
         **m.act,
     }
-    if inline.moe_launch_wanted(ctx, sides, e, top_k, 2 * inter, h, device):
+    if inline.moe_launch_wanted(ctx, sides, e, top_k, n13, inter, h, device):
         kwargs[inline.LAUNCH_OPERANDS] = _fp8_expert_inputs(ctx, m, w_kn, name)
     with ctx.gm.graph.inserting_before(m.output):
         try:
@@ -513,7 +590,7 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
     )
     detail += f", {m.act.get('activation', 'silu')}"
     m_desc = _val(m.hidden).shape[0]
-    ctx.rewrote("moe", name, m_desc, 2 * inter, h, [(s.label, s.kernel) for s in sides], detail)
+    ctx.rewrote("moe", name, m_desc, n13, h, [(s.label, s.kernel) for s in sides], detail)
 
 
 def _fp8_expert_inputs(ctx: PassContext, m: MoeMatch, w_kn: bool, name: str) -> tuple:
@@ -543,19 +620,9 @@ def _fp8_expert_inputs(ctx: PassContext, m: MoeMatch, w_kn: bool, name: str) -> 
 def _role(g: ExpertGemm, gemms) -> str | None:
     """ "gated" if g reads a gated product (g is a block's down projection), "non-gated" if it
     reads another expert GEMM through single-input ops (relu(x)^2 and the like), else None."""
-    product = _walk(g.activation, _LAYOUT, lambda n: n.target == aten.mul.Tensor)
-    if product is not None and silu_mul_pattern(product) is not None:
+    if _gated_product(g) is not None:
         return "gated"
-    node = g.activation
-    for _ in range(8):
-        if not isinstance(node, fx.Node) or node.op != "call_function":
-            return None
-        if node in gemms:
-            return "non-gated"
-        if len(node.all_input_nodes) != 1:
-            return None
-        node = node.all_input_nodes[0]
-    return None
+    return "non-gated" if _unary_chain(g, gemms) is not None else None
 
 
 def _one_hot_mask_leaves_graph(ctx: PassContext) -> bool:
@@ -629,10 +696,6 @@ def moe_pass(ctx: PassContext) -> None:
             if _val(down.weight).dtype != torch.bfloat16:
                 dtype = str(_val(down.weight).dtype).replace("torch.", "")
                 raise NoMatch(f"dtype {dtype}: only bfloat16 experts are rewritten")
-            if role == "non-gated":
-                raise NoMatch(
-                    "the down projection's input is not a gated product act(gate) * up (non-gated experts)"
-                )
             m = match_block(ctx, down, gemms)
             e, inter, h = _check(m)
             orientations = _orientations(m, e, inter, h)
