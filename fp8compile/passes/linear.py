@@ -289,10 +289,8 @@ def _unsupported_weight_reason(node: fx.Node, placeholder: fx.Node) -> str:
     path, dtype = _path(node, placeholder), node.meta["val"].dtype
     if dtype != torch.bfloat16 and "convert_element_type" in path:
         name = str(dtype).replace("torch.", "")
-        return (
-            f"dtype {name}: only bfloat16 linears are rewritten (the weight is cast to {name} before "
-            f"the matmul, as a router that computes its scores in {name} does)"
-        )
+        cast = f"its weight cast to {name}: a router's scores"
+        return f"dtype {name}: only bfloat16 linears are rewritten ({cast})"
     return f"weight reaches the matmul through {path}; only a plain transpose is supported"
 
 

@@ -304,6 +304,8 @@ def _unary_chain(g: ExpertGemm, gemms) -> tuple[ExpertGemm, list[fx.Node]] | Non
         seen.add(node)
         if len(seen) > 24 or not isinstance(node, fx.Node) or node.op != "call_function":
             return None  # far, or fed by another input (a gate, a parameter): not one GEMM's activation
+        if node.target in (*_SPLITS, aten.slice.Tensor):
+            return None  # halves of one GEMM's output: a gated product the matcher did not read
         if node in gemms:
             found.add(node)
         elif (masked := _zero_masked(node)) is not None:  # expert-parallel sentinel rows zeroed
