@@ -141,6 +141,14 @@ def _small_sizes(default) -> dict:
             sizes[name] = token  # the default ones may lie past the small vocabulary
     if hasattr(default, "kv_lora_rank"):  # MLA: every head has its own K and V
         sizes["num_key_value_heads"] = SMALL["num_attention_heads"]
+    # MoE models whose dense first layers are a list, not first_k_dense_replace, and leave the two
+    # small layers without experts (Beam's three dense layers, Flint's layers 0 and 1): one dense
+    # layer then experts, as first_k_dense_replace=1 gives
+    types = getattr(default, "mlp_layer_types", None) or ()
+    if "sparse" in types and "sparse" not in types[:2]:
+        sizes["mlp_layer_types"] = ["dense", "sparse"]
+    if {0, 1} <= set(getattr(default, "mlp_only_layers", None) or ()):
+        sizes["mlp_only_layers"] = [0]
     for key, sub in vars(default).items():
         if hasattr(sub, "to_dict") and hasattr(sub, "model_type"):
             depth = getattr(sub, "num_hidden_layers", None)

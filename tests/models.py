@@ -103,6 +103,14 @@ class SigmoidMLP(GatedMLP):
         return self.down_proj(g * torch.sigmoid(g) * self.up_proj(x))
 
 
+class Fp32ProductMLP(GatedMLP):
+    """The product in fp32 from the bf16 halves, cast back (Beam's experts compute theirs so)."""
+
+    def forward(self, x):
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj((F.silu(gate.float()) * up.float()).to(x.dtype))
+
+
 class FusedGateUpMLP(nn.Module):
     """Phi-3 style: one gate_up linear, halves split by `split` ("chunk"), `split` or slicing."""
 

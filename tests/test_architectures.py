@@ -29,6 +29,8 @@ MATRIX = {
     "mixtral": ("linear", "moe"),  # fp32 routing weights
     "gpt_oss": ("linear", "moe"),  # clamped swigluoai, expert biases, interleaved gate|up, sinks
     "deepseek_v4": ("linear", "silu_mul", "moe"),  # clamped SwiGLU (silu_limit) in experts and shared MLP
+    "nemotron_h": ("linear", "moe"),  # non-gated relu^2 experts, Mamba layers, an fp32 router
+    "beam": ("linear", "moe"),  # experts' act(gate.float()) * up.float(); dense layers as a list
 }
 
 
@@ -66,6 +68,18 @@ def test_small_config_sets_only_the_sizes_an_architecture_has_and_keeps_mla_with
     deepseek = architectures.small_config("deepseek_v3")  # MLA: every head has its own K and V
     assert deepseek.num_key_value_heads == deepseek.num_attention_heads == 4
     assert deepseek.kv_lora_rank == 128 and deepseek.n_routed_experts == 8
+
+
+def test_moe_models_listing_their_dense_layers_get_experts_in_their_second_small_layer():
+    """Beam's default dense layers (three, by mlp_layer_types) and Flint's (layers 0 and 1, by
+    mlp_only_layers) would leave both small layers without experts."""
+    for arch, field, value in (
+        ("beam", "mlp_layer_types", ["dense", "sparse"]),
+        ("flint", "mlp_only_layers", [0]),
+    ):
+        if _installed(arch):
+            assert getattr(architectures.small_config(arch), field) == value, arch
+    assert architectures.small_config("qwen3_moe").mlp_only_layers == []  # no dense layers: kept
 
 
 def test_a_multimodal_models_language_model_gets_the_small_sizes_in_its_nested_config():

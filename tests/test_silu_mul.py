@@ -14,6 +14,7 @@ from fp8compile.passes import PASSES, linear_pass
 from tests.conftest import BF16, GATED_MLP, randn
 from tests.models import (
     DeepseekV4StyleMLP,
+    Fp32ProductMLP,
     FusedGateUpMLP,
     GatedMLP,
     GeluGatedMLP,
@@ -50,8 +51,9 @@ MLP_BOUND = GATED_MLP
         (lambda: FusedGateUpMLP("chunk"), 1),
         (lambda: FusedGateUpMLP("split"), 1),
         (lambda: FusedGateUpMLP("slice"), 1),
+        (Fp32ProductMLP, 2),
     ],
-    ids=["F.silu", "nn.SiLU", "x*sigmoid(x)", "gate_up.chunk", "torch.split", "slicing"],
+    ids=["F.silu", "nn.SiLU", "x*sigmoid(x)", "gate_up.chunk", "torch.split", "slicing", "fp32 product"],
 )
 def test_each_way_of_writing_a_gated_mlp_fuses_into_one_op(make_model, linears, captured):
     out, eager, report = compile_and_run(make_model().to(BF16), randn(2, 37, 256))

@@ -82,6 +82,20 @@ def silu_input(node) -> fx.Node | None:
     return None
 
 
+def _exact_upcast_source(node):
+    """The bf16 tensor node casts to fp32 (exactly: an up projection read as up.float(), as
+    Beam's experts multiply it with act(gate.float())), else node itself."""
+    if (
+        isinstance(node, fx.Node)
+        and node.target in _CASTS
+        and node.meta["val"].dtype == torch.float32
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0].meta["val"].dtype == torch.bfloat16
+    ):
+        return node.args[0]
+    return node
+
+
 def _clamped(node) -> tuple[fx.Node, float | None, float | None]:
     """(x, lo, hi) for node = clamp(x, lo, hi) written with clamp / clamp_min / clamp_max."""
     lo = hi = None
@@ -137,11 +151,13 @@ def silu_limit_inputs(gate_c: fx.Node, up_c: fx.Node) -> tuple[fx.Node, fx.Node,
 def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
     """(a, b, op kwargs) if h is a view of act(a, b) (silu, swigluoai, silu_limit) over two bf16 tensors
     of one shape; a reason if h is a gated product with another activation; None if h is no
-    product at all."""
-    h = _strip(h, _VIEWS)
+    product at all. A product computed in fp32 from the bf16 halves and cast back (Beam's
+    act(gate.float()) * up.float()) is one too: the fused op computes it in fp32 and quantizes it
+    without the bf16 rounding in between."""
+    h = _strip(h, (*_VIEWS, *_CASTS))
     if not _is(h, aten.mul.Tensor) or not all(isinstance(a, fx.Node) for a in h.args[:2]):
         return None
-    candidates = [(silu_input(p), q, {}) for p, q in (h.args[:2], reversed(h.args[:2]))]
+    candidates = [(silu_input(p), _exact_upcast_source(q), {}) for p, q in (h.args[:2], reversed(h.args[:2]))]
     candidates.append(swigluoai_inputs(h) or (None, None, {}))
     for a, b, kwargs in candidates:
         if a is None:
