@@ -147,8 +147,7 @@ def stacked_bias(bias: torch.Tensor | None, bias_next: Sequence[torch.Tensor] | 
 #   "concat"      one (E, 2I, K) tensor, gate rows then up rows (transformers' default)
 #   "interleave"  one (E, 2I, K) tensor, gate and up rows alternating (GPT-OSS)
 #   "separate"    two (E, I, K) tensors (gpt-fast's w1 and w3)
-# The rows of an expert's first GEMM: gate then up ("concat"), alternating ("interleave"), two
-# tensors ("separate"), or the up projection alone ("none": non-gated experts, act(up(x))).
+#   "none"        one (E, I, K) tensor, the up projection alone (non-gated experts: act(up(x)))
 GATE_UP_LAYOUTS = ("concat", "interleave", "separate", "none")
 
 

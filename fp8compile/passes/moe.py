@@ -619,12 +619,10 @@ def _fp8_expert_inputs(ctx: PassContext, m: MoeMatch, w_kn: bool, name: str) -> 
     return (*w13, *w2, b13)
 
 
-def _role(g: ExpertGemm, gemms) -> str | None:
-    """ "gated" if g reads a gated product (g is a block's down projection), "non-gated" if it
-    reads another expert GEMM through single-input ops (relu(x)^2 and the like), else None."""
-    if _gated_product(g) is not None:
-        return "gated"
-    return "non-gated" if _unary_chain(g, gemms) is not None else None
+def _is_down_projection(g: ExpertGemm, gemms) -> bool:
+    """Whether g reads a gated product act(gate) * up, or an activation of one other expert
+    GEMM (non-gated experts): g is then a block's down projection."""
+    return _gated_product(g) is not None or _unary_chain(g, gemms) is not None
 
 
 def _one_hot_mask_leaves_graph(ctx: PassContext) -> bool:
@@ -686,9 +684,7 @@ def moe_pass(ctx: PassContext) -> None:
     for name, w in dense.items():  # said once per experts module, not once per GEMM
         ctx.skipped("moe", name, DENSE_EXPERTS, "x".join(map(str, _val(w).shape)))
     # Each block is taken from its down projection: the expert GEMM that reads the activation.
-    for down, role in [(g, _role(g, gemms)) for g in gemms.values()]:
-        if role is None:
-            continue
+    for down in [g for g in gemms.values() if _is_down_projection(g, gemms)]:
         name = _block_name(ctx, down.weight)
         try:
             if ctx.config.recipe != "block":
