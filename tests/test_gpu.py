@@ -412,11 +412,12 @@ def test_reduce_overhead_mode_in_a_fresh_process_keeps_kernel_state_out_of_the_g
 
 def test_inductor_launches_the_linear_decode_op_from_its_own_wrapper():
     """fp8compile::linear_decode is a triton_op: compiled, Inductor's generated code launches the
-    decode kernel itself (no call back into our op), with the same bits as the eager op, for
-    every M of a dynamic graph."""
+    decode kernel itself (no call back into our op) and nothing else (its split-K counters are
+    the eager path's, no fill per call), with the same bits as the eager op, for every M of a
+    dynamic graph, call after call (each launch leaves the counters as it found them)."""
     from torch._inductor.utils import run_and_get_code
 
-    from fp8compile.ops import decode_op  # noqa: F401  (registers the op)
+    from fp8compile.ops import decode_op, triton_gemm  # noqa: F401  (registers the op)
 
     w_fp8, w_scale = reference.quant_weight_block(weight(4096, 4096))
 
@@ -424,14 +425,20 @@ def test_inductor_launches_the_linear_decode_op_from_its_own_wrapper():
         h = torch.ops.fp8compile.linear_decode(x, w_fp8, w_scale, max_m=32)
         return torch.ops.fp8compile.linear_decode(h, w_fp8, w_scale, max_m=32)
 
+    assert (
+        triton_gemm._small_m_tiles(32, 4096, 4096, False, torch.device("cuda"), None, None)[2] > 1
+    )  # split-K
     compiled = torch.compile(two_linears, dynamic=True)
-    for m in (1, 7, 32):
+    for i, m in enumerate((1, 7, 32, 7, 1)):
         x = randn(m, 4096, device="cuda")
-        out, code = run_and_get_code(compiled, x) if m == 1 else (compiled(x), None)
+        # compiled at M = 1 (a static graph) and M = 7 (the dynamic one)
+        out, code = run_and_get_code(compiled, x) if i < 2 else (compiled(x), None)
         assert torch.equal(out, two_linears(x))
         if code is not None:
             wrapper = "\n".join(code)
             assert "_linear_small_m_kernel" in wrapper and "fp8compile.linear_decode" not in wrapper
+            launches = [line for line in wrapper.splitlines() if ".run(" in line]
+            assert len(launches) == 2 and all("_linear_small_m_kernel" in line for line in launches), launches
     # Not test_schema: its mode reruns the op's FP8 inputs through ATen math that has no e4m3 kernels.
     torch.library.opcheck(
         torch.ops.fp8compile.linear_decode,

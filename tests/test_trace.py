@@ -34,8 +34,7 @@ def _run(graph, *args):
 
 
 def test_a_traced_call_is_inlined_with_inductors_decompositions_over_the_graphs_symbolic_sizes():
-    """Here one over a dynamic M, with an aten.zeros that Inductor only accepts decomposed (the
-    decode kernel's split-K counters are one)."""
+    """Here one over a dynamic M, with an aten.zeros that Inductor only accepts decomposed."""
     graph, x, _ = _graph_over_a_dynamic_m()
     fn = lambda t: torch.zeros(t.shape[0], 4, dtype=torch.int32) + t[:, :4].to(torch.int32)  # noqa: E731
     graph.output(inline_traced(graph, fn, [x]))
@@ -182,20 +181,15 @@ def failing_guards() -> dict[str, list[str]]:
     return failing
 
 
-def test_a_traced_op_adds_no_guard_that_a_token_count_of_its_side_fails():
-    """A default-mode graph over a dynamic M traces each side's op with the graph's M at compile
-    time, which may lie outside that side's range (the cond picks the side per call). A guard the
-    body adds is a guard on the whole graph: one that fails inside the side's range recompiles the
-    model there (moe_gluon's (chunks, BLOCK_E) scratch guarded chunks == 1 when traced at M = 3:
-    the Qwen3-MoE test model recompiled at 33 tokens on the GPU). Traced in a process of its own:
-    wrap_triton does not trace the interpreter's kernels (TRITON_INTERPRET=1 in this one)."""
+def _in_a_process_without_the_interpreter(call: str):
+    """The JSON that tests.test_trace.<call> prints, run in a process of its own: wrap_triton does
+    not trace the interpreter's kernels (TRITON_INTERPRET=1 in this one)."""
     import json
     import subprocess
     import sys
 
-    pytest.importorskip("triton")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    script = "import json; from tests.test_trace import failing_guards; print(json.dumps(failing_guards()))"
+    script = f"import json; from tests.test_trace import {call.split('(')[0]}; print(json.dumps({call}))"
     result = subprocess.run(
         [sys.executable, "-c", script],
         capture_output=True,
@@ -205,6 +199,60 @@ def test_a_traced_op_adds_no_guard_that_a_token_count_of_its_side_fails():
         cwd=Path(__file__).resolve().parent.parent,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    failing = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_traced_op_adds_no_guard_that_a_token_count_of_its_side_fails():
+    """A default-mode graph over a dynamic M traces each side's op with the graph's M at compile
+    time, which may lie outside that side's range (the cond picks the side per call). A guard the
+    body adds is a guard on the whole graph: one that fails inside the side's range recompiles the
+    model there (moe_gluon's (chunks, BLOCK_E) scratch guarded chunks == 1 when traced at M = 3:
+    the Qwen3-MoE test model recompiled at 33 tokens on the GPU)."""
+    pytest.importorskip("triton")
+    failing = _in_a_process_without_the_interpreter("failing_guards()")
     assert set(failing) == {"moe_gluon", "moe_decode", "linear_decode", "linear_scaled_mm"}
     assert failing == {name: [] for name in failing}
+
+
+def traced_decode_launch(op: str) -> dict:
+    """The decode op `op` traced at M = 3 (split-K 2 under the CPU's tile choice): the ops of its
+    graph, its launch's split and counters argument, and the addresses of the live counters."""
+    from fp8compile.ops import decode_op, triton_gemm, triton_scaled  # noqa: F401  (registers the ops)
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [
+        mode.from_tensor(torch.empty([3 if size == "M" else size for size in shape], dtype=dtype))
+        for shape, dtype in LINEAR_INPUTS.values()
+    ]
+    if op == "linear_decode":
+        call = lambda x, w, s: torch.ops.fp8compile.linear_decode(x, w, s, None, False, 16)  # noqa: E731
+    else:  # rowwise: a scale per output channel
+        fakes[2] = mode.from_tensor(torch.empty(LINEAR_INPUTS["w"][0][0]))
+        call = lambda x, w, s: torch.ops.fp8compile.linear_scaled_decode(x, w, s, max_m=16)  # noqa: E731
+    graph = trace._trace(call, fakes).graph
+    (launch,) = [
+        node for node in graph.nodes if node.target is torch.ops.higher_order.triton_kernel_wrapper_functional
+    ]
+    kwargs = launch.kwargs["kwargs"]
+    return dict(
+        targets=[str(node.target) for node in graph.nodes if node.op == "call_function"],
+        split=kwargs["SPLIT_K"],
+        arrivals=[kwargs.get("arrivals_hi"), kwargs.get("arrivals_lo")],
+        counters=[buffer.data_ptr() for buffer in triton_gemm._ARRIVALS[torch.device("cpu")]],
+    )
+
+
+@pytest.mark.parametrize("op", ["linear_decode", "linear_scaled_decode"])
+def test_a_traced_decode_launch_reads_the_split_k_counters_by_address_with_no_fill_per_call(op):
+    """Outside CUDA graphs each launch is host time: the decode ops Inductor launches must not zero
+    a counter buffer of their own per call (a second launch per linear). The split-K programs meet
+    on the eager path's counters, which every launch leaves at zero, passed as their address (ints
+    below 2**31: a tensor the kernel writes would be cloned per call by functionalization)."""
+    pytest.importorskip("triton")
+    traced = _in_a_process_without_the_interpreter(f"traced_decode_launch({op!r})")
+    assert traced["split"] == 2
+    assert not [
+        target for target in traced["targets"] if "zero" in target or "full" in target or "fill" in target
+    ]
+    high, low = traced["arrivals"]
+    assert high * 2**31 + low == traced["counters"][-1] and 0 <= low < 2**31 and 0 <= high < 2**31

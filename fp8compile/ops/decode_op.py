@@ -42,8 +42,8 @@ def linear_decode(
     """bf16 x (M, K), M <= max_m <= 64, times the block-quantized weight (w_fp8 (N, K) e4m3fn,
     w_scale (ceil(N/128), K/128) fp32) (+ bias) -> bf16 (M, N), 1x128 activation quantization
     fused. With b (M, K): the gated MLP's down projection, on act(x, b) (reference.gated).
-    Split-K programs meet on zeroed int32 counters it allocates (one small fill per call, which
-    keeps the op functional: nothing outside it is written)."""
+    Split-K programs meet on the eager path's int32 counters, passed by address
+    (triton_gemm.split_k_counters): the op stays functional with no per-call fill."""
     if not 1 <= max_m <= triton_gemm.SMALL_M_MAX:
         raise ValueError(
             f"linear_decode serves 1 <= M <= {triton_gemm.SMALL_M_MAX}, asked for M up to {max_m}"
@@ -58,7 +58,7 @@ def linear_decode(
         raise ValueError(f"linear_decode was built for M <= {max_m}, got M = {m}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    arrivals = torch.zeros(n_tiles, dtype=torch.int32, device=x.device) if split > 1 else out
+    arrivals = triton_gemm.split_k_counters(x.device, n_tiles, split)
     launch = {} if x.device.type == "cpu" else dict(num_warps=4, num_stages=triton_gemm.SMALL_M_NUM_STAGES)
     b_ = x if b is None else b
     wrap_triton(triton_gemm._linear_small_m_kernel)[(n_tiles, split)](
@@ -71,7 +71,7 @@ def linear_decode(
         bias if bias is not None else w_scale,
         out,
         partial,
-        arrivals,
+        *arrivals,
         m,
         n,
         k,

@@ -26,6 +26,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..numerics import AMAX_EPS, BLOCK, FP8_MAX, ceil_div
 from .launch import Launcher, num_sms
@@ -121,7 +122,8 @@ def _linear_small_m_kernel(
     bias_ptr,
     out_ptr,
     partial_ptr,
-    arrivals_ptr,
+    arrivals_hi,
+    arrivals_lo,
     M,
     N,
     K,
@@ -209,7 +211,19 @@ def _linear_small_m_kernel(
         w_ptrs += GROUP
 
     store_split_k(
-        acc, out_ptr, partial_ptr, arrivals_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS, SPLIT_K
+        acc,
+        out_ptr,
+        partial_ptr,
+        arrivals_hi,
+        arrivals_lo,
+        bias_ptr,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        stride_om,
+        HAS_BIAS,
+        SPLIT_K,
     )
 
 
@@ -218,7 +232,8 @@ def store_split_k(
     acc,
     out_ptr,
     partial_ptr,
-    arrivals_ptr,
+    arrivals_hi,
+    arrivals_lo,
     bias_ptr,
     offs_m,
     offs_n,
@@ -231,7 +246,8 @@ def store_split_k(
     """Epilogue of a swapAB decode program (acc: its fp32 out^T tile, BLOCK_N x BLOCK_M) in split-K
     program_id(1) of SPLIT_K over N tile program_id(0): (+ bias) written to out in its dtype. With
     SPLIT_K > 1 each split publishes its partial sums; the last split to arrive at the N tile adds
-    all of them in split order (deterministic), then resets the counter for the next call."""
+    all of them in split order (deterministic), then resets the counter for the next call.
+    arrivals_hi, arrivals_lo: the address of the int32 counters, one per N tile (split_k_counters)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     safe_n = offs_n % N
@@ -241,6 +257,8 @@ def store_split_k(
         tile = offs_m[None, :] * N + offs_n[:, None]
         tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=mask)
         tl.debug_barrier()
+        address = tl.cast(arrivals_hi, tl.int64) * ADDRESS_SPLIT + tl.cast(arrivals_lo, tl.int64)
+        arrivals_ptr = address.to(tl.pointer_type(tl.int32))
         arrived = tl.atomic_add(arrivals_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             acc = tl.zeros(acc.shape, dtype=tl.float32)
@@ -431,23 +449,44 @@ def small_m_split(
     return max(1, min(k // BLOCK, round(target / n_blocks)))
 
 
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+# Every counter buffer ever handed out, per device: none is freed, because a traced launch keeps
+# the address it was given for as long as its compiled graph lives.
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _arrival_counters(device: torch.device, n_tiles: int) -> torch.Tensor:
     """Zeroed int32 counters, one per N tile, reused across calls (the kernel leaves them at 0).
     One buffer per device: split-K launches on one device must not overlap on two streams.
     Allocated at compile time (prepare_small_m): a buffer first allocated in a CUDA graph's
-    warm-up run or capture would live in that graph's memory pool, which reuses it."""
-    buf = _ARRIVALS.get(device)
-    if buf is None or buf.numel() < n_tiles:
+    warm-up run or capture would live in that graph's memory pool, which reuses it. Made outside
+    whatever tracing mode is active (a traced launch reads the real buffer's address)."""
+    buffers = _ARRIVALS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < n_tiles:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "the decode kernel's split-K counters would be allocated inside a CUDA graph capture: "
                 "run the op once on this device before capturing"
             )
-        buf = _ARRIVALS[device] = torch.zeros(max(n_tiles, 4096), dtype=torch.int32, device=device)
-    return buf
+        with _disable_current_modes():
+            buffers.append(torch.zeros(max(n_tiles, 4096), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
+# split_k_counters gives an address in two parts below 2**31: every launcher then takes them as
+# int32 (Inductor 2.11 fails on a wider constant argument of a kernel it launches: its 32-bit check
+# asks the Python int for a symbolic hint).
+ADDRESS_SPLIT: tl.constexpr = tl.constexpr(2**31)
+
+
+def split_k_counters(device: torch.device, n_tiles: int, split: int) -> tuple[int, int]:
+    """The decode kernels' (arrivals_hi, arrivals_lo): the address of the split-K counters,
+    hi * 2**31 + lo ((0, 0) without a split). An address, not a tensor, so that a traced launch
+    (decode_op) stays a functional op with no per-call zero fill: the counters are scratch each
+    launch leaves as it found them, and a tensor argument the kernel writes would be cloned per
+    call by the functionalization of user Triton kernels. The address is a constant of the
+    compiled graph, part of its cache key."""
+    address = _arrival_counters(device, n_tiles).data_ptr() if split > 1 else 0
+    return divmod(address, ADDRESS_SPLIT.value)
 
 
 def prepare_small_m(request) -> None:
@@ -549,7 +588,7 @@ def linear_small_m(
     gated = b is not None
     block_m, block_n, split, n_tiles = _small_m_tiles(m, n, k, gated, x.device, block_n, split_k)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    arrivals = _arrival_counters(x.device, n_tiles) if split > 1 else out
+    arrivals = split_k_counters(x.device, n_tiles, split)
     launch = {} if _interpreting(x2) else dict(num_warps=4, num_stages=num_stages or SMALL_M_NUM_STAGES)
     tma = tma_pays_off(x.device) and use_tma(w_fp8) if tma is None else tma
     trigger = pdl_available(x.device)
@@ -577,7 +616,7 @@ def linear_small_m(
             bias if bias is not None else w_scale,
             out,
             partial,
-            arrivals,
+            *arrivals,
             m,
             n,
             k,

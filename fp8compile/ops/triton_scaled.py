@@ -31,7 +31,7 @@ from .reference_scaled import check_recipe
 from .triton_gemm import (
     SMALL_M_MAX,
     SMALL_M_NUM_STAGES,
-    _arrival_counters,
+    split_k_counters,
     _interpreting,
     _small_m_tiles,
     store_split_k,
@@ -52,7 +52,8 @@ def _scaled_small_m_kernel(
     bias_ptr,
     out_ptr,
     partial_ptr,
-    arrivals_ptr,
+    arrivals_hi,
+    arrivals_lo,
     M,
     N,
     K,
@@ -125,7 +126,19 @@ def _scaled_small_m_kernel(
     acc = acc * x_s[None, :]
 
     store_split_k(
-        acc, out_ptr, partial_ptr, arrivals_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS, SPLIT_K
+        acc,
+        out_ptr,
+        partial_ptr,
+        arrivals_hi,
+        arrivals_lo,
+        bias_ptr,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        stride_om,
+        HAS_BIAS,
+        SPLIT_K,
     )
 
 
@@ -176,7 +189,7 @@ def _arguments(x2, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, out, pa
         bias if bias is not None else w_scale,
         out,
         partial,
-        arrivals,
+        *arrivals,
         m,
         n,
         k,
@@ -228,7 +241,7 @@ def linear_scaled_small_m(
         return out.reshape(*x.shape[:-1], n)
     block_m, block_n, split, n_tiles = _small_m_tiles(m, n, k, False, x.device, None, None)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    arrivals = _arrival_counters(x.device, n_tiles) if split > 1 else out
+    arrivals = split_k_counters(x.device, n_tiles, split)
     args, constexprs = _arguments(
         x2,
         w_fp8,
@@ -262,8 +275,8 @@ def linear_scaled_decode(
     max_m: int = 16,
 ) -> Tensor:
     """linear_scaled_small_m for x (M, K), M <= max_m <= 64, as a launch Inductor makes: the tile
-    height and split are fixed at trace time from max_m (M is the dispatch's symbol there), and
-    the split-K counters are zeroed per call (one small fill, which keeps the op functional)."""
+    height and split are fixed at trace time from max_m (M is the dispatch's symbol there); the
+    split-K counters are the eager path's, by address (triton_gemm.split_k_counters)."""
     if not 1 <= max_m <= SMALL_M_MAX:
         raise ValueError(f"linear_scaled_decode serves 1 <= M <= {SMALL_M_MAX}, asked for M up to {max_m}")
     m = x.shape[0]
@@ -271,7 +284,7 @@ def linear_scaled_decode(
     block_m, block_n, split, n_tiles = _small_m_tiles(max_m, n, k, False, x.device, None, None)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    arrivals = torch.zeros(n_tiles, dtype=torch.int32, device=x.device) if split > 1 else out
+    arrivals = split_k_counters(x.device, n_tiles, split)
     args, constexprs = _arguments(
         x,
         w_fp8,
