@@ -156,6 +156,28 @@ def _gate_up_rows(w: torch.Tensor, layout: str) -> torch.Tensor:
     return torch.cat([w[:, 0::2], w[:, 1::2]], dim=1) if layout == "interleave" else w
 
 
+def padded_intermediate(inter: int) -> int:
+    """The expert intermediate size I of the FP8 copies: I rounded up to whole 128-wide blocks."""
+    return -(-inter // 128) * 128
+
+
+def _pad_intermediate(t: torch.Tensor, dim: int, halves: int) -> torch.Tensor:
+    """t with each of its `halves` equal parts along dim (gate and up rows, or the whole of I)
+    followed by zeros up to padded_intermediate. Exact for the experts: a zero row of gate and
+    up gives act(0, 0) = 0 in every activation we serve, and a zero column of the down projection
+    adds nothing whatever it meets; a weight or activation block that holds the last real rows
+    then has the scale of those rows alone, as a partial block of DeepSeek's FP8 checkpoints does."""
+    inter = t.shape[dim] // halves
+    pad = padded_intermediate(inter) - inter
+    if pad == 0:
+        return t
+    parts = t.split(inter, dim)
+    shape = list(t.shape)
+    shape[dim] = pad
+    zeros = t.new_zeros(shape)
+    return torch.cat([piece for part in parts for piece in (part, zeros)], dim)
+
+
 def canonical_experts(
     w: torch.Tensor, kn: bool = False, gate_up: str | None = None, w_up: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -178,16 +200,25 @@ def fp8_experts(
     w_up: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """canonical_experts(...) in FP8: (w_fp8 (E, N, K), w_scale (E, N/128, K/128)), each expert in
-    its own 128x128 blocks, so the activation reads gate and up as two contiguous halves."""
+    its own 128x128 blocks, so the activation reads gate and up as two contiguous halves. The
+    expert intermediate size I is padded to whole blocks with zeros (padded_intermediate): the
+    rows of each half of a gate/up projection (gate_up given: "none" has one half, up), the
+    columns of a down projection (gate_up None: (E, H, I)). H must be a multiple of 128."""
 
     def make():
         stacked = canonical_experts(w.detach(), kn, gate_up, None if w_up is None else w_up.detach())
         e, n, k = stacked.shape
-        if n % 128 or k % 128:
+        hidden = k if gate_up is not None else n
+        if hidden % 128:
             raise ValueError(
-                f"expert weights ({e}, {n}, {k}): N and K must be multiples of 128 "
+                f"expert weights ({e}, {n}, {k}): the hidden size {hidden} must be a multiple of 128 "
                 "(128x128 blocks per expert)"
             )
+        if gate_up is None:
+            stacked = _pad_intermediate(stacked, 2, 1)
+        else:
+            stacked = _pad_intermediate(stacked, 1, 1 if gate_up == "none" else 2)
+        e, n, k = stacked.shape
         # A few experts at a time: the quantization works in fp32, and all 256 of DeepSeek-V3's
         # gate|up experts at once took 28 GB more, which an H100 holding the bf16 block did not
         # have (the experts then stayed bf16). The blocks are per expert, so the result is the same.
@@ -205,8 +236,19 @@ def fp8_experts(
     return _memoized(sources, ("experts", kn, e8m0, gate_up), make)
 
 
+def canonical_expert_bias(b: torch.Tensor | None, gate_up: str | None = None) -> torch.Tensor | None:
+    """A stacked gate/up expert bias (E, 2I) in canonical_experts' row order (gate then up)."""
+    return None if b is None else _gate_up_rows(b, gate_up)
+
+
 def expert_bias(b: torch.Tensor | None, gate_up: str | None = None) -> torch.Tensor | None:
-    """A stacked expert bias (E, N) in the row order fp8_experts gives its weight."""
-    if b is None or gate_up != "interleave":
+    """A stacked gate/up expert bias (E, 2I), or (E, I) for "none", in the row order and padding
+    fp8_experts gives its weight."""
+    halves = 1 if gate_up == "none" else 2
+    if b is None or (gate_up != "interleave" and (b.shape[1] // halves) % 128 == 0):
         return b
-    return _memoized((b,), ("expert_bias", gate_up), lambda: _gate_up_rows(b.detach(), gate_up).contiguous())
+    return _memoized(
+        (b,),
+        ("expert_bias", gate_up),
+        lambda: _pad_intermediate(_gate_up_rows(b.detach(), gate_up), 1, halves).contiguous(),
+    )

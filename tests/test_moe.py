@@ -52,17 +52,17 @@ def init_normal(model: nn.Module, std: float = 0.02) -> nn.Module:
     return model
 
 
-def qwen3_moe_block(impl: str):
+def qwen3_moe_block(impl: str, **changes):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    return init_normal(Qwen3MoeSparseMoeBlock(qwen3_moe_config(impl)).to(BF16))
+    return init_normal(Qwen3MoeSparseMoeBlock(qwen3_moe_config(impl, **changes)).to(BF16))
 
 
-def gpt_oss_mlp(impl: str):
+def gpt_oss_mlp(impl: str, inter: int = 384):
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
     cfg = transformers.GptOssConfig(
-        hidden_size=256, intermediate_size=384, num_local_experts=8, num_experts_per_tok=2
+        hidden_size=256, intermediate_size=inter, num_local_experts=8, num_experts_per_tok=2
     )
     cfg._experts_implementation = impl
     return init_normal(GptOssMLP(cfg).to(BF16))
@@ -198,15 +198,41 @@ def test_eager_experts_loop_is_reported_as_not_one_graph():
     assert calc_diff(out, eager) < 1e-4  # stays bf16
 
 
-def test_experts_with_an_intermediate_size_not_a_multiple_of_128_stay_bf16_with_the_reason():
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-
-    model = init_normal(
-        Qwen3MoeSparseMoeBlock(qwen3_moe_config("grouped_mm", moe_intermediate_size=192)).to(BF16)
+@pytest.mark.parametrize(
+    "block, layout, n13",
+    [
+        ("qwen3_moe", "concat, silu", 512),
+        ("gpt_oss", "interleave, bias, swigluoai", 512),
+        ("nemotron_h", "none, relu2", 256),
+    ],
+)
+def test_experts_with_an_intermediate_size_of_part_of_a_block_are_rewritten_padded_to_whole_blocks(
+    block, layout, n13, captured
+):
+    """transformers' NemotronHConfig has experts of I = 7688 (60 blocks and 8 rows): FP8 copies pad I
+    with zeros to whole 128-wide blocks (each half of a gate/up projection, the columns of the down
+    projection), which changes no number, so every kernel serves them."""
+    torch.manual_seed(0)
+    make = {
+        "qwen3_moe": lambda: qwen3_moe_block("grouped_mm", moe_intermediate_size=192),
+        "gpt_oss": lambda: gpt_oss_mlp("grouped_mm", inter=192),
+        "nemotron_h": lambda: nemotron_h_moe("grouped_mm", inter=192),
+    }[block]
+    out, eager, report = compile_block(make(), randn(1, 37, 256))
+    (r,) = [r for r in report.rewrites if r.kind == "moe"]
+    assert r.detail == f"8 experts, top-2, {layout}, intermediate 192 padded to 256" and (r.n, r.k) == (
+        n13,
+        256,
     )
-    out, eager, report = compile_block(model, randn(1, 9, 256))
+    (g,) = captured
+    assert sum(g.count(t) for t in EXPERT_GEMMS) == 0
+    assert calc_diff(out, eager) < MOE_BLOCK
+
+
+def test_experts_with_a_hidden_size_not_a_multiple_of_128_stay_bf16_with_the_reason():
+    out, eager, report = compile_block(qwen3_moe_block("grouped_mm", hidden_size=320), randn(1, 9, 320))
     (skip,) = report.skipped("moe")
-    assert skip.name == "experts" and "expert intermediate size 192 is not a multiple of 128" in skip.reason
+    assert skip.name == "experts" and "hidden size 320 is not a multiple of 128" in skip.reason
     assert report.counts()["moe"] == 0
 
 
@@ -238,14 +264,14 @@ class ReluSquaredExperts(nn.Module):
         return (y * weights.reshape(-1, 1)).view(x.shape[0], self.top_k, -1).sum(1)
 
 
-def nemotron_h_moe(impl: str):
+def nemotron_h_moe(impl: str, inter: int = 256):
     """Nemotron-H's MoE block: non-gated experts down(relu(up(x))^2), a sigmoid router with a
     score-correction bias (fp32), and a shared expert."""
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
 
     cfg = transformers.NemotronHConfig(
         hidden_size=256,
-        moe_intermediate_size=256,
+        moe_intermediate_size=inter,
         moe_shared_expert_intermediate_size=256,
         n_routed_experts=8,
         num_experts_per_tok=2,
@@ -429,6 +455,60 @@ def test_moe_op_with_non_gated_relu2_experts_matches_the_definition(bias):
     out = torch.ops.fp8compile.moe(x, ids, tw, up, w2, None, b_up, b2, **act)
     assert torch.equal(out, slot_by_slot(x, ids, tw, up, w2, b_up, b2, activation="relu2"))
     torch.library.opcheck(torch.ops.fp8compile.moe.default, (x, ids, tw, up, w2, None, b_up, b2), act)
+
+
+def _zero_padded(t: torch.Tensor | None, dim: int, halves: int, to: int = 256) -> torch.Tensor | None:
+    """t with each of its halves along dim followed by zeros up to `to`, written out by hand."""
+    if t is None:
+        return None
+    parts = t.split(t.shape[dim] // halves, dim)
+    return torch.cat(
+        [
+            torch.cat([p, p.new_zeros(*p.shape[:dim], to - p.shape[dim], *p.shape[dim + 1 :])], dim)
+            for p in parts
+        ],
+        dim,
+    )
+
+
+@pytest.mark.parametrize("layout", ["concat", "none"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_moe_op_on_an_intermediate_size_of_part_of_a_block_is_the_op_on_the_zero_padded_experts(layout, bias):
+    """I = 192: the op gives the bits of the same experts padded with zeros to I = 256 by hand, and
+    of the definition slot by slot on those; within the FP8 bound of the unquantized block."""
+    ids, x, tw = torch.tensor([[0, 3], [3, 3], [1, 2]]), randn(3, 256), torch.rand(3, 2).to(BF16)
+    w13, w2, b13, b2 = random_experts(inter=192, bias=bias)
+    act, halves = {}, 2
+    if layout == "none":
+        w13, b13 = w13[:, :192].contiguous(), None if b13 is None else b13[:, :192].contiguous()
+        act, halves = {"gate_up": "none", "activation": "relu2"}, 1
+    out = torch.ops.fp8compile.moe(x, ids, tw, w13, w2, None, b13, b2, **act)
+    padded = (_zero_padded(w13, 1, halves), _zero_padded(w2, 2, 1), _zero_padded(b13, 1, halves))
+    assert torch.equal(
+        out, torch.ops.fp8compile.moe(x, ids, tw, padded[0], padded[1], None, padded[2], b2, **act)
+    )
+    definition = slot_by_slot(
+        x, ids, tw, padded[0], padded[1], padded[2], b2, activation=act.get("activation", "silu")
+    )
+    assert torch.equal(out, definition)
+    unquantized = reference.moe_dense(x, ids, tw, w13, w2, b13, b2, activation=act.get("activation", "silu"))
+    assert calc_diff(out, unquantized) < MOE_BLOCK
+
+
+def test_fp8_expert_copies_hold_the_last_rows_of_each_half_in_a_partial_block():
+    """The padded rows are zeros and add nothing to the last block's amax: the rows of each half
+    are quantized as a weight of 192 rows on its own is (a partial last block)."""
+    from fp8compile import weights
+
+    w13 = randn(2, 384, 256)  # gate (192 rows) then up (192 rows)
+    w_fp8, w_scale = weights.fp8_experts(w13, gate_up="concat")
+    assert w_fp8.shape == (2, 512, 256) and w_scale.shape == (2, 4, 2)
+    for e in range(2):
+        for half, rows in ((0, slice(0, 192)), (1, slice(256, 448))):
+            q, scale = reference.quant_weight_block(w13[e, half * 192 : (half + 1) * 192])
+            assert torch.equal(w_fp8[e, rows].view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(w_scale[e, 2 * half : 2 * half + 2], scale)
+        assert not w_fp8[e, 192:256].float().any() and not w_fp8[e, 448:].float().any()
 
 
 def test_moe_op_refuses_an_activation_that_does_not_fit_the_layout():

@@ -39,7 +39,7 @@ from . import dispatch, inline
 from .context import PassContext
 from .replay import ReplayError, concrete, run_subgraph, small_symbols
 from .silu_mul import silu_mul_pattern
-from ..weights import canonical_experts, expert_bias, fp8_experts
+from ..weights import canonical_expert_bias, canonical_experts, expert_bias, fp8_experts, padded_intermediate
 
 log = logging.getLogger("fp8compile")
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -464,15 +464,14 @@ def _check(m: MoeMatch) -> tuple[int, int, int]:
             )
     e, h = w13.shape[0], x.shape[1]
     inter = (w13.shape[1] * w13.shape[2] // h) // (1 if m.gate_up in ("separate", "none") else 2)
-    for dim, size in (("hidden size", h), ("expert intermediate size", inter)):
-        if size % BLOCK:
-            raise NoMatch(f"{dim} {size} is not a multiple of {BLOCK} (128x128 blocks per expert)")
+    if h % BLOCK:  # an intermediate size of part of a block is padded (weights.padded_intermediate)
+        raise NoMatch(f"hidden size {h} is not a multiple of {BLOCK} (128x128 blocks per expert)")
     return e, inter, h
 
 
 def _n13(m: MoeMatch, inter: int) -> int:
-    """Rows of the first expert GEMM in its FP8 copy: gate and up (2I, "separate" stacked), or
-    up alone (I)."""
+    """Rows of the first expert GEMM in its FP8 copy (inter: padded_intermediate): gate and up
+    (2I, "separate" stacked), or up alone (I)."""
     return inter if m.gate_up == "none" else 2 * inter
 
 
@@ -509,7 +508,7 @@ def verify(ctx: PassContext, m: MoeMatch, w_kn: bool) -> float:
         layout = m.gate_up
         w13 = canonical_experts(param[m.w13], w_kn, layout, param.get(m.w3))
         w2 = canonical_experts(param[m.w2], w_kn)
-        b13 = expert_bias(param.get(m.b13), layout)
+        b13 = canonical_expert_bias(param.get(m.b13), layout)
         want = reference.moe_dense(x, ids, weights, w13, w2, b13, param.get(m.b2), **m.act)
         return calc_diff(got, want)
 
@@ -547,6 +546,7 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
     expert_bias(param.get(m.b13), m.gate_up)
     device = param[m.w13].device
     top_k = _val(m.topk_ids).shape[1]
+    inter_bf16, inter = inter, padded_intermediate(inter)  # the kernels' sizes are the FP8 copies'
     n13 = _n13(m, inter)
     sides = dispatch.plan(ctx, "moe", device, n13, h, _val(m.hidden).shape[0])
     for cut in (
@@ -563,7 +563,7 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
         **m.act,
     }
     if inline.moe_launch_wanted(ctx, sides, e, top_k, n13, inter, h, device):
-        kwargs[inline.LAUNCH_OPERANDS] = _fp8_expert_inputs(ctx, m, w_kn, name)
+        kwargs[inline.LAUNCH_OPERANDS] = _fp8_expert_inputs(ctx, m, w_kn, name, inter != inter_bf16)
     with ctx.gm.graph.inserting_before(m.output):
         try:
             out = dispatch.emit(
@@ -591,13 +591,16 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
         f"{e} experts, top-{top_k}, {m.gate_up}{', bias' if m.b13 is not None or m.b2 is not None else ''}"
     )
     detail += f", {m.act.get('activation', 'silu')}"
+    if inter != inter_bf16:
+        detail += f", intermediate {inter_bf16} padded to {inter}"
     m_desc = _val(m.hidden).shape[0]
     ctx.rewrote("moe", name, m_desc, n13, h, [(s.label, s.kernel) for s in sides], detail)
 
 
-def _fp8_expert_inputs(ctx: PassContext, m: MoeMatch, w_kn: bool, name: str) -> tuple:
-    """(w13_fp8, w13_scale, w2_fp8, w2_scale, b13 in their row order or None) as graph inputs the
-    backend derives per call from the parameters passed (what a traced launch reads)."""
+def _fp8_expert_inputs(ctx: PassContext, m: MoeMatch, w_kn: bool, name: str, padded: bool) -> tuple:
+    """(w13_fp8, w13_scale, w2_fp8, w2_scale, b13 in their row order and padding or None) as graph
+    inputs the backend derives per call from the parameters passed (what a traced launch reads);
+    padded: the intermediate size is padded to whole blocks."""
     e8m0, gate_up = ctx.config.e8m0, m.gate_up
     w13 = ctx.derived_inputs(
         ("experts", w_kn, e8m0, gate_up),
@@ -612,7 +615,7 @@ def _fp8_expert_inputs(ctx: PassContext, m: MoeMatch, w_kn: bool, name: str) -> 
         lambda w: fp8_experts(w, w_kn, e8m0),
     )
     b13 = m.b13
-    if b13 is not None and gate_up == "interleave":  # the bias rows follow the weight's reordered rows
+    if b13 is not None and (gate_up == "interleave" or padded):  # the bias rows follow the weight's rows
         (b13,) = ctx.derived_inputs(
             ("expert_bias", gate_up), (f"{name}_b13_ordered",), [m.b13], lambda b: (expert_bias(b, gate_up),)
         )
