@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--layer",
         action="append",
-        choices=["qwen3-30b-a3b", "deepseek-v3"],
-        help="MoE layers for `bench moe` (default: both)",
+        choices=["qwen3-30b-a3b", "deepseek-v3", "nemotron-h"],
+        help="MoE layers for `bench moe` (default: all)",
     )
     bench.add_argument(
         "--kernels",

@@ -27,7 +27,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import release
-from .numerics import FP8_DTYPE
+from .numerics import BLOCK, FP8_DTYPE, ceil_div
 
 log = logging.getLogger("fp8compile")
 
@@ -158,7 +158,7 @@ def _gate_up_rows(w: torch.Tensor, layout: str) -> torch.Tensor:
 
 def padded_intermediate(inter: int) -> int:
     """The expert intermediate size I of the FP8 copies: I rounded up to whole 128-wide blocks."""
-    return -(-inter // 128) * 128
+    return ceil_div(inter, BLOCK) * BLOCK
 
 
 def _pad_intermediate(t: torch.Tensor, dim: int, halves: int) -> torch.Tensor:

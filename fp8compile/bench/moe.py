@@ -12,27 +12,46 @@ import fp8compile
 from . import harness
 from .output import save
 
-# (hidden, moe_intermediate, experts, top_k): Qwen3-30B-A3B and DeepSeek-V3 (all 256 experts:
-# 22.5 GB of bf16 expert weights plus their 11 GB FP8 copy fit an H200 or an H100).
-MOE_LAYERS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8)}
+# (hidden, moe_intermediate, experts, top_k, block): Qwen3-30B-A3B and DeepSeek-V3 widths in
+# Qwen3-MoE's block (all 256 of DeepSeek-V3's experts: 22.5 GB of bf16 expert weights plus their
+# 11 GB FP8 copy fit an H200 or an H100); transformers' NemotronHConfig defaults in Nemotron-H's
+# block: non-gated relu^2 experts of I = 7688 (7808 in the FP8 copies: whole 128-wide blocks),
+# beside a shared expert.
+MOE_LAYERS = {
+    "qwen3-30b-a3b": (2048, 768, 128, 8, "qwen3_moe"),
+    "deepseek-v3": (7168, 2048, 256, 8, "qwen3_moe"),
+    "nemotron-h": (4096, 7688, 8, 2, "nemotron_h"),
+}
 MOE_TOKENS = [1, 16, 128, 1024, 4096]
 
 
-def moe_block(hidden: int, inter: int, experts: int, top_k: int):
-    """transformers' Qwen3MoeSparseMoeBlock (router, top-k, experts under "grouped_mm") on the GPU."""
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+def moe_block(hidden: int, inter: int, experts: int, top_k: int, block: str = "qwen3_moe"):
+    """transformers' Qwen3MoeSparseMoeBlock, or NemotronHMoE (block="nemotron_h"): router, top-k,
+    experts under "grouped_mm", on the GPU."""
+    import transformers
 
-    cfg = Qwen3MoeConfig(
-        hidden_size=hidden,
-        moe_intermediate_size=inter,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        norm_topk_prob=True,
-    )
+    if block == "nemotron_h":
+        from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE as Block
+
+        cfg = transformers.NemotronHConfig(
+            hidden_size=hidden,
+            moe_intermediate_size=inter,
+            n_routed_experts=experts,
+            num_experts_per_tok=top_k,
+        )
+    else:
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+
+        cfg = transformers.Qwen3MoeConfig(
+            hidden_size=hidden,
+            moe_intermediate_size=inter,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            norm_topk_prob=True,
+        )
     cfg._experts_implementation = "grouped_mm"
     with torch.device("cuda"):
-        block = Qwen3MoeSparseMoeBlock(cfg).to(torch.bfloat16)
+        block = Block(cfg).to(torch.bfloat16)
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.02)
@@ -49,8 +68,12 @@ def _deep_gemm_experts(block, tokens: int, top_k: int):
     from fp8compile.weights import fp8_experts
 
     experts = block.experts
-    num_experts, two_i, hidden = experts.gate_up_proj.shape
-    w13, w2 = fp8_experts(experts.gate_up_proj, gate_up="concat"), fp8_experts(experts.down_proj)
+    gated = hasattr(experts, "gate_up_proj")  # else non-gated: the up projection alone
+    up = experts.gate_up_proj if gated else experts.up_proj
+    num_experts, hidden = up.shape[0], up.shape[2]
+    w13 = fp8_experts(up, gate_up="concat" if gated else "none")
+    w2 = fp8_experts(experts.down_proj)
+    n13, inter = w13[0].shape[1], w2[0].shape[2]  # the FP8 copies' sizes (I in whole blocks)
     ids = torch.topk(torch.rand(tokens, num_experts, device="cuda"), top_k, dim=-1).indices
     slots, block_expert = route(ids, num_experts, deep_gemm.get_mk_alignment_for_contiguous_layout())
     rows = slots.numel()
@@ -58,8 +81,8 @@ def _deep_gemm_experts(block, tokens: int, top_k: int):
         slots < ids.numel(), block_expert.repeat_interleave(rows // block_expert.numel()), -1
     )
     a = quant_act(torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16), layout="mn_major")
-    h = quant_act(torch.randn(rows, two_i // 2, device="cuda", dtype=torch.bfloat16), layout="mn_major")
-    c1 = torch.empty(rows, two_i, device="cuda", dtype=torch.bfloat16)
+    h = quant_act(torch.randn(rows, inter, device="cuda", dtype=torch.bfloat16), layout="mn_major")
+    c1 = torch.empty(rows, n13, device="cuda", dtype=torch.bfloat16)
     c2 = torch.empty(rows, hidden, device="cuda", dtype=torch.bfloat16)
 
     def run():
@@ -88,9 +111,9 @@ def bench_moe(out_dir: Path, tokens=MOE_TOKENS, layers=MOE_LAYERS) -> list[dict]
         ),
     }
     with torch.no_grad():
-        for name, (hidden, inter, experts, top_k) in tqdm(layers.items(), desc="bench moe"):
-            block = moe_block(hidden, inter, experts, top_k)
-            expert_bytes = 3 * hidden * inter  # FP8 bytes of one expert
+        for name, (hidden, inter, experts, top_k, kind) in tqdm(layers.items(), desc="bench moe"):
+            block = moe_block(hidden, inter, experts, top_k, kind)
+            expert_bytes = (2 if kind == "nemotron_h" else 3) * hidden * inter  # FP8 bytes of one expert
             active = {}  # experts a routing of t tokens touches (router of random weights)
             inputs = []
             for t in tokens:
