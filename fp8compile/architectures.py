@@ -186,8 +186,9 @@ def build(arch: str, seed: int = 0) -> torch.nn.Module:
 
 
 def _linear_weight(module: torch.nn.Module) -> torch.Tensor | None:
-    """The (N, K) weight of a linear the linear pass would take (K a multiple of 128, N at least
-    128, bf16): an nn.Linear's, or a GPT-2-style Conv1D's (weight (K, N), x @ w + b), else None."""
+    """The (N, K) weight of a linear the linear pass would take (K and N at least 128, bf16; a K
+    of part of a group is padded, reference.quant_weight_block): an nn.Linear's, or a GPT-2-style
+    Conv1D's (weight (K, N), x @ w + b), else None."""
     if isinstance(module, torch.nn.Linear):
         w = module.weight
     elif type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
@@ -195,7 +196,7 @@ def _linear_weight(module: torch.nn.Module) -> torch.Tensor | None:
     else:
         return None
     n, k = w.shape
-    return w.detach() if w.dtype == torch.bfloat16 and k % BLOCK == 0 and n >= BLOCK else None
+    return w.detach() if w.dtype == torch.bfloat16 and k >= BLOCK and n >= BLOCK else None
 
 
 def _block_fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,12 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def whole_blocks(size: int) -> int:
+    """size rounded up to whole 128-wide blocks (a K or an expert intermediate size of part of a
+    block is padded with zeros to this in the FP8 copies)."""
+    return ceil_div(size, BLOCK) * BLOCK
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1). For host code on every launch: Triton's
     next_power_of_2 and cdiv are constexpr functions, 2.6 us a call against 0.04 for this."""

@@ -27,7 +27,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import release
-from .numerics import BLOCK, FP8_DTYPE, ceil_div
+from .numerics import FP8_DTYPE, whole_blocks
 
 log = logging.getLogger("fp8compile")
 
@@ -94,7 +94,8 @@ def _memoized(sources: tuple[torch.Tensor, ...], tag: tuple, make: Callable[[], 
 def fp8_weight(
     w: torch.Tensor, kn: bool = False, e8m0: bool = False, w_next: Sequence[torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w_fp8 (N, K), w_scale (ceil(N/128), K/128)) for a weight stored (N, K), or (K, N) if kn.
+    """(w_fp8 (N, Kp), w_scale (ceil(N/128), Kp/128)) for a weight stored (N, K), or (K, N) if kn;
+    Kp = K in whole 128-wide groups (zero columns past K: reference.quant_weight_block).
     With w_next (more weights, same K and layout): all of them stacked along N, w's rows first,
     so linears over one x run as one GEMM (passes/merge.py); every weight but the last must then
     have whole 128-row blocks, so that no weight block spans two of them."""
@@ -156,19 +157,14 @@ def _gate_up_rows(w: torch.Tensor, layout: str) -> torch.Tensor:
     return torch.cat([w[:, 0::2], w[:, 1::2]], dim=1) if layout == "interleave" else w
 
 
-def padded_intermediate(inter: int) -> int:
-    """The expert intermediate size I of the FP8 copies: I rounded up to whole 128-wide blocks."""
-    return ceil_div(inter, BLOCK) * BLOCK
-
-
 def _pad_intermediate(t: torch.Tensor, dim: int, halves: int) -> torch.Tensor:
     """t with each of its `halves` equal parts along dim (gate and up rows, or the whole of I)
-    followed by zeros up to padded_intermediate. Exact for the experts: a zero row of gate and
+    followed by zeros up to whole_blocks. Exact for the experts: a zero row of gate and
     up gives act(0, 0) = 0 in every activation we serve, and a zero column of the down projection
     adds nothing whatever it meets; a weight or activation block that holds the last real rows
     then has the scale of those rows alone, as a partial block of DeepSeek's FP8 checkpoints does."""
     inter = t.shape[dim] // halves
-    pad = padded_intermediate(inter) - inter
+    pad = whole_blocks(inter) - inter
     if pad == 0:
         return t
     parts = t.split(inter, dim)
@@ -201,7 +197,7 @@ def fp8_experts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """canonical_experts(...) in FP8: (w_fp8 (E, N, K), w_scale (E, N/128, K/128)), each expert in
     its own 128x128 blocks, so the activation reads gate and up as two contiguous halves. The
-    expert intermediate size I is padded to whole blocks with zeros (padded_intermediate): the
+    expert intermediate size I is padded to whole blocks with zeros (whole_blocks): the
     rows of each half of a gate/up projection (gate_up given: "none" has one half, up), the
     columns of a down projection (gate_up None: (E, H, I)). H must be a multiple of 128."""
 

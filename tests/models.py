@@ -41,16 +41,18 @@ class TinyLM(nn.Module):
 
 
 class OddDims(nn.Module):
-    """One linear that fits the block recipe, one with N=100, one with K=200."""
+    """One linear that fits the block recipe, one with N=100, one with K=200 (part of a 1x128
+    group past 128) and one with K=64 (less than one group)."""
 
     def __init__(self):
         super().__init__()
         self.fits = nn.Linear(256, 256)
         self.odd_n = nn.Linear(256, 100)
         self.odd_k = nn.Linear(200, 128)
+        self.short_k = nn.Linear(64, 128)
 
-    def forward(self, x, y):
-        return self.odd_n(self.fits(x)), self.odd_k(y)
+    def forward(self, x, y, z):
+        return self.odd_n(self.fits(x)), self.odd_k(y), self.short_k(z)
 
 
 class LinearForms(nn.Module):

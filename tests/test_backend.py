@@ -142,13 +142,16 @@ def test_a_graph_reused_for_another_instance_uses_that_instances_weights():
 
 
 def test_explain_reports_rewrites_and_skips_with_reasons():
-    report = fp8compile.explain(OddDims().to(BF16), randn(8, 256), randn(8, 200), skip=["nothing"])
-    assert report.counts() == {"linear": 1, "silu_mul": 0, "moe": 0, "attention": 0, "mqa_logits": 0}
+    report = fp8compile.explain(
+        OddDims().to(BF16), randn(8, 256), randn(8, 200), randn(8, 64), skip=["nothing"]
+    )
+    assert report.counts() == {"linear": 2, "silu_mul": 0, "moe": 0, "attention": 0, "mqa_logits": 0}
     text = str(report)
-    assert "1 rewritten, 2 left in bf16" in text
+    assert "2 rewritten, 2 left in bf16" in text
     assert "fits" in text and "M = 8: reference" in text
+    assert "linear[K=200 padded to 256]  odd_k" in text
     assert "odd_n" in text and "N=100 is less than one 128-row weight block" in text
-    assert "odd_k" in text and "K=200 is not a multiple of 128" in text
+    assert "short_k" in text and "K=64 is less than one 128-wide activation group" in text
 
 
 def test_debug_dir_gets_graphs_before_and_after_and_decompiled_code(tmp_path):

@@ -11,7 +11,8 @@ from torch import nn
 import fp8compile
 from fp8compile import calc_diff
 from fp8compile.debug import graph_diff, graph_listing
-from tests.conftest import ATTENTION, BF16, SIX_IN_SERIES, TWO_GEMMS, randn
+from fp8compile.ops import reference
+from tests.conftest import ATTENTION, BF16, RANGES, SIX_IN_SERIES, TWO_GEMMS, randn
 from tests.models import Attention, GatedMLP, LinearForms, OddDims, TinyLM, TwoLayer
 
 aten = torch.ops.aten
@@ -86,18 +87,30 @@ def test_lm_head_of_32000_is_rewritten_and_skip_pattern_keeps_it_bf16(captured):
     assert bf16_matmuls(captured[-1].after) == 1
 
 
-def test_odd_dimensions_stay_bf16_with_the_reason(captured):
-    """The block recipe needs whole 1x128 activation groups along K and at least one 128-row
-    weight block along N (the last may be partial: test_partial_last_weight_blocks_...)."""
+def test_odd_dimensions_stay_bf16_with_the_reason_or_pad_k_to_whole_groups(captured):
+    """The block recipe needs at least one 128-row weight block along N (the last may be partial:
+    test_partial_last_weight_blocks_...) and 1x128 activation groups along K: a K of part of a
+    group past the first is padded with zero columns, in the weight's FP8 copy and in the
+    activation (a zero column adds nothing; the last group's scale is its real columns'); a K of
+    less than one group stays bf16 (padding it would read more than bf16 does)."""
     model = OddDims().to(BF16)
-    x, y = randn(33, 256), randn(33, 200)
-    (o1, o2), (e1, e2), report = compile_and_run(model, x, y)
-    assert [r.name for r in report.rewrites] == ["fits"]
+    x, y, z = randn(33, 256), randn(33, 200), randn(33, 64)
+    (o1, o2, o3), (e1, e2, e3), report = compile_and_run(model, x, y, z)
+    assert [(r.name, r.k, r.detail) for r in report.rewrites] == [
+        ("fits", 256, ""),
+        ("odd_k", 256, "K=200 padded to 256"),
+    ]
     reasons = {s.name: s.reason for s in report.skipped("linear")}
     assert reasons["odd_n"].startswith("N=100 is less than one 128-row weight block")
-    assert reasons["odd_k"].startswith("K=200 is not a multiple of 128")
+    assert reasons["short_k"].startswith("K=64 is less than one 128-wide activation group")
     assert bf16_matmuls(captured[0].after) == 2
-    assert calc_diff(o1, e1) < 2 * PER_LINEAR_BOUND and calc_diff(o2, e2) < 1e-5  # odd_k never saw FP8
+    (pad,) = captured[0].ops(aten.constant_pad_nd.default)
+    assert calc_diff(o1, e1) < 2 * PER_LINEAR_BOUND and calc_diff(o2, e2) < PER_LINEAR_BOUND
+    assert calc_diff(o3, e3) < 1e-5  # short_k never saw FP8
+    # The padded linear is the reference block linear of the zero-padded weight and activation.
+    w_fp8, w_scale = reference.quant_weight_block(torch.nn.functional.pad(model.odd_k.weight, (0, 56)))
+    want = reference.linear_block(torch.nn.functional.pad(y, (0, 56)), w_fp8, w_scale, model.odd_k.bias)
+    assert torch.equal(o2, want)
 
 
 class _PartialN(torch.nn.Module):
@@ -256,3 +269,44 @@ def test_golden_graph_diff_of_a_two_layer_model(captured, probe_backend):
     if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):
         GOLDEN.write_text(diff)
     assert diff == GOLDEN.read_text()
+
+
+class _ProjectedMLP(nn.Module):
+    """A linear of K = 200 (padded to 256) whose output feeds a gated MLP directly."""
+
+    def __init__(self, intermediate: int):
+        super().__init__()
+        self.proj = nn.Linear(200, 256, bias=False)
+        self.mlp = GatedMLP(256, intermediate)
+
+    def forward(self, x):
+        return self.mlp(self.proj(x))
+
+
+@pytest.mark.parametrize("intermediate", [320, 384])
+def test_padded_k_and_a_linear_feeding_a_fused_mlp_give_the_same_bits_in_every_range_of_m(
+    intermediate, ranged_references
+):
+    """Through the full M dispatch (three ranges on the CPU): K = 200 and, with intermediate 320,
+    the down projection's K = 320 padded in every branch; with 384, gate and up are one GEMM whose
+    torch.cond over proj's output is built before the linear pass rewrites proj (which once failed
+    with 'a torch.cond whose operands change after it was built')."""
+    from fp8compile import architectures
+
+    torch.manual_seed(0)
+    model = _ProjectedMLP(intermediate).to(BF16)
+    ranged = fp8compile.backend(backends=ranged_references, **RANGES)
+    compiled = torch.compile(model, backend=ranged, dynamic=True)
+    plain = torch.compile(model, backend=fp8compile.backend(backends=["reference"]), dynamic=True)
+    with torch.no_grad():
+        for m in (5, 40, 70):  # one M in each range
+            x = randn(m, 200)
+            got, want, eager = compiled(x), plain(x), model(x)
+            assert torch.equal(got, want), f"M={m}: the M dispatch changed the numbers"
+            with architectures.composition(model):  # every linear by the reference, unfused
+                unfused = calc_diff(model(x), eager)
+            assert calc_diff(got, eager) <= 1.15 * unfused
+    kinds = {r.kind: r.detail for r in ranged.report.rewrites}
+    assert kinds["silu_mul"] == ("silu, K=320 padded to 384" if intermediate == 320 else "silu")
+    assert {r.name: r.detail for r in ranged.report.rewrites}["proj"] == "K=200 padded to 256"
+    assert not ranged.report.skips

@@ -128,6 +128,21 @@ def test_k_not_multiple_of_128_is_a_clear_error():
         fp8.quant_act(randn(2, 200))
 
 
+def test_a_weight_with_a_k_of_part_of_a_group_gets_zero_columns_up_to_whole_groups():
+    """The FP8 copy of a (N, 200) weight is (N, 256): its last group is the 72 real columns,
+    scaled by their own amax, then zeros; a linear on it pads its activation alike."""
+    w = randn(256, 200, scale=0.05)
+    w_fp8, w_scale = fp8.quant_weight(w)
+    assert w_fp8.shape == (256, 256) and w_scale.shape == (2, 2)
+    assert not w_fp8[:, 200:].float().any()
+    amax = w[:128, 128:].float().abs().amax()
+    assert torch.equal(w_scale[0, 1], amax / FP8_MAX)
+    x = randn(5, 200)
+    out = fp8.linear(x, w)  # the bf16-weight op pads x to the copy's K
+    assert torch.equal(out, ref.linear_block(torch.nn.functional.pad(x, (0, 56)), w_fp8, w_scale))
+    assert calc_diff(out, x @ w.t()) < 1e-3
+
+
 def test_calc_diff_is_zero_for_equal_and_two_for_opposite_tensors():
     x = torch.randn(100)
     assert calc_diff(x, x) == 0.0

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .. import registry
-from ..numerics import BLOCK, FP8_DTYPE, ceil_div
+from ..numerics import BLOCK, FP8_DTYPE, ceil_div, whole_blocks
 from ..weights import GATE_UP_LAYOUTS, expert_bias, fp8_experts, fp8_weight, stacked_bias
 from . import reference, reference_scaled
 
@@ -65,13 +65,14 @@ def _(x: Tensor, e8m0: bool = False, backend: str = "reference") -> tuple[Tensor
 
 @_op
 def quant_weight(w: Tensor, e8m0: bool = False) -> tuple[Tensor, Tensor]:
-    """w (N, K) -> w_fp8 (N, K) e4m3fn, w_scale (ceil(N/128), K/128) fp32; 128x128 blocks."""
+    """w (N, K) -> w_fp8 (N, Kp) e4m3fn, w_scale (ceil(N/128), Kp/128) fp32; 128x128 blocks, Kp =
+    K in whole 128-wide groups (zero columns past K)."""
     return reference.quant_weight_block(w, e8m0)
 
 
 @_fake(quant_weight)
 def _(w: Tensor, e8m0: bool = False) -> tuple[Tensor, Tensor]:
-    n, k = w.shape
+    n, k = w.shape[0], whole_blocks(w.shape[1])
     return w.new_empty(n, k, dtype=FP8_DTYPE), w.new_empty(
         ceil_div(n, BLOCK), k // BLOCK, dtype=torch.float32
     )
@@ -129,6 +130,7 @@ def linear(
     bias_next then holds their biases (given exactly when bias is).
     """
     w_fp8, w_scale = fp8_weight(w, w_kn, e8m0, w_next)
+    x = reference.pad_k(x, w_fp8.shape[1])  # a K of part of a group: zero columns, as in the copy
     return qlinear(x, w_fp8, w_scale, stacked_bias(bias, bias_next), e8m0, backend)
 
 
@@ -244,6 +246,7 @@ def gated_linear(
     product is never written, never quantized twice.
     """
     w_fp8, w_scale = fp8_weight(w, w_kn, e8m0)
+    a, b = (reference.pad_k(t, w_fp8.shape[1]) for t in (a, b))  # act(0, 0) = 0 in every activation
     return gated_qlinear(a, b, w_fp8, w_scale, bias, e8m0, backend, activation, alpha, limit)
 
 

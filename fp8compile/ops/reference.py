@@ -4,13 +4,16 @@ Layouts (M tokens, N output features, K input features, G = K / 128 groups):
   x (M, K) bf16        -> x_fp8 (M, K) e4m3fn, x_scale (M, G) fp32, row-major
   w (N, K) bf16        -> w_fp8 (N, K) e4m3fn, w_scale (ceil(N/128), G) fp32
   out[m, n] = sum_g (x_fp8[m, g] . w_fp8[n, g]) * x_scale[m, g] * w_scale[n // 128, g]
+A K of part of a group is zero columns up to whole groups, in the weight (quant_weight_block)
+and in the activation (pad_k): a zero column adds nothing to a dot product, and the last group's
+scale is that of its real columns (a partial group, as a partial last weight block along N).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..numerics import BLOCK, FP8_DTYPE, FP8_MAX, ceil_div, scale_from_amax
+from ..numerics import BLOCK, FP8_DTYPE, FP8_MAX, ceil_div, scale_from_amax, whole_blocks
 
 
 def _check_k(k: int) -> None:
@@ -30,16 +33,22 @@ def quant_act_block(x: torch.Tensor, e8m0: bool = False) -> tuple[torch.Tensor, 
     return x_fp8.reshape(m, k), scale
 
 
-def quant_weight_block(w: torch.Tensor, e8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """128x128-block quantization of w (N, K) -> (w_fp8 (N, K), w_scale (ceil(N/128), K/128)).
+def pad_k(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x (..., K') with zero columns up to K >= K' (the K of a weight's FP8 copy)."""
+    return x if x.shape[-1] == k else torch.nn.functional.pad(x, (0, k - x.shape[-1]))
 
-    N need not be a multiple of 128: the last block row is padded with zeros for its amax.
+
+def quant_weight_block(w: torch.Tensor, e8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128-block quantization of w (N, K) -> (w_fp8 (N, Kp), w_scale (ceil(N/128), Kp/128)),
+    Kp = K in whole 128-wide groups.
+
+    N need not be a multiple of 128: the last block row is padded with zeros for its amax. Nor
+    need K: the copy has zero columns up to Kp (linear_block pads the activation alike).
     """
     n, k = w.shape
-    _check_k(k)
-    nb = ceil_div(n, BLOCK)
+    nb, k = ceil_div(n, BLOCK), whole_blocks(k)
     padded = w.new_zeros(nb * BLOCK, k, dtype=torch.float32)
-    padded[:n] = w.float()
+    padded[:n, : w.shape[1]] = w.float()
     blocks = padded.reshape(nb, BLOCK, k // BLOCK, BLOCK)
     scale = scale_from_amax(blocks.abs().amax(dim=(1, 3)), e8m0)
     w_fp8 = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -88,8 +97,8 @@ def linear_block(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """FP8 linear on an activation x (..., K): quantize 1x128, block GEMM, (..., N) in out_dtype
-    (default x.dtype)."""
-    x2 = x.reshape(-1, x.shape[-1])
+    (default x.dtype). x may have fewer columns than w_fp8 (a K of part of a group): zeros fill it."""
+    x2 = pad_k(x.reshape(-1, x.shape[-1]), w_fp8.shape[1])
     x_fp8, x_scale = quant_act_block(x2, e8m0)
     out = gemm_block(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype or x.dtype)
     return out.reshape(*x.shape[:-1], w_fp8.shape[0])

@@ -270,14 +270,19 @@ class PassContext:
         strides, dtype) follows from it gets its meta["val"] re-derived. new may differ from
         old in strides: gate_up's halves of one (M, 2N) output are (M, N) with row stride 2N,
         where the matmul each replaces was contiguous, and the views and branches below them
-        must say so."""
+        must say so. A torch.cond built earlier (another pass's M dispatch over old, say a gated
+        MLP over a linear's output) keeps its branches where new has old's layout."""
+        same = _same_layout(new.meta.get("val"), old.meta.get("val"))
         old.replace_all_uses_with(new)
-        work = list(new.users)  # a node whose meta changes sends its users back here (a DAG: this ends)
+        # a node whose meta changes sends its users back here (a DAG: this ends)
+        work = [(user, same) for user in new.users]
         while work:
-            node = work.pop()
+            node, unchanged = work.pop()
             if node.op != "call_function":
                 continue
             if node.target is torch.ops.higher_order.cond:
+                if unchanged:
+                    continue
                 raise AssertionError(f"{node.name}: a torch.cond whose operands change after it was built")
             try:
                 val = self.fake(node.target, *node.args, **node.kwargs)
@@ -286,7 +291,7 @@ class PassContext:
             if free_unbacked_symbols(val) or _same_layout(val, node.meta.get("val")):
                 continue
             node.meta["val"] = val
-            work.extend(node.users)
+            work.extend((user, False) for user in node.users)
 
     def rewrote(self, kind: str, name: str, m: Any, n: int, k: int, kernels, detail: str = "") -> None:
         m_desc = str(m) if isinstance(m, int) else "dynamic"

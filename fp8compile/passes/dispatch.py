@@ -139,6 +139,17 @@ def flatten(ctx: PassContext, node: fx.Node) -> fx.Node:
     return flat
 
 
+def pad_k(ctx: PassContext, node: fx.Node, k: int) -> fx.Node:
+    """node (M, K') with zero columns up to K >= K' (reference.pad_k, as a graph node): the
+    activation of a weight whose FP8 copy fills a K of part of a group with zero columns."""
+    width = node.meta["val"].shape[-1]
+    if width == k:
+        return node
+    padded = ctx.gm.graph.call_function(torch.ops.aten.constant_pad_nd.default, (node, [0, k - width], 0.0))
+    padded.meta["val"] = ctx.fake(torch.ops.aten.constant_pad_nd.default, node, [0, k - width], 0.0)
+    return padded
+
+
 def _placeholders(graph: fx.Graph, operands: list[fx.Node]) -> dict[fx.Node, fx.Node]:
     inner = {}
     for i, node in enumerate(operands):

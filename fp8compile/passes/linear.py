@@ -95,7 +95,8 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
     fp16 model asked for its precision); shape: the block recipe needs whole 128-wide groups
     along K, and along N at least one 128-row weight block (the last may be partial, as in
     DeepSeek's own FP8 checkpoints for an MLA kv_a_proj_with_mqa of N = 576; the registry says
-    which kernels serve it); skip: the user asked for bf16."""
+    which kernels serve it; a K of part of a group is padded with zeros, in the weight's copy
+    and in the activation, emit_fp8); skip: the user asked for bf16."""
     x_val, w_val, out_val = match.x.meta["val"], match.weight.meta["val"], match.node.meta["val"]
     dtypes = {x_val.dtype, w_val.dtype, out_val.dtype}
     if dtypes != {torch.bfloat16}:
@@ -107,8 +108,8 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
         return ctx.keep_bf16[match.node]
     k, n = w_val.shape if match.transposed else reversed(w_val.shape)
     recipe = ctx.config.recipe
-    if recipe == "block" and k % BLOCK:
-        return f"K={k} is not a multiple of {BLOCK} (block recipe: 1x{BLOCK} activation groups)"
+    if recipe == "block" and k < BLOCK:
+        return f"K={k} is less than one {BLOCK}-wide activation group: nothing for FP8 to gain"
     if recipe != "block" and k % SCALED_K_ALIGN:
         return f"K={k} is not a multiple of {SCALED_K_ALIGN} (FP8 GEMMs read 16-byte rows)"
     if ctx.config.act_amax is not None and name not in ctx.config.act_amax:
@@ -209,7 +210,9 @@ def emit_fp8(
         target, op_kwargs = scaled_call(ctx, target, names or [name], match.weight, op_kwargs)
         n, k = w_fp8.meta["val"].shape
         sides = dispatch.plan(ctx, REGISTRY_OPS[target], match.weight.meta["val"].device, n, k, m)
-        flat = [dispatch.flatten(ctx, a) for a in activations]  # unused if NoDispatch: removed as dead code
+        # unused if NoDispatch: removed as dead code. A K of part of a group: zero columns up to
+        # the copy's (the block recipe's weights.fp8_weight pads the weight alike).
+        flat = [dispatch.pad_k(ctx, dispatch.flatten(ctx, a), k) for a in activations]
         try:
             out = dispatch.emit(
                 ctx,
@@ -249,7 +252,15 @@ def replace_with_fp8(
     out, sides, (n, k) = emitted
     ctx.replace_uses(match.node, out)
     ctx.gm.graph.erase_node(match.node)
+    detail = ", ".join(filter(None, (detail, padded_k(match, k))))
     ctx.rewrote(kind, name, match.x.meta["val"].shape[0], n, k, [(s.label, s.kernel) for s in sides], detail)
+
+
+def padded_k(match: LinearMatch, k: int) -> str:
+    """The report's note for a linear whose FP8 copy pads K (k) past the weight's own."""
+    w_val = match.weight.meta["val"]
+    own = w_val.shape[0] if match.transposed else w_val.shape[1]
+    return f"K={own} padded to {k}" if own != k else ""
 
 
 def linear_replacement(ctx: PassContext, match: LinearMatch, param: torch.Tensor, param_name: str) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .context import PassContext
-from .linear import LinearMatch, emit_fp8, fp8_weight_inputs, module_name
+from .linear import LinearMatch, emit_fp8, fp8_weight_inputs, module_name, padded_k
 from ..weights import stacked_bias
 
 aten = torch.ops.aten
@@ -78,5 +78,6 @@ def merge_linears(ctx: PassContext, matches: list[LinearMatch]) -> bool:
     m = head.x.meta["val"].shape[0]
     for name, size in zip(names, sizes):
         others = ", ".join(o.rsplit(".", 1)[-1] for o in names if o != name)
-        ctx.rewrote("linear", name, m, size, k, kernels, detail=f"one GEMM with {others}")
+        detail = ", ".join(filter(None, (f"one GEMM with {others}", padded_k(head, k))))
+        ctx.rewrote("linear", name, m, size, k, kernels, detail=detail)
     return True

@@ -33,13 +33,13 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ..numerics import BLOCK, calc_diff
+from ..numerics import BLOCK, calc_diff, whole_blocks
 from ..ops import reference
 from . import dispatch, inline
 from .context import PassContext
 from .replay import ReplayError, concrete, run_subgraph, small_symbols
 from .silu_mul import silu_mul_pattern
-from ..weights import canonical_expert_bias, canonical_experts, expert_bias, fp8_experts, padded_intermediate
+from ..weights import canonical_expert_bias, canonical_experts, expert_bias, fp8_experts
 
 log = logging.getLogger("fp8compile")
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -464,13 +464,13 @@ def _check(m: MoeMatch) -> tuple[int, int, int]:
             )
     e, h = w13.shape[0], x.shape[1]
     inter = (w13.shape[1] * w13.shape[2] // h) // (1 if m.gate_up in ("separate", "none") else 2)
-    if h % BLOCK:  # an intermediate size of part of a block is padded (weights.padded_intermediate)
+    if h % BLOCK:  # an intermediate size of part of a block is padded (weights.fp8_experts)
         raise NoMatch(f"hidden size {h} is not a multiple of {BLOCK} (128x128 blocks per expert)")
     return e, inter, h
 
 
 def _n13(m: MoeMatch, inter: int) -> int:
-    """Rows of the first expert GEMM in its FP8 copy (inter: padded_intermediate): gate and up
+    """Rows of the first expert GEMM in its FP8 copy (inter in whole blocks): gate and up
     (2I, "separate" stacked), or up alone (I)."""
     return inter if m.gate_up == "none" else 2 * inter
 
@@ -546,7 +546,7 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
     expert_bias(param.get(m.b13), m.gate_up)
     device = param[m.w13].device
     top_k = _val(m.topk_ids).shape[1]
-    inter_bf16, inter = inter, padded_intermediate(inter)  # the kernels' sizes are the FP8 copies'
+    inter_bf16, inter = inter, whole_blocks(inter)  # the kernels' sizes are the FP8 copies'
     n13 = _n13(m, inter)
     sides = dispatch.plan(ctx, "moe", device, n13, h, _val(m.hidden).shape[0])
     for cut in (
