@@ -92,11 +92,11 @@ def _skip_pattern(name: str, patterns: tuple[str, ...]) -> str | None:
 
 def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str | None:
     """Why this linear must stay bf16, or None. Dtype: FP8 replaces bf16 math only (an fp32 or
-    fp16 model asked for its precision); shape: the block recipe needs whole 128-wide groups
-    along K, and along N at least one 128-row weight block (the last may be partial, as in
-    DeepSeek's own FP8 checkpoints for an MLA kv_a_proj_with_mqa of N = 576; the registry says
-    which kernels serve it; a K of part of a group is padded with zeros, in the weight's copy
-    and in the activation, emit_fp8); skip: the user asked for bf16."""
+    fp16 model asked for its precision); shape: the block recipe needs at least one 128-wide
+    group along K (a K of part of a group past it is padded with zeros, in the weight's copy and
+    in the activation: emit_fp8), and along N at least one 128-row weight block (the last may be
+    partial, as in DeepSeek's own FP8 checkpoints for an MLA kv_a_proj_with_mqa of N = 576; the
+    registry says which kernels serve it); skip: the user asked for bf16."""
     x_val, w_val, out_val = match.x.meta["val"], match.weight.meta["val"], match.node.meta["val"]
     dtypes = {x_val.dtype, w_val.dtype, out_val.dtype}
     if dtypes != {torch.bfloat16}:
