@@ -210,21 +210,17 @@ def _linear_small_m_kernel(
         acc += tl.dot(w, tl.trans(x_fp8)) * w_s[:, None] * x_s[None, :]
         w_ptrs += GROUP
 
+    arrivals_ptr = counters_ptr(arrivals_hi, arrivals_lo)
     store_split_k(
-        acc,
-        out_ptr,
-        partial_ptr,
-        arrivals_hi,
-        arrivals_lo,
-        bias_ptr,
-        offs_m,
-        offs_n,
-        M,
-        N,
-        stride_om,
-        HAS_BIAS,
-        SPLIT_K,
+        acc, out_ptr, partial_ptr, arrivals_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS, SPLIT_K
     )
+
+
+@triton.jit
+def counters_ptr(arrivals_hi, arrivals_lo):
+    """The split-K counters' pointer from the address split_k_counters gives in two int32 halves."""
+    address = tl.cast(arrivals_hi, tl.int64) * ADDRESS_SPLIT + tl.cast(arrivals_lo, tl.int64)
+    return address.to(tl.pointer_type(tl.int32))
 
 
 @triton.jit
@@ -232,8 +228,7 @@ def store_split_k(
     acc,
     out_ptr,
     partial_ptr,
-    arrivals_hi,
-    arrivals_lo,
+    arrivals_ptr,
     bias_ptr,
     offs_m,
     offs_n,
@@ -247,7 +242,7 @@ def store_split_k(
     program_id(1) of SPLIT_K over N tile program_id(0): (+ bias) written to out in its dtype. With
     SPLIT_K > 1 each split publishes its partial sums; the last split to arrive at the N tile adds
     all of them in split order (deterministic), then resets the counter for the next call.
-    arrivals_hi, arrivals_lo: the address of the int32 counters, one per N tile (split_k_counters)."""
+    arrivals_ptr: the int32 counters, one per N tile (counters_ptr)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     safe_n = offs_n % N
@@ -257,8 +252,6 @@ def store_split_k(
         tile = offs_m[None, :] * N + offs_n[:, None]
         tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=mask)
         tl.debug_barrier()
-        address = tl.cast(arrivals_hi, tl.int64) * ADDRESS_SPLIT + tl.cast(arrivals_lo, tl.int64)
-        arrivals_ptr = address.to(tl.pointer_type(tl.int32))
         arrived = tl.atomic_add(arrivals_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             acc = tl.zeros(acc.shape, dtype=tl.float32)

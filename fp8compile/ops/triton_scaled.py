@@ -34,6 +34,7 @@ from .triton_gemm import (
     split_k_counters,
     _interpreting,
     _small_m_tiles,
+    counters_ptr,
     store_split_k,
 )
 from .triton_quant import round_up_pow2
@@ -125,20 +126,9 @@ def _scaled_small_m_kernel(
         acc = acc * tl.load(w_s_ptr)
     acc = acc * x_s[None, :]
 
+    arrivals_ptr = counters_ptr(arrivals_hi, arrivals_lo)
     store_split_k(
-        acc,
-        out_ptr,
-        partial_ptr,
-        arrivals_hi,
-        arrivals_lo,
-        bias_ptr,
-        offs_m,
-        offs_n,
-        M,
-        N,
-        stride_om,
-        HAS_BIAS,
-        SPLIT_K,
+        acc, out_ptr, partial_ptr, arrivals_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS, SPLIT_K
     )
 
 
