@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 import fp8compile
+from fp8compile.numerics import whole_blocks
 
 from . import harness
 from .output import save
@@ -113,7 +114,9 @@ def bench_moe(out_dir: Path, tokens=MOE_TOKENS, layers=MOE_LAYERS) -> list[dict]
     with torch.no_grad():
         for name, (hidden, inter, experts, top_k, kind) in tqdm(layers.items(), desc="bench moe"):
             block = moe_block(hidden, inter, experts, top_k, kind)
-            expert_bytes = (2 if kind == "nemotron_h" else 3) * hidden * inter  # FP8 bytes of one expert
+            gemms = 2 if kind == "nemotron_h" else 3  # an expert's weights: (gate,) up and down
+            # bytes of one expert's weights: bf16, and FP8 (its copies' I in whole 128-wide blocks)
+            bf16_bytes, fp8_bytes = 2 * gemms * hidden * inter, gemms * hidden * whole_blocks(inter)
             active = {}  # experts a routing of t tokens touches (router of random weights)
             inputs = []
             for t in tokens:
@@ -124,7 +127,7 @@ def bench_moe(out_dir: Path, tokens=MOE_TOKENS, layers=MOE_LAYERS) -> list[dict]
                 active[t] = int(torch.topk(logits, top_k).indices.unique().numel())
 
             def row(variant, t, us):
-                streamed = active[t] * expert_bytes * (2 if variant == "bf16_inductor" else 1)
+                streamed = active[t] * (bf16_bytes if variant == "bf16_inductor" else fp8_bytes)
                 return dict(
                     device=device_name,
                     layer=name,
