@@ -314,8 +314,9 @@ ORDER_EXCEPTIONS = {("moe", "large"): ("deep_gemm", "triton")}
 
 
 # The indexer logits have no range of M: one order for every call. DeepGEMM first: at prefill
-# (M = N = 4096 and 8192, H = 64, D = 128) it took 151 and 577 us on an H100 against our Triton
-# kernel's 562 and 2307 (bench mqa, BENCHMARKS.md, "Indexer logits"). It has no paged kernel here.
+# (M = N = 4096 and 8192, H = 64, D = 128, causal) it took 151.5 and 591.5 us on an H100 against
+# our Triton kernel's 155.2 and 586.1 (bench mqa, BENCHMARKS.md, "Indexer logits"): a tie, and
+# DeepGEMM's side of it is the shorter prefill. It has no paged kernel here.
 MQA_ORDER = ("deep_gemm", "triton", "reference")
 
 

@@ -278,6 +278,29 @@ def test_triton_kernel_matches_the_reference_under_the_interpreter(clean, compre
 @pytest.mark.skipif(
     DEVICE != "cpu", reason="the interpreter runs on CPU tensors; the GPU test below covers it"
 )
+@pytest.mark.parametrize("tiles", [(4, 32, 4, 1), (2, 16, 4, 2), (1, 64, 4, 1)])
+@pytest.mark.parametrize("clean", [True, False])
+def test_triton_kernel_streams_only_the_keys_its_token_block_reaches(tiles, clean):
+    """Sliding windows: each block of tokens starts past the first key tile and ends before the
+    last, so a program skips tiles on both sides (-inf there with clean_logits) and reads the
+    rest; a block of tokens that does not divide M, and one tile of keys per token block."""
+    from fp8compile.ops import triton_mqa
+
+    m, n = 13, 200
+    (_, _, _), args = fp8_inputs(m, n, 16, 32, seed=1)
+    ke = torch.arange(1, m + 1, dtype=torch.int32) * 15  # 15 .. 195
+    ks = (ke - 40).clamp(min=0)
+    want = rm.mqa_logits(*args, ks, ke, True)
+    got = triton_mqa.mqa_logits(*args, ks, ke, clean, tiles=tiles)
+    inside = want != INF
+    assert calc_diff(got[inside], want[inside]) < 1e-12
+    if clean:
+        assert (got[~inside] == INF).all()
+
+
+@pytest.mark.skipif(
+    DEVICE != "cpu", reason="the interpreter runs on CPU tensors; the GPU test below covers it"
+)
 @pytest.mark.parametrize("next_n", [1, 2])
 @pytest.mark.parametrize("clean", [True, False])
 def test_triton_paged_kernel_matches_the_reference_under_the_interpreter(next_n, clean):

@@ -1,14 +1,19 @@
 """Triton kernels of the FP8 MQA logits (reference_mqa.py has the definitions and layouts).
 
-Both kernels treat a query token's H heads as H rows of one FP8 tensor-core GEMM against a tile
-of keys: S = q (rows, D) @ k_tile (D, BLOCK_N) in fp32, relu, times each row's weight, summed
-over the H rows of each token, times each key's scale. The weights arrive with q's scales
-already folded in (a positive scale passes through the relu), so the epilogue holds one multiply
-per head and one per key.
+Both kernels treat a query token's H heads as H rows of q in one FP8 tensor-core GEMM against a
+tile of keys, in fp32, then relu, times each head's weight, summed over each token's heads,
+times each key's scale. The weights arrive with q's scales already folded in (a positive scale
+passes through the relu), so the epilogue holds one multiply per head and one per key.
 
-mqa_logits (contiguous keys, prefill): one program per (BLOCK_Q tokens, BLOCK_N keys) tile; a
-tile outside every window of its tokens skips the GEMM. In the compressed layout
-(max_seqlen_k > 0) each token reads its own keys (ks[m] + j), so a program holds one token.
+mqa_logits (contiguous keys, prefill): one program per block of BLOCK_Q tokens, its
+(BLOCK_Q * H, D) queries held for the whole program, streams the keys that the block's windows
+reach, BLOCK_N at a time, with STAGES tiles of keys in flight: S^T = k_tile (BLOCK_N, D) @ q^T,
+so the keys are the GEMM's rows and a token's sum over its heads runs along each thread's own
+registers and two lane shuffles (with the heads as rows it crossed warps). Blocks of the last
+tokens start first (in a causal prefill their windows are the longest). In the compressed
+layout (max_seqlen_k > 0) each token reads its own keys (ks[m] + j), so a program holds one
+token. On an H100 this gives DeepGEMM's time at prefill (0.98x at M = N = 4096, 1.01x at 8192);
+the earlier one-tile-per-program kernel gave 0.27x (BENCHMARKS.md, "Indexer logits").
 
 paged_mqa_logits (decode): persistent, one program per SM. The work of sequence b is
 ceil(context_lens[b] / SPLIT_KV) units of SPLIT_KV keys; paged_schedule splits all units into
@@ -46,55 +51,76 @@ def _mqa_logits_kernel(
     D: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
     COMPRESSED: tl.constexpr,
     CLEAN: tl.constexpr,
 ):
-    pid_q = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_q * BLOCK_Q * H + tl.arange(0, BLOCK_Q * H)  # (token, head) rows of q (M * H, D)
-    tokens = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    # The last token blocks first: in a causal prefill they hold the longest windows.
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    R: tl.constexpr = BLOCK_Q * H
+    rows = pid * R + tl.arange(0, R)  # (token, head) rows of q (M * H, D)
+    tokens = pid * BLOCK_Q + tl.arange(0, BLOCK_Q)
     token_ok = tokens < M
     ks = tl.load(ks_ptr + tokens, mask=token_ok, other=0)
     ke = tl.load(ke_ptr + tokens, mask=token_ok, other=0)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns
-    if COMPRESSED:  # BLOCK_Q == 1: column j is key ks + j
-        keys = tl.sum(ks) + cols
-        inside = (cols[None, :] < (ke - ks)[:, None]) & (keys[None, :] < N)
-        any_inside = tl.sum(ke - ks) > pid_n * BLOCK_N
-    else:
-        keys = cols
-        inside = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
-        lo = tl.min(tl.where(token_ok, ks, N))
+    if COMPRESSED:  # BLOCK_Q == 1: output column j is key ks + j, for j < ke - ks
+        first = tl.sum(ks)
+        lo = 0
+        hi = tl.maximum(tl.minimum(tl.sum(ke), N) - first, 0)
+    else:  # the columns are the keys; every window of the block lies in [lo, hi)
+        first = 0
         hi = tl.max(tl.where(token_ok, ke, 0))
-        any_inside = (lo < pid_n * BLOCK_N + BLOCK_N) & (hi > pid_n * BLOCK_N) & (lo < hi)
-    inside = inside & token_ok[:, None] & (cols[None, :] < N_OUT)
-    out_ptrs = out_ptr + tokens[:, None].to(tl.int64) * stride_om + cols[None, :]
-    if any_inside:
-        d = tl.arange(0, D)
-        q = tl.load(
-            q_ptr + rows[:, None].to(tl.int64) * D + d[None, :], mask=(rows < M * H)[:, None], other=0.0
-        )
+        lo = tl.minimum(tl.min(tl.where(token_ok, ks, N)), hi)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + rows[:, None].to(tl.int64) * D + d[None, :], mask=(rows < M * H)[:, None], other=0.0)
+    w = tl.load(w_ptr + rows, mask=rows < M * H, other=0.0)
+    j = tl.arange(0, BLOCK_N)
+    out_rows = out_ptr + tokens[None, :].to(tl.int64) * stride_om
+    lo_tile = (lo // BLOCK_N) * BLOCK_N
+    for c0 in tl.range(lo_tile, hi, BLOCK_N, num_stages=STAGES):
+        cols = c0 + j
+        keys = first + cols
         key_ok = keys < N
-        k = tl.load(k_ptr + keys[None, :].to(tl.int64) * D + d[:, None], mask=key_ok[None, :], other=0.0)
-        s = tl.dot(q, k)  # (BLOCK_Q * H, BLOCK_N) fp32
-        w = tl.load(w_ptr + rows, mask=rows < M * H, other=0.0)
-        s = tl.maximum(s, 0.0) * w[:, None]
-        logits = tl.sum(tl.reshape(s, (BLOCK_Q, H, BLOCK_N)), axis=1)
-        k_s = tl.load(k_s_ptr + keys, mask=key_ok, other=0.0)
-        logits = logits * k_s[None, :]
-        if CLEAN:
-            logits = tl.where(inside, logits, float("-inf"))
-            tl.store(out_ptrs, logits, mask=token_ok[:, None] & (cols[None, :] < N_OUT))
+        k = tl.load(k_ptr + keys[:, None].to(tl.int64) * D + d[None, :], mask=key_ok[:, None], other=0.0)
+        # The keys are the GEMM's rows and the (token, head) pairs its columns, so a token's sum
+        # over heads runs along each thread's registers and a few lanes, not across warps.
+        s = tl.dot(k, tl.trans(q))  # (BLOCK_N, R) fp32
+        s = tl.maximum(s, 0.0) * w[None, :]
+        logits = tl.sum(tl.reshape(s, (BLOCK_N, BLOCK_Q, H)), axis=2)  # (BLOCK_N, BLOCK_Q)
+        logits = logits * tl.load(k_s_ptr + keys, mask=key_ok, other=0.0)[:, None]
+        if COMPRESSED:
+            inside = (cols < hi)[:, None] & token_ok[None, :]
         else:
-            tl.store(out_ptrs, logits, mask=inside)
-    elif CLEAN:
-        minus_inf = tl.full((BLOCK_Q, BLOCK_N), float("-inf"), tl.float32)
-        tl.store(out_ptrs, minus_inf, mask=token_ok[:, None] & (cols[None, :] < N_OUT))
+            inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :])
+        store_ok = token_ok[None, :] & (cols < N_OUT)[:, None]
+        if CLEAN:
+            tl.store(out_rows + cols[:, None], tl.where(inside, logits, float("-inf")), mask=store_ok)
+        else:
+            tl.store(out_rows + cols[:, None], logits, mask=store_ok & inside)
+    if CLEAN:  # the columns no window of the block reaches
+        minus_inf = tl.full((BLOCK_N, BLOCK_Q), float("-inf"), tl.float32)
+        for c0 in tl.range(0, lo_tile, BLOCK_N):
+            tl.store(out_rows + (c0 + j)[:, None], minus_inf, mask=token_ok[None, :])
+        hi_tile = tl.maximum(tl.cdiv(hi, BLOCK_N) * BLOCK_N, lo_tile)
+        for c0 in tl.range(hi_tile, N_OUT, BLOCK_N):
+            cols = c0 + j
+            tl.store(out_rows + cols[:, None], minus_inf, mask=token_ok[None, :] & (cols < N_OUT)[:, None])
 
 
 def _check_heads(h: int, d: int) -> None:
     if h & (h - 1) or d & (d - 1) or d < 16:
         raise ValueError(f"the Triton MQA kernels take a power-of-two H and D >= 16, got H={h}, D={d}")
+
+
+def _mqa_tiles(h: int, compressed: bool, device: torch.device) -> tuple[int, int, int, int]:
+    """(tokens a program holds, keys a step, warps, stages): 256 GEMM columns of (token, head)
+    against 64 keys a step, one warpgroup, three stages of keys in flight (a compressed row reads
+    keys of its own, so one token). Measured on an H100 at M = N = 4096 and 8192, causal, against
+    nine other tilings (BENCHMARKS.md, "Indexer logits")."""
+    block_q = 1 if compressed else max(1, 256 // h)
+    if device.type == "cpu":  # the interpreter: small steps, so that ragged windows cross them
+        return block_q, 32, 4, 1
+    return block_q, 64, 4, 3
 
 
 def mqa_logits(
@@ -106,8 +132,10 @@ def mqa_logits(
     ke: Tensor,
     clean_logits: bool = True,
     max_seqlen_k: int = 0,
+    tiles: tuple[int, int, int, int] | None = None,
 ) -> Tensor:
-    """fp8compile::mqa_logits's Triton kernel (reference_mqa.mqa_logits defines it)."""
+    """fp8compile::mqa_logits's Triton kernel (reference_mqa.mqa_logits defines it); tiles:
+    (tokens a program holds, keys a step, warps, stages), default _mqa_tiles."""
     m, h, d = q_fp8.shape
     n = k_fp8.shape[0]
     _check_heads(h, d)
@@ -116,11 +144,8 @@ def mqa_logits(
     if m == 0 or n_out == 0:
         return out
     compressed = max_seqlen_k > 0
-    interpreting = q_fp8.device.type == "cpu"
-    block_q = 1 if compressed else max(1, 128 // h)
-    block_n = 32 if interpreting else 128
-    grid = (triton.cdiv(m, block_q), triton.cdiv(n_out, block_n))
-    _mqa_logits_kernel[grid](
+    block_q, block_n, warps, stages = tiles or _mqa_tiles(h, compressed, q_fp8.device)
+    _mqa_logits_kernel[(triton.cdiv(m, block_q),)](
         q_fp8.contiguous(),
         k_fp8.contiguous(),
         k_scale.float().contiguous(),
@@ -136,10 +161,10 @@ def mqa_logits(
         D=d,
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
+        STAGES=stages,
         COMPRESSED=compressed,
         CLEAN=clean_logits,
-        num_warps=8 if block_q * h >= 128 and not interpreting else 4,
-        num_stages=2,
+        num_warps=warps,
     )
     return out
 

@@ -1,0 +1,267 @@
+"""Triton kernels of the FP8 MQA logits (reference_mqa.py has the definitions and layouts).
+
+Both kernels treat a query token's H heads as H rows of one FP8 tensor-core GEMM against a tile
+of keys: S = q (rows, D) @ k_tile (D, BLOCK_N) in fp32, relu, times each row's weight, summed
+over the H rows of each token, times each key's scale. The weights arrive with q's scales
+already folded in (a positive scale passes through the relu), so the epilogue holds one multiply
+per head and one per key.
+
+mqa_logits (contiguous keys, prefill): one program per (BLOCK_Q tokens, BLOCK_N keys) tile; a
+tile outside every window of its tokens skips the GEMM. In the compressed layout
+(max_seqlen_k > 0) each token reads its own keys (ks[m] + j), so a program holds one token.
+
+paged_mqa_logits (decode): persistent, one program per SM. The work of sequence b is
+ceil(context_lens[b] / SPLIT_KV) units of SPLIT_KV keys; paged_schedule splits all units into
+equal runs, one per program ([programs + 1, 2] int32: (sequence, unit) where each run starts),
+so ragged context lengths spread evenly. A unit is one sequence's next_n tokens (next_n * H
+rows) against SPLIT_KV // block_size cache blocks, found through the block table.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fp8compile.numerics import next_pow2
+from fp8compile.ops.launch import num_sms
+from fp8compile.ops.reference_mqa import SPLIT_KV, index_cache_views, schedule_split
+
+
+@triton.jit
+def _mqa_logits_kernel(
+    q_ptr,
+    k_ptr,
+    k_s_ptr,
+    w_ptr,
+    ks_ptr,
+    ke_ptr,
+    out_ptr,
+    M,
+    N,
+    N_OUT,
+    stride_om,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    COMPRESSED: tl.constexpr,
+    CLEAN: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_q * BLOCK_Q * H + tl.arange(0, BLOCK_Q * H)  # (token, head) rows of q (M * H, D)
+    tokens = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    token_ok = tokens < M
+    ks = tl.load(ks_ptr + tokens, mask=token_ok, other=0)
+    ke = tl.load(ke_ptr + tokens, mask=token_ok, other=0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns
+    if COMPRESSED:  # BLOCK_Q == 1: column j is key ks + j
+        keys = tl.sum(ks) + cols
+        inside = (cols[None, :] < (ke - ks)[:, None]) & (keys[None, :] < N)
+        any_inside = tl.sum(ke - ks) > pid_n * BLOCK_N
+    else:
+        keys = cols
+        inside = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
+        lo = tl.min(tl.where(token_ok, ks, N))
+        hi = tl.max(tl.where(token_ok, ke, 0))
+        any_inside = (lo < pid_n * BLOCK_N + BLOCK_N) & (hi > pid_n * BLOCK_N) & (lo < hi)
+    inside = inside & token_ok[:, None] & (cols[None, :] < N_OUT)
+    out_ptrs = out_ptr + tokens[:, None].to(tl.int64) * stride_om + cols[None, :]
+    if any_inside:
+        d = tl.arange(0, D)
+        q = tl.load(
+            q_ptr + rows[:, None].to(tl.int64) * D + d[None, :], mask=(rows < M * H)[:, None], other=0.0
+        )
+        key_ok = keys < N
+        k = tl.load(k_ptr + keys[None, :].to(tl.int64) * D + d[:, None], mask=key_ok[None, :], other=0.0)
+        s = tl.dot(q, k)  # (BLOCK_Q * H, BLOCK_N) fp32
+        w = tl.load(w_ptr + rows, mask=rows < M * H, other=0.0)
+        s = tl.maximum(s, 0.0) * w[:, None]
+        logits = tl.sum(tl.reshape(s, (BLOCK_Q, H, BLOCK_N)), axis=1)
+        k_s = tl.load(k_s_ptr + keys, mask=key_ok, other=0.0)
+        logits = logits * k_s[None, :]
+        if CLEAN:
+            logits = tl.where(inside, logits, float("-inf"))
+            tl.store(out_ptrs, logits, mask=token_ok[:, None] & (cols[None, :] < N_OUT))
+        else:
+            tl.store(out_ptrs, logits, mask=inside)
+    elif CLEAN:
+        minus_inf = tl.full((BLOCK_Q, BLOCK_N), float("-inf"), tl.float32)
+        tl.store(out_ptrs, minus_inf, mask=token_ok[:, None] & (cols[None, :] < N_OUT))
+
+
+def _check_heads(h: int, d: int) -> None:
+    if h & (h - 1) or d & (d - 1) or d < 16:
+        raise ValueError(f"the Triton MQA kernels take a power-of-two H and D >= 16, got H={h}, D={d}")
+
+
+def mqa_logits(
+    q_fp8: Tensor,
+    k_fp8: Tensor,
+    k_scale: Tensor,
+    weights: Tensor,
+    ks: Tensor,
+    ke: Tensor,
+    clean_logits: bool = True,
+    max_seqlen_k: int = 0,
+) -> Tensor:
+    """fp8compile::mqa_logits's Triton kernel (reference_mqa.mqa_logits defines it)."""
+    m, h, d = q_fp8.shape
+    n = k_fp8.shape[0]
+    _check_heads(h, d)
+    n_out = max_seqlen_k if max_seqlen_k > 0 else n
+    out = torch.empty(m, n_out, dtype=torch.float32, device=q_fp8.device)
+    if m == 0 or n_out == 0:
+        return out
+    compressed = max_seqlen_k > 0
+    interpreting = q_fp8.device.type == "cpu"
+    block_q = 1 if compressed else max(1, 128 // h)
+    block_n = 32 if interpreting else 128
+    grid = (triton.cdiv(m, block_q), triton.cdiv(n_out, block_n))
+    _mqa_logits_kernel[grid](
+        q_fp8.contiguous(),
+        k_fp8.contiguous(),
+        k_scale.float().contiguous(),
+        weights.float().contiguous(),
+        ks.to(torch.int32).contiguous(),
+        ke.to(torch.int32).contiguous(),
+        out,
+        m,
+        n,
+        n_out,
+        out.stride(0),
+        H=h,
+        D=d,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        COMPRESSED=compressed,
+        CLEAN=clean_logits,
+        num_warps=8 if block_q * h >= 128 and not interpreting else 4,
+        num_stages=2,
+    )
+    return out
+
+
+def schedule_programs(device: torch.device) -> int:
+    """Programs of the persistent paged kernel: one per SM (4 under the CPU interpreter)."""
+    return 4 if device.type == "cpu" else num_sms(device.index or 0)
+
+
+@triton.jit
+def _paged_mqa_logits_kernel(
+    q_ptr,
+    key_ptr,
+    scale_ptr,
+    w_ptr,
+    lens_ptr,
+    tables_ptr,
+    sched_ptr,
+    out_ptr,
+    stride_table,
+    stride_om,
+    max_context_len,
+    NEXT_N: tl.constexpr,
+    NEXT_N_P2: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
+    SPLIT: tl.constexpr,
+    CLEAN: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    seq = tl.load(sched_ptr + 2 * pid)
+    unit = tl.load(sched_ptr + 2 * pid + 1)
+    seq_end = tl.load(sched_ptr + 2 * pid + 2)
+    unit_end = tl.load(sched_ptr + 2 * pid + 3)
+    R: tl.constexpr = NEXT_N_P2 * H
+    r = tl.arange(0, R)
+    d = tl.arange(0, D)
+    t = tl.arange(0, BLOCK_KV)
+    j = tl.arange(0, NEXT_N_P2)
+    block_bytes = BLOCK_KV * (D + 4)
+    while (seq < seq_end) | ((seq == seq_end) & (unit < unit_end)):
+        length = tl.load(lens_ptr + seq)
+        if unit * SPLIT < length:
+            row_ok = r < NEXT_N * H
+            q_rows = seq * NEXT_N * H + r
+            q = tl.load(
+                q_ptr + q_rows[:, None].to(tl.int64) * D + d[None, :], mask=row_ok[:, None], other=0.0
+            )
+            w = tl.load(w_ptr + q_rows, mask=row_ok, other=0.0)
+            last = length - NEXT_N + j  # each query's own position: it sees keys <= last
+            out_rows = seq * NEXT_N + j
+            for i in range(SPLIT // BLOCK_KV):
+                pos = unit * SPLIT + i * BLOCK_KV + t
+                if unit * SPLIT + i * BLOCK_KV < length:
+                    block = tl.load(
+                        tables_ptr + seq.to(tl.int64) * stride_table + (unit * SPLIT // BLOCK_KV + i)
+                    )
+                    base = block.to(tl.int64) * block_bytes
+                    k = tl.load(key_ptr + base + t[None, :] * D + d[:, None])  # (D, BLOCK_KV)
+                    k_s = tl.load(scale_ptr + (base + BLOCK_KV * D) // 4 + t)
+                    s = tl.dot(q, k)
+                    s = tl.maximum(s, 0.0) * w[:, None]
+                    logits = tl.sum(tl.reshape(s, (NEXT_N_P2, H, BLOCK_KV)), axis=1) * k_s[None, :]
+                    visible = pos[None, :] <= last[:, None]
+                    ptrs = out_ptr + out_rows[:, None].to(tl.int64) * stride_om + pos[None, :]
+                    in_out = (j[:, None] < NEXT_N) & (pos[None, :] < max_context_len)
+                    if CLEAN:
+                        tl.store(ptrs, tl.where(visible, logits, float("-inf")), mask=in_out)
+                    else:
+                        tl.store(ptrs, logits, mask=in_out & visible)
+        unit += 1
+        if unit * SPLIT >= length:
+            seq += 1
+            unit = 0
+
+
+def paged_mqa_logits(
+    q_fp8: Tensor,
+    kv_cache: Tensor,
+    weights: Tensor,
+    context_lens: Tensor,
+    block_tables: Tensor,
+    schedule: Tensor,
+    max_context_len: int,
+    clean_logits: bool = True,
+) -> Tensor:
+    """fp8compile::paged_mqa_logits's Triton kernel (reference_mqa.paged_mqa_logits defines it);
+    schedule from paged_schedule for this context_lens and the cache's block size."""
+    b, next_n, h, d = q_fp8.shape
+    _check_heads(h, d)
+    keys, scales = index_cache_views(kv_cache)
+    block_size = keys.shape[1]
+    schedule_split(block_size)
+    fill = float("-inf") if clean_logits else 0.0
+    # Positions past every unit (past a sequence's length) are written by no program.
+    out = torch.full((b * next_n, max_context_len), fill, dtype=torch.float32, device=q_fp8.device)
+    programs = schedule.shape[0] - 1
+    if b == 0 or max_context_len == 0 or programs <= 0:
+        return out
+    flat = kv_cache.view(-1)
+    tables = block_tables.to(torch.int32)  # its own strides: a copy may not keep the input's
+    _paged_mqa_logits_kernel[(programs,)](
+        q_fp8.contiguous(),
+        flat.view(q_fp8.dtype),
+        flat.view(torch.float32),
+        weights.float().contiguous(),
+        context_lens.reshape(-1).to(torch.int32).contiguous(),
+        tables,
+        schedule.to(torch.int32).contiguous(),
+        out,
+        tables.stride(0),
+        out.stride(0),
+        max_context_len,
+        NEXT_N=next_n,
+        NEXT_N_P2=next_pow2(next_n),
+        H=h,
+        D=d,
+        BLOCK_KV=block_size,
+        SPLIT=SPLIT_KV,
+        CLEAN=clean_logits,
+        num_warps=4,
+        num_stages=2,
+    )
+    return out
