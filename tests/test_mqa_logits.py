@@ -303,13 +303,17 @@ def test_triton_kernel_streams_only_the_keys_its_token_block_reaches(tiles, clea
 )
 @pytest.mark.parametrize("next_n", [1, 2])
 @pytest.mark.parametrize("clean", [True, False])
-def test_triton_paged_kernel_matches_the_reference_under_the_interpreter(next_n, clean):
+@pytest.mark.parametrize("tiles", [None, (32, 32, 4, 1), (64, 128, 4, 1)])
+def test_triton_paged_kernel_matches_the_reference_under_the_interpreter(next_n, clean, tiles):
+    """Blocks of 16 keys; steps of 16 (the interpreter's default), 32 and 64 keys, so that a step
+    spans several blocks, each key found through its own; programs of 64, 32 (one step) and 128
+    positions; lengths 40, 0 and 300 against max_context_len 320."""
     from fp8compile.ops import triton_mqa
 
     q_fp8, cache, weights, lens, tables = paged_case(next_n=next_n)
     sched = rm.paged_schedule(lens, 16, 4)
     want = rm.paged_mqa_logits(q_fp8, cache, weights, lens, tables, None, 320)
-    got = triton_mqa.paged_mqa_logits(q_fp8, cache, weights, lens, tables, sched, 320, clean)
+    got = triton_mqa.paged_mqa_logits(q_fp8, cache, weights, lens, tables, sched, 320, clean, tiles)
     inside = want != INF
     assert calc_diff(got[inside], want[inside]) < 1e-12
     if clean:

@@ -97,16 +97,17 @@ def _decode_rows(batch: int, context: int) -> list[dict]:
     q_fp8 = q_fp8.view(batch, 1, HEADS, HEAD_DIM)
     bf16_model = torch.compile(Indexer())
     variants = {"bf16_composition": lambda: bf16_model(q, k_bf16, w)}
-    sms = schedule_programs(q.device)
-    for backend in ("triton", "deep_gemm"):
-        try:
-            sched = torch.ops.fp8compile.paged_mqa_logits_metadata(lens, BLOCK, sms, backend)
-        except Exception as e:  # a backend that cannot run here: its rows say so
-            print(f"    {backend} metadata failed: {type(e).__name__}: {str(e)[:120]}")
-            continue
-        variants[backend] = lambda b=backend, s=sched: torch.ops.fp8compile.paged_mqa_logits(
-            q_fp8, cache, weights, lens, tables, s, context, False, b
-        )
+    sched = torch.ops.fp8compile.paged_mqa_logits_metadata(lens, BLOCK, schedule_programs(q.device), "triton")
+    variants["triton"] = lambda: torch.ops.fp8compile.paged_mqa_logits(
+        q_fp8, cache, weights, lens, tables, sched, context, False, "triton"
+    )
+    try:
+        deep_gemm = _deep_gemm_paged(q_fp8, cache, weights, lens, tables, context)
+        ours = variants["triton"]()
+        print(f"    deep_gemm against triton: calc_diff {fp8compile.calc_diff(deep_gemm(), ours):.2e}")
+        variants["deep_gemm"] = deep_gemm
+    except Exception as e:  # DeepGEMM missing or refusing: the other rows still count
+        print(f"    deep_gemm paged: {type(e).__name__}: {str(e)[:160]}")
     rows = []
     read = batch * context * (HEAD_DIM + 4)
     for name, fn in variants.items():
@@ -116,6 +117,21 @@ def _decode_rows(batch: int, context: int) -> list[dict]:
         rows.append(dict(kind="decode", batch=batch, context=context, variant=name, us=us, tbps=tbps))
         print(f"decode B={batch} C={context} {name:<17} {us if us is None else round(us, 1)} us", flush=True)
     return rows
+
+
+def _deep_gemm_paged(q_fp8, cache, weights, lens, tables, context):
+    """DeepGEMM's fp8_paged_mqa_logits as an anchor (not behind fp8compile::paged_mqa_logits:
+    vendors_mqa.py says why). Its sm_90 path takes one length per query, (B, next_n): query j of
+    sequence b sees lens[b] - next_n + j + 1 keys; its schedule reads each sequence's last."""
+    import deep_gemm
+
+    next_n = q_fp8.shape[1]
+    j = torch.arange(next_n, dtype=torch.int32, device=lens.device)
+    per_query = (lens[:, None] - next_n + 1 + j[None, :]).clamp(min=0).to(torch.int32).contiguous()
+    sched = deep_gemm.get_paged_mqa_logits_metadata(per_query, BLOCK, deep_gemm.get_num_sms())
+    return lambda: deep_gemm.fp8_paged_mqa_logits(
+        q_fp8, cache, weights, per_query, tables, sched, context, clean_logits=False
+    )
 
 
 def _table(rows: list[dict]) -> str:

@@ -165,8 +165,10 @@ def schedule_split(block_size: int) -> int:
 
 
 def paged_schedule(context_lens: torch.Tensor, block_size: int, programs: int) -> torch.Tensor:
-    """How the Triton paged kernel spreads its work (fp8compile::paged_mqa_logits_metadata for the
-    reference and triton backends): sequence b is ceil(context_lens[b] / SPLIT_KV) units, all
+    """fp8compile::paged_mqa_logits_metadata for the reference and triton backends: an equal
+    split of the work over `programs` persistent programs (DeepGEMM's kind of metadata; neither
+    backend's kernel reads it, the Triton one splits by position): sequence b is
+    ceil(context_lens[b] / SPLIT_KV) units, all
     units are cut into `programs` equal runs, and row p of the (programs + 1, 2) int32 result is
     (sequence, unit) where run p starts; the last row is (B, 0). Tensor ops only: no value
     reaches the host, so a CUDA graph can hold it."""

@@ -15,11 +15,13 @@ layout (max_seqlen_k > 0) each token reads its own keys (ks[m] + j), so a progra
 token. On an H100 this gives DeepGEMM's time at prefill (0.98x at M = N = 4096, 1.01x at 8192);
 the earlier one-tile-per-program kernel gave 0.27x (BENCHMARKS.md, "Indexer logits").
 
-paged_mqa_logits (decode): persistent, one program per SM. The work of sequence b is
-ceil(context_lens[b] / SPLIT_KV) units of SPLIT_KV keys; paged_schedule splits all units into
-equal runs, one per program ([programs + 1, 2] int32: (sequence, unit) where each run starts),
-so ragged context lengths spread evenly. A unit is one sequence's next_n tokens (next_n * H
-rows) against SPLIT_KV // block_size cache blocks, found through the block table.
+paged_mqa_logits (decode): one program per (sequence, SPLIT positions): it holds the sequence's
+next_n * H queries and streams its positions BLOCK_N keys a step, each key found through the
+block table (a step may span several cache blocks), with the same keys-as-rows GEMM and STAGES
+steps of keys in flight; with clean_logits it writes -inf past the sequence's length, so every
+position below max_context_len is written by some program. The schedule metadata of the op
+(paged_schedule, an equal split of the work for a persistent kernel) is not read: the grid
+splits by position, and the GPU's own scheduler spreads the programs.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch import Tensor
 
 from ..numerics import next_pow2
 from .launch import num_sms
-from .reference_mqa import SPLIT_KV, index_cache_views, schedule_split
+from .reference_mqa import index_cache_views, schedule_split
 
 
 @triton.jit
@@ -169,6 +171,15 @@ def mqa_logits(
     return out
 
 
+def _paged_tiles(batch: int, max_context_len: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(keys a step, keys a program, warps, stages) of the paged kernel: 64 keys a step, and
+    enough positions a program (128 to 1024) for about four programs an SM."""
+    if device.type == "cpu":  # the interpreter: small steps, so that blocks and lengths cross them
+        return 16, 64, 4, 1
+    per_program = batch * max_context_len // (4 * num_sms(device.index or 0))
+    return 64, min(1024, max(128, next_pow2(max(per_program, 1)))), 4, 3
+
+
 def schedule_programs(device: torch.device) -> int:
     """Programs of the persistent paged kernel: one per SM (4 under the CPU interpreter)."""
     return 4 if device.type == "cpu" else num_sms(device.index or 0)
@@ -182,7 +193,6 @@ def _paged_mqa_logits_kernel(
     w_ptr,
     lens_ptr,
     tables_ptr,
-    sched_ptr,
     out_ptr,
     stride_table,
     stride_om,
@@ -192,54 +202,56 @@ def _paged_mqa_logits_kernel(
     H: tl.constexpr,
     D: tl.constexpr,
     BLOCK_KV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    STAGES: tl.constexpr,
     CLEAN: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    seq = tl.load(sched_ptr + 2 * pid)
-    unit = tl.load(sched_ptr + 2 * pid + 1)
-    seq_end = tl.load(sched_ptr + 2 * pid + 2)
-    unit_end = tl.load(sched_ptr + 2 * pid + 3)
-    R: tl.constexpr = NEXT_N_P2 * H
-    r = tl.arange(0, R)
-    d = tl.arange(0, D)
-    t = tl.arange(0, BLOCK_KV)
-    j = tl.arange(0, NEXT_N_P2)
-    block_bytes = BLOCK_KV * (D + 4)
-    while (seq < seq_end) | ((seq == seq_end) & (unit < unit_end)):
-        length = tl.load(lens_ptr + seq)
-        if unit * SPLIT < length:
-            row_ok = r < NEXT_N * H
-            q_rows = seq * NEXT_N * H + r
-            q = tl.load(
-                q_ptr + q_rows[:, None].to(tl.int64) * D + d[None, :], mask=row_ok[:, None], other=0.0
+    seq = tl.program_id(0)
+    start = tl.program_id(1) * SPLIT  # this program's positions: [start, start + SPLIT)
+    length = tl.load(lens_ptr + seq)
+    jq = tl.arange(0, NEXT_N_P2)
+    n = tl.arange(0, BLOCK_N)
+    out_rows = out_ptr + (seq * NEXT_N + jq)[None, :].to(tl.int64) * stride_om
+    query_ok = (jq < NEXT_N)[None, :]
+    end = tl.minimum(start + SPLIT, length)
+    if start < end:
+        R: tl.constexpr = NEXT_N_P2 * H
+        r = tl.arange(0, R)
+        d = tl.arange(0, D)
+        row_ok = r < NEXT_N * H
+        q_rows = seq * NEXT_N * H + r
+        q = tl.load(q_ptr + q_rows[:, None].to(tl.int64) * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        w = tl.load(w_ptr + q_rows, mask=row_ok, other=0.0)
+        last = length - NEXT_N + jq  # each query's own position: it sees the keys at or before it
+        block_bytes: tl.constexpr = BLOCK_KV * (D + 4)
+        table = tables_ptr + seq.to(tl.int64) * stride_table
+        for p0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
+            pos = p0 + n
+            ok = pos < end
+            # Each key through its block: a step of BLOCK_N keys may span several cache blocks.
+            block = tl.load(table + pos // BLOCK_KV, mask=ok, other=0).to(tl.int64)
+            slot = pos % BLOCK_KV
+            k = tl.load(
+                key_ptr + (block * block_bytes + slot * D)[:, None] + d[None, :], mask=ok[:, None], other=0.0
             )
-            w = tl.load(w_ptr + q_rows, mask=row_ok, other=0.0)
-            last = length - NEXT_N + j  # each query's own position: it sees keys <= last
-            out_rows = seq * NEXT_N + j
-            for i in range(SPLIT // BLOCK_KV):
-                pos = unit * SPLIT + i * BLOCK_KV + t
-                if unit * SPLIT + i * BLOCK_KV < length:
-                    block = tl.load(
-                        tables_ptr + seq.to(tl.int64) * stride_table + (unit * SPLIT // BLOCK_KV + i)
-                    )
-                    base = block.to(tl.int64) * block_bytes
-                    k = tl.load(key_ptr + base + t[None, :] * D + d[:, None])  # (D, BLOCK_KV)
-                    k_s = tl.load(scale_ptr + (base + BLOCK_KV * D) // 4 + t)
-                    s = tl.dot(q, k)
-                    s = tl.maximum(s, 0.0) * w[:, None]
-                    logits = tl.sum(tl.reshape(s, (NEXT_N_P2, H, BLOCK_KV)), axis=1) * k_s[None, :]
-                    visible = pos[None, :] <= last[:, None]
-                    ptrs = out_ptr + out_rows[:, None].to(tl.int64) * stride_om + pos[None, :]
-                    in_out = (j[:, None] < NEXT_N) & (pos[None, :] < max_context_len)
-                    if CLEAN:
-                        tl.store(ptrs, tl.where(visible, logits, float("-inf")), mask=in_out)
-                    else:
-                        tl.store(ptrs, logits, mask=in_out & visible)
-        unit += 1
-        if unit * SPLIT >= length:
-            seq += 1
-            unit = 0
+            k_s = tl.load(scale_ptr + (block * block_bytes + BLOCK_KV * D) // 4 + slot, mask=ok, other=0.0)
+            # Keys as the GEMM's rows: a query's sum over its heads stays in a thread's registers.
+            s = tl.dot(k, tl.trans(q))  # (BLOCK_N, R) fp32
+            s = tl.maximum(s, 0.0) * w[None, :]
+            logits = tl.sum(tl.reshape(s, (BLOCK_N, NEXT_N_P2, H)), axis=2) * k_s[:, None]
+            visible = pos[:, None] <= last[None, :]
+            in_out = query_ok & (ok & (pos < max_context_len))[:, None]
+            if CLEAN:
+                tl.store(out_rows + pos[:, None], tl.where(visible, logits, float("-inf")), mask=in_out)
+            else:
+                tl.store(out_rows + pos[:, None], logits, mask=in_out & visible)
+    if CLEAN:  # the positions past the sequence's length
+        minus_inf = tl.full((BLOCK_N, NEXT_N_P2), float("-inf"), tl.float32)
+        for p0 in tl.range(tl.maximum(end, start), start + SPLIT, BLOCK_N):
+            pos = p0 + n
+            past = (pos < start + SPLIT) & (pos < max_context_len)
+            tl.store(out_rows + pos[:, None], minus_inf, mask=query_ok & past[:, None])
 
 
 def paged_mqa_logits(
@@ -251,30 +263,31 @@ def paged_mqa_logits(
     schedule: Tensor,
     max_context_len: int,
     clean_logits: bool = True,
+    tiles: tuple[int, int, int, int] | None = None,
 ) -> Tensor:
-    """fp8compile::paged_mqa_logits's Triton kernel (reference_mqa.paged_mqa_logits defines it);
-    schedule from paged_schedule for this context_lens and the cache's block size."""
+    """fp8compile::paged_mqa_logits's Triton kernel (reference_mqa.paged_mqa_logits defines it).
+    It splits each sequence by position, so it reads nothing of `schedule` (the op's metadata,
+    taken for the op's contract). tiles: (keys a step, keys a program, warps, stages), default
+    _paged_tiles."""
     b, next_n, h, d = q_fp8.shape
     _check_heads(h, d)
     keys, scales = index_cache_views(kv_cache)
     block_size = keys.shape[1]
     schedule_split(block_size)
-    fill = float("-inf") if clean_logits else 0.0
-    # Positions past every unit (past a sequence's length) are written by no program.
-    out = torch.full((b * next_n, max_context_len), fill, dtype=torch.float32, device=q_fp8.device)
-    programs = schedule.shape[0] - 1
-    if b == 0 or max_context_len == 0 or programs <= 0:
+    # Every position below max_context_len is written: a score, or -inf with clean_logits.
+    out = torch.empty((b * next_n, max_context_len), dtype=torch.float32, device=q_fp8.device)
+    if b == 0 or max_context_len == 0:
         return out
+    block_n, split, warps, stages = tiles or _paged_tiles(b, max_context_len, q_fp8.device)
     flat = kv_cache.view(-1)
     tables = block_tables.to(torch.int32)  # its own strides: a copy may not keep the input's
-    _paged_mqa_logits_kernel[(programs,)](
+    _paged_mqa_logits_kernel[(b, triton.cdiv(max_context_len, split))](
         q_fp8.contiguous(),
         flat.view(q_fp8.dtype),
         flat.view(torch.float32),
         weights.float().contiguous(),
         context_lens.reshape(-1).to(torch.int32).contiguous(),
         tables,
-        schedule.to(torch.int32).contiguous(),
         out,
         tables.stride(0),
         out.stride(0),
@@ -284,9 +297,10 @@ def paged_mqa_logits(
         H=h,
         D=d,
         BLOCK_KV=block_size,
-        SPLIT=SPLIT_KV,
+        BLOCK_N=block_n,
+        SPLIT=split,
+        STAGES=stages,
         CLEAN=clean_logits,
-        num_warps=4,
-        num_stages=2,
+        num_warps=warps,
     )
     return out
