@@ -8,9 +8,10 @@ logits' calc_diff against eager bf16 beside that of the same model's own unfused
 composition (`composition`): every bf16 nn.Linear (or GPT-2-style Conv1D) that the linear pass
 would take (K a multiple of 128, N at least 128: a router's N is not) runs the reference
 block-FP8 linear,
-and every expert GEMM that transformers' experts integration makes (its `_grouped_mm`) runs the
-reference block-FP8 linear per expert, activations quantized 1x128 per token, weights 128x128
-per expert. That is the FP8 error of the model's GEMMs taken one by one; the compiled model may
+every expert GEMM that transformers' experts integration makes (its `_grouped_mm`) runs the
+reference block-FP8 linear per expert, and so does every F.linear on one expert of experts
+stacked in one parameter (JetMoE's w[i]); activations quantized 1x128 per token, weights
+128x128 per expert. That is the FP8 error of the model's GEMMs taken one by one; the compiled model may
 differ from it only where a fused op rounds once where eager rounds twice.
 
 The bound is on the typical token: the median over tokens of each token's logits calc_diff, no
@@ -221,20 +222,31 @@ def composition(model: torch.nn.Module, recipe: str = "block"):
     stay block-FP8, as the compiled model's do not: bound those models by their dense peers."""
     from .ops import reference, reference_scaled
 
+    def fp8_linear(weight, bias=None):
+        if recipe == "block":
+            w_fp8, w_scale = reference.quant_weight_block(weight)
+            return lambda x: reference.linear_block(x, w_fp8, w_scale, bias)
+        w_fp8, w_scale = reference_scaled.quant_weight_scaled(weight, recipe)
+        return lambda x: reference_scaled.linear_scaled(x, w_fp8, w_scale, bias, recipe)
+
     patched = []
     for module in model.modules():
         weight = _linear_weight(module)
-        if weight is None:
-            continue
-        if recipe == "block":
-            w_fp8, w_scale = reference.quant_weight_block(weight)
-            module.forward = lambda x, w=w_fp8, s=w_scale, b=module.bias: reference.linear_block(x, w, s, b)
-        else:
-            w_fp8, w_scale = reference_scaled.quant_weight_scaled(weight, recipe)
-            module.forward = lambda x, w=w_fp8, s=w_scale, b=module.bias: reference_scaled.linear_scaled(
-                x, w, s, b, recipe
-            )
-        patched.append(module)
+        if weight is not None:
+            module.forward = fp8_linear(weight, module.bias)
+            patched.append(module)
+    plain_linear = torch.nn.functional.linear
+
+    def linear(x, weight, bias=None):
+        # One expert's linear, F.linear(x, w[i]) over experts stacked in one parameter (JetMoE's),
+        # as the linear pass takes it (selected_linear).
+        base = weight._base
+        n, k = weight.shape if weight.dim() == 2 else (0, 0)
+        if base is not None and base.dim() == 3 and weight.dtype == torch.bfloat16 and min(n, k) >= BLOCK:
+            return fp8_linear(weight.detach(), bias)(x)
+        return plain_linear(x, weight, bias)
+
+    torch.nn.functional.linear = linear
     try:
         from transformers.integrations import moe as experts_integration
     except ImportError:
@@ -245,6 +257,7 @@ def composition(model: torch.nn.Module, recipe: str = "block"):
     try:
         yield
     finally:
+        torch.nn.functional.linear = plain_linear
         for module in patched:
             del module.forward
         if grouped is not None:

@@ -92,17 +92,23 @@ def _memoized(sources: tuple[torch.Tensor, ...], tag: tuple, make: Callable[[], 
 
 
 def fp8_weight(
-    w: torch.Tensor, kn: bool = False, e8m0: bool = False, w_next: Sequence[torch.Tensor] | None = None
+    w: torch.Tensor,
+    kn: bool = False,
+    e8m0: bool = False,
+    w_next: Sequence[torch.Tensor] | None = None,
+    index: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(w_fp8 (N, Kp), w_scale (ceil(N/128), Kp/128)) for a weight stored (N, K), or (K, N) if kn;
     Kp = K in whole 128-wide groups (zero columns past K: reference.quant_weight_block).
     With w_next (more weights, same K and layout): all of them stacked along N, w's rows first,
     so linears over one x run as one GEMM (passes/merge.py); every weight but the last must then
-    have whole 128-row blocks, so that no weight block spans two of them."""
+    have whole 128-row blocks, so that no weight block spans two of them. With index: the weight
+    is w[index] of experts stacked along a first dimension (memoized by w, the tensor the model
+    holds, not by a view of it)."""
     sources = (w, *(w_next or ()))
 
     def make():
-        parts = [p.detach().t() if kn else p.detach() for p in sources]
+        parts = [_selected(p, index).t() if kn else _selected(p, index) for p in sources]
         for i, part in enumerate(parts[:-1]):
             if part.shape[0] % 128:
                 raise ValueError(
@@ -110,7 +116,11 @@ def fp8_weight(
                 )
         return _quantize(torch.cat(parts).contiguous() if len(parts) > 1 else parts[0].contiguous(), e8m0)
 
-    return _memoized(sources, ("linear", kn, e8m0), make)
+    return _memoized(sources, ("linear", kn, e8m0, index), make)
+
+
+def _selected(w: torch.Tensor, index: int | None) -> torch.Tensor:
+    return w.detach() if index is None else w.detach()[index]
 
 
 def fp8_weight_scaled(
@@ -119,6 +129,7 @@ def fp8_weight_scaled(
     kn: bool = False,
     e8m0: bool = False,
     w_next: Sequence[torch.Tensor] | None = None,
+    index: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8_weight for the scaled recipes (ops/reference_scaled.py): (w_fp8 (N, K), w_scale () for
     "tensor", (N,) for "rowwise"). Stacked weights (w_next) are quantized as one: per row, the
@@ -129,11 +140,11 @@ def fp8_weight_scaled(
     sources = (w, *(w_next or ()))
 
     def make():
-        parts = [p.detach().t() if kn else p.detach() for p in sources]
+        parts = [_selected(p, index).t() if kn else _selected(p, index) for p in sources]
         stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
         return quant_weight_scaled(stacked.contiguous(), recipe, e8m0)
 
-    return _memoized(sources, ("scaled", recipe, kn, e8m0), make)
+    return _memoized(sources, ("scaled", recipe, kn, e8m0, index), make)
 
 
 def stacked_bias(bias: torch.Tensor | None, bias_next: Sequence[torch.Tensor] | None) -> torch.Tensor | None:

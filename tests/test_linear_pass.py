@@ -174,6 +174,56 @@ def test_every_way_of_writing_a_linear_is_found(captured):
     assert calc_diff(out, eager) < SIX_IN_SERIES
 
 
+class StackedExperts(nn.Module):
+    """Experts' weights stacked in one (E, N, K) parameter, each applied with F.linear to the rows
+    routed to it, the sizes per expert given (JetMoE's ParallelExperts)."""
+
+    def __init__(self, experts=3, n=256, k=256):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, n, k) * 0.02)
+
+    def forward(self, x, sizes):
+        chunks = x.split(sizes)
+        return torch.cat([nn.functional.linear(chunk, self.weight[i]) for i, chunk in enumerate(chunks)])
+
+
+def test_a_stacked_experts_linears_take_the_configured_recipe():
+    torch.manual_seed(0)
+    model = StackedExperts().to(BF16)
+    x = randn(40, 256)
+    out, eager, report = compile_and_run(model, x, [8, 24, 8], recipe="rowwise")
+    assert [(r.name, r.kind) for r in report.rewrites] == [(f"weight[{i}]", "linear") for i in range(3)]
+    w_fp8, w_scale = fp8compile.weights.fp8_weight_scaled(model.weight, "rowwise", index=1)
+    assert w_scale.shape == (256,) and torch.equal(
+        w_scale, fp8compile.weights.fp8_weight_scaled(model.weight[1].detach().clone(), "rowwise")[1]
+    )
+    assert calc_diff(out, eager) < PER_LINEAR_BOUND
+
+
+def test_each_expert_of_a_stacked_parameter_becomes_an_fp8_linear_of_its_own(captured):
+    torch.manual_seed(0)
+    model = StackedExperts().to(BF16)
+    x = randn(40, 256)
+    out, eager, report = compile_and_run(model, x, [8, 0, 32])
+    (g,) = captured
+    # Expert 1 has no rows: its matmul is gone from the graph before our passes see it.
+    assert bf16_matmuls(g.after) == 0 and len(g.ops(FP8_LINEAR)) == 2
+    assert [r.name for r in report.rewrites] == ["weight[0]", "weight[2]"]
+    # Each expert's copy is its own slice, quantized as that weight alone would be (a block never
+    # spans two experts), and every expert's rows meet their own expert.
+    w_fp8, w_scale = fp8compile.weights.fp8_weight(model.weight, index=2)
+    want_fp8, want_scale = reference.quant_weight_block(model.weight.detach()[2])
+    assert torch.equal(w_fp8.float(), want_fp8.float()) and torch.equal(w_scale, want_scale)
+    want = torch.cat(
+        [
+            reference.linear_block(x[:8], *reference.quant_weight_block(model.weight.detach()[0])),
+            reference.linear_block(x[8:], want_fp8, want_scale),
+        ]
+    )
+    assert torch.equal(out, want)
+    assert calc_diff(out, eager) < PER_LINEAR_BOUND
+
+
 def test_tied_weights_are_quantized_once(monkeypatch):
     calls = []
     from fp8compile import weights

@@ -42,6 +42,15 @@ class LinearMatch:
     weight: fx.Node  # placeholder of the stored weight
     transposed: bool  # stored as (K, N), i.e. used as x @ w
     bias: fx.Node | None
+    # The weight is weight[index] of experts stacked along a first dimension (selected_linear);
+    # None: the placeholder is the weight itself.
+    index: int | None = None
+
+    @property
+    def weight_val(self) -> torch.Tensor:
+        """The (fake) value of the weight the matmul reads."""
+        val = self.weight.meta["val"]
+        return val if self.index is None else val[self.index]
 
 
 def _is_2d_transpose(node: fx.Node) -> bool:
@@ -79,6 +88,29 @@ def linear_pattern(node: fx.Node) -> LinearMatch | fx.Node | None:
     return _derives_from_placeholder(w)
 
 
+def selected_linear(node: fx.Node) -> LinearMatch | None:
+    """A matmul whose weight is one expert's of a parameter of experts stacked along dim 0,
+    F.linear(x, w[i]): mm(x, permute(select(w, 0, i), [1, 0])) or, stored (E, K, N),
+    mm(x, select(w, 0, i)) (JetMoE's experts: a linear per expert on the rows routed to it)."""
+    if node.target == aten.mm.default:
+        bias, (x, w) = None, node.args[:2]
+    else:
+        bias, x, w = node.args[:3]
+    transposed = not (w.op == "call_function" and _is_2d_transpose(w))
+    select = w if transposed else w.args[0]
+    if not (
+        select.op == "call_function"
+        and select.target == aten.select.int
+        and select.args[0].op == "placeholder"
+        and select.args[1] == 0
+        and isinstance(select.args[2], int)
+        and select.args[0].meta["val"].dim() == 3
+    ):
+        return None
+    experts = select.args[0].meta["val"].shape[0]
+    return LinearMatch(node, x, select.args[0], transposed, bias, select.args[2] % experts)
+
+
 def module_name(param_name: str) -> str:
     return param_name[: -len(".weight")] if param_name.endswith(".weight") else param_name
 
@@ -97,7 +129,7 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
     in the activation: emit_fp8), and along N at least one 128-row weight block (the last may be
     partial, as in DeepSeek's own FP8 checkpoints for an MLA kv_a_proj_with_mqa of N = 576; the
     registry says which kernels serve it); skip: the user asked for bf16."""
-    x_val, w_val, out_val = match.x.meta["val"], match.weight.meta["val"], match.node.meta["val"]
+    x_val, w_val, out_val = match.x.meta["val"], match.weight_val, match.node.meta["val"]
     dtypes = {x_val.dtype, w_val.dtype, out_val.dtype}
     if dtypes != {torch.bfloat16}:
         names = "/".join(sorted(str(d).replace("torch.", "") for d in dtypes))
@@ -132,23 +164,25 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
 
 
 def fp8_weight_inputs(
-    ctx: PassContext, name: str, weights: list[fx.Node], kn: bool
+    ctx: PassContext, name: str, weights: list[fx.Node], kn: bool, index: int | None = None
 ) -> tuple[fx.Node, fx.Node]:
     """Graph inputs (w_fp8, w_scale) for the FP8 copy of these weight parameters (more than one:
-    stacked along N, weights.fp8_weight), quantized now and looked up per call."""
+    stacked along N, weights.fp8_weight; index: the weight is weights[0][index], one expert's),
+    quantized now and looked up per call."""
     e8m0, recipe = ctx.config.e8m0, ctx.config.recipe
+    label = name if index is None else f"{name}_{index}"
     if recipe != "block":
         return ctx.derived_inputs(
-            ("scaled", recipe, kn, e8m0),
-            (f"{name}_fp8", f"{name}_fp8_scale"),
+            ("scaled", recipe, kn, e8m0, index),
+            (f"{label}_fp8", f"{label}_fp8_scale"),
             weights,
-            lambda w, *more: fp8_weight_scaled(w, recipe, kn, e8m0, more or None),
+            lambda w, *more: fp8_weight_scaled(w, recipe, kn, e8m0, more or None, index),
         )
     return ctx.derived_inputs(
-        ("linear", kn, e8m0),
-        (f"{name}_fp8", f"{name}_fp8_scale"),
+        ("linear", kn, e8m0, index),
+        (f"{label}_fp8", f"{label}_fp8_scale"),
         weights,
-        lambda w, *more: fp8_weight(w, kn, e8m0, more or None),
+        lambda w, *more: fp8_weight(w, kn, e8m0, more or None, index),
     )
 
 
@@ -206,7 +240,7 @@ def emit_fp8(
     no M dispatch can be built."""
     m = match.x.meta["val"].shape[0]
     with ctx.gm.graph.inserting_before(before or match.node):
-        w_fp8, w_scale = fp8_weight_inputs(ctx, name, weights, match.transposed)
+        w_fp8, w_scale = fp8_weight_inputs(ctx, name, weights, match.transposed, match.index)
         target, op_kwargs = scaled_call(ctx, target, names or [name], match.weight, op_kwargs)
         n, k = w_fp8.meta["val"].shape
         sides = dispatch.plan(ctx, REGISTRY_OPS[target], match.weight.meta["val"].device, n, k, m)
@@ -243,7 +277,7 @@ def replace_with_fp8(
     """match.node -> target(*activations, w_fp8, w_scale, bias) behind the M dispatch. The
     weight's FP8 copy is made here, at compile time, and becomes a graph input the backend looks
     up per call from the parameter passed."""
-    name = module_name(param_name)
+    name = module_name(param_name) + ("" if match.index is None else f"[{match.index}]")
     emitted = emit_fp8(
         ctx, match, name, kind, target, activations, [match.weight], match.bias, op_kwargs or {}
     )
@@ -258,7 +292,7 @@ def replace_with_fp8(
 
 def padded_k(match: LinearMatch, k: int) -> str:
     """The report's note for a linear whose FP8 copy pads K (k) past the weight's own."""
-    w_val = match.weight.meta["val"]
+    w_val = match.weight_val
     own = w_val.shape[0] if match.transposed else w_val.shape[1]
     return f"K={own} padded to {k}" if own != k else ""
 
@@ -270,6 +304,7 @@ def linear_replacement(ctx: PassContext, match: LinearMatch, param: torch.Tensor
 def linear_pass(ctx: PassContext) -> None:
     for node in [n for n in ctx.gm.graph.nodes if n.op == "call_function" and n.target in MATMULS]:
         found = linear_pattern(node)
+        found = selected_linear(node) or found
         if found is None or (not isinstance(found, LinearMatch) and ctx.parameter(found) is None):
             continue  # activation x activation: not a linear
         if isinstance(found, LinearMatch) and _derives_from_placeholder(found.x) is found.weight:
@@ -278,7 +313,10 @@ def linear_pass(ctx: PassContext) -> None:
         param = ctx.parameter(weight)
         value, input_name = ctx.inputs.get(weight, (None, weight.name))
         name = module_name(param[1] if param else (input_name or weight.name))
-        shape = "x".join(map(str, weight.meta["val"].shape))
+        if isinstance(found, LinearMatch) and found.index is not None:
+            name += f"[{found.index}]"
+        w_val = found.weight_val if isinstance(found, LinearMatch) else weight.meta["val"]
+        shape = "x".join(map(str, w_val.shape))
         if not isinstance(found, LinearMatch):
             ctx.skipped("linear", name, _unsupported_weight_reason(node, weight), shape)
         elif param is None:
