@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         "--repeat",
         type=int,
         default=3,
-        help="`bench model`: timed generate() calls per decode point; the median is reported (default 3)",
+        help="`bench model`: timed generate() calls per decode point; `bench host`: interleaved rounds "
+        "of every variant; the median is reported (default 3)",
     )
     bench.add_argument(
         "--device", default=None, help="`bench model`: cuda or cpu (default: cuda if available)"

@@ -46,7 +46,7 @@ def main(args) -> int:
         if args.what == "host":
             from .host import bench_host
 
-            bench_host(out, ms=args.m or (1, 16), chain=args.chain)
+            bench_host(out, ms=args.m or (1, 16), chain=args.chain, rounds=args.repeat)
         elif args.what == "gemm":
             from . import gemm
 

@@ -19,13 +19,17 @@ the wall time per call (the same with a sync at the end), layer by layer of the 
     fp8_kernel_triton the same with the direct relaunch off (ops/launch.py): Triton's own path
 
 With chain=L the four compiled variants run L linears (of different weights) in one graph, and
-the times are per linear: the graph's own call cost spread over L, as in a model's layer.
+the times are per linear: the graph's own call cost spread over L, as in a model's layer. The
+variants are timed in `rounds` interleaved rounds (each round times every variant once) and the
+median is reported: a lent host drifts by as much as two variants differ, and a drift then moves
+every variant's rounds alike instead of one variant's only.
 Writes cProfiles of fp8compile and fp8_inductor_launch per M (host_profile[_decode]_m{M}.txt) beside the JSON.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -75,7 +79,13 @@ class _DecodeChain(torch.nn.Module):
 
 
 def bench_host(
-    out_dir: Path, ms=(1, 16), n: int = 4096, k: int = 4096, calls: int = 200, chain: int = 1
+    out_dir: Path,
+    ms=(1, 16),
+    n: int = 4096,
+    k: int = 4096,
+    calls: int = 200,
+    chain: int = 1,
+    rounds: int = 5,
 ) -> list[dict]:
     from fp8compile.ops import triton_gemm
     from fp8compile.weights import fp8_weight
@@ -118,11 +128,26 @@ def bench_host(
                 "fp8compile_inline_conds",
                 "fp8_inductor_launch",
             )
-            for name, fn in variants.items():
-                host, wall = _host_and_wall_us(fn, calls)
+            timed = {name: [] for name in variants}
+            for _ in range(rounds):
+                for name, fn in variants.items():
+                    timed[name].append(_host_and_wall_us(fn, calls))
+            for name, runs in timed.items():
                 per = chain if name in compiled else 1
+                hosts = [host / per for host, _ in runs]
+                walls = [wall / per for _, wall in runs]
                 rows.append(
-                    dict(m=m, n=n, k=k, chain=per, variant=name, host_us=host / per, wall_us=wall / per)
+                    dict(
+                        m=m,
+                        n=n,
+                        k=k,
+                        chain=per,
+                        variant=name,
+                        host_us=statistics.median(hosts),
+                        wall_us=statistics.median(walls),
+                        host_us_rounds=hosts,
+                        wall_us_rounds=walls,
+                    )
                 )
             out = decode(x).float()
             rows.append(
@@ -149,7 +174,8 @@ def bench_host(
     print(
         f"host cost of one linear N={n} K={k} on {torch.cuda.get_device_name(device)} "
         f"({calls} calls enqueued, "
-        f"then one sync; compiled variants: a chain of {chain} linears, per linear): us per call"
+        f"then one sync; compiled variants: a chain of {chain} linears, per linear; the median of "
+        f"{rounds} interleaved rounds): us per call"
     )
     print(f"{'variant':<20}" + "".join(f"{'M=' + str(m) + ' host':>14}{'wall':>8}" for m in ms))
     for name in dict.fromkeys(r["variant"] for r in rows if "host_us" in r):
