@@ -334,7 +334,7 @@ def test_mlp_benchmark_plumbing_runs_every_variant(monkeypatch, tmp_path):
 
 
 def test_report_says_per_graph_whether_calls_replay_cuda_graphs():
-    # On the GPU, mode="reduce-overhead" gives "on: ..." (tests/test_gpu.py checks the replays).
+    # On the GPU, mode="reduce-overhead" gives "on: ..." (tests/test_gpu_compiled.py checks the replays).
     lines = {}
     for mode in (None, "reduce-overhead", "max-autotune-no-cudagraphs"):
         torch._dynamo.reset()

@@ -184,7 +184,7 @@ def test_a_dynamic_size_that_is_no_graph_input_leaves_the_linear_in_bf16_with_th
 def test_each_chosen_kernel_prepares_its_call_site_at_compile_time(probe_backend, monkeypatch):
     # A backend's prepare hook allocates the state its kernels keep between calls while the
     # model compiles: allocated in a CUDA graph's warm-up run instead, it would land in the
-    # graph's memory pool (tests/test_gpu.py runs that case on a GPU).
+    # graph's memory pool (tests/test_gpu_compiled.py runs that case on a GPU).
     prepared = []
     probe = registry._BACKENDS["probe"]
     monkeypatch.setitem(registry._BACKENDS, "probe", dataclasses.replace(probe, prepare=prepared.append))

@@ -13,7 +13,7 @@ gated MLP's act(x, b)) 1x128 into column-major scales, M padded to a multiple of
 quantized zeros (cuBLAS wants 16-byte aligned scale columns), then cuBLAS's 1x128 / 128x128
 block-scaled GEMM. It serves M >= 8 (cuBLAS refuses fewer rows; the dispatch gives it none).
 Its definition is the cuBLAS backend's, which tests/test_gpu.py holds to the fp32 product; the
-traced op gives that backend's bits (tests/test_gpu.py, the default-mode cuBLAS side).
+traced op gives that backend's bits (tests/test_gpu_compiled.py, the default-mode cuBLAS side).
 """
 
 from __future__ import annotations
