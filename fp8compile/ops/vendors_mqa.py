@@ -5,8 +5,9 @@ scale each). Imported by the registry only when asked for.
 Its paged kernel (fp8_paged_mqa_logits) is not behind fp8compile::paged_mqa_logits yet: on an
 H100, sgl-deep-gemm 0.1.5's sm_90 path asserts context_lens.dim() == 2 (one length per query) in
 both the metadata and the logits call. `bench mqa` times it as an anchor in that form
-(bench/mqa.py, _deep_gemm_paged), with its agreement with our kernel printed; it comes behind
-the op once that has been measured."""
+(bench/mqa.py, _deep_gemm_paged): on an H100 it gives our kernel's logits (calc_diff 4e-15) in
+1.0-1.5x less time (BENCHMARKS.md, "Indexer logits"), so it is the next backend for the paged
+op, once its GPU test (next_n 1 and 2, ragged lengths) has run behind the op."""
 
 from __future__ import annotations
 
