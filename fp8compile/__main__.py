@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         "--kernels",
         nargs="+",
         default=["small_m", "large_m"],
-        choices=["small_m", "large_m", "tiles"],
-        help="which Triton kernels `tune` sweeps",
+        choices=["small_m", "large_m", "tiles", "mqa_paged"],
+        help="which Triton kernels `tune` sweeps (mqa_paged: the paged indexer-logits kernel, bench/mqa.py)",
     )
     from .bench.model import BATCHES, MODELS, PREFILL_BATCHES, VARIANTS
 

@@ -70,6 +70,12 @@ def main(args) -> int:
         else:
             from .tune import tune
 
-            tune(out, kernels=args.kernels)
+            if "mqa_paged" in args.kernels:
+                from . import mqa
+
+                mqa.tune_paged(out)
+            gemm_kernels = [k for k in args.kernels if k != "mqa_paged"]
+            if gemm_kernels:
+                tune(out, kernels=gemm_kernels)
     print(f"[{time.time() - start:.0f} s] results in {out}")
     return 0

@@ -79,22 +79,37 @@ def _prefill_rows(m: int) -> list[dict]:
     return rows
 
 
-def _decode_rows(batch: int, context: int) -> list[dict]:
+def _decode_case(batch: int, context: int) -> dict:
+    """One decode point's inputs: B sequences of `context` keys in blocks of BLOCK, one new token
+    each; the FP8 cache and queries, and the same keys contiguous in bf16 for the composition."""
     from fp8compile.ops.reference_mqa import quant_index_cache
-    from fp8compile.ops.triton_mqa import schedule_programs
 
     gen = torch.Generator("cuda").manual_seed(0)
     blocks_each = context // BLOCK
     keys = torch.randn(batch * blocks_each, BLOCK, HEAD_DIM, device="cuda", generator=gen).bfloat16()
-    cache = quant_index_cache(keys)
     tables = torch.randperm(batch * blocks_each, device="cuda", generator=gen).view(batch, blocks_each)
     tables = tables.to(torch.int32)
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, 1, HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
     w = torch.randn(batch, 1, HEADS, device="cuda", generator=gen).bfloat16()
-    k_bf16 = keys[tables.long()].view(batch, context, HEAD_DIM)  # the same keys, contiguous, bf16
     q_fp8, _, _, weights = _fp8_inputs(q, keys[:1], w)
-    q_fp8 = q_fp8.view(batch, 1, HEADS, HEAD_DIM)
+    return dict(
+        q=q,
+        w=w,
+        k_bf16=keys[tables.long()].view(batch, context, HEAD_DIM),
+        q_fp8=q_fp8.view(batch, 1, HEADS, HEAD_DIM),
+        cache=quant_index_cache(keys),
+        weights=weights,
+        lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
+        tables=tables,
+    )
+
+
+def _decode_rows(batch: int, context: int) -> list[dict]:
+    from fp8compile.ops.triton_mqa import schedule_programs
+
+    case = _decode_case(batch, context)
+    q, w, k_bf16, q_fp8 = case["q"], case["w"], case["k_bf16"], case["q_fp8"]
+    cache, weights, lens, tables = case["cache"], case["weights"], case["lens"], case["tables"]
     bf16_model = torch.compile(Indexer())
     variants = {"bf16_composition": lambda: bf16_model(q, k_bf16, w)}
     sched = torch.ops.fp8compile.paged_mqa_logits_metadata(lens, BLOCK, schedule_programs(q.device), "triton")
@@ -117,6 +132,80 @@ def _decode_rows(batch: int, context: int) -> list[dict]:
         rows.append(dict(kind="decode", batch=batch, context=context, variant=name, us=us, tbps=tbps))
         print(f"decode B={batch} C={context} {name:<17} {us if us is None else round(us, 1)} us", flush=True)
     return rows
+
+
+# The paged kernel's tiles to sweep: (keys a step, positions a program, warps, stages).
+PAGED_TILES = [
+    (n, split, 4, stages) for n in (64, 128) for split in (128, 256, 512, 1024) for stages in (2, 3, 4)
+]
+
+
+def tune_paged(out: Path, decode=DECODE, tiles=PAGED_TILES) -> list[dict]:
+    """`bench tune --kernels mqa_paged`: the paged Triton kernel at each tiling against its
+    default choice (triton_mqa._paged_tiles) and DeepGEMM's paged kernel, at bench mqa's decode
+    points; a tiling whose logits differ from the default's is reported, not timed. Prints the
+    best per point and the best fixed tilings by geometric mean."""
+    from fp8compile.ops import triton_mqa
+
+    rows = []
+    for batch, context in decode:
+        case = _decode_case(batch, context)
+        args = (case["q_fp8"], case["cache"], case["weights"], case["lens"], case["tables"], None, context)
+        want = triton_mqa.paged_mqa_logits(*args, False)
+        candidates = {"default": None, **{str(t): t for t in tiles}}
+        try:
+            dg = harness.time_us([_deep_gemm_paged(*args[:5], context)])
+        except Exception as e:  # DeepGEMM missing or refusing: the sweep still counts
+            dg = None
+            print(f"    deep_gemm paged: {type(e).__name__}: {str(e)[:160]}")
+        for name, tile in candidates.items():
+            got = triton_mqa.paged_mqa_logits(*args, False, tile)
+            same = fp8compile.calc_diff(got, want) < 1e-12
+            us = (
+                harness.time_us([lambda t=tile: triton_mqa.paged_mqa_logits(*args, False, t)])
+                if same
+                else None
+            )
+            rows.append(
+                dict(
+                    batch=batch,
+                    context=context,
+                    tiles=name,
+                    same=same,
+                    us=us,
+                    deep_gemm_us=dg,
+                    vs_deep_gemm=us and dg and dg / us,
+                )
+            )
+        best = min(
+            (r for r in rows if r["batch"] == batch and r["context"] == context and r["us"]),
+            key=lambda r: r["us"],
+        )
+        default = next(
+            r for r in rows if (r["batch"], r["context"], r["tiles"]) == (batch, context, "default")
+        )
+        print(
+            f"B={batch} C={context}: default {default['us']:.1f} us, "
+            f"best {best['tiles']} {best['us']:.1f} us, DeepGEMM {dg and round(dg, 1)} us",
+            flush=True,
+        )
+    return save(out, "tune_mqa_paged.json", rows, _paged_ranking)
+
+
+def _paged_ranking(rows: list[dict]) -> str:
+    """The five best fixed tilings by geometric-mean time over the decode points."""
+    import math
+
+    scores: dict[str, list] = {}
+    for r in rows:
+        scores.setdefault(r["tiles"], []).append(r["us"])
+    ranked = sorted(
+        (math.exp(sum(map(math.log, ts)) / len(ts)), name) for name, ts in scores.items() if all(ts)
+    )
+    return "\n".join(
+        ["best fixed tilings by geometric-mean time over the points:"]
+        + [f"   {name}: {score:.1f} us" for score, name in ranked[:5]]
+    )
 
 
 def _deep_gemm_paged(q_fp8, cache, weights, lens, tables, context):
