@@ -211,6 +211,8 @@ _BACKENDS: dict[str, Backend] = {
             "gated_linear": ".ops.vendors:gated_linear_deep_gemm",
             "moe": ".ops.vendors:moe_deep_gemm",
             "mqa_logits": ".ops.vendors_mqa:mqa_logits_deep_gemm",
+            "paged_mqa_logits": ".ops.vendors_mqa:paged_mqa_logits_deep_gemm",
+            "paged_mqa_logits_metadata": ".ops.vendors_mqa:paged_mqa_logits_metadata_deep_gemm",
         },
         _deep_gemm_why_not,
         prepare=".ops.vendors:prepare_deep_gemm",
@@ -316,12 +318,19 @@ ORDER_EXCEPTIONS = {("moe", "large"): ("deep_gemm", "triton")}
 # The indexer logits have no range of M: one order for every call. DeepGEMM first: at prefill
 # (M = N = 4096 and 8192, H = 64, D = 128, causal) it took 151.5 and 591.5 us on an H100 against
 # our Triton kernel's 155.2 and 586.1 (bench mqa, BENCHMARKS.md, "Indexer logits"): a tie, and
-# DeepGEMM's side of it is the shorter prefill. It has no paged kernel here.
+# DeepGEMM's side of it is the shorter prefill.
 MQA_ORDER = ("deep_gemm", "triton", "reference")
+# The paged form: ours first. DeepGEMM's paged kernel was 1.0-1.5x faster in bench mqa (H100,
+# thirty-fourth session), called as its adapter calls it, but the adapter has not yet run its GPU
+# test behind the op (next_n 1 and 2, ragged lengths, clean_logits): until then it serves when
+# asked for by name.
+PAGED_MQA_ORDER = ("triton", "deep_gemm", "reference")
 
 
 def default_order(tier: str, op: str | None = None) -> tuple[str, ...]:
     """The preference order of a range of M ("small", "medium" or "large"), for `op` if given."""
+    if op in ("paged_mqa_logits", "paged_mqa_logits_metadata"):
+        return PAGED_MQA_ORDER
     if op in MQA_OPS:
         return MQA_ORDER
     order = DEFAULT_ORDERS[tier]

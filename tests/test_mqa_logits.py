@@ -327,6 +327,26 @@ def test_registry_says_why_a_kernel_cannot_serve_these_heads():
     assert registry.default_order("large", "mqa_logits")[-1] == "reference"
 
 
+def test_deep_gemm_paged_adapter_gives_one_length_per_query_and_refuses_what_its_kernel_cannot_read():
+    from fp8compile.ops import vendors_mqa
+
+    # Query j of a sequence of 5 with next_n = 2 sits at position 3 + j: it sees 4 + j keys.
+    lens = torch.tensor([5, 1, 0], dtype=torch.int32)
+    assert vendors_mqa.per_query_lengths(lens, 2).tolist() == [[4, 5], [0, 1], [0, 0]]
+    assert vendors_mqa.per_query_lengths(lens, 1).tolist() == [[5], [1], [0]]
+    q_fp8, cache, weights, lens, tables = paged_case()  # blocks of 16, next_n = 2
+    with pytest.raises(ValueError, match="blocks of 64 tokens, got 16"):
+        vendors_mqa.paged_mqa_logits_deep_gemm(q_fp8, cache, weights, lens, tables, None, 320)
+    with pytest.raises(ValueError, match="blocks of 64 tokens, got 16"):
+        vendors_mqa.paged_mqa_logits_metadata_deep_gemm(lens, 16, 4)
+    q3 = q_fp8.new_zeros(3, 3, *q_fp8.shape[2:])
+    with pytest.raises(ValueError, match="next_n 1 or 2"):
+        vendors_mqa.paged_mqa_logits_deep_gemm(q3, cache, weights, lens, tables, None, 320)
+    # Ours first for the paged form until DeepGEMM's adapter has run its GPU test behind the op.
+    assert registry.default_order("small", "paged_mqa_logits")[:2] == ("triton", "deep_gemm")
+    assert registry.default_order("small", "paged_mqa_logits_metadata")[:2] == ("triton", "deep_gemm")
+
+
 @gpu
 @pytest.mark.parametrize("backend", ["triton", "deep_gemm"])
 @pytest.mark.parametrize("compressed", [0, 512])

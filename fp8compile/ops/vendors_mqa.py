@@ -2,12 +2,13 @@
 reference_mqa.py's; DeepGEMM's layout is the same: q (M, H, D) e4m3fn, keys (N, D) with an fp32
 scale each). Imported by the registry only when asked for.
 
-Its paged kernel (fp8_paged_mqa_logits) is not behind fp8compile::paged_mqa_logits yet: on an
-H100, sgl-deep-gemm 0.1.5's sm_90 path asserts context_lens.dim() == 2 (one length per query) in
-both the metadata and the logits call. `bench mqa` times it as an anchor in that form
-(bench/mqa.py, _deep_gemm_paged): on an H100 it gives our kernel's logits (calc_diff 4e-15) in
-1.0-1.5x less time (BENCHMARKS.md, "Indexer logits"), so it is the next backend for the paged
-op, once its GPU test (next_n 1 and 2, ragged lengths) has run behind the op."""
+Its paged kernel (fp8_paged_mqa_logits) is behind fp8compile::paged_mqa_logits too, after our
+Triton kernel in the order until its GPU test has run behind the op: on an H100, sgl-deep-gemm
+0.1.5's sm_90 path asserts context_lens.dim() == 2 (one length per query), so the adapter
+passes (B, next_n) lengths (per_query_lengths), and its kernel reads blocks of 64 tokens and
+next_n 1 or 2 only (refused otherwise, with the reason). `bench mqa` times it beside ours
+(bench/mqa.py, _deep_gemm_paged): it gives our kernel's logits (calc_diff 4e-15) in 1.0-1.5x less
+time (BENCHMARKS.md, "Indexer logits")."""
 
 from __future__ import annotations
 
@@ -34,3 +35,60 @@ def mqa_logits_deep_gemm(q_fp8, k_fp8, k_scale, weights, ks, ke, clean_logits=Tr
         past = torch.arange(max_seqlen_k, device=logits.device)[None, :] >= (ke - ks)[:, None]
         logits = logits.masked_fill(past, float("-inf"))
     return logits
+
+
+# DeepGEMM's sm_90 paged kernel reads the cache in blocks of this many tokens (a static assert).
+DEEP_GEMM_PAGED_BLOCK = 64
+
+
+def per_query_lengths(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
+    """(B, next_n) int32, the form DeepGEMM's sm_90 paged path takes: query j of sequence b sits at
+    position context_lens[b] - next_n + j, so it sees that many keys plus one."""
+    j = torch.arange(next_n, dtype=torch.int32, device=context_lens.device)
+    lens = context_lens.reshape(-1, 1).to(torch.int32)
+    return (lens - next_n + 1 + j[None, :]).clamp(min=0).to(torch.int32).contiguous()
+
+
+def paged_mqa_logits_metadata_deep_gemm(context_lens, block_size, num_sms):
+    """DeepGEMM's schedule for its paged kernel. It reads each sequence's last query's length,
+    the sequence's own, and cuts the work the same way for next_n 1 and 2 (one next_n atom)."""
+    _check_block(block_size)
+    deep_gemm = require("deep_gemm")
+    return deep_gemm.get_paged_mqa_logits_metadata(per_query_lengths(context_lens, 1), block_size, num_sms)
+
+
+def paged_mqa_logits_deep_gemm(
+    q_fp8,
+    kv_cache,
+    weights,
+    context_lens,
+    block_tables,
+    schedule_metadata,
+    max_context_len,
+    clean_logits=True,
+):
+    next_n = q_fp8.shape[1]
+    if next_n > 2:
+        raise ValueError(
+            f"DeepGEMM's paged MQA logits here take next_n 1 or 2 (its schedule's), got {next_n}"
+        )
+    _check_block(kv_cache.shape[1])
+    deep_gemm = require("deep_gemm")
+    return deep_gemm.fp8_paged_mqa_logits(
+        q_fp8.contiguous(),
+        kv_cache,
+        weights.float().contiguous(),
+        per_query_lengths(context_lens, next_n),
+        block_tables.to(torch.int32),
+        schedule_metadata,
+        max_context_len,
+        clean_logits=clean_logits,
+    )
+
+
+def _check_block(block_size: int) -> None:
+    if block_size != DEEP_GEMM_PAGED_BLOCK:
+        raise ValueError(
+            f"DeepGEMM's sm_90 paged MQA logits read cache blocks of {DEEP_GEMM_PAGED_BLOCK} tokens, "
+            f"got {block_size}"
+        )
