@@ -296,6 +296,8 @@ def test_triton_kernel_streams_only_the_keys_its_token_block_reaches(tiles, clea
     assert calc_diff(got[inside], want[inside]) < 1e-12
     if clean:
         assert (got[~inside] == INF).all()
+    with pytest.raises(ValueError, match="one token a program"):
+        triton_mqa.mqa_logits(*args, ks, ke, clean, 64, tiles=(2, 32, 4, 1))
 
 
 @pytest.mark.skipif(

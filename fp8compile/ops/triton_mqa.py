@@ -148,6 +148,10 @@ def mqa_logits(
         return out
     compressed = max_seqlen_k > 0
     block_q, block_n, warps, stages = tiles or _mqa_tiles(h, compressed, q_fp8.device)
+    if compressed and block_q != 1:
+        raise ValueError(
+            f"the compressed layout reads keys of each token's own: one token a program, not {block_q}"
+        )
     _mqa_logits_kernel[(triton.cdiv(m, block_q),)](
         q_fp8.contiguous(),
         k_fp8.contiguous(),
