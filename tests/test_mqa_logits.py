@@ -504,6 +504,37 @@ def test_pass_runs_through_every_length_without_recompiling():
     assert fp8.report.graphs == 1 and fp8.report.counts()["mqa_logits"] == 1
 
 
+def test_a_static_graph_too_large_to_replay_stays_as_it_was_with_what_to_do(monkeypatch):
+    """The pass checks a match by replaying it, at a static graph's own sizes; a long prefill's
+    fp32 scores may not fit (M = N = 8192 on an H100: 17 GB of scores, 34 GB of expanded keys).
+    Simulated here: the replay at static sizes runs out of memory. The indexer stays as it was,
+    and the report says to compile with dynamic sizes, where the check runs at small sizes."""
+    from fp8compile.passes import mqa_logits
+
+    real = mqa_logits.run_subgraph
+
+    def out_of_memory_when_static(ctx, env, output, symbols, what):
+        if what == "the indexer score" and not symbols:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(ctx, env, output, symbols, what)
+
+    monkeypatch.setattr(mqa_logits, "run_subgraph", out_of_memory_when_static)
+    q, k, w = indexer_inputs(b=1, s=40, t=45)
+    for dynamic, rewritten in ((False, 0), (True, 1)):
+        torch._dynamo.reset()
+        fp8 = fp8compile.backend()
+        with torch.no_grad():
+            out = torch.compile(EinsumIndexer(), backend=fp8, dynamic=dynamic)(q, k, w)
+        assert fp8.report.counts()["mqa_logits"] == rewritten
+        assert calc_diff(out[0], exact_score(q[0] * 0.125, k[0], w[0])) < LOGITS_BOUND
+    torch._dynamo.reset()
+    fp8 = fp8compile.backend()
+    with torch.no_grad():
+        torch.compile(EinsumIndexer(), backend=fp8, dynamic=False)(q, k, w)
+    (skip,) = [s for s in fp8.report.skips if s.kind == "mqa_logits"]
+    assert "static sizes" in skip.reason and "dynamic=True" in skip.reason, skip.reason
+
+
 def deepseek_v32(topk: int):
     from fp8compile import architectures
 

@@ -230,6 +230,13 @@ def verify(ctx: PassContext, m: MqaMatch) -> None:
             got = run_subgraph(ctx, env, m.output, symbols, "the indexer score").double()
         except ReplayError as e:
             raise NoMatch(str(e)) from None
+        except torch.OutOfMemoryError:
+            # A graph of static sizes is replayed at them: a long prefill's fp32 scores do not fit.
+            raise NoMatch(
+                "could not check the match: replayed at this graph's static sizes, its intermediates "
+                "do not fit in memory; compiled with dynamic=True (or the sequence dimension marked "
+                f"dynamic) it is checked at {VERIFY_SIZE} tokens"
+            ) from None
         except Exception as e:  # a replay the sizes chosen here do not suit
             raise NoMatch(f"could not check the match ({type(e).__name__}: {str(e)[:120]})") from None
         c = 1.0
