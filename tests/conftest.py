@@ -41,7 +41,16 @@ TWO_GEMMS = 2 * ONE_GEMM  # linear -> gelu -> linear, 256 -> 512 -> 256: 1.27e-3
 ATTENTION = 2.2 * ONE_GEMM  # v -> o in series, q/k through softmax: 1.26e-3..1.41e-3
 GATED_MLP = 3 * ONE_GEMM  # gate, up, down: 1.83e-3..2.11e-3 (M = 8), 1.89e-3..2.01e-3 (M = 74)
 SIX_IN_SERIES = 6 * ONE_GEMM  # tests.models.LinearForms: 3.90e-3..4.06e-3
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GPU_REASON = "needs a CUDA GPU"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason=GPU_REASON)
+
+
+def pytest_collection_modifyitems(items):
+    """A test skipped without CUDA (`gpu`) also carries the `gpu` marker, so that `pytest -m gpu`
+    selects every GPU test, in whichever file."""
+    for item in items:
+        if any(mark.kwargs.get("reason") == GPU_REASON for mark in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.gpu)
 
 
 def randn(*shape, scale: float = 1.0, dtype=BF16, device="cpu") -> torch.Tensor:
