@@ -7,12 +7,12 @@ For each architecture: what was rewritten (counts per kind), what stayed bf16 an
 logits' calc_diff against eager bf16 beside that of the same model's own unfused block-FP8
 composition (`composition`): every bf16 nn.Linear (or GPT-2-style Conv1D) that the linear pass
 would take (K a multiple of 128, N at least 128: a router's N is not) runs the reference
-block-FP8 linear,
-every expert GEMM that transformers' experts integration makes (its `_grouped_mm`) runs the
-reference block-FP8 linear per expert, and so does every F.linear on one expert of experts
-stacked in one parameter (JetMoE's w[i]; LongCat-Flash's too, whose Python loop over the experts
-hit runs outside any compiled graph and so stays bf16 in the compiled model: its bound is a
-little looser for it); activations quantized 1x128 per token, weights 128x128 per expert. That is the FP8 error of the model's GEMMs taken one by one; the compiled model may
+block-FP8 linear, every expert GEMM that transformers' experts integration makes (its
+`_grouped_mm`) runs the reference block-FP8 linear per expert, and so does every F.linear on one
+expert of experts stacked in one parameter (JetMoE's w[i]; LongCat-Flash's too, whose Python loop
+over the experts hit runs outside any compiled graph and so stays bf16 in the compiled model:
+its bound is a little looser for it); activations quantized 1x128 per token, weights 128x128 per
+expert. That is the FP8 error of the model's GEMMs taken one by one; the compiled model may
 differ from it only where a fused op rounds once where eager rounds twice.
 
 The bound is on the typical token: the median over tokens of each token's logits calc_diff, no
