@@ -214,17 +214,14 @@ def _paged_ranking(rows: list[dict]) -> str:
 
 
 def _deep_gemm_paged(q_fp8, cache, weights, lens, tables, context):
-    """DeepGEMM's fp8_paged_mqa_logits as an anchor (not behind fp8compile::paged_mqa_logits:
-    vendors_mqa.py says why). Its sm_90 path takes one length per query, (B, next_n): query j of
-    sequence b sees lens[b] - next_n + j + 1 keys; its schedule reads each sequence's last."""
+    """DeepGEMM's fp8_paged_mqa_logits through fp8compile::paged_mqa_logits (vendors_mqa.py's
+    adapter: one length per query, its own schedule), asked for by name: it is not first in the
+    paged order yet (registry.PAGED_MQA_ORDER)."""
     import deep_gemm
 
-    next_n = q_fp8.shape[1]
-    j = torch.arange(next_n, dtype=torch.int32, device=lens.device)
-    per_query = (lens[:, None] - next_n + 1 + j[None, :]).clamp(min=0).to(torch.int32).contiguous()
-    sched = deep_gemm.get_paged_mqa_logits_metadata(per_query, BLOCK, deep_gemm.get_num_sms())
-    return lambda: deep_gemm.fp8_paged_mqa_logits(
-        q_fp8, cache, weights, per_query, tables, sched, context, clean_logits=False
+    sched = torch.ops.fp8compile.paged_mqa_logits_metadata(lens, BLOCK, deep_gemm.get_num_sms(), "deep_gemm")
+    return lambda: torch.ops.fp8compile.paged_mqa_logits(
+        q_fp8, cache, weights, lens, tables, sched, context, False, "deep_gemm"
     )
 
 

@@ -6,9 +6,9 @@ Its paged kernel (fp8_paged_mqa_logits) is behind fp8compile::paged_mqa_logits t
 Triton kernel in the order until its GPU test has run behind the op: on an H100, sgl-deep-gemm
 0.1.5's sm_90 path asserts context_lens.dim() == 2 (one length per query), so the adapter
 passes (B, next_n) lengths (per_query_lengths), and its kernel reads blocks of 64 tokens and
-next_n 1 or 2 only (refused otherwise, with the reason). `bench mqa` times it beside ours
-(bench/mqa.py, _deep_gemm_paged): it gives our kernel's logits (calc_diff 4e-15) in 1.0-1.5x less
-time (BENCHMARKS.md, "Indexer logits")."""
+next_n 1 or 2 only (refused otherwise, with the reason). `bench mqa` times it beside ours through
+the op (bench/mqa.py, _deep_gemm_paged). Called directly in this form on an H100 it gave our
+kernel's logits (calc_diff 4e-15) in 1.0-1.5x less time (BENCHMARKS.md, "Indexer logits")."""
 
 from __future__ import annotations
 
