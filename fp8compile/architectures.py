@@ -248,6 +248,18 @@ def composition(model: torch.nn.Module, recipe: str = "block"):
         return plain_linear(x, weight, bias)
 
     torch.nn.functional.linear = linear
+    plain_bmm = torch.bmm
+
+    def bmm(a, b, **kwargs):
+        # Dense experts (Llama 4's): a bmm over a whole (E, K, N) expert parameter, each expert's
+        # rows through the reference block-FP8 linear, as the moe pass runs their top-k slots
+        # (moe_dense.py; a token's rows off its top-k are zeros either way).
+        if isinstance(b, torch.nn.Parameter) and b.dim() == 3 and b.dtype == torch.bfloat16 and not kwargs:
+            experts = [reference.quant_weight_block(b[e].detach().t()) for e in range(b.shape[0])]
+            return torch.stack([reference.linear_block(a[e], *w) for e, w in enumerate(experts)])
+        return plain_bmm(a, b, **kwargs)
+
+    torch.bmm = bmm
     try:
         from transformers.integrations import moe as experts_integration
     except ImportError:
@@ -259,6 +271,7 @@ def composition(model: torch.nn.Module, recipe: str = "block"):
         yield
     finally:
         torch.nn.functional.linear = plain_linear
+        torch.bmm = plain_bmm
         for module in patched:
             del module.forward
         if grouped is not None:

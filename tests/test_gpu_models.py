@@ -1,5 +1,6 @@
 """Whole transformers models on the GPU, in both compile modes, with the default kernels: a dense
-Llama and a Qwen3-MoE at small widths (multiples of 128). Run with `pytest -m gpu`."""
+Llama, a Qwen3-MoE and a Llama 4 (dense experts) at small widths (multiples of 128). Run with
+`pytest -m gpu`."""
 
 import pytest
 import torch
@@ -52,13 +53,39 @@ def qwen3_moe():
     return model
 
 
+def llama4():
+    """Llama 4's text model: dense experts (every token through each expert's whole weight, the
+    router's top-1 score scaling the inputs) in every layer, beside a shared expert."""
+    config = transformers.Llama4TextConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=256,
+        intermediate_size_mlp=1024,
+        num_local_experts=16,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(config).to(torch.bfloat16).cuda().eval()
+    with torch.no_grad():  # its stacked expert parameters start as zeros
+        for name, p in model.named_parameters():
+            if "experts" in name:
+                p.normal_(0, 0.02)
+    return model
+
+
 def ids_for(m: int) -> torch.Tensor:
     """m tokens: m sequences of one token up to 64 (decode-like), one sequence of m above."""
     return torch.randint(0, 32000, (m, 1) if m <= 64 else (1, m), device="cuda")
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("make", [llama, qwen3_moe])
+@pytest.mark.parametrize("make", [llama, qwen3_moe, llama4])
 def test_transformers_model_runs_every_range_of_m_in_both_modes_within_its_fp8_bound(make, mode):
     from torch._dynamo.utils import counters
 
@@ -82,7 +109,7 @@ def test_transformers_model_runs_every_range_of_m_in_both_modes_within_its_fp8_b
             compiled(ids_for(m), use_cache=False)
     assert backend.compiles == compiles <= 4
     counts = backend.report.counts()
-    assert counts["linear"] > 0 and (counts["moe"] > 0) == (make is qwen3_moe)
+    assert counts["linear"] > 0 and (counts["moe"] > 0) == (make is not llama)
     if mode:
         assert counters["inductor"]["cudagraph_skips"] == 0
         assert all(state.startswith("on:") for state in backend.report.cuda_graphs.values()), (

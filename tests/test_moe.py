@@ -325,9 +325,9 @@ def test_non_gated_experts_with_another_activation_stay_bf16_naming_it():
     assert torch.allclose(out, eager, atol=1e-2)
 
 
-class DenseExperts(nn.Module):
-    """Llama 4's experts: every token through every expert (bmm over whole (E, K, N) weights), the
-    router's scores scaling the inputs, the experts' outputs summed."""
+class DenseMixture(nn.Module):
+    """Every token through every expert (bmm over whole (E, K, N) weights), each expert's input
+    scaled by its sigmoid score: no top-k, so every expert counts."""
 
     def __init__(self, dim=256, inter=256, experts=4):
         super().__init__()
@@ -335,19 +335,50 @@ class DenseExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.randn(experts, dim, 2 * inter) * 0.02)
         self.down_proj = nn.Parameter(torch.randn(experts, inter, dim) * 0.02)
 
+    def scores(self, x):
+        return torch.sigmoid(self.router(x))  # (T, E)
+
     def forward(self, x):
-        scores = torch.sigmoid(self.router(x))  # (T, E)
+        scores = self.scores(x)
         routed = x.repeat(scores.shape[1], 1) * scores.t().reshape(-1, 1)
         gate, up = torch.bmm(routed.view(scores.shape[1], -1, x.shape[-1]), self.gate_up_proj).chunk(2, -1)
         out = torch.bmm(up * torch.nn.functional.silu(gate), self.down_proj)
         return out.sum(0)
 
 
-def test_dense_experts_stay_bf16_with_the_reason_once_per_experts_module():
-    out, eager, report = compile_block(DenseExperts().to(BF16), randn(9, 256))
+class Llama4Experts(DenseMixture):
+    """Llama 4's Llama4TextMoe: the router's top-k logits scattered into -inf and through a
+    sigmoid (0 off the top-k) scale the tokens, repeated once per expert, of dense experts."""
+
+    def __init__(self, top_k=1, **sizes):
+        super().__init__(**sizes)
+        self.top_k = top_k
+
+    def scores(self, x):
+        logits = self.router(x)
+        values, ids = torch.topk(logits, self.top_k, dim=1)
+        return torch.sigmoid(torch.full_like(logits, float("-inf")).scatter_(1, ids, values).float()).to(
+            x.dtype
+        )
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_llama4_dense_experts_run_as_the_routed_op_over_each_tokens_top_k_slots(top_k):
+    out, eager, report = compile_block(Llama4Experts(top_k).to(BF16), randn(9, 256))
+    (r,) = [r for r in report.rewrites if r.kind == "moe"]
+    assert r.name == "(top level)" and r.m == "dynamic"
+    assert (
+        r.detail
+        == f"4 experts, top-{top_k}, concat, silu, dense (router-scaled inputs: a top-1 row per slot)"
+    )
+    assert calc_diff(out, eager) < MOE_BLOCK
+
+
+def test_a_dense_mixture_without_a_top_k_stays_bf16_with_the_reason():
+    out, eager, report = compile_block(DenseMixture().to(BF16), randn(9, 256))
     (skip,) = report.skipped("moe")
-    assert skip.name == "(top level)" and "dense experts" in skip.reason and "Llama 4" in skip.reason
-    assert skip.shape == "4x256x512"
+    assert skip.name == "(top level)" and skip.shape == "4x256x256"
+    assert "top-k (experts per token) is not found" in skip.reason, skip.reason
     assert report.counts()["moe"] == 0
     assert calc_diff(out, eager) < 1e-4  # stays bf16
 

@@ -8,7 +8,7 @@ said in the output). Variants, in this order (torchao last: it quantizes the mod
     fp8[_ro]              torch.compile(backend=fp8compile.backend()), the same two modes
     fp8_inline_conds      fp8 with Fp8Config(inline_conds=True): the M dispatch's cond branches
                           emitted inline in Inductor's code (size_conds.py), default mode
-    *_own                 (bf16_inductor_ro_own, fp8_ro_own) decode with the user's own compile:
+    *_own                 (bf16_inductor[_ro]_own, fp8[_ro]_own) decode with the user's own compile:
                           model.forward = torch.compile(model.forward, ...), generate() with
                           compiling off, so the prompt runs through compiled graphs too; the
                           static cache is made and initialized before the call (static_cache())
@@ -128,6 +128,8 @@ VARIANTS = (
     "fp8_op_launch",
     "fp8_inline_conds",
     "fp8_ro_repeat_kv",
+    "bf16_inductor_own",
+    "fp8_own",
     "bf16_inductor_ro_own",
     "fp8_ro_own",
     "fp8_ro_release",
@@ -666,6 +668,7 @@ def model_table(rows: list[dict]) -> str:
         for fp8, bf16 in (
             ("fp8", "bf16_inductor"),
             ("fp8_ro", "bf16_inductor_ro"),
+            ("fp8_own", "bf16_inductor_own"),
             ("fp8_ro_own", "bf16_inductor_ro_own"),
             ("fp8_ro_release", "bf16_inductor_ro_own"),
             ("fp8_ro", "bf16_gqa_ro"),

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 # Under --tp: generate() through a CompileConfig makes a cache of every KV head, which a sharded
-# attention does not fill; these variants decode through a cache of this rank's heads.
-TP_VARIANTS = ("bf16", "bf16_inductor_ro_own", "fp8_ro_own")
+# attention does not fill; these variants decode through a cache of this rank's heads, in both modes.
+TP_VARIANTS = ("bf16", "bf16_inductor_own", "fp8_own", "bf16_inductor_ro_own", "fp8_ro_own")
 
 
 def shard(model, world: int, device: torch.device) -> None:
@@ -111,5 +112,15 @@ def _rank(rank: int, bench, world_size: int, port: int, kind: str, out_dir: Path
     dist.init_process_group("nccl" if kind == "cuda" else "gloo", rank=rank, world_size=world_size)
     try:
         bench(out_dir, device=f"cuda:{rank}" if kind == "cuda" else "cpu", tp=world_size, **kwargs)
-    finally:
+        dist.barrier()
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    if kind == "cuda":
+        # Every row is written and every rank is here. On two H100s (torch 2.11) a rank whose CUDA
+        # graphs held NCCL calls did not come back from tearing NCCL and the process down, and
+        # mp.spawn waited on it for good: the process ends here, without that teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    dist.destroy_process_group()

@@ -8,16 +8,24 @@ from .gate_up import gate_up_pass
 from .gqa_attention import gqa_attention_pass
 from .linear import linear_pass
 from .moe import moe_pass
+from .moe_dense import moe_dense_pass
 from .mqa_logits import mqa_logits_pass
 from .qkv import qkv_pass
 from .silu_mul import silu_mul_pass
+
+
+def moe_passes(ctx: PassContext) -> None:
+    """The "moe" fusion: routed experts (moe.py), then dense ones (Llama 4's, moe_dense.py)."""
+    moe_pass(ctx)
+    moe_dense_pass(ctx)
+
 
 # Order matters: a fusion claims its down projection before linear_pass sees it as a plain linear.
 # Each fusion runs when its name is in Fp8Config.fusions; linear_pass always runs, last.
 FUSION_PASSES = {
     "gqa_attention": gqa_attention_pass,
     "mqa_logits": mqa_logits_pass,
-    "moe": moe_pass,
+    "moe": moe_passes,
     "gate_up": gate_up_pass,
     "qkv": qkv_pass,
     "silu_mul": silu_mul_pass,

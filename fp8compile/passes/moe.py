@@ -15,6 +15,9 @@ there the pass walks the graph to the block's other ends:
                              multiply, the un-permute and the sum over the k slots;
     topk_weights (T, k)      the other operand of that multiply (or of the einsum's bmm).
 Routing (router linear, softmax, top-k) stays outside the op; shared experts are plain linears.
+Dense experts (Llama 4's: every token through every expert's whole weight in a bmm, the router's
+top-k scores scaling the inputs) are the same op over each token's top-k slots: moe_dense.py,
+which runs after this pass and uses its matchers.
 
 Structure alone can misread a block (a gate/up order, a transposed weight whose shape does not
 tell), so every match is checked by running it: the matched subgraph, with the real expert
@@ -537,9 +540,12 @@ def _router(topk_ids: fx.Node, depth: int = 12) -> fx.Node | None:
     return None
 
 
-def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w_kn: bool, name: str) -> None:
+def moe_replacement(
+    ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w_kn: bool, name: str, dense_k: int = 0
+) -> None:
     """m.output -> fp8compile::moe behind the token-count dispatch. The expert weights' FP8 copies
-    (and the reordered gate/up bias) are made here, at compile time, into the memo the op reads."""
+    (and the reordered gate/up bias) are made here, at compile time, into the memo the op reads.
+    dense_k: m is dense experts over their slots (moe_dense.py), k rows a token, summed here."""
     param = {n: ctx.parameter(n)[0] for n in (m.w13, m.w3, m.w2, m.b13) if n is not None}
     fp8_experts(param[m.w13], w_kn, ctx.config.e8m0, m.gate_up, param.get(m.w3))
     fp8_experts(param[m.w2], w_kn, ctx.config.e8m0)
@@ -577,6 +583,11 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
             )
         except dispatch.NoDispatch as reason:
             raise NoMatch(str(reason)) from None
+        if dense_k > 1:  # the k slots of each token
+            out = ctx.gm.graph.call_function(aten.view.default, (out, [-1, dense_k, h]))
+            out.meta["val"] = ctx.fake(aten.view.default, out.args[0], [-1, dense_k, h])
+            out = ctx.gm.graph.call_function(aten.sum.dim_IntList, (out, [1]))
+            out.meta["val"] = ctx.fake(aten.sum.dim_IntList, out.args[0], [1])
         dtype = _val(m.output).dtype
         if dtype != _val(out).dtype:
             # The op writes x.dtype from its fp32 sum; the block gave the weights' dtype (fp32).
@@ -587,10 +598,11 @@ def moe_replacement(ctx: PassContext, m: MoeMatch, e: int, inter: int, h: int, w
     router = _router(m.topk_ids)
     if router is not None:
         ctx.keep_bf16[router] = ROUTER_STAYS_BF16
-    detail = (
-        f"{e} experts, top-{top_k}, {m.gate_up}{', bias' if m.b13 is not None or m.b2 is not None else ''}"
-    )
+    bias = ", bias" if m.b13 is not None or m.b2 is not None else ""
+    detail = f"{e} experts, top-{dense_k or top_k}, {m.gate_up}{bias}"
     detail += f", {m.act.get('activation', 'silu')}"
+    if dense_k:
+        detail += ", dense (router-scaled inputs: a top-1 row per slot)"
     if inter != inter_bf16:
         detail += f", intermediate {inter_bf16} padded to {inter}"
     m_desc = _val(m.hidden).shape[0]
@@ -655,69 +667,56 @@ EXPERT_LOOP = (
 )
 
 
-DENSE_EXPERTS = (
-    "dense experts: a bmm over a whole (E, K, N) parameter, every token through every expert (as Llama "
-    "4's Llama4TextExperts, whose router scales the inputs), not a routed top-k; no FP8 op takes a "
-    "batched matmul of whole weights, so it stays bf16"
-)
-
-
-def _dense_expert_weights(ctx: PassContext, node: fx.Node) -> fx.Node | None:
-    """The whole 3-D parameter a bmm reads (through layout ops), not gathered per token: dense experts."""
-    if node.target != aten.bmm.default:
-        return None
-    for w in node.args[:2]:
-        whole = _walk(w, _LAYOUT, lambda n: _param(ctx, n, 3) is not None)
-        if whole is not None:
-            return whole
-    return None
-
-
 def moe_pass(ctx: PassContext) -> None:
     if _one_hot_mask_leaves_graph(ctx):
         ctx.skipped("moe", f"graph {ctx.graph_index}", EXPERT_LOOP)
-    gemms, dense = {}, {}
+    gemms = {}
     for node in ctx.gm.graph.nodes:
-        if node.op != "call_function" or node.target not in EXPERT_MATMULS:
-            continue
-        if g := expert_gemm(ctx, node):
+        if node.op == "call_function" and node.target in EXPERT_MATMULS and (g := expert_gemm(ctx, node)):
             gemms[node] = g
-        elif (w := _dense_expert_weights(ctx, node)) is not None:
-            dense.setdefault(_block_name(ctx, w), w)
-    for name, w in dense.items():  # said once per experts module, not once per GEMM
-        ctx.skipped("moe", name, DENSE_EXPERTS, "x".join(map(str, _val(w).shape)))
     # Each block is taken from its down projection: the expert GEMM that reads the activation.
     for down in [g for g in gemms.values() if _is_down_projection(g, gemms)]:
-        name = _block_name(ctx, down.weight)
-        try:
-            if ctx.config.recipe != "block":
-                raise NoMatch(
-                    f"routed experts have FP8 kernels in the block recipe only (recipe={ctx.config.recipe!r})"
-                )
-            if _val(down.weight).dtype != torch.bfloat16:
-                dtype = str(_val(down.weight).dtype).replace("torch.", "")
-                raise NoMatch(f"dtype {dtype}: only bfloat16 experts are rewritten")
-            m = match_block(ctx, down, gemms)
-            e, inter, h = _check(m)
-            orientations = _orientations(m, e, inter, h)
-            if not orientations:
-                shapes = f"{tuple(_val(m.w13).shape)}, {tuple(_val(m.w2).shape)}"
-                raise NoMatch(f"expert weight shapes {shapes} do not fit H={h}")
-            diffs = [verify(ctx, m, w_kn) for w_kn in orientations]
-            diffs = [d if d == d else float("inf") for d in diffs]  # NaN: did not verify
-            if min(diffs) >= VERIFY_BOUND:
-                raise NoMatch(
-                    f"run on random tokens, the matched block does not compute routed experts with "
-                    f"{m.gate_up} gate/up (calc_diff {min(diffs):.2g} against reference.moe_dense)"
-                )
-            moe_replacement(ctx, m, e, inter, h, orientations[diffs.index(min(diffs))], name)
-        except NoMatch as reason:
-            ctx.skipped("moe", name, str(reason), "x".join(map(str, _val(down.weight).shape)))
-        except Exception as error:  # a pass bug must not fail the user's compile: the block stays bf16
-            log.warning("fp8compile: moe pass failed on %s", name, exc_info=True)
-            ctx.skipped(
-                "moe",
-                name,
-                f"moe pass error ({type(error).__name__}: {error})",
-                "x".join(map(str, _val(down.weight).shape)),
+        rewrite_block(ctx, down, lambda down=down: _routed(ctx, down, gemms))
+
+
+def rewrite_block(ctx: PassContext, down: ExpertGemm, rewrite) -> None:
+    """rewrite() the block whose down projection is `down`, or keep it bf16 with the reason."""
+    name = _block_name(ctx, down.weight)
+    shape = "x".join(map(str, _val(down.weight).shape))
+    try:
+        if ctx.config.recipe != "block":
+            raise NoMatch(
+                f"routed experts have FP8 kernels in the block recipe only (recipe={ctx.config.recipe!r})"
             )
+        if _val(down.weight).dtype != torch.bfloat16:
+            dtype = str(_val(down.weight).dtype).replace("torch.", "")
+            raise NoMatch(f"dtype {dtype}: only bfloat16 experts are rewritten")
+        rewrite()
+    except NoMatch as reason:
+        ctx.skipped("moe", name, str(reason), shape)
+    except Exception as error:  # a pass bug must not fail the user's compile: the block stays bf16
+        log.warning("fp8compile: moe pass failed on %s", name, exc_info=True)
+        ctx.skipped("moe", name, f"moe pass error ({type(error).__name__}: {error})", shape)
+
+
+def verified_orientation(m: MoeMatch, orientations: list[bool], verify_one) -> bool:
+    """The weight orientation (w_kn) under which the match computes what it was read as, or
+    NoMatch: verify_one(w_kn) is its calc_diff against the reference."""
+    if not orientations:
+        shapes = f"{tuple(_val(m.w13).shape)}, {tuple(_val(m.w2).shape)}"
+        raise NoMatch(f"expert weight shapes {shapes} do not fit H={_val(m.hidden).shape[1]}")
+    diffs = [verify_one(w_kn) for w_kn in orientations]
+    diffs = [d if d == d else float("inf") for d in diffs]  # NaN: did not verify
+    if min(diffs) >= VERIFY_BOUND:
+        raise NoMatch(
+            f"run on random tokens, the matched block does not compute routed experts with "
+            f"{m.gate_up} gate/up (calc_diff {min(diffs):.2g} against reference.moe_dense)"
+        )
+    return orientations[diffs.index(min(diffs))]
+
+
+def _routed(ctx: PassContext, down: ExpertGemm, gemms) -> None:
+    m = match_block(ctx, down, gemms)
+    e, inter, h = _check(m)
+    w_kn = verified_orientation(m, _orientations(m, e, inter, h), lambda kn: verify(ctx, m, kn))
+    moe_replacement(ctx, m, e, inter, h, w_kn, _block_name(ctx, down.weight))
