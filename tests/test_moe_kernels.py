@@ -181,8 +181,9 @@ def staged_reference(x, ids, weights, w13_fp8, s13, w2_fp8, s2, b13, b2, activat
 
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 @pytest.mark.parametrize("activation, bias", ACTIVATIONS)
-def test_moe_triton_equals_its_stages_composed_from_the_reference_gemm(tokens, activation, bias):
-    args = moe_inputs(tokens, bias=bias, activation=activation)
+@pytest.mark.parametrize("top_k", [1, 2])  # top-1: Llama 4's dense experts, one row per slot (moe_dense.py)
+def test_moe_triton_equals_its_stages_composed_from_the_reference_gemm(tokens, activation, bias, top_k):
+    args = moe_inputs(tokens, bias=bias, activation=activation, top_k=top_k)
     out = triton_moe.moe_triton(*args, False, activation=activation)
     if ON_GPU:
         # The reference sums GEMM 1 exactly, the tensor cores in (reduced-precision) fp32: a gate|up
@@ -205,14 +206,15 @@ def test_moe_triton_equals_its_stages_composed_from_the_reference_gemm(tokens, a
 
 @pytest.mark.parametrize("tokens, max_tokens", [(1, 1), (3, 16), (16, 16), (32, 32)])
 @pytest.mark.parametrize("activation, bias", ACTIVATIONS)
-def test_moe_decode_op_gives_the_bits_of_moe_triton(tokens, max_tokens, activation, bias):
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_moe_decode_op_gives_the_bits_of_moe_triton(tokens, max_tokens, activation, bias, top_k):
     """fp8compile::moe_decode (the op Inductor launches itself at decode sizes) routes in one
     program sized for max_tokens and runs the Triton kernel's 16-row blocks: moe_triton's own
     choices there, so the same bits for any token count up to max_tokens."""
     from fp8compile.ops import moe_decode_op
 
-    args = moe_inputs(tokens, bias=bias, activation=activation)
-    assert moe_decode_op.decode_fits(4, 2, max_tokens)
+    args = moe_inputs(tokens, bias=bias, activation=activation, top_k=top_k)
+    assert moe_decode_op.decode_fits(4, top_k, max_tokens)
     out = torch.ops.fp8compile.moe_decode(*args, False, max_tokens, activation=activation)
     assert torch.equal(out, triton_moe.moe_triton(*args, False, activation=activation))
     if ON_GPU:  # as for moe_triton above: the tensor cores' fp32 sums keep the check from being elementwise
