@@ -374,6 +374,24 @@ def test_llama4_dense_experts_run_as_the_routed_op_over_each_tokens_top_k_slots(
     assert calc_diff(out, eager) < MOE_BLOCK
 
 
+class ThresholdScoredExperts(Llama4Experts):
+    """Dense experts whose scores come through the router's top-k but are not zero off it: each
+    expert's sigmoid score is shifted by the k-th largest logit, so every expert still counts."""
+
+    def scores(self, x):
+        logits = self.router(x)
+        values, _ = torch.topk(logits, self.top_k, dim=1)
+        return torch.sigmoid(logits - values[:, -1:])
+
+
+def test_dense_experts_whose_scores_are_not_zero_off_the_top_k_stay_bf16_with_the_reason():
+    out, eager, report = compile_block(ThresholdScoredExperts(2).to(BF16), randn(9, 256))
+    (skip,) = report.skipped("moe")
+    assert "not zero off its top-2" in skip.reason, skip.reason
+    assert report.counts()["moe"] == 0
+    assert calc_diff(out, eager) < 1e-4  # stays bf16
+
+
 def test_a_dense_mixture_without_a_top_k_stays_bf16_with_the_reason():
     out, eager, report = compile_block(DenseMixture().to(BF16), randn(9, 256))
     (skip,) = report.skipped("moe")

@@ -15,7 +15,9 @@ E/k times more of the dense bmm's. The scores the top-k reads are the ones the m
 and k is the router's own (the top-k upstream of the scores).
 
 Like every moe match, the block is run on random tokens and scores with the real weights before
-it is rewritten, against reference.moe_dense over the slots.
+it is rewritten, against reference.moe_dense over the slots; and the router, from random logits
+to scores, must give zero off its top-k (a router whose scores only pass through a top-k, every
+expert still counting, keeps the block bf16 with that reason).
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ class DenseSlots:
     tokens: fx.Node
     scores: fx.Node
     top_k: int
+    router_topk: fx.Node  # the aten.topk the scores come from
 
 
 def match_dense(
@@ -197,13 +200,18 @@ def _slots(gate_up_input: fx.Node, experts: int) -> DenseSlots:
             "the dense experts' input is not the tokens repeated once per expert times the router's "
             "(T, E) scores"
         )
+    if _val(scores).dtype != _val(tokens).dtype:
+        raise NoMatch(
+            f"router scores of dtype {str(_val(scores).dtype).replace('torch.', '')} scale tokens of dtype "
+            f"{str(_val(tokens).dtype).replace('torch.', '')}: the slot rows are taken in the tokens' dtype"
+        )
     frontier, seen = [scores], set()
     for _ in range(8):  # the router's top-k: topk -> scatter into -inf -> sigmoid -> scores
         frontier = [i for n in frontier for i in n.all_input_nodes if i not in seen]
         seen.update(frontier)
         for n in frontier:
             if n.target == aten.topk.default and _val(n.args[0]).shape[-1] == experts:
-                return DenseSlots(tokens, scores, int(n.args[1]))
+                return DenseSlots(tokens, scores, int(n.args[1]), n)
     raise NoMatch("the router's top-k (experts per token) is not found upstream of the dense experts' scores")
 
 
@@ -233,6 +241,13 @@ def verify(ctx: PassContext, m: MoeMatch, slots: DenseSlots, w_kn: bool) -> floa
         top = torch.rand(t, k, generator=gen, device=device) + 0.1
         scores = torch.zeros(t, e, device=device).scatter(1, chosen, top).to(s_val.dtype)
         try:
+            # The scores the router makes from any logits are 0 off its top-k: else every expert counts.
+            logits = torch.randn(t, e, generator=gen, device=device).to(_val(slots.router_topk.args[0]).dtype)
+            made = run_subgraph(ctx, {slots.router_topk.args[0]: logits}, slots.scores, symbols, "the router")
+            if ((made != 0).sum(1) > k).any():
+                raise NoMatch(
+                    f"the router's scores are not zero off its top-{k}: every expert of the dense bmm counts"
+                )
             got = run_subgraph(ctx, {slots.tokens: x, slots.scores: scores}, m.output, symbols, "the experts")
         except ReplayError as err:
             raise NoMatch(str(err)) from None
