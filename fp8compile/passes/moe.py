@@ -47,7 +47,7 @@ from ..weights import canonical_expert_bias, canonical_experts, expert_bias, fp8
 log = logging.getLogger("fp8compile")
 aten, prims = torch.ops.aten, torch.ops.prims
 EXPERT_MATMULS = (aten._grouped_mm.default, aten.bmm.default)
-_LAYOUT = (
+LAYOUT = (
     aten.view.default,
     aten.reshape.default,
     aten._unsafe_view.default,
@@ -120,7 +120,7 @@ def _zero_masked(node) -> fx.Node | None:
     return None
 
 
-def _walk(node, through, want, limit: int = 16):
+def walk(node, through, want, limit: int = 16):
     """Follow first arguments from node through ops in `through`, getitem and zero masks until want(node)."""
     for _ in range(limit):
         if not isinstance(node, fx.Node):
@@ -138,31 +138,31 @@ def _walk(node, through, want, limit: int = 16):
     return None
 
 
-def _val(node):
+def meta_val(node):
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
-def _is_2d(node) -> bool:
-    return isinstance(_val(node), torch.Tensor) and _val(node).dim() == 2
+def is_2d(node) -> bool:
+    return isinstance(meta_val(node), torch.Tensor) and meta_val(node).dim() == 2
 
 
 def _shape(node) -> tuple[str, ...]:
-    return tuple(str(s) for s in _val(node).shape)
+    return tuple(str(s) for s in meta_val(node).shape)
 
 
-def _param(ctx: PassContext, node, dim: int):
+def stacked_param(ctx: PassContext, node, dim: int):
     """node if it is the placeholder of a parameter with `dim` dimensions."""
     return (
         node
-        if (isinstance(node, fx.Node) and ctx.parameter(node) is not None and _val(node).dim() == dim)
+        if (isinstance(node, fx.Node) and ctx.parameter(node) is not None and meta_val(node).dim() == dim)
         else None
     )
 
 
 def _gathered(ctx: PassContext, node, dim: int):
     """(parameter, index) if node is parameter[index] through layout ops, else None."""
-    g = _walk(node, _LAYOUT, lambda n: n.target == _INDEX)
-    if g is not None and len(g.args[1]) == 1 and _param(ctx, g.args[0], dim) is not None:
+    g = walk(node, LAYOUT, lambda n: n.target == _INDEX)
+    if g is not None and len(g.args[1]) == 1 and stacked_param(ctx, g.args[0], dim) is not None:
         return g.args[0], g.args[1][0]
     return None
 
@@ -170,7 +170,7 @@ def _gathered(ctx: PassContext, node, dim: int):
 def expert_gemm(ctx: PassContext, node: fx.Node) -> ExpertGemm | None:
     """node as an expert GEMM: one operand a stacked (E, ., .) parameter, whole or gathered."""
     for w, x in (node.args[:2], reversed(node.args[:2])):
-        whole = _walk(w, _LAYOUT, lambda n: _param(ctx, n, 3) is not None)
+        whole = walk(w, LAYOUT, lambda n: stacked_param(ctx, n, 3) is not None)
         if whole is not None and node.target == aten._grouped_mm.default:
             return ExpertGemm(node, whole, x)
         found = _gathered(ctx, w, 3)
@@ -196,9 +196,9 @@ _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
 def _half(node) -> tuple[fx.Node, str, int] | None:
     """(source, layout, which) if node is the first (0) or second (1) half of source's last dim:
     chunk/split for "concat", a stride-2 slice for "interleave"."""
-    node = _walk(
+    node = walk(
         node,
-        _LAYOUT,
+        LAYOUT,
         lambda n: (
             n.target == aten.slice.Tensor
             or (n.target.__name__ == "getitem" and getattr(n.args[0], "target", None) in _SPLITS)
@@ -208,30 +208,30 @@ def _half(node) -> tuple[fx.Node, str, int] | None:
         return None
     if node.target == aten.slice.Tensor:
         src, dim, start, _, step = (*node.args, *(None, 0, None, None, 1)[len(node.args) :])
-        last = dim in (-1, _val(src).dim() - 1)
+        last = dim in (-1, meta_val(src).dim() - 1)
         return (src, "interleave", start) if last and step == 2 and start in (0, 1) else None
     split = node.args[0]
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    if dim in (-1, _val(split.args[0]).dim() - 1) and len(_val(split)) == 2:
+    if dim in (-1, meta_val(split.args[0]).dim() - 1) and len(meta_val(split)) == 2:
         return split.args[0], "concat", node.args[1]
     return None
 
 
 def _gemm_of(ctx: PassContext, node, gemms: dict[fx.Node, ExpertGemm]):
     """(ExpertGemm, bias parameter or None) that node is, through layout ops and a bias add."""
-    node = _walk(node, _LAYOUT, lambda n: n in gemms or _bias_add(ctx, n) is not None)
+    node = walk(node, LAYOUT, lambda n: n in gemms or _bias_add(ctx, n) is not None)
     if node is None:
         return None
     bias = None
     if node not in gemms:
         node, bias = _bias_add(ctx, node)
-        node = _walk(node, _LAYOUT, lambda n: n in gemms)
+        node = walk(node, LAYOUT, lambda n: n in gemms)
         if node is None:
             return None
     return gemms[node], bias
 
 
-def _gate_up(
+def gate_up_of(
     ctx: PassContext, a: fx.Node, b: fx.Node, gemms
 ) -> tuple[ExpertGemm, ExpertGemm | None, fx.Node | None, str]:
     """(gate/up GEMM, separate up GEMM or None, gate/up bias, layout) of act(a, b)."""
@@ -254,7 +254,7 @@ def _forward_to_output(ctx: PassContext, gemm: fx.Node) -> tuple[fx.Node, fx.Nod
     the first 2-D tensor after the sum over the k slots."""
     node, weights, bias, reduced = gemm, None, None, False
     for _ in range(16):
-        if reduced and _is_2d(node):
+        if reduced and is_2d(node):
             if weights is None:
                 raise NoMatch("expert outputs are summed without routing weights")
             return node, weights, bias
@@ -263,7 +263,7 @@ def _forward_to_output(ctx: PassContext, gemm: fx.Node) -> tuple[fx.Node, fx.Nod
         user = next(iter(node.users))
         other = [a for a in user.args[:2] if isinstance(a, fx.Node) and a is not node]
         if (
-            user.target in _LAYOUT
+            user.target in LAYOUT
             or (user.target == _INDEX and user.args[0] is node)
             or _zero_masked(user) is node
         ):
@@ -284,13 +284,13 @@ def _forward_to_output(ctx: PassContext, gemm: fx.Node) -> tuple[fx.Node, fx.Nod
 
 
 def _two_d(node, through):
-    return _walk(node, through, _is_2d)
+    return walk(node, through, is_2d)
 
 
-def _gated_product(g: ExpertGemm):
+def gated_product(g: ExpertGemm):
     """silu_mul_pattern's answer for the product g reads (a, b, act) or a reason, if g reads a
     gated product act(gate) * up; None otherwise (a square x * x is not one)."""
-    product = _walk(g.activation, _LAYOUT, lambda n: n.target == aten.mul.Tensor)
+    product = walk(g.activation, LAYOUT, lambda n: n.target == aten.mul.Tensor)
     if product is None or product.args[0] is product.args[1]:
         return None
     return silu_mul_pattern(product)
@@ -314,7 +314,7 @@ def _unary_chain(g: ExpertGemm, gemms) -> tuple[ExpertGemm, list[fx.Node]] | Non
         elif (masked := _zero_masked(node)) is not None:  # expert-parallel sentinel rows zeroed
             frontier.append(masked)
         else:
-            if node.target not in _LAYOUT:
+            if node.target not in LAYOUT:
                 ops.append(node)
             frontier.extend(node.all_input_nodes)
     return (gemms[found.pop()], ops) if len(found) == 1 else None
@@ -349,12 +349,12 @@ def _unary_activation(ops: list[fx.Node]) -> str:
 
 
 def match_block(ctx: PassContext, down: ExpertGemm, gemms: dict[fx.Node, ExpertGemm]) -> MoeMatch:
-    found = _gated_product(down)
+    found = gated_product(down)
     if isinstance(found, str):
         raise NoMatch(found)
     if found is not None:
         a, b, act = found
-        gate_up, up, b13, layout = _gate_up(ctx, a, b, gemms)
+        gate_up, up, b13, layout = gate_up_of(ctx, a, b, gemms)
     else:  # non-gated: down(act(up(x)))
         chain = _unary_chain(down, gemms)
         if chain is None:
@@ -366,15 +366,11 @@ def match_block(ctx: PassContext, down: ExpertGemm, gemms: dict[fx.Node, ExpertG
     output, weights_operand, b2 = _forward_to_output(ctx, down.node)
     # The hidden states: the first tensor back from the gate/up GEMM (through views and the
     # token gather) with the output's shape (T, H).
-    hidden = _walk(
-        gate_up.activation, (*_LAYOUT, _INDEX), lambda n: _is_2d(n) and _shape(n) == _shape(output)
-    )
+    hidden = walk(gate_up.activation, (*LAYOUT, _INDEX), lambda n: is_2d(n) and _shape(n) == _shape(output))
     if hidden is None:
         raise NoMatch(f"no input of the gate/up projection has the output's shape {list(_shape(output))}")
     ids = _ids(ctx, gate_up, down)
-    topk_weights = _walk(
-        weights_operand, (*_LAYOUT, _INDEX), lambda n: _is_2d(n) and _shape(n) == _shape(ids)
-    )
+    topk_weights = walk(weights_operand, (*LAYOUT, _INDEX), lambda n: is_2d(n) and _shape(n) == _shape(ids))
     if topk_weights is None:
         raise NoMatch("routing weights of shape (tokens, top_k) not found")
     if up is not None and up.weight is gate_up.weight:
@@ -418,19 +414,19 @@ def _unclamped(index, experts: int):
             if (low is not None and low > 0) or (high is not None and high < experts - 1):
                 return index
             node, crossed = node.args[0], True
-        elif node.target in _LAYOUT:
+        elif node.target in LAYOUT:
             node = node.args[0]
         else:
             break
     if not crossed:
         return index
-    source = _two_d(node, _LAYOUT)
+    source = _two_d(node, LAYOUT)
     is_topk = (
         source is not None
         and source.target is operator.getitem
         and source.args[1] == 1
         and source.args[0].target == aten.topk.default
-        and _val(source.args[0].args[0]).shape[-1] == experts
+        and meta_val(source.args[0].args[0]).shape[-1] == experts
     )  # top-k over E scores
     return node if is_topk else index
 
@@ -440,18 +436,18 @@ def _ids(ctx: PassContext, gate_up: ExpertGemm, down: ExpertGemm) -> fx.Node:
     for g in (gate_up, down):
         if g.node.target == aten._grouped_mm.default:
             offsets = g.node.args[2] if len(g.node.args) > 2 else g.node.kwargs.get("offs")
-            ids = _two_d(offsets, (*_LAYOUT, *_ROUTING))
+            ids = _two_d(offsets, (*LAYOUT, *_ROUTING))
         else:
             weight, index = _gathered(ctx, next(a for a in g.node.args[:2] if a is not g.activation), 3)
-            ids = _two_d(_unclamped(index, _val(weight).shape[0]), _LAYOUT)
-        if ids is not None and not _val(ids).dtype.is_floating_point:
+            ids = _two_d(_unclamped(index, meta_val(weight).shape[0]), LAYOUT)
+        if ids is not None and not meta_val(ids).dtype.is_floating_point:
             return ids
     raise NoMatch("top-k expert ids of shape (tokens, top_k) not found")
 
 
-def _check(m: MoeMatch) -> tuple[int, int, int]:
+def check_block(m: MoeMatch) -> tuple[int, int, int]:
     """(E, I, H) of a matched block, or NoMatch saying why it stays bf16."""
-    x, w13, w2 = _val(m.hidden), _val(m.w13), _val(m.w2)
+    x, w13, w2 = meta_val(m.hidden), meta_val(m.w13), meta_val(m.w2)
     dtypes = {x.dtype, w13.dtype, w2.dtype}
     if dtypes != {torch.bfloat16}:
         names = "/".join(sorted(str(d).replace("torch.", "") for d in dtypes))
@@ -460,9 +456,9 @@ def _check(m: MoeMatch) -> tuple[int, int, int]:
     # product with the experts' output, and so the block's output, is then fp32 too, cast back
     # to bf16 after the sum over the k slots. The op takes the weights as they are and sums in fp32.
     for what, node in (("routing weights", m.topk_weights), ("output", m.output)):
-        if _val(node).dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        if meta_val(node).dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise NoMatch(
-                f"{what} of dtype {str(_val(node).dtype).replace('torch.', '')}: bfloat16, float16 or "
+                f"{what} of dtype {str(meta_val(node).dtype).replace('torch.', '')}: bfloat16, float16 or "
                 "float32 are rewritten"
             )
     e, h = w13.shape[0], x.shape[1]
@@ -478,10 +474,10 @@ def _n13(m: MoeMatch, inter: int) -> int:
     return inter if m.gate_up == "none" else 2 * inter
 
 
-def _orientations(m: MoeMatch, e: int, inter: int, h: int) -> list[bool]:
+def weight_orientations(m: MoeMatch, e: int, inter: int, h: int) -> list[bool]:
     """w_kn values the weight shapes allow (both when I == H: the shapes cannot tell)."""
     n13 = inter if m.gate_up in ("separate", "none") else 2 * inter  # rows of the w13 tensor itself
-    w13, w2 = tuple(_val(m.w13).shape), tuple(_val(m.w2).shape)
+    w13, w2 = tuple(meta_val(m.w13).shape), tuple(meta_val(m.w2).shape)
     return [
         kn
         for kn in (False, True)
@@ -496,13 +492,13 @@ def verify(ctx: PassContext, m: MoeMatch, w_kn: bool) -> float:
     param = {n: ctx.parameter(n)[0] for n in (m.w13, m.w3, m.w2, m.b13, m.b2) if n is not None}
     device = param[m.w13].device
     gen = torch.Generator(device).manual_seed(0)
-    x_val, ids_val = _val(m.hidden), _val(m.topk_ids)
+    x_val, ids_val = meta_val(m.hidden), meta_val(m.topk_ids)
     t, k = concrete(ids_val.shape[0], symbols), concrete(ids_val.shape[1], symbols)
-    num_experts = _val(m.w13).shape[0]
+    num_experts = meta_val(m.w13).shape[0]
     with unset_fake_temporarily(), torch.no_grad():
         x = torch.randn(t, x_val.shape[1], generator=gen, device=device).to(x_val.dtype)
         ids = torch.randint(0, num_experts, (t, k), generator=gen, device=device).to(ids_val.dtype)
-        weights = torch.rand(t, k, generator=gen, device=device).to(_val(m.topk_weights).dtype)
+        weights = torch.rand(t, k, generator=gen, device=device).to(meta_val(m.topk_weights).dtype)
         try:
             env = {m.hidden: x, m.topk_ids: ids, m.topk_weights: weights}
             got = run_subgraph(ctx, env, m.output, symbols, "the experts")
@@ -516,7 +512,7 @@ def verify(ctx: PassContext, m: MoeMatch, w_kn: bool) -> float:
         return calc_diff(got, want)
 
 
-def _block_name(ctx: PassContext, down_weight: fx.Node) -> str:
+def block_name(ctx: PassContext, down_weight: fx.Node) -> str:
     """The experts module: the down projection parameter's owner ("model.layers.0.mlp.experts")."""
     name = ctx.parameter(down_weight)[1]
     return name.rsplit(".", 1)[0] if "." in name else "(top level)"
@@ -551,10 +547,10 @@ def moe_replacement(
     fp8_experts(param[m.w2], w_kn, ctx.config.e8m0)
     expert_bias(param.get(m.b13), m.gate_up)
     device = param[m.w13].device
-    top_k = _val(m.topk_ids).shape[1]
+    top_k = meta_val(m.topk_ids).shape[1]
     inter_bf16, inter = inter, whole_blocks(inter)  # the kernels' sizes are the FP8 copies'
     n13 = _n13(m, inter)
-    sides = dispatch.plan(ctx, "moe", device, n13, h, _val(m.hidden).shape[0])
+    sides = dispatch.plan(ctx, "moe", device, n13, h, meta_val(m.hidden).shape[0])
     for cut in (
         inline.moe_decode_cut(ctx, e, top_k, device),
         inline.moe_gluon_cut(ctx, e, top_k, n13, inter, h, device),
@@ -588,8 +584,8 @@ def moe_replacement(
             out.meta["val"] = ctx.fake(aten.view.default, out.args[0], [-1, dense_k, h])
             out = ctx.gm.graph.call_function(aten.sum.dim_IntList, (out, [1]))
             out.meta["val"] = ctx.fake(aten.sum.dim_IntList, out.args[0], [1])
-        dtype = _val(m.output).dtype
-        if dtype != _val(out).dtype:
+        dtype = meta_val(m.output).dtype
+        if dtype != meta_val(out).dtype:
             # The op writes x.dtype from its fp32 sum; the block gave the weights' dtype (fp32).
             # Mixtral and DeepSeek-V3 cast that to bf16 next, so their numbers round once, as before.
             out = ctx.gm.graph.call_function(prims.convert_element_type.default, (out, dtype))
@@ -605,7 +601,7 @@ def moe_replacement(
         detail += ", dense (router-scaled inputs: a top-1 row per slot)"
     if inter != inter_bf16:
         detail += f", intermediate {inter_bf16} padded to {inter}"
-    m_desc = _val(m.hidden).shape[0]
+    m_desc = meta_val(m.hidden).shape[0]
     ctx.rewrote("moe", name, m_desc, n13, h, [(s.label, s.kernel) for s in sides], detail)
 
 
@@ -637,7 +633,7 @@ def _fp8_expert_inputs(ctx: PassContext, m: MoeMatch, w_kn: bool, name: str, pad
 def _is_down_projection(g: ExpertGemm, gemms) -> bool:
     """Whether g reads a gated product act(gate) * up, or an activation of one other expert
     GEMM (non-gated experts): g is then a block's down projection."""
-    return _gated_product(g) is not None or _unary_chain(g, gemms) is not None
+    return gated_product(g) is not None or _unary_chain(g, gemms) is not None
 
 
 def _one_hot_mask_leaves_graph(ctx: PassContext) -> bool:
@@ -681,15 +677,15 @@ def moe_pass(ctx: PassContext) -> None:
 
 def rewrite_block(ctx: PassContext, down: ExpertGemm, rewrite) -> None:
     """rewrite() the block whose down projection is `down`, or keep it bf16 with the reason."""
-    name = _block_name(ctx, down.weight)
-    shape = "x".join(map(str, _val(down.weight).shape))
+    name = block_name(ctx, down.weight)
+    shape = "x".join(map(str, meta_val(down.weight).shape))
     try:
         if ctx.config.recipe != "block":
             raise NoMatch(
                 f"routed experts have FP8 kernels in the block recipe only (recipe={ctx.config.recipe!r})"
             )
-        if _val(down.weight).dtype != torch.bfloat16:
-            dtype = str(_val(down.weight).dtype).replace("torch.", "")
+        if meta_val(down.weight).dtype != torch.bfloat16:
+            dtype = str(meta_val(down.weight).dtype).replace("torch.", "")
             raise NoMatch(f"dtype {dtype}: only bfloat16 experts are rewritten")
         rewrite()
     except NoMatch as reason:
@@ -703,8 +699,8 @@ def verified_orientation(m: MoeMatch, orientations: list[bool], verify_one) -> b
     """The weight orientation (w_kn) under which the match computes what it was read as, or
     NoMatch: verify_one(w_kn) is its calc_diff against the reference."""
     if not orientations:
-        shapes = f"{tuple(_val(m.w13).shape)}, {tuple(_val(m.w2).shape)}"
-        raise NoMatch(f"expert weight shapes {shapes} do not fit H={_val(m.hidden).shape[1]}")
+        shapes = f"{tuple(meta_val(m.w13).shape)}, {tuple(meta_val(m.w2).shape)}"
+        raise NoMatch(f"expert weight shapes {shapes} do not fit H={meta_val(m.hidden).shape[1]}")
     diffs = [verify_one(w_kn) for w_kn in orientations]
     diffs = [d if d == d else float("inf") for d in diffs]  # NaN: did not verify
     if min(diffs) >= VERIFY_BOUND:
@@ -717,6 +713,6 @@ def verified_orientation(m: MoeMatch, orientations: list[bool], verify_one) -> b
 
 def _routed(ctx: PassContext, down: ExpertGemm, gemms) -> None:
     m = match_block(ctx, down, gemms)
-    e, inter, h = _check(m)
-    w_kn = verified_orientation(m, _orientations(m, e, inter, h), lambda kn: verify(ctx, m, kn))
-    moe_replacement(ctx, m, e, inter, h, w_kn, _block_name(ctx, down.weight))
+    e, inter, h = check_block(m)
+    w_kn = verified_orientation(m, weight_orientations(m, e, inter, h), lambda kn: verify(ctx, m, kn))
+    moe_replacement(ctx, m, e, inter, h, w_kn, block_name(ctx, down.weight))

@@ -34,20 +34,20 @@ from ..ops import reference
 from ..weights import canonical_experts
 from .context import PassContext
 from .moe import (
-    _LAYOUT,
+    LAYOUT,
     VERIFY_TOKENS,
     ExpertGemm,
     MoeMatch,
     NoMatch,
-    _block_name,
-    _check,
-    _gate_up,
-    _gated_product,
-    _is_2d,
-    _orientations,
-    _param,
-    _val,
-    _walk,
+    block_name,
+    check_block,
+    gate_up_of,
+    gated_product,
+    is_2d,
+    weight_orientations,
+    stacked_param,
+    meta_val,
+    walk,
     moe_replacement,
     rewrite_block,
     verified_orientation,
@@ -81,14 +81,14 @@ def moe_dense_pass(ctx: PassContext) -> None:
     """Each dense block, from its down projection, over its slots; any other bmm over a whole
     expert parameter said once per experts module."""
     gemms = {node: g for node in ctx.gm.graph.nodes if (g := dense_expert_gemm(ctx, node))}
-    downs = [g for g in gemms.values() if _gated_product(g) is not None]
+    downs = [g for g in gemms.values() if gated_product(g) is not None]
     for down in downs:
         rewrite_block(ctx, down, lambda down=down: _rewrite(ctx, down, gemms))
-    blocks = {_block_name(ctx, g.weight) for g in downs}
-    others = {_block_name(ctx, g.weight): g.weight for g in gemms.values()}
+    blocks = {block_name(ctx, g.weight) for g in downs}
+    others = {block_name(ctx, g.weight): g.weight for g in gemms.values()}
     for name, w in others.items():
         if name not in blocks:
-            ctx.skipped("moe", name, NOT_A_BLOCK, "x".join(map(str, _val(w).shape)))
+            ctx.skipped("moe", name, NOT_A_BLOCK, "x".join(map(str, meta_val(w).shape)))
 
 
 def dense_expert_gemm(ctx: PassContext, node: fx.Node) -> ExpertGemm | None:
@@ -96,7 +96,7 @@ def dense_expert_gemm(ctx: PassContext, node: fx.Node) -> ExpertGemm | None:
     if node.op != "call_function" or node.target != aten.bmm.default:
         return None
     for w, x in (node.args[:2], reversed(node.args[:2])):
-        whole = _walk(w, _LAYOUT, lambda n: _param(ctx, n, 3) is not None)
+        whole = walk(w, LAYOUT, lambda n: stacked_param(ctx, n, 3) is not None)
         if whole is not None:
             return ExpertGemm(node, whole, x)
     return None
@@ -104,10 +104,10 @@ def dense_expert_gemm(ctx: PassContext, node: fx.Node) -> ExpertGemm | None:
 
 def _rewrite(ctx: PassContext, down: ExpertGemm, gemms) -> None:
     m, slots = match_dense(ctx, down, gemms)
-    e, inter, h = _check(m)
-    w_kn = verified_orientation(m, _orientations(m, e, inter, h), lambda kn: verify(ctx, m, slots, kn))
+    e, inter, h = check_block(m)
+    w_kn = verified_orientation(m, weight_orientations(m, e, inter, h), lambda kn: verify(ctx, m, slots, kn))
     m = emit_slots(ctx, m, slots)
-    moe_replacement(ctx, m, e, inter, h, w_kn, _block_name(ctx, down.weight), dense_k=slots.top_k)
+    moe_replacement(ctx, m, e, inter, h, w_kn, block_name(ctx, down.weight), dense_k=slots.top_k)
 
 
 @dataclasses.dataclass
@@ -127,16 +127,16 @@ def match_dense(
     """The dense block whose down projection is `down` (gemms: the dense expert GEMMs), as a
     MoeMatch over the tokens (hidden, and the scores for both routing operands until
     emit_slots makes the slots) and its DenseSlots; NoMatch saying why not."""
-    found = _gated_product(down)
+    found = gated_product(down)
     if isinstance(found, str):
         raise NoMatch(found)
     if found is None:
         raise NoMatch("dense experts whose down projection does not read a gated product act(gate) * up")
     a, b, act = found
-    gate_up, up, b13, layout = _gate_up(ctx, a, b, gemms)
+    gate_up, up, b13, layout = gate_up_of(ctx, a, b, gemms)
     if b13 is not None:
         raise NoMatch("dense experts with biases: an expert off the top-k would add its bias")
-    experts = _val(down.weight).shape[0]
+    experts = meta_val(down.weight).shape[0]
     output = _output(down.node, experts)
     slots = _slots(gate_up.activation, experts)
     m = MoeMatch(
@@ -168,7 +168,7 @@ def _output(down: fx.Node, experts: int) -> fx.Node:
         if len(node.users) != 1:
             raise NoMatch(f"an intermediate of the experts ({node.name}) is used outside the block")
         user = next(iter(node.users))
-        val = _val(node)
+        val = meta_val(node)
         if (
             user.target == aten.sum.dim_IntList
             and list(user.args[1]) in ([0], [-3])
@@ -176,7 +176,7 @@ def _output(down: fx.Node, experts: int) -> fx.Node:
             and val.shape[0] == experts
         ):
             return user
-        if user.target not in _LAYOUT:
+        if user.target not in LAYOUT:
             op = getattr(user.target, "__name__", user.target)
             raise NoMatch(f"dense expert outputs go through {op} before the sum over the experts")
         node = user
@@ -185,7 +185,7 @@ def _output(down: fx.Node, experts: int) -> fx.Node:
 
 def _slots(gate_up_input: fx.Node, experts: int) -> DenseSlots:
     """The tokens, scores and k behind the gate/up bmm's input x.repeat(E, 1) * scores^T."""
-    product = _walk(gate_up_input, _LAYOUT, lambda n: n.target == aten.mul.Tensor)
+    product = walk(gate_up_input, LAYOUT, lambda n: n.target == aten.mul.Tensor)
     tokens = scores = None
     for a in product.args[:2] if product is not None else ():
         src = _source(a, _RELAYOUT)
@@ -193,24 +193,25 @@ def _slots(gate_up_input: fx.Node, experts: int) -> DenseSlots:
             continue
         if src.target == aten.repeat.default and list(src.args[1]) == [experts, 1]:
             tokens = src.args[0]
-        elif _is_2d(src) and _val(src).shape[1] == experts:
+        elif is_2d(src) and meta_val(src).shape[1] == experts:
             scores = src
-    if tokens is None or scores is None or not _is_2d(tokens):
+    if tokens is None or scores is None or not is_2d(tokens):
         raise NoMatch(
             "the dense experts' input is not the tokens repeated once per expert times the router's "
             "(T, E) scores"
         )
-    if _val(scores).dtype != _val(tokens).dtype:
+    dtypes = [str(meta_val(n).dtype).replace("torch.", "") for n in (scores, tokens)]
+    if dtypes[0] != dtypes[1]:
         raise NoMatch(
-            f"router scores of dtype {str(_val(scores).dtype).replace('torch.', '')} scale tokens of dtype "
-            f"{str(_val(tokens).dtype).replace('torch.', '')}: the slot rows are taken in the tokens' dtype"
+            f"router scores of dtype {dtypes[0]} scale tokens of dtype {dtypes[1]}: the slot rows are "
+            "taken in the tokens' dtype"
         )
     frontier, seen = [scores], set()
     for _ in range(8):  # the router's top-k: topk -> scatter into -inf -> sigmoid -> scores
         frontier = [i for n in frontier for i in n.all_input_nodes if i not in seen]
         seen.update(frontier)
         for n in frontier:
-            if n.target == aten.topk.default and _val(n.args[0]).shape[-1] == experts:
+            if n.target == aten.topk.default and meta_val(n.args[0]).shape[-1] == experts:
                 return DenseSlots(tokens, scores, int(n.args[1]), n)
     raise NoMatch("the router's top-k (experts per token) is not found upstream of the dense experts' scores")
 
@@ -233,7 +234,7 @@ def verify(ctx: PassContext, m: MoeMatch, slots: DenseSlots, w_kn: bool) -> floa
     param = {n: ctx.parameter(n)[0] for n in (m.w13, m.w3, m.w2) if n is not None}
     device = param[m.w13].device
     gen = torch.Generator(device).manual_seed(0)
-    x_val, s_val = _val(slots.tokens), _val(slots.scores)
+    x_val, s_val = meta_val(slots.tokens), meta_val(slots.scores)
     t, e, k = concrete(x_val.shape[0], symbols), s_val.shape[1], slots.top_k
     with unset_fake_temporarily(), torch.no_grad():
         x = torch.randn(t, x_val.shape[1], generator=gen, device=device).to(x_val.dtype)
@@ -242,7 +243,9 @@ def verify(ctx: PassContext, m: MoeMatch, slots: DenseSlots, w_kn: bool) -> floa
         scores = torch.zeros(t, e, device=device).scatter(1, chosen, top).to(s_val.dtype)
         try:
             # The scores the router makes from any logits are 0 off its top-k: else every expert counts.
-            logits = torch.randn(t, e, generator=gen, device=device).to(_val(slots.router_topk.args[0]).dtype)
+            logits = torch.randn(t, e, generator=gen, device=device).to(
+                meta_val(slots.router_topk.args[0]).dtype
+            )
             made = run_subgraph(ctx, {slots.router_topk.args[0]: logits}, slots.scores, symbols, "the router")
             if ((made != 0).sum(1) > k).any():
                 raise NoMatch(
@@ -276,12 +279,16 @@ def emit_slots(ctx: PassContext, m: MoeMatch, slots: DenseSlots) -> MoeMatch:
             call(aten.unsqueeze.default, slots.tokens, 1),
             call(aten.unsqueeze.default, values, 2),
         )
-        rows = call(aten.view.default, rows, [-1, _val(slots.tokens).shape[1]])
+        rows = call(aten.view.default, rows, [-1, meta_val(slots.tokens).shape[1]])
         ids = call(aten.view.default, ids, [-1, 1])
-        rows_n = _val(ids).shape[0]
+        rows_n = meta_val(ids).shape[0]
         if isinstance(rows_n, torch.SymInt):
             rows_n = call(aten.sym_size.int, ids, 0)
         weights = call(
-            aten.full.default, [rows_n, 1], 1.0, dtype=_val(slots.scores).dtype, device=_val(ids).device
+            aten.full.default,
+            [rows_n, 1],
+            1.0,
+            dtype=meta_val(slots.scores).dtype,
+            device=meta_val(ids).device,
         )
     return dataclasses.replace(m, hidden=rows, topk_ids=ids, topk_weights=weights)
