@@ -251,10 +251,17 @@ def composition(model: torch.nn.Module, recipe: str = "block"):
     plain_bmm = torch.bmm
 
     def bmm(a, b, **kwargs):
-        # Dense experts (Llama 4's): a bmm over a whole (E, K, N) expert parameter, each expert's
-        # rows through the reference block-FP8 linear, as the moe pass runs their top-k slots
-        # (moe_dense.py; a token's rows off its top-k are zeros either way).
-        if isinstance(b, torch.nn.Parameter) and b.dim() == 3 and b.dtype == torch.bfloat16 and not kwargs:
+        # Dense experts: a bmm over a whole stacked expert parameter (or its transpose), each
+        # expert's rows through the reference block-FP8 linear, as the moe pass runs Llama 4's top-k
+        # slots (a token's rows off its top-k are zeros either way) and splits other such bmm's
+        # into one FP8 linear per expert (moe_dense.py).
+        param = b if isinstance(b, torch.nn.Parameter) else b._base
+        if (
+            isinstance(param, torch.nn.Parameter)
+            and b.dim() == 3
+            and b.dtype == torch.bfloat16
+            and not kwargs
+        ):
             experts = [reference.quant_weight_block(b[e].detach().t()) for e in range(b.shape[0])]
             return torch.stack([reference.linear_block(a[e], *w) for e, w in enumerate(experts)])
         return plain_bmm(a, b, **kwargs)

@@ -2,11 +2,11 @@
 of transformers causal LMs that spans what real checkpoints have: GQA and MLA attention, sliding
 windows, biases, fused qkv and gate_up projections, softcapping, softmax and sigmoid routers,
 grouped top-k, shared experts, dense first layers, fp32 routing weights, clamped, biased and
-interleaved experts, Llama 4's dense experts. Each is built small with random weights, compiled
-with backend="fp8" on the CPU, and must be rewritten where the recipe fits and stay within its
-accuracy bound: the median token's logits calc_diff against eager bf16 no more than 1.15x that of
-the model's own unfused block-FP8 composition, the pooled calc_diff no more than 1.5x (the module
-says why two)."""
+interleaved experts, Llama 4's dense experts, stacked shared experts. Each is built small with
+random weights, compiled with backend="fp8" on the CPU, and must be rewritten where the recipe
+fits and stay within its accuracy bound: the median token's logits calc_diff against eager bf16
+no more than 1.15x that of the model's own unfused block-FP8 composition, the pooled calc_diff no
+more than 1.5x (the module says why two)."""
 
 import json
 import subprocess
@@ -33,14 +33,13 @@ MATRIX = {
     "nemotron_h": ("linear", "moe"),  # non-gated relu^2 experts, Mamba layers, an fp32 router
     "beam": ("linear", "moe"),  # experts' act(gate.float()) * up.float(); dense layers as a list
     "jetmoe": ("linear",),  # experts stacked in one parameter, F.linear(x, w[i]) on each one's rows
-    "llama4_text": (
-        "linear",
-        "moe",
-    ),  # dense experts: every token through each bmm, top-k scores scale inputs
+    "llama4_text": ("linear", "moe"),  # dense experts: bmm's of every token, top-k scores scale inputs
+    "inkling_text": ("linear", "moe"),  # shared experts stacked in parameters, run as bmm's
 }
 # Linears that are single experts of a stacked parameter, at the matrix's small sizes: JetMoE's 2
-# layers x (attention experts, MLP experts) x (input, output projection) x 8 experts.
-EXPERT_LINEARS = {"jetmoe": 64}
+# layers x (attention experts, MLP experts) x (input, output projection) x 8 experts; Inkling's
+# 2 layers x (gate, up, down) of its one shared expert.
+EXPERT_LINEARS = {"jetmoe": 64, "inkling_text": 6}
 
 
 def _installed(arch: str) -> bool:

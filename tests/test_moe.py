@@ -384,21 +384,60 @@ class ThresholdScoredExperts(Llama4Experts):
         return torch.sigmoid(logits - values[:, -1:])
 
 
-def test_dense_experts_whose_scores_are_not_zero_off_the_top_k_stay_bf16_with_the_reason():
-    out, eager, report = compile_block(ThresholdScoredExperts(2).to(BF16), randn(9, 256))
+@pytest.mark.parametrize("block", [DenseMixture, ThresholdScoredExperts])
+def test_dense_experts_not_in_llama4s_form_become_one_fp8_linear_per_expert(block):
+    out, eager, report = compile_block(block(experts=4).to(BF16), randn(9, 256))
+    assert report.counts()["moe"] == 0 and not report.skipped("moe")
+    names = sorted(r.name for r in report.rewrites if r.kind == "linear")
+    assert names == sorted(f"{p}[{e}]" for p in ("gate_up_proj", "down_proj") for e in range(4))
+    assert calc_diff(out, eager) < MOE_BLOCK
+
+
+@pytest.mark.parametrize(
+    "block, reason",
+    [
+        (DenseMixture, "top-k (experts per token) is not found"),
+        (ThresholdScoredExperts, "not zero off its top-1"),
+    ],
+)
+def test_dense_experts_past_the_split_limit_stay_bf16_with_the_reason(block, reason):
+    from fp8compile.passes import moe_dense
+
+    experts = moe_dense.SPLIT_EXPERTS + 1
+    out, eager, report = compile_block(block(experts=experts).to(BF16), randn(9, 256))
     (skip,) = report.skipped("moe")
-    assert "not zero off its top-2" in skip.reason, skip.reason
-    assert report.counts()["moe"] == 0
+    assert skip.name == "(top level)" and reason in skip.reason, skip.reason
+    assert report.counts()["moe"] == report.counts()["linear"] == 0
     assert calc_diff(out, eager) < 1e-4  # stays bf16
 
 
-def test_a_dense_mixture_without_a_top_k_stays_bf16_with_the_reason():
-    out, eager, report = compile_block(DenseMixture().to(BF16), randn(9, 256))
-    (skip,) = report.skipped("moe")
-    assert skip.name == "(top level)" and skip.shape == "4x256x256"
-    assert "top-k (experts per token) is not found" in skip.reason, skip.reason
-    assert report.counts()["moe"] == 0
-    assert calc_diff(out, eager) < 1e-4  # stays bf16
+class StackedSharedExperts(nn.Module):
+    """Shared experts stacked in parameters (Inkling's): every token through each one's gate,
+    up and down, (E, N, K) weights read transposed by bmm, each expert's product scaled by its
+    own gamma, the experts' outputs summed in fp32."""
+
+    def __init__(self, dim=256, inter=256, experts=2):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.randn(experts, inter, dim) * 0.02)
+        self.up_proj = nn.Parameter(torch.randn(experts, inter, dim) * 0.02)
+        self.down_proj = nn.Parameter(torch.randn(experts, dim, inter) * 0.02)
+        self.gammas = nn.Linear(dim, experts, bias=False)
+
+    def forward(self, x):
+        h = x.reshape(1, -1, x.shape[-1]).expand(self.gate_proj.shape[0], -1, -1)
+        gammas = torch.sigmoid(self.gammas(x)).reshape(-1, self.gate_proj.shape[0], 1).transpose(0, 1)
+        gate = torch.bmm(h, self.gate_proj.transpose(1, 2))
+        up = torch.bmm(h, self.up_proj.transpose(1, 2))
+        down = torch.bmm(torch.nn.functional.silu(gate) * up * gammas, self.down_proj.transpose(1, 2))
+        return down.float().sum(0).to(x.dtype)
+
+
+def test_shared_experts_stacked_in_parameters_become_one_fp8_linear_per_expert():
+    out, eager, report = compile_block(StackedSharedExperts().to(BF16), randn(9, 256))
+    names = sorted(r.name for r in report.rewrites if r.kind == "linear")
+    assert names == sorted(f"{p}[{e}]" for p in ("gate_proj", "up_proj", "down_proj") for e in range(2))
+    assert not report.skipped("moe")
+    assert calc_diff(out, eager) < MOE_BLOCK
 
 
 def test_expert_weights_are_quantized_once_at_compile_time_and_the_model_is_untouched(weight_quantizations):

@@ -675,8 +675,9 @@ def moe_pass(ctx: PassContext) -> None:
         rewrite_block(ctx, down, lambda down=down: _routed(ctx, down, gemms))
 
 
-def rewrite_block(ctx: PassContext, down: ExpertGemm, rewrite) -> None:
-    """rewrite() the block whose down projection is `down`, or keep it bf16 with the reason."""
+def rewrite_block(ctx: PassContext, down: ExpertGemm, rewrite, report: bool = True) -> str | None:
+    """rewrite() the block whose down projection is `down`, or keep it bf16: then the reason,
+    on the report unless report=False (the caller may still take the block another way)."""
     name = block_name(ctx, down.weight)
     shape = "x".join(map(str, meta_val(down.weight).shape))
     try:
@@ -688,11 +689,15 @@ def rewrite_block(ctx: PassContext, down: ExpertGemm, rewrite) -> None:
             dtype = str(meta_val(down.weight).dtype).replace("torch.", "")
             raise NoMatch(f"dtype {dtype}: only bfloat16 experts are rewritten")
         rewrite()
-    except NoMatch as reason:
-        ctx.skipped("moe", name, str(reason), shape)
+        return None
+    except NoMatch as error:
+        reason = str(error)
     except Exception as error:  # a pass bug must not fail the user's compile: the block stays bf16
         log.warning("fp8compile: moe pass failed on %s", name, exc_info=True)
-        ctx.skipped("moe", name, f"moe pass error ({type(error).__name__}: {error})", shape)
+        reason = f"moe pass error ({type(error).__name__}: {error})"
+    if report:
+        ctx.skipped("moe", name, reason, shape)
+    return reason
 
 
 def verified_orientation(m: MoeMatch, orientations: list[bool], verify_one) -> bool:

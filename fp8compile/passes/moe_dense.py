@@ -75,20 +75,72 @@ NOT_A_BLOCK = (
     "other than Llama 4's (tokens repeated once per expert and scaled by the router's top-k scores, "
     "act(gate) * up, the sum over the experts): no FP8 op takes it, so it stays bf16"
 )
+# A dense bmm that is not Llama 4's form becomes one matmul per expert, each an FP8 linear of
+# that expert's weight (the linear pass's selected_linear), up to this many experts; past it,
+# the host's per-linear cost of that many launches would outweigh the FP8 GEMMs' gain.
+SPLIT_EXPERTS = 16
 
 
 def moe_dense_pass(ctx: PassContext) -> None:
     """Each dense block, from its down projection, over its slots; any other bmm over a whole
-    expert parameter said once per experts module."""
+    expert parameter (shared experts stacked in one parameter, a block not read as Llama 4's)
+    split into one matmul per expert for the linear pass, or kept bf16 with the reason, once per
+    experts module."""
     gemms = {node: g for node in ctx.gm.graph.nodes if (g := dense_expert_gemm(ctx, node))}
-    downs = [g for g in gemms.values() if gated_product(g) is not None]
-    for down in downs:
-        rewrite_block(ctx, down, lambda down=down: _rewrite(ctx, down, gemms))
-    blocks = {block_name(ctx, g.weight) for g in downs}
-    others = {block_name(ctx, g.weight): g.weight for g in gemms.values()}
-    for name, w in others.items():
-        if name not in blocks:
-            ctx.skipped("moe", name, NOT_A_BLOCK, "x".join(map(str, meta_val(w).shape)))
+    done, reasons = set(), {}
+    for down in [g for g in gemms.values() if gated_product(g) is not None]:
+        reason = rewrite_block(ctx, down, lambda down=down: done.update(_rewrite(ctx, down, gemms)), False)
+        if reason is not None:
+            reasons[block_name(ctx, down.weight)] = reason
+    kept = {}
+    for g in gemms.values():
+        if g.node not in done and not split_into_matmuls(ctx, g):
+            kept.setdefault(block_name(ctx, g.weight), g.weight)
+    for name, w in kept.items():
+        ctx.skipped("moe", name, reasons.get(name, NOT_A_BLOCK), "x".join(map(str, meta_val(w).shape)))
+
+
+def split_into_matmuls(ctx: PassContext, g: ExpertGemm) -> bool:
+    """g's bmm(x (E, T, K), w) over a whole stacked parameter W as E matmuls, stacked: mm(x[e],
+    W[e]) for W stored (E, K, N), mm(x[e], W[e].t()) for W stored (E, N, K) and read transposed.
+    Each is then one expert's linear to the linear pass. False (nothing changed) for any other
+    form, or more than SPLIT_EXPERTS experts."""
+    x, w = g.node.args[:2]
+    experts = meta_val(g.weight).shape[0]
+    if x is not g.activation or experts > SPLIT_EXPERTS or meta_val(x).dim() != 3:
+        return False
+    if w is g.weight:
+        transposed = False
+    elif w.op == "call_function" and w.args[0] is g.weight and _swaps_last_two(w):
+        transposed = True
+    else:
+        return False
+    graph = ctx.gm.graph
+    with graph.inserting_before(g.node):
+        rows = []
+        for e in range(experts):
+            weight = _call(ctx, aten.select.int, g.weight, 0, e)
+            if transposed:
+                weight = _call(ctx, aten.permute.default, weight, [1, 0])
+            out = _call(ctx, aten.mm.default, _call(ctx, aten.select.int, x, 0, e), weight)
+            rows.append(_call(ctx, aten.unsqueeze.default, out, 0))
+        stacked = _call(ctx, aten.cat.default, rows)  # (aten.stack is decomposed before here)
+    ctx.replace_uses(g.node, stacked)
+    return True
+
+
+def _swaps_last_two(node: fx.Node) -> bool:
+    if node.target == aten.permute.default:
+        return list(node.args[1]) == [0, 2, 1]
+    if node.target == aten.transpose.int:
+        return {d % 3 for d in node.args[1:3]} == {1, 2}
+    return False
+
+
+def _call(ctx: PassContext, target, *args) -> fx.Node:
+    node = ctx.gm.graph.call_function(target, args)
+    node.meta["val"] = ctx.fake(target, *args)
+    return node
 
 
 def dense_expert_gemm(ctx: PassContext, node: fx.Node) -> ExpertGemm | None:
@@ -102,12 +154,14 @@ def dense_expert_gemm(ctx: PassContext, node: fx.Node) -> ExpertGemm | None:
     return None
 
 
-def _rewrite(ctx: PassContext, down: ExpertGemm, gemms) -> None:
+def _rewrite(ctx: PassContext, down: ExpertGemm, gemms) -> set[fx.Node]:
+    """The block over its slots; the dense GEMMs it replaced."""
     m, slots = match_dense(ctx, down, gemms)
     e, inter, h = check_block(m)
     w_kn = verified_orientation(m, weight_orientations(m, e, inter, h), lambda kn: verify(ctx, m, slots, kn))
     m = emit_slots(ctx, m, slots)
     moe_replacement(ctx, m, e, inter, h, w_kn, block_name(ctx, down.weight), dense_k=slots.top_k)
+    return {g.node for g in gemms.values() if g.weight in (m.w13, m.w3, m.w2)}
 
 
 @dataclasses.dataclass
