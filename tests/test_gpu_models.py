@@ -44,9 +44,15 @@ def qwen3_moe():
         head_dim=128,
         max_position_embeddings=4096,
     )
+    return _on_gpu_with_experts_drawn(transformers.Qwen3MoeForCausalLM, config)
+
+
+def _on_gpu_with_experts_drawn(model_class, config):
+    """The bf16 model on the GPU, its stacked expert parameters drawn N(0, 0.02): transformers
+    leaves them uninitialised (Qwen3-MoE) or zero (Llama 4) at these sizes."""
     torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16).cuda().eval()
-    with torch.no_grad():  # transformers leaves stacked expert parameters uninitialised at these sizes
+    model = model_class(config).to(torch.bfloat16).cuda().eval()
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "experts" in name:
                 p.normal_(0, 0.02)
@@ -70,13 +76,7 @@ def llama4():
         head_dim=128,
         max_position_embeddings=4096,
     )
-    torch.manual_seed(0)
-    model = transformers.Llama4ForCausalLM(config).to(torch.bfloat16).cuda().eval()
-    with torch.no_grad():  # its stacked expert parameters start as zeros
-        for name, p in model.named_parameters():
-            if "experts" in name:
-                p.normal_(0, 0.02)
-    return model
+    return _on_gpu_with_experts_drawn(transformers.Llama4ForCausalLM, config)
 
 
 def ids_for(m: int) -> torch.Tensor:

@@ -1,6 +1,9 @@
 """The moe pass and fp8compile::moe: routed-experts blocks, written the ways real model code
 writes them, become one fused FP8 experts op; router, top-k and shared experts stay outside."""
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -323,6 +326,25 @@ def test_non_gated_experts_with_another_activation_stay_bf16_naming_it():
     assert "non-gated experts with the activation" in skip.reason and "relu2" in skip.reason, skip.reason
     assert "gelu" in skip.reason or "erf" in skip.reason, skip.reason
     assert torch.allclose(out, eager, atol=1e-2)
+
+
+GOLDEN_DENSE = Path(__file__).parent / "golden" / "llama4_dense_experts.diff"
+
+
+def test_golden_graph_diff_of_llama4_dense_experts_over_their_top_k_slots(pass_diffs):
+    """Top-2 dense experts on 5 tokens: the repeat, the scaling and both bmm's leave; a top-k of
+    the scores the model multiplied makes 10 rows x * s, routed top-1 with weight 1, through
+    fp8compile::moe, and each token's two rows are summed. Regenerate with
+    FP8COMPILE_UPDATE_GOLDEN=1 after an intended change, and read the diff."""
+    model, x = Llama4Experts(top_k=2).to(BF16), randn(5, 256)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend=fp8compile.backend(fusions=("moe",)), dynamic=False)(x)
+        assert calc_diff(out, model(x)) < MOE_BLOCK
+    (diff,) = pass_diffs
+    if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):
+        GOLDEN_DENSE.write_text(diff)
+    assert diff == GOLDEN_DENSE.read_text()
 
 
 class DenseMixture(nn.Module):

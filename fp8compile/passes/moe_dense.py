@@ -54,19 +54,12 @@ from .moe import (
 )
 from .replay import ReplayError, concrete, run_subgraph, small_symbols
 
-aten = torch.ops.aten
+aten, prims = torch.ops.aten, torch.ops.prims
 
-# Ops that only lay a tensor out again, between the scores and the multiply that scales the
-# repeated tokens (a conversion is not one: the scores are taken in the dtype the model multiplies).
-_RELAYOUT = (
-    aten.view.default,
-    aten.reshape.default,
-    aten._unsafe_view.default,
-    aten.permute.default,
-    aten.transpose.int,
-    aten.t.default,
-    aten.clone.default,
-    aten.alias.default,
+# Between the scores and the multiply that scales the repeated tokens: the layout ops, not the
+# conversions (the scores are taken in the dtype the model multiplies).
+_RELAYOUT = tuple(
+    op for op in LAYOUT if op not in (prims.convert_element_type.default, aten._to_copy.default)
 )
 
 
