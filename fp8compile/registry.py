@@ -320,10 +320,11 @@ ORDER_EXCEPTIONS = {("moe", "large"): ("deep_gemm", "triton")}
 # our Triton kernel's 155.2 and 586.1 (bench mqa, BENCHMARKS.md, "Indexer logits"): a tie, and
 # DeepGEMM's side of it is the shorter prefill.
 MQA_ORDER = ("deep_gemm", "triton", "reference")
-# The paged form: ours first. DeepGEMM's paged kernel was 1.0-1.5x faster in bench mqa (H100,
-# thirty-fourth session), called as its adapter calls it, but the adapter has not yet run its GPU
-# test behind the op (next_n 1 and 2, ragged lengths, clean_logits): until then it serves when
-# asked for by name.
+# The paged form: ours first, DeepGEMM next. In bench mqa (H100, thirty-sixth session; blocks of
+# 64, next_n 1, both through the op) ours took 0.76-1.16x DeepGEMM's time over batch 1-64 and
+# context 4k-64k (geometric mean 1.00x): a tie, and ours serves every block size and next_n where
+# DeepGEMM's sm_90 kernel takes blocks of 64 and next_n 1 or 2. DeepGEMM's adapter passes its GPU
+# test behind the op (next_n 1 and 2, ragged lengths, clean_logits).
 PAGED_MQA_ORDER = ("triton", "deep_gemm", "reference")
 
 

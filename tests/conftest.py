@@ -163,18 +163,23 @@ def probe_backend(monkeypatch):
 
 
 class CountingBackend:
-    """Wraps an fp8 backend and counts how often Dynamo compiles a graph."""
+    """Wraps an fp8 backend and counts the graphs it compiles for Dynamo (`compiles`) and the calls
+    (`calls`): a compile that Dynamo restarts, e.g. for a float it must specialise, is a call and
+    not a graph."""
 
     def __init__(self, **options):
         self.fp8 = fp8compile.backend(**options)
         self.compiles = 0
+        self.calls = 0
 
     def __deepcopy__(self, memo):  # as Fp8Backend: transformers' CompileConfig deep-copies its backend
         return self
 
     def __call__(self, gm, example_inputs, **kwargs):
+        self.calls += 1
+        compiled = self.fp8(gm, example_inputs, **kwargs)
         self.compiles += 1
-        return self.fp8(gm, example_inputs, **kwargs)
+        return compiled
 
     @property
     def report(self):

@@ -460,7 +460,8 @@ def test_dynamic_true_makes_a_modules_float_constants_constants_and_leaves_the_c
         assert torch.equal(compiled(x, 0.25), out / 2)
         assert compiled(randn(1, 9, 256), 2.0).shape == (1, 9, 256)
         assert backend.compiles == compiles
-        assert compiles == 2  # the first call had Dynamo trace again with the floats constants
+        # one graph: the backend restarted the first trace, to have the floats traced as constants
+        assert compiles == 1 and backend.calls == 2
         model.experts.limit = 0.1  # a guarded constant: a new value recompiles, with the new clamp
         clamped = compiled(x, 0.5)
         assert backend.compiles == compiles + 1

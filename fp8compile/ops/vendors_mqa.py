@@ -3,12 +3,13 @@ reference_mqa.py's; DeepGEMM's layout is the same: q (M, H, D) e4m3fn, keys (N, 
 scale each). Imported by the registry only when asked for.
 
 Its paged kernel (fp8_paged_mqa_logits) is behind fp8compile::paged_mqa_logits too, after our
-Triton kernel in the order until its GPU test has run behind the op: on an H100, sgl-deep-gemm
-0.1.5's sm_90 path asserts context_lens.dim() == 2 (one length per query), so the adapter
-passes (B, next_n) lengths (per_query_lengths), and its kernel reads blocks of 64 tokens and
-next_n 1 or 2 only (refused otherwise, with the reason). `bench mqa` times it beside ours through
-the op (bench/mqa.py, _deep_gemm_paged). Called directly in this form on an H100 it gave our
-kernel's logits (calc_diff 4e-15) in 1.0-1.5x less time (BENCHMARKS.md, "Indexer logits")."""
+Triton kernel in the order (registry.PAGED_MQA_ORDER: a tie on an H100). sgl-deep-gemm 0.1.5's
+sm_90 path takes (B, next_n) lengths, one per query (per_query_lengths), but asserts
+`not is_context_lens_2d` when asked to clean the logits (the thirty-sixth session's GPU test), so
+the adapter sets -inf past each query's length itself. Its kernel reads blocks of 64 tokens and
+next_n 1 or 2 only (refused otherwise, with the reason). `bench mqa` times it through the op
+(bench/mqa.py, _deep_gemm_paged) and alone (_deep_gemm_paged_kernel); its logits are ours to
+calc_diff 4e-15 (BENCHMARKS.md, "Indexer logits")."""
 
 from __future__ import annotations
 
@@ -43,10 +44,14 @@ DEEP_GEMM_PAGED_BLOCK = 64
 
 def per_query_lengths(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
     """(B, next_n) int32, the form DeepGEMM's sm_90 paged path takes: query j of sequence b sits at
-    position context_lens[b] - next_n + j, so it sees that many keys plus one."""
-    j = torch.arange(next_n, dtype=torch.int32, device=context_lens.device)
-    lens = context_lens.reshape(-1, 1).to(torch.int32)
-    return (lens - next_n + 1 + j[None, :]).clamp(min=0).to(torch.int32).contiguous()
+    position context_lens[b] - next_n + j, so it sees that many keys plus one. At next_n = 1 that
+    is context_lens itself, a view: no kernel on a decode step (the adapter's launches are a
+    measurable part of a 3-10 us call)."""
+    lens = context_lens.reshape(-1, 1).to(torch.int32).contiguous()
+    if next_n == 1:
+        return lens
+    j = torch.arange(1 - next_n, 1, dtype=torch.int32, device=context_lens.device)
+    return (lens + j[None, :]).clamp_(min=0)
 
 
 def paged_mqa_logits_metadata_deep_gemm(context_lens, block_size, num_sms):
@@ -74,16 +79,21 @@ def paged_mqa_logits_deep_gemm(
         )
     _check_block(kv_cache.shape[1])
     deep_gemm = require("deep_gemm")
-    return deep_gemm.fp8_paged_mqa_logits(
+    lengths = per_query_lengths(context_lens, next_n)
+    logits = deep_gemm.fp8_paged_mqa_logits(
         q_fp8.contiguous(),
         kv_cache,
         weights.float().contiguous(),
-        per_query_lengths(context_lens, next_n),
+        lengths,
         block_tables.to(torch.int32),
         schedule_metadata,
         max_context_len,
-        clean_logits=clean_logits,
+        clean_logits=False,  # it cleans only with one length per sequence; the rows are cleaned here
     )
+    if clean_logits:
+        past = torch.arange(logits.shape[-1], device=logits.device)[None, :] >= lengths.reshape(-1, 1)
+        logits.masked_fill_(past, float("-inf"))
+    return logits
 
 
 def _check_block(block_size: int) -> None:
