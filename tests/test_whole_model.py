@@ -248,6 +248,16 @@ def test_bench_model_inline_conds_variant_is_default_mode_fp8_with_the_branches_
     assert dataclasses.replace(inline.backend.config, inline_conds=False) == plain.backend.config
 
 
+def test_bench_model_rowwise_variants_run_the_rowwise_recipe_beside_the_block_one_in_one_run():
+    from fp8compile.bench.model import _variant
+
+    block, rowwise, rowwise_ro = _variant("fp8", "block"), _variant("fp8_rowwise"), _variant("fp8_rowwise_ro")
+    assert block.backend.config.recipe == "block"
+    assert rowwise.backend.config.recipe == rowwise_ro.backend.config.recipe == "rowwise"
+    assert rowwise.mode is None and rowwise_ro.mode == "reduce-overhead"
+    assert dataclasses.replace(rowwise.backend.config, recipe="block") == block.backend.config
+
+
 def test_bench_model_splits_gpu_time_by_kernel_kind_attention_and_experts_before_gemm_names():
     from fp8compile.bench.model import kernel_kind
 

@@ -14,6 +14,8 @@ said in the output). Variants, in this order (torchao last: it quantizes the mod
                           static cache is made and initialized before the call (static_cache())
     fp8_ro_release        fp8_ro_own with Fp8Config(release_bf16_weights=True): the bf16 weights'
                           device memory given back (restored after the variant)
+    fp8_rowwise[_ro]      fp8[_ro] in the rowwise recipe whatever --recipe says: beside the
+                          block recipe on the same host (ratios against fp8[_ro] too)
     torchao_rowwise_ro    torchao float8 dynamic rowwise, then Inductor reduce-overhead (if importable)
 
 Decode is timed the way a transformers user runs it: model.generate() with a static KV cache and
@@ -116,7 +118,8 @@ MODELS = {
 # fp8_op_launch: fp8 with Fp8Config(inductor_launch=False), the decode kernel behind our op (for an A/B).
 # bf16_gqa(_ro): bf16 Inductor plus our gqa_attention pass alone (every linear left bf16), the
 # anchor that tells FP8's share of a speedup from the attention rewrite's; fp8_ro_repeat_kv: fp8
-# without that pass.
+# without that pass. fp8_rowwise(_ro): the rowwise recipe whatever --recipe says, so that one run
+# puts it beside the block recipe's fp8(_ro) on the same host.
 VARIANTS = (
     "bf16",
     "bf16_inductor",
@@ -133,6 +136,8 @@ VARIANTS = (
     "bf16_inductor_ro_own",
     "fp8_ro_own",
     "fp8_ro_release",
+    "fp8_rowwise",
+    "fp8_rowwise_ro",
     "torchao_rowwise_ro",
 )
 BATCHES = (1, 4, 16, 64)
@@ -222,7 +227,7 @@ class Variant:
 def _variant(name: str, recipe: str = "block"):
     """The Variant for a name, or None where it cannot run here (with the reason printed); the
     fp8 variants in `recipe`."""
-    mode = "reduce-overhead" if "_ro" in name else None
+    mode = "reduce-overhead" if "ro" in name.split("_") else None
     own = name.endswith(("_own", "_release"))
     if name == "bf16":
         return Variant(name, None)
@@ -237,6 +242,8 @@ def _variant(name: str, recipe: str = "block"):
     if name == "fp8_ro_repeat_kv":
         fusions = tuple(f for f in fp8compile.Fp8Config().fusions if f != "gqa_attention")
         return Variant(name, fp8compile.backend(fusions=fusions, recipe=recipe), mode)
+    if name.startswith("fp8_rowwise"):
+        return Variant(name, fp8compile.backend(recipe="rowwise"), mode)
     if name.startswith("fp8"):
         release = name.endswith("_release")
         return Variant(name, fp8compile.backend(release_bf16_weights=release, recipe=recipe), mode, own)
@@ -671,6 +678,10 @@ def model_table(rows: list[dict]) -> str:
             ("fp8_own", "bf16_inductor_own"),
             ("fp8_ro_own", "bf16_inductor_ro_own"),
             ("fp8_ro_release", "bf16_inductor_ro_own"),
+            ("fp8_rowwise", "bf16_inductor"),
+            ("fp8_rowwise_ro", "bf16_inductor_ro"),
+            ("fp8_rowwise", "fp8"),
+            ("fp8_rowwise_ro", "fp8_ro"),
             ("fp8_ro", "bf16_gqa_ro"),
             ("fp8_ro_repeat_kv", "bf16_inductor_ro"),
             ("bf16_gqa_ro", "bf16_inductor_ro"),
