@@ -210,7 +210,7 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path):
     rows = bench_model(
         tmp_path,
         **TINY_BENCH,
-        variants=["bf16", "bf16_gqa_ro", "fp8", "fp8_ro", "fp8_ro_release"],
+        variants=["bf16", "bf16_gqa_ro", "fp8", "fp8_ro", "fp8_ro_release", "fp8_rowwise"],
         profile=True,
         repeat=2,
         prefill_batches=[1, 2],
@@ -224,13 +224,16 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path):
     assert all(r["tokens_per_s"] == r["batch"] * 8 * 1e3 / r["ms"] for r in prefill.values())
     # fp8_ro_release: the user's own compile of model.forward (the prompt through the graphs too),
     # with the bf16 weights released, then restored for what follows
-    assert set(decode) == {"bf16", "bf16_gqa_ro", "fp8", "fp8_ro", "fp8_ro_release"}
+    assert set(decode) == {"bf16", "bf16_gqa_ro", "fp8", "fp8_ro", "fp8_ro_release", "fp8_rowwise"}
+    # each row names the recipe its variant ran: fp8_rowwise's own beside --recipe's block
+    assert {r["variant"] for r in rows if r["recipe"] == "rowwise"} == {"fp8_rowwise"}
     assert all(r["recompiles"] == 0 and r["tokens_per_s"] > 0 for r in decode.values())
     accuracy = {r["variant"]: r["calc_diff"] for r in rows if r["kind"] == "accuracy"}
     assert accuracy["bf16"] == 0 and 0 < accuracy["fp8"] < 1.15 * accuracy["fp8_unfused_eager"]
     # fp8 over the bf16 anchor with the same attention rewrite; a ratio needs both of its variants
     table = model_table(rows)
     assert "fp8_ro/bf16_gqa_ro" in table and "fp8_ro/bf16_inductor_ro" not in table
+    assert "fp8_rowwise/fp8" in table
     assert "2x prefill" in table
     assert (tmp_path / "bench_model.json").exists()
     assert (

@@ -546,6 +546,9 @@ def bench_model(
                 if variant is None:
                     progress.update(len(batches) + 1)
                     continue
+                # a row says the recipe its variant ran (fp8_rowwise's is its own, not --recipe's)
+                fp8_backend = isinstance(variant.backend, fp8compile.Fp8Backend)
+                own_base = dict(base, recipe=variant.backend.config.recipe) if fp8_backend else base
                 torch._dynamo.reset()
                 gc.collect()
                 if device.type == "cuda":
@@ -558,7 +561,7 @@ def bench_model(
                 for row in prefill_and_accuracy(
                     model, variant, prefill, device, eager_logits, ids_acc, path, prefill_batches
                 ):
-                    rows.append(dict(base, variant=name, **row))
+                    rows.append(dict(own_base, variant=name, **row))
                 progress.update()
                 if variant.own:
                     model.forward = torch.compile(
@@ -572,7 +575,7 @@ def bench_model(
                         path = out_dir / f"profile_{model_name}_{name}_b{batch}.txt" if profile else None
                         rows.append(
                             dict(
-                                base,
+                                own_base,
                                 variant=name,
                                 **decode(model, variant, batch, context, steps, device, path, repeat),
                             )
@@ -588,7 +591,7 @@ def bench_model(
                         [torch.cuda.max_memory_allocated(device) / 2**30]
                         + [r.get(key) or 0.0 for r in mine for key in ("warm_peak_gb", "peak_before_gb")]
                     )
-                    rows.append(dict(base, variant=name, kind="memory", warm_peak_gb=warm, peak_gb=peak))
+                    rows.append(dict(own_base, variant=name, kind="memory", warm_peak_gb=warm, peak_gb=peak))
                 # fp8_ro_release gave them back: the next variant needs them
                 fp8compile.restore_bf16_weights()
                 if isinstance(variant.backend, fp8compile.Fp8Backend):
