@@ -8,6 +8,14 @@ import sys
 from .config import RECIPES
 
 
+def _tokens(text: str) -> int:
+    """An M for the command line: a whole number of tokens, at least one."""
+    m = int(text)
+    if m < 1:
+        raise argparse.ArgumentTypeError(f"M is a number of tokens, at least 1, got {m}")
+    return m
+
+
 def _backends(args) -> int:
     import torch
 
@@ -79,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         "backends", help="which kernel backend serves a linear here, and why not the others"
     )
     backends.add_argument("--device", default=None)
-    backends.add_argument("-m", type=int, default=1)
+    backends.add_argument("-m", type=_tokens, default=1)
     backends.add_argument("-n", type=int, default=4096)
     backends.add_argument("-k", type=int, default=4096)
     models = sub.add_parser(
@@ -116,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument(
         "-m",
-        type=int,
+        type=_tokens,
         action="append",
         help="M values (default: gemm 1 16 32 128 1024 4096; mlp 1 16 128 4096; "
         "moe 1 16 128 1024 4096; host 1 16)",

@@ -201,6 +201,15 @@ def test_backends_command_names_the_chosen_backend_and_why_not_the_others():
     assert any("cublas" in line and "fails below M = 8" in line for line in lines)
 
 
+@pytest.mark.parametrize("argv", [["backends", "-m", "0"], ["bench", "host", "-m", "-3"]])
+def test_the_command_line_refuses_an_m_below_one_token_in_words(argv, capsys):
+    from fp8compile.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert "M is a number of tokens, at least 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("k, declined", [(256, True), (896, True), (4864, True), (512, False), (7168, False)])
 def test_cublas_declines_a_k_whose_weight_scale_columns_it_misreads(k, declined, monkeypatch):
     # K/128 not a multiple of 4: torch._scaled_mm's block scaling returned calc_diff 0.09-1.0 or

@@ -295,3 +295,43 @@ def test_moe_gluon_serves_from_32_slots_per_expert_and_only_where_the_kernel_can
     assert not moe_gluon_op.fits(128, 8, 511, 1536, 768, 2048, torch.device("cpu"))
     assert not moe_gluon_op.fits(128, 8, 512, 1536, 768, 2048, torch.device("cpu"))
     assert gluon_gemm.why_not_shape(2048, 1536, torch.device("cpu")) is not None
+
+
+class GatedMlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up = nn.Linear(256, 512, bias=False), nn.Linear(256, 512, bias=False)
+        self.down = nn.Linear(512, 256, bias=False)
+
+    def forward(self, x):
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def _qwen3_moe_block():
+    pytest.importorskip("transformers")
+    from tests.test_moe import qwen3_moe_block
+
+    return qwen3_moe_block("grouped_mm")
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: nn.Linear(256, 384), GatedMlp, _qwen3_moe_block], ids=["linear", "gated_mlp", "moe"]
+)
+def test_an_empty_input_stays_bf16_with_the_reason_where_there_is_no_range_of_m_to_serve(make):
+    """Dynamo specialises a size of 0, so an empty batch compiles a graph of its own with M = 0:
+    no kernel range holds it, and every FP8 candidate stays bf16 (free on no rows) with the
+    reason, where it once crashed the backend (StopIteration in the M dispatch's plan)."""
+    model = make().to(BF16)
+    backend = CountingBackend()
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    first = lambda y: y[0] if isinstance(y, tuple) else y  # noqa: E731  (an MoE block returns a tuple)
+    with torch.no_grad():
+        some = randn(1, 5, 256)
+        assert fp8compile.calc_diff(first(compiled(some)).float(), first(model(some)).float()) < 0.01
+        rewritten = len(backend.report.rewrites)
+        none = randn(1, 0, 256)
+        empty, eager = first(compiled(none)), first(model(none))
+    assert backend.compiles == 2 and empty.shape == eager.shape and empty.shape[1] == 0
+    assert rewritten > 0 and len(backend.report.rewrites) == rewritten  # the empty graph adds none
+    reasons = {s.kind: s.reason for s in backend.report.skips if s.reason.startswith("M = 0")}
+    assert reasons and all("an empty input" in r for r in reasons.values()), backend.report

@@ -51,7 +51,7 @@ def _label(lo: int, hi: int | None) -> str:
 
 def ranges(config, m: Any) -> list[tuple[str, int, int | None]]:
     """(tier, m_min, m_max) of each range of M a call site needs a kernel for; tier names the
-    registry's default order for that range."""
+    registry's default order for that range. Raises NoDispatch for a static M of 0."""
     if config.batch_invariant:
         return [("large", 1, None)]
     bounds = [(b, tier) for b, tier in ((config.small_m, "small"), (config.large_m, "medium")) if b > 0]
@@ -60,6 +60,8 @@ def ranges(config, m: Any) -> list[tuple[str, int, int | None]]:
         out.append((tier, lo, b))
         lo = b + 1
     out.append(("large", lo, None))
+    if isinstance(m, int) and m < 1:  # Dynamo specialises an empty input: no kernel to pick
+        raise NoDispatch(f"M = {m}: an empty input, nothing for an FP8 kernel to compute")
     if isinstance(m, int):  # static M: the one range it falls in
         tier = next(t for t, a, b in out if a <= m and (b is None or m <= b))
         return [(tier, m, m)]

@@ -243,11 +243,11 @@ def emit_fp8(
         w_fp8, w_scale = fp8_weight_inputs(ctx, name, weights, match.transposed, match.index)
         target, op_kwargs = scaled_call(ctx, target, names or [name], match.weight, op_kwargs)
         n, k = w_fp8.meta["val"].shape
-        sides = dispatch.plan(ctx, REGISTRY_OPS[target], match.weight.meta["val"].device, n, k, m)
-        # unused if NoDispatch: removed as dead code. A K of part of a group: zero columns up to
-        # the copy's (the block recipe's weights.fp8_weight pads the weight alike).
-        flat = [dispatch.pad_k(ctx, dispatch.flatten(ctx, a), k) for a in activations]
         try:
+            sides = dispatch.plan(ctx, REGISTRY_OPS[target], match.weight.meta["val"].device, n, k, m)
+            # unused if NoDispatch: removed as dead code. A K of part of a group: zero columns up
+            # to the copy's (the block recipe's weights.fp8_weight pads the weight alike).
+            flat = [dispatch.pad_k(ctx, dispatch.flatten(ctx, a), k) for a in activations]
             out = dispatch.emit(
                 ctx,
                 target,

@@ -550,7 +550,10 @@ def moe_replacement(
     top_k = meta_val(m.topk_ids).shape[1]
     inter_bf16, inter = inter, whole_blocks(inter)  # the kernels' sizes are the FP8 copies'
     n13 = _n13(m, inter)
-    sides = dispatch.plan(ctx, "moe", device, n13, h, meta_val(m.hidden).shape[0])
+    try:
+        sides = dispatch.plan(ctx, "moe", device, n13, h, meta_val(m.hidden).shape[0])
+    except dispatch.NoDispatch as reason:
+        raise NoMatch(str(reason)) from None
     for cut in (
         inline.moe_decode_cut(ctx, e, top_k, device),
         inline.moe_gluon_cut(ctx, e, top_k, n13, inter, h, device),
