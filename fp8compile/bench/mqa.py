@@ -218,8 +218,8 @@ def _paged_ranking(rows: list[dict]) -> str:
 
 def _deep_gemm_paged(q_fp8, cache, weights, lens, tables, context):
     """DeepGEMM's fp8_paged_mqa_logits through fp8compile::paged_mqa_logits (vendors_mqa.py's
-    adapter: one length per query, its own schedule), asked for by name: it is not first in the
-    paged order yet (registry.PAGED_MQA_ORDER)."""
+    adapter: one length per query, its own schedule), asked for by name: ours is first in the
+    paged order (registry.PAGED_MQA_ORDER)."""
     import deep_gemm
 
     sched = torch.ops.fp8compile.paged_mqa_logits_metadata(lens, BLOCK, deep_gemm.get_num_sms(), "deep_gemm")
