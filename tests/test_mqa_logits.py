@@ -322,6 +322,31 @@ def test_triton_paged_kernel_matches_the_reference_under_the_interpreter(next_n,
         assert (got[~inside] == INF).all()
 
 
+def test_deep_gemm_paged_adapter_cleans_the_logits_itself_past_each_querys_length(monkeypatch):
+    """sgl-deep-gemm 0.1.5's sm_90 kernel asserts `not is_context_lens_2d` when asked to clean with
+    one length per query (H100, thirty-sixth session): the adapter never asks, and writes -inf past
+    each query's length itself. Checked against a stand-in for DeepGEMM that leaves zeros."""
+    from types import SimpleNamespace
+
+    from fp8compile.ops import vendors_mqa
+
+    calls = []
+
+    def fp8_paged_mqa_logits(q, cache, weights, lengths, tables, schedule, max_len, clean_logits):
+        calls.append((lengths.tolist(), clean_logits))
+        return torch.zeros(q.shape[0] * q.shape[1], max_len)
+
+    stand_in = SimpleNamespace(fp8_paged_mqa_logits=fp8_paged_mqa_logits)
+    monkeypatch.setattr(vendors_mqa, "require", lambda module: stand_in)
+    q_fp8, cache, weights, lens, tables = paged_case(2, 2, 16, 32, 64, (70, 1), blocks=4)
+    for clean in (True, False):
+        logits = vendors_mqa.paged_mqa_logits_deep_gemm(q_fp8, cache, weights, lens, tables, None, 96, clean)
+        assert calls[-1] == ([[69, 70], [0, 1]], False)  # one length per query; never asked to clean
+        seen = torch.arange(96)[None, :] < torch.tensor([69, 70, 0, 1])[:, None]
+        assert (logits[seen] == 0).all()
+        assert (logits[~seen] == float("-inf")).all() if clean else (logits == 0).all()
+
+
 def test_registry_says_why_a_kernel_cannot_serve_these_heads():
     request = registry.Request("mqa_logits", torch.device("cuda"), n=48, k=128)
     assert "powers of two" in registry.why_not("triton", request)
@@ -344,7 +369,8 @@ def test_deep_gemm_paged_adapter_gives_one_length_per_query_and_refuses_what_its
     q3 = q_fp8.new_zeros(3, 3, *q_fp8.shape[2:])
     with pytest.raises(ValueError, match="next_n 1 or 2"):
         vendors_mqa.paged_mqa_logits_deep_gemm(q3, cache, weights, lens, tables, None, 320)
-    # Ours first for the paged form until DeepGEMM's adapter has run its GPU test behind the op.
+    # Ours first for the paged form: a tie with DeepGEMM's through the op on an H100, and ours
+    # serves every block size and next_n (registry.PAGED_MQA_ORDER).
     assert registry.default_order("small", "paged_mqa_logits")[:2] == ("triton", "deep_gemm")
     assert registry.default_order("small", "paged_mqa_logits_metadata")[:2] == ("triton", "deep_gemm")
 
