@@ -16,33 +16,31 @@ MS = [1, 3, 16, 33, 64, 300, 2049]  # tokens: every range of the default dispatc
 MODES = [None, "reduce-overhead"]
 
 
+# What the three models share: widths that are multiples of 128, two layers, grouped-query attention.
+SMALL = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
+
+
 def llama():
-    config = transformers.LlamaConfig(
-        vocab_size=32000,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-    )
+    config = transformers.LlamaConfig(**SMALL, intermediate_size=1024)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
 
 
 def qwen3_moe():
     config = transformers.Qwen3MoeConfig(
-        vocab_size=32000,
-        hidden_size=512,
+        **SMALL,
         intermediate_size=1024,
         moe_intermediate_size=256,
         num_experts=16,
         num_experts_per_tok=4,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=128,
-        max_position_embeddings=4096,
     )
     return _on_gpu_with_experts_drawn(transformers.Qwen3MoeForCausalLM, config)
 
@@ -63,18 +61,13 @@ def llama4():
     """Llama 4's text model: dense experts (every token through each expert's whole weight, the
     router's top-1 score scaling the inputs) in every layer, beside a shared expert."""
     config = transformers.Llama4TextConfig(
-        vocab_size=32000,
-        hidden_size=512,
+        **SMALL,
         intermediate_size=256,
         intermediate_size_mlp=1024,
         num_local_experts=16,
         num_experts_per_tok=1,
         interleave_moe_layer_step=1,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=128,
-        max_position_embeddings=4096,
     )
     return _on_gpu_with_experts_drawn(transformers.Llama4ForCausalLM, config)
 

@@ -347,6 +347,28 @@ def test_deep_gemm_paged_adapter_cleans_the_logits_itself_past_each_querys_lengt
         assert (logits[~seen] == float("-inf")).all() if clean else (logits == 0).all()
 
 
+def test_deep_gemm_adapter_cleans_the_compressed_layout_past_each_window_itself(monkeypatch):
+    """DeepGEMM asserts `not clean_logits` for the compressed layout (max_seqlen_k > 0): the
+    adapter asks it not to clean there and sets -inf past each window's length. A stand-in for
+    DeepGEMM on the CPU that leaves zeros."""
+    from types import SimpleNamespace
+
+    from fp8compile.ops import vendors_mqa
+
+    asked = []
+
+    def fp8_mqa_logits(q, kv, weights, ks, ke, clean_logits, max_seqlen_k):
+        asked.append(clean_logits)
+        return torch.zeros(q.shape[0], max_seqlen_k)
+
+    monkeypatch.setattr(vendors_mqa, "require", lambda module: SimpleNamespace(fp8_mqa_logits=fp8_mqa_logits))
+    q, k, k_scale = torch.zeros(3, 4, 32), torch.zeros(10, 32), torch.ones(10)
+    ks, ke = torch.tensor([0, 2, 5]), torch.tensor([1, 6, 5])  # windows of 1, 4 and 0 keys
+    logits = vendors_mqa.mqa_logits_deep_gemm(q, k, k_scale, torch.ones(3, 4), ks, ke, True, 4)
+    assert asked == [False]
+    assert torch.equal(logits.isinf(), torch.arange(4)[None, :] >= torch.tensor([1, 4, 0])[:, None])
+
+
 def test_registry_says_why_a_kernel_cannot_serve_these_heads():
     request = registry.Request("mqa_logits", torch.device("cuda"), n=48, k=128)
     assert "powers of two" in registry.why_not("triton", request)

@@ -33,9 +33,14 @@ def mqa_logits_deep_gemm(q_fp8, k_fp8, k_scale, weights, ks, ke, clean_logits=Tr
         max_seqlen_k=max_seqlen_k,
     )
     if clean_logits and max_seqlen_k > 0:
-        past = torch.arange(max_seqlen_k, device=logits.device)[None, :] >= (ke - ks)[:, None]
-        logits = logits.masked_fill(past, float("-inf"))
+        _minus_inf_past(logits, ke - ks)
     return logits
+
+
+def _minus_inf_past(logits: torch.Tensor, lengths: torch.Tensor) -> None:
+    """-inf in place in each row's columns from its length on (the cleaning DeepGEMM leaves out)."""
+    past = torch.arange(logits.shape[-1], device=logits.device)[None, :] >= lengths.reshape(-1, 1)
+    logits.masked_fill_(past, float("-inf"))
 
 
 # DeepGEMM's sm_90 paged kernel reads the cache in blocks of this many tokens (a static assert).
@@ -91,8 +96,7 @@ def paged_mqa_logits_deep_gemm(
         clean_logits=False,  # it cleans only with one length per sequence; the rows are cleaned here
     )
     if clean_logits:
-        past = torch.arange(logits.shape[-1], device=logits.device)[None, :] >= lengths.reshape(-1, 1)
-        logits.masked_fill_(past, float("-inf"))
+        _minus_inf_past(logits, lengths)
     return logits
 
 
