@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import size_conds
+from . import kernel_analysis, size_conds
 from .config import Fp8Config, make_config
 from .report import Report, Skip
 
@@ -183,6 +183,7 @@ def compile_graph(
     with (
         torch._functorch.config.patch(enable_autograd_cache=False),
         size_conds.keep_cuda_graphs(),
+        kernel_analysis.memoized(),
         size_conds.inline_branches() if config.inline_conds else contextlib.nullcontext(),
     ):
         compiled = compile_fx(gm, example_inputs, inner_compile=fp8_inner_compile, config_patches=patches)

@@ -195,6 +195,27 @@ def test_inductor_launches_the_linear_decode_op_from_its_own_wrapper():
     )
 
 
+def test_inductors_kernel_analysis_runs_once_for_launches_of_one_specialization():
+    """In a graph of static M every linear's decode launch is Inductor's own, and Inductor asks
+    for each which tensors the kernel writes (a TTIR build: 13.8 s of lowering for a 32-layer
+    Llama, against bf16's 3.0, H200): four same-shape linears ask once, and the numbers are the
+    op path's."""
+    from fp8compile import kernel_analysis
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4096, 4096, bias=False) for _ in range(4))).to(BF16).cuda()
+    x = randn(1, 4096, device="cuda")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = torch.compile(model, backend=fp8compile.backend(inductor_launch=False))(x)
+        torch._dynamo.reset()
+        before = dict(kernel_analysis.stats)
+        out = torch.compile(model, backend=fp8compile.backend(inductor_launch=True))(x)
+    asked, answered = (kernel_analysis.stats[key] - before[key] for key in ("asked", "answered"))
+    assert asked >= 4 and answered >= 3, (asked, answered)
+    assert torch.equal(out, want)
+
+
 def _launched_and_op_path(model, xs):
     """(x, out, out of the op path) per x: model compiled with dynamic M in default mode (the
     traced launches) and with inductor_launch=False (our ops)."""
