@@ -43,8 +43,11 @@ def argument_key(value: Any) -> tuple | None:
 
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, sympy.Expr)):
         return ("symbolic",)
-    if isinstance(value, FakeTensor) or _is_ir_tensor(value):
+    if isinstance(value, FakeTensor):
         return ("tensor", value.dtype)
+    if _is_ir_tensor(value):  # generate_ttir reads its .dtype; an IR node without one is not keyed
+        dtype = getattr(value, "dtype", None)
+        return None if dtype is None else ("tensor", dtype)
     if isinstance(value, torch.Tensor):
         return None
     try:
