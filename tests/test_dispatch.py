@@ -335,3 +335,25 @@ def test_an_empty_input_stays_bf16_with_the_reason_where_there_is_no_range_of_m_
     assert rewritten > 0 and len(backend.report.rewrites) == rewritten  # the empty graph adds none
     reasons = {s.kind: s.reason for s in backend.report.skips if s.reason.startswith("M = 0")}
     assert reasons and all("an empty input" in r for r in reasons.values()), backend.report
+
+
+def test_the_passes_fake_values_are_computed_past_the_fake_modes_cache_which_stays_on():
+    """The passes' other compile-time cost at dynamic M: re-deriving fake values below a merged
+    projection's slices. The fake mode's dispatch cache made that slower (a miss pays for an
+    entry, a hit still builds a view's output), so PassContext.fake computes past it; the mode
+    keeps its cache for Inductor."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fp8compile.passes.context import PassContext
+
+    mode = FakeTensorMode()
+    with mode:
+        x = torch.empty(8, 6144, dtype=torch.bfloat16)
+    before = FakeTensorMode.cache_info()
+    view = PassContext.fake(SimpleNamespace(fake_mode=mode), torch.ops.aten.slice.Tensor, x, 1, 0, 4096)
+    after = FakeTensorMode.cache_info()
+    assert view.shape == (8, 4096) and view.stride() == (6144, 1)
+    assert (after.hits, after.misses, after.size) == (before.hits, before.misses, before.size)
+    assert mode.cache_enabled

@@ -260,10 +260,22 @@ class PassContext:
         return name
 
     def fake(self, fn, *args, **kwargs):
-        """Run fn on the meta["val"] of node arguments, under the graph's fake mode."""
+        """Run fn on the meta["val"] of node arguments, under the graph's fake mode, past its
+        dispatch cache: our calls rarely repeat one (each layer's nodes have inputs of their
+        own), and a miss pays for an entry while a hit still builds the output (with symbolic
+        sizes, 3-5 ms a view on an H200's host): without it, 38% less time in this function
+        for a 32-layer Llama at dynamic M (on a CPU; BENCHMARKS.md, thirty-seventh session).
+        The mode keeps its cache for everything else."""
         args, kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-        with self.fake_mode:
-            return fn(*args, **kwargs)
+        cached = getattr(self.fake_mode, "cache_enabled", None)
+        if cached:
+            self.fake_mode.cache_enabled = False
+        try:
+            with self.fake_mode:
+                return fn(*args, **kwargs)
+        finally:
+            if cached:
+                self.fake_mode.cache_enabled = cached
 
     def replace_uses(self, old: fx.Node, new: fx.Node) -> None:
         """old's users read new instead, and every node downstream of new whose value (shape,
