@@ -16,6 +16,17 @@ def _tokens(text: str) -> int:
     return m
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """A weight shape for the command line: NxK (output features x input features)."""
+    try:
+        n, k = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a weight shape is NxK, e.g. 6144x4096, got {text!r}") from None
+    if n < 1 or k < 1:
+        raise argparse.ArgumentTypeError(f"N and K are at least 1, got {text!r}")
+    return n, k
+
+
 def _backends(args) -> int:
     import torch
 
@@ -128,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         help="M values (default: gemm 1 16 32 128 1024 4096; mlp 1 16 128 4096; "
         "moe 1 16 128 1024 4096; host 1 16)",
+    )
+    bench.add_argument(
+        "--shape",
+        type=_shape,
+        action="append",
+        help="`bench gemm` / `bench tune`: a weight shape NxK to time instead of the five default "
+        "ones, e.g. --shape 6144x4096 --shape 28672x4096 (Llama-3-8B's q|k|v and gate|up)",
     )
     bench.add_argument(
         "--chain",

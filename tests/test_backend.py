@@ -210,6 +210,29 @@ def test_the_command_line_refuses_an_m_below_one_token_in_words(argv, capsys):
     assert "M is a number of tokens, at least 1" in capsys.readouterr().err
 
 
+def test_bench_gemm_and_tune_time_the_weight_shapes_the_command_line_names(monkeypatch):
+    from fp8compile.__main__ import main
+    from fp8compile.bench import gemm, tune
+
+    asked = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gemm, "bench_gemm", lambda out, shapes, ms, skip: asked.setdefault("gemm", shapes))
+    monkeypatch.setattr(tune, "tune", lambda out, shapes, kernels: asked.setdefault("tune", shapes))
+    main(["bench", "gemm", "--shape", "6144x4096", "--shape", "28672X4096"])
+    main(["bench", "tune", "--kernels", "small_m"])
+    assert asked == {"gemm": [(6144, 4096), (28672, 4096)], "tune": gemm.SHAPES}
+
+
+@pytest.mark.parametrize("shape", ["6144", "6144x4096x2", "0x4096", "ax4096"])
+def test_the_command_line_refuses_a_shape_that_is_not_n_by_k_in_words(shape, capsys):
+    from fp8compile.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "gemm", "--shape", shape])
+    err = capsys.readouterr().err
+    assert "a weight shape is NxK" in err or "N and K are at least 1" in err
+
+
 @pytest.mark.parametrize("k, declined", [(256, True), (896, True), (4864, True), (512, False), (7168, False)])
 def test_cublas_declines_a_k_whose_weight_scale_columns_it_misreads(k, declined, monkeypatch):
     # K/128 not a multiple of 4: torch._scaled_mm's block scaling returned calc_diff 0.09-1.0 or

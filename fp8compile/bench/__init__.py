@@ -50,7 +50,7 @@ def main(args) -> int:
         elif args.what == "gemm":
             from . import gemm
 
-            gemm.bench_gemm(out, ms=args.m or gemm.MS, skip=args.skip or ())
+            gemm.bench_gemm(out, shapes=args.shape or gemm.SHAPES, ms=args.m or gemm.MS, skip=args.skip or ())
         elif args.what == "mlp":
             from . import mlp
 
@@ -68,6 +68,7 @@ def main(args) -> int:
                 layers={k: moe.MOE_LAYERS[k] for k in (args.layer or moe.MOE_LAYERS)},
             )
         else:
+            from .gemm import SHAPES
             from .tune import tune
 
             if "mqa_paged" in args.kernels:
@@ -76,6 +77,6 @@ def main(args) -> int:
                 mqa.tune_paged(out)
             gemm_kernels = [k for k in args.kernels if k != "mqa_paged"]
             if gemm_kernels:
-                tune(out, kernels=gemm_kernels)
+                tune(out, shapes=args.shape or SHAPES, kernels=gemm_kernels)
     print(f"[{time.time() - start:.0f} s] results in {out}")
     return 0

@@ -62,7 +62,7 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
             ]
             for m in (1, 16, 32) if "small_m" in kernels else ():
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                for block_n, ppsm, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (3, 4)):
+                for block_n, ppsm, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (3, 4, 5)):
                     n_blocks = math.ceil(n / block_n)
                     sms = torch.cuda.get_device_properties(0).multi_processor_count
                     split = max(1, min(k // 128, round(ppsm * sms / n_blocks)))
