@@ -81,6 +81,10 @@ class Fp8Config:
                      None = dynamic scales, computed per call. A linear the table lacks stays bf16.
     act_amax_ub:     upper bound on a dynamic activation amax (vLLM's input_scale_ub): values
                      past ub saturate at 448 * scale; 0 = none.
+    split_kv:        the gqa_attention fusion's decode attention on a GPU runs fp8compile's
+                     split-KV kernel (ops/triton_attention.py: the keys spread over the SMs)
+                     instead of the sdpa kernel torch picks (one program per sequence and K/V
+                     head walking the whole cache).
     """
 
     recipe: str = "block"
@@ -98,12 +102,20 @@ class Fp8Config:
     release_bf16_weights: bool = False
     act_amax: Mapping[str, float] | None = None
     act_amax_ub: float = 0.0
+    split_kv: bool = True
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
             raise ValueError(f"recipe={self.recipe!r} is not supported; valid recipes: {', '.join(RECIPES)}")
         self._check_recipe_options()
-        for name in ("e8m0", "batch_invariant", "autotune", "inline_conds", "release_bf16_weights"):
+        for name in (
+            "e8m0",
+            "batch_invariant",
+            "autotune",
+            "inline_conds",
+            "release_bf16_weights",
+            "split_kv",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.inductor_launch is not None and not isinstance(self.inductor_launch, bool):

@@ -122,13 +122,24 @@ def gqa_pattern(node: fx.Node) -> GqaMatch | str | None:
     )
 
 
-def grouped_sdpa(query, key, value, mask, scale, rep, heads_outer):
+def grouped_sdpa(query, key, value, mask, scale, rep, heads_outer, split_keys=False, chunk=0):
     """sdpa(query, repeat_kv(key), repeat_kv(value), mask) reading each K/V head once: the rep
     query heads of a K/V head are its rows. Returns (B, H, S, D), laid out as (B, H, S, D) if
-    heads_outer, else as (B, S, H, D) (the layouts sdpa kernels give)."""
+    heads_outer, else as (B, S, H, D) (the layouts sdpa kernels give). split_keys: through
+    fp8compile::gqa_decode_attention (ops/triton_attention.py, CUDA), the keys split over programs,
+    chunk keys each (0: the op's choice for this batch)."""
     b, h, s, d = query.shape
     kv = key.shape[1]
     q = query.reshape(b, kv, rep * s, d)
+    if split_keys:
+        from ..ops import attention_op  # noqa: F401  (registers fp8compile::gqa_decode_attention)
+
+        scale = scale if scale is not None else d**-0.5
+        out = torch.ops.fp8compile.gqa_decode_attention(q, key, value, mask, scale, rep, chunk)
+        out = out.reshape(b, kv, rep, s, d)
+        if heads_outer:
+            return out.view(b, h, s, d)
+        return out.permute(0, 3, 1, 2, 4).contiguous().view(b, s, h, d).transpose(1, 2)
     if mask is not None:  # broadcastable to (B, H, S, L); rows regrouped like the queries'
         if mask.dim() < 4:
             mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
@@ -153,9 +164,12 @@ def gqa_attention_pass(ctx: PassContext) -> None:
             ctx.report.skips.append(Skip("attention", name, match, ctx.graph_index, _shape(node)))
             continue
         inputs = [match.query, match.key, match.value] + ([match.mask] if match.mask is not None else [])
+        vals = [n.meta["val"] for n in inputs]
+        split = ctx.config.split_kv and _split_kv_why_not(vals, match) is None
+        chunk = _batch_invariant_chunk(vals[1]) if split and ctx.config.batch_invariant else 0
 
-        def call(q, k, v, mask=None, *, match=match, heads_outer=True):
-            return grouped_sdpa(q, k, v, mask, match.scale, match.rep, heads_outer)
+        def call(q, k, v, mask=None, *, match=match, heads_outer=True, split=split, chunk=chunk):
+            return grouped_sdpa(q, k, v, mask, match.scale, match.rep, heads_outer, split, chunk)
 
         # The output as laid out before: the nodes reading it may be views that need that layout.
         layouts = [
@@ -178,15 +192,23 @@ def gqa_attention_pass(ctx: PassContext) -> None:
         before = node.prev
         with graph.inserting_before(node):
             out = inline_traced(
-                graph, call, inputs, ctx.traces, ("grouped_sdpa", match.scale, match.rep, layouts[0])
+                graph,
+                call,
+                inputs,
+                ctx.traces,
+                ("grouped_sdpa", match.scale, match.rep, layouts[0], split, chunk),
             )
-        kernel = next(
-            (
-                n.target.__name__.split(".")[0].removeprefix("_scaled_dot_product_")
-                for n in _between(before, node)
-                if n.target in SDPA_OPS
-            ),
-            "sdpa",
+        kernel = (
+            "split-KV (fp8compile)"
+            if split
+            else next(
+                (
+                    n.target.__name__.split(".")[0].removeprefix("_scaled_dot_product_")
+                    for n in _between(before, node)
+                    if n.target in SDPA_OPS
+                ),
+                "sdpa",
+            )
         )
         ctx.replace_uses(match.out, out)
         graph.erase_node(match.out)
@@ -206,6 +228,23 @@ def gqa_attention_pass(ctx: PassContext) -> None:
                 detail=f"gqa {h}/{kv} heads",
             )
         )
+
+
+def _split_kv_why_not(vals: list, match: GqaMatch) -> str | None:
+    """Why fp8compile's split-KV kernel does not serve this attention (sdpa's kernel does), or None."""
+    if vals[0].device.type != "cuda":  # Triton may be absent without a GPU: nothing imported
+        return "not on a CUDA device"
+    from ..ops import triton_attention
+
+    return triton_attention.supports(*vals[:3], vals[3] if match.mask is not None else None, match.rep)
+
+
+def _batch_invariant_chunk(key: torch.Tensor) -> int:
+    """The split-KV kernel's keys per chunk for any batch: the choice for one sequence (the
+    default choice follows the batch, and a row's sum order with it)."""
+    from ..ops import attention_op, triton_attention
+
+    return triton_attention.chunk_keys(attention_op.hint(key.shape[2]), 1, key.shape[1], key.device)
 
 
 def _same_element_layout(new: torch.Tensor, old: torch.Tensor) -> bool:

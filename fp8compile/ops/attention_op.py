@@ -1,0 +1,61 @@
+"""fp8compile::gqa_decode_attention: grouped-query decode attention split along the keys, as an
+op Inductor launches itself (a torch.library.triton_op: traced, its body is the kernel launch
+and the combine's tensor ops, which Inductor fuses into one kernel).
+
+Its definition is sdpa over repeat_kv'd keys and values with the query heads of a K/V head as
+its rows (passes/gqa_attention.grouped_sdpa); the kernel is ops/triton_attention.py. The chunk
+length is fixed when the op is traced, from the batch and key count it sees (their hints when
+symbolic), so one compiled graph computes every batch with one order of summation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from . import triton_attention
+
+
+@triton_op("fp8compile::gqa_decode_attention", mutates_args=())
+def gqa_decode_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, rep: int, chunk: int = 0
+) -> Tensor:
+    """q (B, KV, R, D), R = rep x S query rows per K/V head (row r: head rep * g + r // S, token
+    r % S); k, v (B, KV, L, D); mask None, or boolean or additive broadcasting to (B, KV * rep,
+    S, L) -> (B, KV, R, D) in q's dtype. chunk: keys per program (a multiple of
+    triton_attention.BLOCK_L; 0 = triton_attention.chunk_keys's choice)."""
+    b, kv, rows, d = q.shape
+    length = k.shape[2]
+    if rows % rep:
+        raise ValueError(f"{rows} query rows are not a multiple of rep = {rep}")
+    s = rows // rep
+    chunk = int(chunk)  # a constant of the trace (a symbolic one is specialized)
+    if chunk == 0:
+        chunk = triton_attention.chunk_keys(hint(length), hint(b), kv, q.device)
+    elif chunk % triton_attention.BLOCK_L:
+        raise ValueError(f"chunk = {chunk} is not a multiple of {triton_attention.BLOCK_L}")
+    if mask is not None:  # (B, H, S, L) through its strides: 0 where it broadcasts
+        mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(b, kv * rep, s, length)
+    q = q.contiguous()
+    chunks = -(-length // chunk)
+    one = isinstance(chunks, int) and chunks == 1
+    if one:
+        o = torch.empty(b, kv, rows, d, dtype=q.dtype, device=q.device)
+        lse = None
+    else:
+        o = torch.empty(b, kv, chunks, rows, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(b, kv, chunks, rows, dtype=torch.float32, device=q.device)
+    programs = triton_attention.programs_to_fill(q.device)
+    grid, args, constexprs = triton_attention.gqa_decode_arguments(
+        q, k, v, mask, o, lse, scale, rep, chunk, programs
+    )
+    wrap_triton(triton_attention._gqa_decode_kernel)[grid](*args, **constexprs, num_warps=4)
+    return o if one else triton_attention.combine(o, lse, q.dtype)
+
+
+def hint(size) -> int:
+    """A size, or the example value of a symbolic one."""
+    if isinstance(size, torch.SymInt):
+        return size.node.hint if size.node.has_hint() else 1
+    return int(size)

@@ -1,0 +1,258 @@
+"""Decode attention over a KV cache, split along the keys (flash-decoding), for grouped queries.
+
+At decode a sequence has one query token, so sdpa's kernels give a step one program per
+(sequence, K/V head) when the query heads of a K/V head are its rows (passes/gqa_attention.py):
+8 programs on 132 SMs for Llama-3-8B at batch 1, each walking the whole cache. On an H200 at
+context 1152 cuDNN's kernel takes 27 us a layer for 4.7 MB of keys and values (0.17 TB/s),
+0.86 ms of a 5 ms FP8 step over 32 layers (BENCHMARKS.md, "Thirty-eighth session").
+
+Here the keys are cut into chunks: one program per (sequence, K/V head, chunk) holds that head's
+R = rep x S query rows, walks its chunk BLOCK_L keys a step with the online softmax, and writes
+its rows' output normalized within the chunk plus their log-sum-exp. combine() then weighs the
+chunks by exp(lse - max lse): the same softmax, summed in another order. With one chunk the
+kernel writes the output itself.
+
+The mask is sdpa's: additive (float, -inf for a masked key) or boolean (True = attend), any
+shape that broadcasts to (B, H, S, L), read through its strides (0 where it broadcasts). Shape
+letters: B sequences, KV K/V heads, rep query heads per K/V head, S query tokens, R = rep * S
+rows per K/V head, L keys, D head size, C chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..numerics import next_pow2
+from .launch import num_sms
+
+BLOCK_L = 64  # keys a step
+MASK_NONE, MASK_ADD, MASK_BOOL = 0, 1, 2
+
+
+@triton.jit
+def _gqa_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    mask_ptr,
+    o_ptr,
+    lse_ptr,
+    L,
+    CHUNK,
+    n_items,
+    stride_qb,
+    stride_qg,
+    stride_qr,
+    stride_kb,
+    stride_kg,
+    stride_kl,
+    stride_vb,
+    stride_vg,
+    stride_vl,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_ml,
+    stride_ob,
+    stride_og,
+    stride_oc,
+    stride_or,
+    SCALE: tl.constexpr,
+    KV: tl.constexpr,
+    REP: tl.constexpr,
+    S: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    MASK: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    num_chunks = tl.cdiv(L, CHUNK)
+    r = tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    row_ok = r < REP * S
+    d_ok = d < D
+    s = r % S
+    # Work items (sequence, K/V head, chunk), every num_programs-th one per program.
+    for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
+        c = item % num_chunks
+        b = (item // num_chunks // KV).to(tl.int64)
+        g = item // num_chunks % KV
+        head = g * REP + r // S
+        q = tl.load(
+            q_ptr + b * stride_qb + g * stride_qg + r[:, None] * stride_qr + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if DOT_F32:
+            q = q.to(tl.float32)
+        m_i = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_R,), tl.float32)
+        acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, L)
+        for start in range(lo, hi, BLOCK_L):
+            keys = start + tl.arange(0, BLOCK_L)
+            key_ok = keys < hi
+            kv_mask = key_ok[:, None] & d_ok[None, :]
+            k = tl.load(
+                k_ptr + b * stride_kb + g * stride_kg + keys[:, None] * stride_kl + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            if DOT_F32:
+                k = k.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k)) * SCALE
+            if MASK != 0:
+                m_ptrs = (
+                    mask_ptr
+                    + b * stride_mb
+                    + head[:, None] * stride_mh
+                    + s[:, None] * stride_ms
+                    + keys[None, :] * stride_ml
+                )
+                m_ok = row_ok[:, None] & key_ok[None, :]
+                if MASK == 1:
+                    scores += tl.load(m_ptrs, mask=m_ok, other=0.0).to(tl.float32)
+                else:
+                    scores = tl.where(tl.load(m_ptrs, mask=m_ok, other=0) != 0, scores, float("-inf"))
+            scores = tl.where(key_ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            # A row with no key left so far keeps -inf: exponents are taken from 0 instead.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_ptr + b * stride_vb + g * stride_vg + keys[:, None] * stride_vl + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            p = p.to(v.dtype)
+            if DOT_F32:
+                p, v = p.to(tl.float32), v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows with no key: 0
+        o_ptrs = o_ptr + b * stride_ob + g * stride_og + c * stride_oc + r[:, None] * stride_or + d[None, :]
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if WRITE_LSE:
+            lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf"))
+            tl.store(lse_ptr + ((b * KV + g) * num_chunks + c) * (REP * S) + r, lse, mask=row_ok)
+
+
+def chunk_keys(length: int, batch: int, kv: int, device: torch.device) -> int:
+    """Keys per chunk: enough chunks that B x KV x C programs fill the GPU about twice, each
+    at least one BLOCK_L step (length and batch: sizes or their hints)."""
+    programs = max(1, batch * kv)
+    chunks = max(1, programs_to_fill(device) // programs)
+    return triton.cdiv(triton.cdiv(length, chunks), BLOCK_L) * BLOCK_L
+
+
+def programs_to_fill(device: torch.device) -> int:
+    """Two programs per SM on a GPU; a few in Triton's CPU interpreter."""
+    if device.type != "cuda":
+        return 4
+    return 2 * num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def mask_code(mask: Tensor | None) -> int:
+    if mask is None:
+        return MASK_NONE
+    return MASK_BOOL if mask.dtype == torch.bool else MASK_ADD
+
+
+def gqa_decode_arguments(q, k, v, mask, o, lse, scale: float, rep: int, chunk: int, programs: int):
+    """(grid, args, constexprs) of _gqa_decode_kernel: q (B, KV, R, D), k and v (B, KV, L, D),
+    mask broadcast to (B, H, S, L) or None, o (B, KV, C, R, D) (C = 1: (B, KV, R, D) in q's dtype),
+    lse (B, KV, C, R) fp32 or None."""
+    b, kv, rows, d = q.shape
+    length = k.shape[2]
+    chunks = o.shape[2] if o.dim() == 5 else 1
+    o_strides = (
+        (o.stride(0), o.stride(1), o.stride(2), o.stride(3))
+        if o.dim() == 5
+        else (
+            o.stride(0),
+            o.stride(1),
+            0,
+            o.stride(2),
+        )
+    )
+    m_strides = tuple(mask.stride()) if mask is not None else (0, 0, 0, 0)
+    args = (
+        q,
+        k,
+        v,
+        mask if mask is not None else q,
+        o,
+        lse if lse is not None else o,
+        length,
+        chunk,
+        b * kv * chunks,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        *m_strides,
+        *o_strides,
+    )
+    constexprs = dict(
+        SCALE=float(scale),
+        KV=kv,
+        REP=rep,
+        S=rows // rep,
+        D=d,
+        BLOCK_R=max(16, next_pow2(rows)),
+        BLOCK_D=max(16, next_pow2(d)),
+        BLOCK_L=BLOCK_L,
+        MASK=mask_code(mask),
+        WRITE_LSE=lse is not None,
+        # Triton's CPU interpreter multiplies bf16 dot operands wrongly (3.9): fp32 operands there,
+        # the same bf16 values.
+        DOT_F32=q.device.type != "cuda",
+    )
+    return (programs,), args, constexprs
+
+
+def combine(o: Tensor, lse: Tensor, dtype: torch.dtype) -> Tensor:
+    """The chunks' outputs o (B, KV, C, R, D), each normalized within its chunk, and their
+    log-sum-exp (B, KV, C, R), as the attention over all keys: (B, KV, R, D) in dtype. A chunk
+    with no key (lse -inf) weighs 0; a row with no key at all gives 0."""
+    top = lse.amax(2, keepdim=True)
+    top = torch.where(top == float("-inf"), 0.0, top)
+    w = torch.exp(lse - top)
+    total = w.sum(2)
+    out = (w[..., None] * o).sum(2) / torch.where(total > 0, total, 1.0)[..., None]
+    return out.to(dtype)
+
+
+MAX_ROWS = 64  # query rows per K/V head a program holds
+
+
+def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rep: int) -> str | None:
+    """Why the kernel cannot serve this attention, or None. q (B, H, S, D) before regrouping."""
+    if q.device.type != "cuda":
+        return "not on a CUDA device"
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in (torch.bfloat16, torch.float16)):
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (bf16 or fp16 only)"
+    if q.shape[-1] > 256 or q.shape[-1] < 16:
+        return f"head size {q.shape[-1]} (16..256)"
+    if rep * q.shape[2] > MAX_ROWS:
+        return f"{rep * q.shape[2]} query rows per K/V head (up to {MAX_ROWS})"
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        return "keys or values not contiguous along the head dimension"
+    if mask is not None and (mask.dim() > 4 or not statically_known_true(mask.shape[-1] == k.shape[2])):
+        return f"mask of shape {tuple(mask.shape)} for {k.shape[2]} keys"
+    return None
