@@ -265,7 +265,7 @@ def _torchao_rowwise(model) -> None:
 
 # GPU kernel names -> what they compute, for the time split of a decode step (first match wins).
 KERNEL_KINDS = (
-    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|_gqa_decode", re.I)),
     (
         "moe",
         re.compile(r"moe|grouped|_route_|_topk_sum", re.I),

@@ -1,0 +1,178 @@
+"""fp8compile::gqa_decode_attention, the split-KV decode attention the gqa_attention pass uses on a
+GPU: the attention over repeat_kv'd keys and values, whatever the chunks, masks and layouts.
+On the CPU in Triton's interpreter at small sizes; on the GPU at Llama-3-8B's, against cuDNN."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+import fp8compile  # noqa: E402
+from fp8compile import calc_diff  # noqa: E402
+from fp8compile.ops import attention_op, triton_attention  # noqa: E402
+from fp8compile.passes.gqa_attention import grouped_sdpa  # noqa: E402
+from tests.conftest import DEVICE, gpu  # noqa: E402
+
+# The kernel rounds the probabilities to bf16 before multiplying them with V (as flash kernels
+# do), and the output to bf16. Against an fp32 reference, the cases of the first test below
+# measure calc_diff 3.1e-6..6.4e-6 split into chunks (combined in fp32, rounded once) and
+# 1.2e-5..1.7e-5 as one chunk, whose bf16 store Triton's CPU interpreter truncates instead of
+# rounding; the fp32 reference itself rounded to bf16 measures 1.3e-6..1.5e-6. Losing one of
+# the four chunks measures 0.30.
+BF16_ATTENTION = 3e-5
+
+
+def repeat_kv(x, rep):
+    b, kv, length, d = x.shape
+    return x[:, :, None].expand(b, kv, rep, length, d).reshape(b, kv * rep, length, d)
+
+
+def reference(q, k, v, mask, scale, rep):
+    """sdpa over repeat_kv'd keys and values in fp32; q (B, H, S, D)."""
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.float()
+    return F.scaled_dot_product_attention(
+        q.float(), repeat_kv(k.float(), rep), repeat_kv(v.float(), rep), attn_mask=mask, scale=scale
+    )
+
+
+def inputs(b, kv, rep, s, length, d, mask_kind, device=DEVICE):
+    q = torch.randn(b, kv * rep, s, d, device=device).bfloat16()
+    k, v = (torch.randn(b, kv, length, d, device=device).bfloat16() for _ in range(2))
+    past = length - length // 4  # a static cache: the last quarter not written yet
+    mask = None
+    if mask_kind == "additive":  # (B, 1, S, L), what transformers' sdpa mask becomes
+        mask = torch.zeros(b, 1, s, length, device=device)
+        mask[..., past:] = float("-inf")
+        mask = mask.bfloat16()
+    elif mask_kind == "per_head":
+        mask = torch.randn(b, kv * rep, s, length, device=device)
+        mask[..., past:] = float("-inf")
+    elif mask_kind == "bool":
+        mask = torch.ones(b, 1, s, length, dtype=torch.bool, device=device)
+        mask[..., past:] = False
+    elif mask_kind == "2d":
+        mask = torch.randn(s, length, device=device)
+    return q, k, v, mask
+
+
+def grouped(q, k, v, mask, scale, rep, chunk=0):
+    b, h, s, d = q.shape
+    out = attention_op.gqa_decode_attention(q.reshape(b, h // rep, rep * s, d), k, v, mask, scale, rep, chunk)
+    return out.reshape(b, h // rep, rep, s, d).reshape(b, h, s, d)
+
+
+@pytest.mark.parametrize("mask_kind", [None, "additive", "per_head", "bool", "2d"])
+@pytest.mark.parametrize("s", [1, 3])
+@pytest.mark.parametrize("chunk", [64, 128, 0])
+def test_split_kv_attention_is_the_attention_over_repeated_kv(mask_kind, s, chunk):
+    # 200 keys: chunks of 64 and 128 end past the last key; rep 4, 2 K/V heads
+    q, k, v, mask = inputs(2, 2, 4, s, 200, 64, mask_kind)
+    got = grouped(q, k, v, mask, 0.1, 4, chunk)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    assert calc_diff(got, reference(q, k, v, mask, 0.1, 4)) < BF16_ATTENTION
+
+
+def test_one_chunk_writes_the_output_itself_and_agrees_with_many():
+    q, k, v, mask = inputs(1, 2, 4, 1, 130, 32, "additive")
+    one, many = grouped(q, k, v, mask, 0.2, 4, chunk=192), grouped(q, k, v, mask, 0.2, 4, chunk=64)
+    want = reference(q, k, v, mask, 0.2, 4)
+    assert calc_diff(one, want) < BF16_ATTENTION and calc_diff(many, want) < BF16_ATTENTION
+
+
+def test_chunks_with_no_key_weigh_nothing_and_a_row_with_none_gives_zeros():
+    # Left padding masks the first chunks whole; sequence 1 has no key at all.
+    q, k, v, _ = inputs(2, 1, 4, 1, 256, 32, None)
+    mask = torch.zeros(2, 1, 1, 256, device=DEVICE)
+    mask[0, ..., :150] = float("-inf")
+    mask[1] = float("-inf")
+    got = grouped(q, k, v, mask, 0.2, 4, chunk=64)
+    assert not got.isnan().any()
+    assert calc_diff(got[0], reference(q[:1], k[:1], v[:1], mask[:1], 0.2, 4)[0]) < BF16_ATTENTION
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+@pytest.mark.parametrize("heads_outer", [True, False])
+def test_the_pass_function_lays_the_split_kv_output_out_as_sdpa_did(heads_outer):
+    q, k, v, mask = inputs(2, 2, 3, 2, 96, 32, "additive")
+    got = grouped_sdpa(q, k, v, mask, 0.25, 3, heads_outer, split_keys=True, chunk=64)
+    assert calc_diff(got, reference(q, k, v, mask, 0.25, 3)) < BF16_ATTENTION
+    assert (got if heads_outer else got.transpose(1, 2)).is_contiguous(), got.stride()
+
+
+def test_a_chunk_that_is_not_a_multiple_of_the_key_step_is_refused():
+    q, k, v, _ = inputs(1, 1, 4, 1, 64, 32, None)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        grouped(q, k, v, None, 0.2, 4, chunk=100)
+
+
+def test_chunks_fill_the_gpu_about_twice_and_never_go_below_one_key_step():
+    cuda = torch.device("cuda", 0)
+    fill = 2 * 132  # an H100 or H200
+
+    def chunks(length, batch, kv=8):
+        return -(-length // triton_attention.chunk_keys(length, batch, kv, cuda))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_attention, "num_sms", lambda index: fill // 2)
+        assert chunks(1152, 1) == 18  # 33 wanted; 64 keys each at least
+        assert chunks(4096, 1) == 32 and 8 * chunks(4096, 4) <= fill * 2
+        assert chunks(1152, 64) == 1
+
+
+def test_split_kv_is_a_bool_option_on_by_default():
+    assert fp8compile.Fp8Config().split_kv is True
+    with pytest.raises(TypeError, match="split_kv"):
+        fp8compile.Fp8Config(split_kv="yes")
+
+
+@gpu
+@pytest.mark.parametrize("length", [1152, 4096])
+@pytest.mark.parametrize("batch", [1, 4, 64])
+@pytest.mark.parametrize("mask_kind", ["additive", "bool"])
+def test_on_the_gpu_split_kv_is_as_accurate_as_cudnn_at_llama_sizes(length, batch, mask_kind):
+    q, k, v, mask = inputs(batch, 8, 4, 1, length, 128, mask_kind)
+    want = reference(q, k, v, mask, 128**-0.5, 4)
+    cudnn_mask = mask if mask_kind == "additive" else torch.where(mask, 0.0, float("-inf")).bfloat16()
+    cudnn = grouped_sdpa(q, k, v, cudnn_mask, None, 4, True)
+    got = grouped(q, k, v, mask, 128**-0.5, 4)
+    assert calc_diff(got, want) <= 1.5 * calc_diff(cudnn, want) + 1e-7
+
+
+@gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_on_the_gpu_a_static_cache_decode_runs_split_kv_with_the_tokens_of_sdpa(mode):
+    from fp8compile.bench.model import static_cache
+    from fp8compile.demo import small_llama
+
+    def _generate(model, ids, backend, mode, steps=6):
+        torch._dynamo.reset()
+        model.forward = torch.compile(type(model).forward.__get__(model), backend=backend, mode=mode)
+        try:
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=steps,
+                do_sample=False,
+                past_key_values=static_cache(model, ids.shape[0], ids.shape[1] + steps, "cuda"),
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        finally:
+            del model.forward
+        return out.sequences, out.logits
+
+    model = small_llama().cuda()  # 4 query heads on 2 K/V heads
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(0, 32000, (2, 12), device="cuda")
+    split = fp8compile.backend(fusions=("gqa_attention",), skip=("*",))
+    sdpa = fp8compile.backend(fusions=("gqa_attention",), skip=("*",), split_kv=False)
+    with torch.no_grad():
+        tokens, logits = _generate(model, ids, split, mode=mode)
+        want_tokens, want_logits = _generate(model, ids, sdpa, mode=mode)
+    decode = [r for r in split.report.rewrites if r.kind == "attention" and r.graph == 1]
+    assert decode and all(r.kernels == (("S = 1", "sdpa split-KV (fp8compile)"),) for r in decode)
+    assert all("split-KV" not in r.kernels[0][1] for r in sdpa.report.rewrites)
+    assert torch.equal(tokens, want_tokens)
+    assert max(calc_diff(a.float(), b.float()) for a, b in zip(logits, want_logits)) < 1e-4
