@@ -357,3 +357,38 @@ def test_the_passes_fake_values_are_computed_past_the_fake_modes_cache_which_sta
     assert view.shape == (8, 4096) and view.stride() == (6144, 1)
     assert (after.hits, after.misses, after.size) == (before.hits, before.misses, before.size)
     assert mode.cache_enabled
+
+
+def _launch_like(t):
+    """What a traced Triton launch's node gives: {argument name: tensor}."""
+    return {"o_ptr": t[:, :2]}
+
+
+def test_a_merge_re_derives_values_below_it_through_a_traced_launchs_dict_of_outputs():
+    """A q|k|v merge hands its users strided slices and re-derives the values below them; a
+    traced kernel launch there (the split-KV attention's) has a dict as its value."""
+    import operator
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fp8compile.passes.context import PassContext
+
+    mode = FakeTensorMode()
+    graph = torch.fx.Graph()
+    x, wide = graph.placeholder("x"), graph.placeholder("wide")
+    old = graph.call_function(torch.ops.aten.clone.default, (x,))
+    new = graph.call_function(torch.ops.aten.slice.Tensor, (wide, 1, 0, 4))
+    launch = graph.call_function(_launch_like, (old,))
+    out = graph.call_function(operator.getitem, (launch, "o_ptr"))
+    graph.output(out)
+    with mode:
+        x.meta["val"], wide.meta["val"] = torch.empty(8, 4), torch.empty(8, 12)
+        old.meta["val"], new.meta["val"] = torch.empty(8, 4), wide.meta["val"][:, :4]
+        launch.meta["val"] = _launch_like(old.meta["val"])
+        out.meta["val"] = launch.meta["val"]["o_ptr"]
+    ctx = SimpleNamespace(fake_mode=mode)
+    ctx.fake = lambda fn, *args, **kwargs: PassContext.fake(ctx, fn, *args, **kwargs)
+    PassContext.replace_uses(ctx, old, new)
+    assert launch.meta["val"]["o_ptr"].stride() == (12, 1)
+    assert out.meta["val"].shape == (8, 2) and out.meta["val"].stride() == (12, 1)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .. import shards
@@ -300,7 +301,7 @@ class PassContext:
                 val = self.fake(node.target, *node.args, **node.kwargs)
             except Exception:  # an op the fake mode cannot rerun here: keep what tracing recorded
                 continue
-            if free_unbacked_symbols(val) or _same_layout(val, node.meta.get("val")):
+            if _unbacked(val) or _same_layout(val, node.meta.get("val")):
                 continue
             node.meta["val"] = val
             work.extend((user, False) for user in node.users)
@@ -347,10 +348,23 @@ class PassContext:
         self.report.skips.append(Skip(kind, name, reason, self.graph_index, shape))
 
 
+def _unbacked(val: Any) -> bool:
+    """Whether a meta value (a tensor, a size, or a tuple / list / dict of them: a traced Triton
+    launch gives {argument name: tensor}) holds an unbacked symbol."""
+    return any(
+        free_unbacked_symbols(leaf)
+        for leaf in pytree.tree_leaves(val)
+        if isinstance(leaf, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool))
+    )
+
+
 def _same_layout(a: Any, b: Any) -> bool:
-    """Whether two meta values (tensors, or tuples / lists of them) agree in shape, strides and dtype."""
+    """Whether two meta values (tensors, or tuples / lists / dicts of them) agree in shape,
+    strides and dtype."""
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(_same_layout(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_layout(a[key], b[key]) for key in a)
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
     return type(a) is type(b) and not isinstance(a, torch.Tensor)
