@@ -12,7 +12,11 @@ in bf16 and FP8, so this caps what FP8 linears can give a whole model there.
 For a few query tokens the copy is not needed: the rep query heads that share a K/V head become
 rep x S query rows of that head. q (B, H, S, D) -> (B, KV, rep * S, D); the mask's rows follow
 (a view at S = 1); the output comes back as (B, H, S, D) in the layout the attention gave
-before. The same attention kernel, chosen by sdpa as before, reads each K/V head once.
+before. On the CPU the attention kernel sdpa chooses reads each K/V head once. On a GPU that
+kernel (cuDNN's) runs one program per (sequence, K/V head) and walks the whole cache: 27 us a
+layer for Llama-3-8B at batch 1, context 1152, on an H200. There fp8compile's split-KV kernel
+(ops/triton_attention.py, Fp8Config.split_kv) spreads the keys over the SMs instead: 7.5 us
+(BENCHMARKS.md, "Thirty-eighth session").
 
 Matched: an sdpa op of the ATen graph (cuDNN, efficient, CPU flash) whose key and value are
 repeat_kv copies of the same group layout, no dropout, not is_causal, a static query length of
