@@ -83,8 +83,8 @@ class Fp8Config:
                      past ub saturate at 448 * scale; 0 = none.
     split_kv:        the gqa_attention fusion's decode attention on a GPU runs fp8compile's
                      split-KV kernel (ops/triton_attention.py: the keys spread over the SMs)
-                     instead of the sdpa kernel torch picks (one program per sequence and K/V
-                     head walking the whole cache).
+                     instead of the sdpa kernel torch picks (its work split over sequences and
+                     K/V heads only, each block walking the whole cache).
     """
 
     recipe: str = "block"

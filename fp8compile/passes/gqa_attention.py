@@ -13,8 +13,8 @@ For a few query tokens the copy is not needed: the rep query heads that share a 
 rep x S query rows of that head. q (B, H, S, D) -> (B, KV, rep * S, D); the mask's rows follow
 (a view at S = 1); the output comes back as (B, H, S, D) in the layout the attention gave
 before. On the CPU the attention kernel sdpa chooses reads each K/V head once. On a GPU that
-kernel (cuDNN's) runs one program per (sequence, K/V head) and walks the whole cache: 27 us a
-layer for Llama-3-8B at batch 1, context 1152, on an H200. There fp8compile's split-KV kernel
+kernel (cuDNN's) splits the work over sequences and K/V heads only, each block walking the whole
+cache: 27 us a layer for Llama-3-8B at batch 1, context 1152, on an H200. There fp8compile's split-KV kernel
 (ops/triton_attention.py, Fp8Config.split_kv) spreads the keys over the SMs instead: 7.5 us
 (BENCHMARKS.md, "Thirty-eighth session").
 
