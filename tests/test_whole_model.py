@@ -251,6 +251,16 @@ def test_bench_model_inline_conds_variant_is_default_mode_fp8_with_the_branches_
     assert dataclasses.replace(inline.backend.config, inline_conds=False) == plain.backend.config
 
 
+def test_bench_model_sdpa_variants_are_fp8_with_the_decode_attention_on_sdpas_kernel():
+    from fp8compile.bench.model import _variant
+
+    for name, plain, mode in (("fp8_sdpa", "fp8", None), ("fp8_ro_sdpa", "fp8_ro", "reduce-overhead")):
+        sdpa, split = _variant(name, "rowwise"), _variant(plain, "rowwise")
+        assert sdpa.mode == split.mode == mode
+        assert not sdpa.backend.config.split_kv and split.backend.config.split_kv
+        assert dataclasses.replace(sdpa.backend.config, split_kv=True) == split.backend.config
+
+
 def test_bench_model_rowwise_variants_run_the_rowwise_recipe_beside_the_block_one_in_one_run():
     from fp8compile.bench.model import _variant
 

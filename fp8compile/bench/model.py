@@ -119,7 +119,8 @@ MODELS = {
 # bf16_gqa(_ro): bf16 Inductor plus our gqa_attention pass alone (every linear left bf16), the
 # anchor that tells FP8's share of a speedup from the attention rewrite's; fp8_ro_repeat_kv: fp8
 # without that pass. fp8_rowwise(_ro): the rowwise recipe whatever --recipe says, so that one run
-# puts it beside the block recipe's fp8(_ro) on the same host.
+# puts it beside the block recipe's fp8(_ro) on the same host. fp8_sdpa(_ro): fp8 with
+# Fp8Config(split_kv=False), the decode attention on sdpa's kernel (for an A/B of the split-KV one).
 VARIANTS = (
     "bf16",
     "bf16_inductor",
@@ -138,6 +139,8 @@ VARIANTS = (
     "fp8_ro_release",
     "fp8_rowwise",
     "fp8_rowwise_ro",
+    "fp8_sdpa",
+    "fp8_ro_sdpa",
     "torchao_rowwise_ro",
 )
 BATCHES = (1, 4, 16, 64)
@@ -244,6 +247,8 @@ def _variant(name: str, recipe: str = "block"):
         return Variant(name, fp8compile.backend(fusions=fusions, recipe=recipe), mode)
     if name.startswith("fp8_rowwise"):
         return Variant(name, fp8compile.backend(recipe="rowwise"), mode)
+    if name.endswith("_sdpa"):
+        return Variant(name, fp8compile.backend(split_kv=False, recipe=recipe), mode)
     if name.startswith("fp8"):
         release = name.endswith("_release")
         return Variant(name, fp8compile.backend(release_bf16_weights=release, recipe=recipe), mode, own)
@@ -686,6 +691,8 @@ def model_table(rows: list[dict]) -> str:
             ("fp8_rowwise", "fp8"),
             ("fp8_rowwise_ro", "fp8_ro"),
             ("fp8_ro", "bf16_gqa_ro"),
+            ("fp8", "fp8_sdpa"),
+            ("fp8_ro", "fp8_ro_sdpa"),
             ("fp8_ro_repeat_kv", "bf16_inductor_ro"),
             ("bf16_gqa_ro", "bf16_inductor_ro"),
         ):
