@@ -101,6 +101,36 @@ def test_the_pass_function_lays_the_split_kv_output_out_as_sdpa_did(heads_outer)
     assert (got if heads_outer else got.transpose(1, 2)).is_contiguous(), got.stride()
 
 
+def test_keys_not_at_unit_stride_along_the_head_dimension_are_read_right():
+    q, k, v, mask = inputs(1, 2, 4, 1, 96, 32, "additive")
+    k_t, v_t = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (k, v))
+    assert k_t.stride(-1) != 1
+    assert (
+        calc_diff(grouped(q, k_t, v_t, mask, 0.2, 4, 64), reference(q, k, v, mask, 0.2, 4)) < BF16_ATTENTION
+    )
+
+
+def test_the_op_schema_and_autograd_registration_pass_opcheck():
+    # The fake and traced checks run the op on fake tensors: on the CPU Triton's interpreter
+    # would run the kernel there, so they are the GPU test's below.
+    q, k, v, mask = inputs(1, 2, 4, 1, 96, 32, "additive")
+    torch.library.opcheck(
+        torch.ops.fp8compile.gqa_decode_attention.default,
+        (q.reshape(1, 2, 4, 32), k, v, mask, 0.2, 4, 64),
+        test_utils=("test_schema", "test_autograd_registration"),
+    )
+
+
+@gpu
+def test_on_the_gpu_the_op_passes_opcheck_with_fake_tensors_and_dynamic_shapes():
+    q, k, v, mask = inputs(2, 8, 4, 1, 1152, 128, "additive")
+    torch.library.opcheck(
+        torch.ops.fp8compile.gqa_decode_attention.default,
+        (q.reshape(2, 8, 4, 128), k, v, mask, 128**-0.5, 4, 0),
+        test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+
+
 def test_a_chunk_that_is_not_a_multiple_of_the_key_step_is_refused():
     q, k, v, _ = inputs(1, 1, 4, 1, 64, 32, None)
     with pytest.raises(ValueError, match="multiple of 64"):
@@ -117,7 +147,7 @@ def test_chunks_fill_the_gpu_about_twice_and_never_go_below_one_key_step():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(triton_attention, "num_sms", lambda index: fill // 2)
         assert chunks(1152, 1) == 18  # 33 wanted; 64 keys each at least
-        assert chunks(4096, 1) == 32 and 8 * chunks(4096, 4) <= fill * 2
+        assert chunks(4096, 1) == 32 and chunks(4096, 4) == 8  # 4 x 8 x 8 = 256 items
         assert chunks(1152, 64) == 1
 
 
@@ -137,6 +167,8 @@ def test_on_the_gpu_split_kv_is_as_accurate_as_cudnn_at_llama_sizes(length, batc
     cudnn_mask = mask if mask_kind == "additive" else torch.where(mask, 0.0, float("-inf")).bfloat16()
     cudnn = grouped_sdpa(q, k, v, cudnn_mask, None, 4, True)
     got = grouped(q, k, v, mask, 128**-0.5, 4)
+    # Measured on an H200 at these sizes (BENCHMARKS.md, thirty-eighth session): relative error
+    # 0.0022-0.0025 against cuDNN's 0.0024-0.0025, so at most cuDNN's; 1.5x leaves room for seeds.
     assert calc_diff(got, want) <= 1.5 * calc_diff(cudnn, want) + 1e-7
 
 

@@ -37,7 +37,9 @@ def gqa_decode_attention(
         raise ValueError(f"chunk = {chunk} is not a multiple of {triton_attention.BLOCK_L}")
     if mask is not None:  # (B, H, S, L) through its strides: 0 where it broadcasts
         mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(b, kv * rep, s, length)
-    q = q.contiguous()
+    # The kernel reads the head dimension at unit stride; the pass hands it such keys and values
+    # (triton_attention.supports), a direct caller may not.
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     chunks = -(-length // chunk)
     one = isinstance(chunks, int) and chunks == 1
     if one:
