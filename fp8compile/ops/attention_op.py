@@ -1,6 +1,6 @@
 """fp8compile::gqa_decode_attention: grouped-query decode attention split along the keys, as an
-op Inductor launches itself (a torch.library.triton_op: traced, its body is the kernel launch
-and the combine's tensor ops, which Inductor fuses into one kernel).
+op Inductor launches itself (a torch.library.triton_op: traced, its body is the launches of
+the split kernel and, with more than one chunk, of the combine kernel).
 
 Its definition is sdpa over repeat_kv'd keys and values with the query heads of a K/V head as
 its rows (passes/gqa_attention.grouped_sdpa); the kernel is ops/triton_attention.py. The chunk
@@ -53,7 +53,12 @@ def gqa_decode_attention(
         q, k, v, mask, o, lse, scale, rep, chunk, programs
     )
     wrap_triton(triton_attention._gqa_decode_kernel)[grid](*args, **constexprs, num_warps=4)
-    return o if one else triton_attention.combine(o, lse, q.dtype)
+    if one:
+        return o
+    out = torch.empty(b, kv, rows, d, dtype=q.dtype, device=q.device)
+    grid, args, constexprs = triton_attention.combine_arguments(o, lse, out)
+    wrap_triton(triton_attention._gqa_combine_kernel)[grid](*args, **constexprs, num_warps=4)
+    return out
 
 
 def hint(size) -> int:
