@@ -72,7 +72,7 @@ for batch in (1, 4):
     N.clear()
     row[f"first_call_b{batch}_s"] = round(generate(batch, 4), 2)
     row[f"phases_b{batch}"] = {k: [round(v, 2), N[k]] for k, v in T.items()}
-for batch in (1, 4):
+for batch in (1, 4) if "steady" in sys.argv[3:] else ():
     generate(batch, 64)
     row[f"generate64_b{batch}_s"] = round(min(generate(batch, 64) for _ in range(3)), 4)
 row["compile_times"] = torch._dynamo.utils.compile_times(repr="str")
