@@ -9,13 +9,17 @@ cuDNN's kernel takes 27 us a layer for 4.7 MB of keys and values (0.17 TB/s), 0.
 Here the keys are cut into chunks as well. A work item is (sequence, K/V head, chunk): it holds
 that head's R = rep x S query rows, walks its chunk BLOCK_L keys a step with the online
 softmax, and writes its rows' output normalized within the chunk plus their log-sum-exp; a
-persistent grid of two programs per SM takes the items in turn. A second kernel,
-_gqa_combine_kernel, then weighs the chunks by exp(lse - max lse): the same softmax, summed in
-another order. (The combine was ATen ops that Inductor fused into one kernel; generating that
-kernel for each of 32 layers cost the first call seconds, a fixed kernel costs none.) With one chunk the
-kernel writes the output itself. On the H200, Llama-3-8B's 8 K/V heads of 4 query heads:
-7.5 / 10.6 / 24.0 / 73.6 us at batch 1 / 4 / 16 / 64 and context 1152, where cuDNN's kernel
-takes 27.3 / 27.6 / 32.8 / 109.8.
+persistent grid of two programs per SM takes the items in turn. With one chunk the kernel
+writes the output itself. Otherwise a second kernel, _gqa_combine_kernel, weighs the chunks by
+exp(lse - max lse): the same softmax, summed in another order. On the H200, Llama-3-8B's 8 K/V
+heads of 4 query heads: 7.5 / 10.6 / 24.0 / 73.6 us at batch 1 / 4 / 16 / 64 and context 1152,
+where cuDNN's kernel takes 27.3 / 27.6 / 32.8 / 109.8 (measured with the combine of ATen ops
+that came before the combine kernel).
+
+The combine was ATen ops at first, which Inductor lowered and generated a kernel for at every
+layer. In a 32-layer Llama that cost the first call 6.7 s of its 33.8 on an H200, 4.1 s of it in
+code generation. With the fixed kernel the first call took 27.1 s, with sdpa's kernel 27.8
+(BENCHMARKS.md, "Thirty-ninth session").
 
 The mask is sdpa's: additive (float, -inf for a masked key) or boolean (True = attend), any
 shape that broadcasts to (B, H, S, L), read through its strides (0 where it broadcasts). Shape
