@@ -191,6 +191,30 @@ def test_on_the_gpu_split_kv_is_as_accurate_as_cudnn_at_llama_sizes(length, batc
 
 
 @gpu
+def test_on_the_gpu_inductor_launches_the_combine_kernel_and_generates_none_for_it():
+    """The chunks are combined by a fixed Triton kernel. As ATen ops the combine was a reduction
+    that Inductor lowered and generated a kernel for at every layer: 6.7 s of a 32-layer Llama's
+    first call on an H200 (BENCHMARKS.md, thirty-ninth session)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    q, k, v, mask = inputs(2, 8, 4, 1, 1152, 128, "additive")  # 18 chunks of 64 keys
+
+    def attention(q, k, v, mask):
+        return grouped(q, k, v, mask, 128**-0.5, 4, chunk=64)
+
+    torch._dynamo.reset()
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        out, codes = run_and_get_code(torch.compile(attention, dynamic=False), q, k, v, mask)
+    code = "\n".join(codes)
+    assert "_gqa_decode_kernel" in code and "_gqa_combine_kernel" in code
+    assert "triton_red_" not in code and "triton_per_" not in code, "Inductor generated a reduction"
+    # the same two kernels as the op called directly (compiled with Inductor's argument hints)
+    assert calc_diff(out, attention(q, k, v, mask)) < 1e-6
+
+
+@gpu
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_on_the_gpu_a_static_cache_decode_runs_split_kv_with_the_tokens_of_sdpa(mode):
     from fp8compile.bench.model import static_cache
