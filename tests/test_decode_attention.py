@@ -111,6 +111,16 @@ def test_the_combine_kernel_weighs_many_chunks_by_their_log_sum_exp():
     assert calc_diff(out, want) < BF16_ATTENTION
 
 
+def test_the_combine_kernel_takes_the_chunk_count_at_run_time():
+    # A cache that grows gives a symbolic key count, so a symbolic chunk count: a compile-time
+    # constant taken from it would guard on it, and the graph would recompile as the cache grows.
+    def constexprs(chunks):
+        o, lse = torch.empty(1, 2, chunks, 4, 64), torch.empty(1, 2, chunks, 4)
+        return triton_attention.combine_arguments(o, lse, torch.empty(1, 2, 4, 64))[2]
+
+    assert constexprs(2) == constexprs(37) == constexprs(300)
+
+
 @pytest.mark.parametrize("heads_outer", [True, False])
 def test_the_pass_function_lays_the_split_kv_output_out_as_sdpa_did(heads_outer):
     q, k, v, mask = inputs(2, 2, 3, 2, 96, 32, "additive")

@@ -251,35 +251,44 @@ def _gqa_combine_kernel(
     KV: tl.constexpr,
     R: tl.constexpr,
     D: tl.constexpr,
-    BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
     STEP_C: tl.constexpr,
 ):
     # One program per output row (sequence, K/V head, row): its C chunk rows weighed by
-    # exp(lse - max lse). A chunk with no key (lse -inf) weighs 0; a row with no key at all
-    # gives 0. lse is (B, KV, C, R), contiguous, as _gqa_decode_kernel writes it.
+    # exp(lse - max lse). C is a run-time size (a symbolic key count gives a symbolic chunk
+    # count), so the chunks are read STEP_C a step, each of the STEP_C lanes keeping a running
+    # max, weight sum and output rescaled as its max grows; the lanes are merged at the end. A
+    # chunk with no key (lse -inf) weighs 0; a row with no key at all gives 0. lse is
+    # (B, KV, C, R), contiguous, as _gqa_decode_kernel writes it.
     row = tl.program_id(0)
     r = row % R
     bg = (row // R).to(tl.int64)
     b = bg // KV
     g = bg % KV
-    c = tl.arange(0, BLOCK_C)
-    lse = tl.load(lse_ptr + (bg * C + c) * R + r, mask=c < C, other=float("-inf"))
-    top = tl.max(lse, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.sum(tl.exp(lse - top), 0)
     d = tl.arange(0, BLOCK_D)
-    acc = tl.zeros((BLOCK_D,), tl.float32)
+    top = tl.full((STEP_C,), float("-inf"), tl.float32)
+    total = tl.zeros((STEP_C,), tl.float32)
+    acc = tl.zeros((STEP_C, BLOCK_D), tl.float32)
     for start in range(0, C, STEP_C):
         cs = start + tl.arange(0, STEP_C)
-        w = tl.exp(tl.load(lse_ptr + (bg * C + cs) * R + r, mask=cs < C, other=float("-inf")) - top)
+        lse = tl.load(lse_ptr + (bg * C + cs) * R + r, mask=cs < C, other=float("-inf"))
+        new_top = tl.maximum(top, lse)
+        safe = tl.where(new_top == float("-inf"), 0.0, new_top)  # no key so far: exponents from 0
+        alpha = tl.exp(top - safe)
+        w = tl.exp(lse - safe)
         o = tl.load(
             o_ptr + b * stride_ob + g * stride_og + cs[:, None] * stride_oc + r * stride_or + d[None, :],
             mask=(cs < C)[:, None] & (d < D)[None, :],
             other=0.0,
         )
-        acc += tl.sum(w[:, None] * o, 0)
-    out = acc / tl.where(total > 0, total, 1.0)
+        total = total * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o
+        top = new_top
+    overall = tl.max(top, 0)
+    overall = tl.where(overall == float("-inf"), 0.0, overall)
+    lane = tl.exp(top - overall)
+    weight = tl.sum(total * lane, 0)
+    out = tl.sum(acc * lane[:, None], 0) / tl.where(weight > 0, weight, 1.0)
     tl.store(
         out_ptr + b * stride_outb + g * stride_outg + r * stride_outr + d,
         out.to(out_ptr.dtype.element_ty),
@@ -290,17 +299,10 @@ def _gqa_combine_kernel(
 def combine_arguments(o: Tensor, lse: Tensor, out: Tensor):
     """(grid, args, constexprs) of _gqa_combine_kernel: the chunks' outputs o (B, KV, C, R, D)
     fp32, each normalized within its chunk, their log-sum-exp lse (B, KV, C, R) fp32 contiguous,
-    into out (B, KV, R, D): the attention over all keys."""
+    into out (B, KV, R, D): the attention over all keys. C may be symbolic."""
     b, kv, chunks, rows, d = o.shape
     args = (o, lse, out, chunks, *o.stride()[:4], *out.stride()[:3])
-    constexprs = dict(
-        KV=kv,
-        R=rows,
-        D=d,
-        BLOCK_C=max(16, next_pow2(chunks)),
-        BLOCK_D=max(16, next_pow2(d)),
-        STEP_C=16,
-    )
+    constexprs = dict(KV=kv, R=rows, D=d, BLOCK_D=max(16, next_pow2(d)), STEP_C=16)
     return (b * kv * rows,), args, constexprs
 
 
