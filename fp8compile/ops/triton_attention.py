@@ -39,6 +39,10 @@ from ..numerics import next_pow2
 from .launch import num_sms
 
 BLOCK_L = 64  # keys a step
+# Chunks the combine kernel reads a step. Not tuned: chunk_keys makes about 2 x SMs / (B x KV)
+# chunks at the batch a graph is compiled for (33 for Llama-3-8B at batch 1 on an H100 or H200),
+# a few steps.
+COMBINE_STEP = 16
 MASK_NONE, MASK_ADD, MASK_BOOL = 0, 1, 2
 
 
@@ -302,7 +306,7 @@ def combine_arguments(o: Tensor, lse: Tensor, out: Tensor):
     into out (B, KV, R, D): the attention over all keys. C may be symbolic."""
     b, kv, chunks, rows, d = o.shape
     args = (o, lse, out, chunks, *o.stride()[:4], *out.stride()[:3])
-    constexprs = dict(KV=kv, R=rows, D=d, BLOCK_D=max(16, next_pow2(d)), STEP_C=16)
+    constexprs = dict(KV=kv, R=rows, D=d, BLOCK_D=max(16, next_pow2(d)), STEP_C=COMBINE_STEP)
     return (b * kv * rows,), args, constexprs
 
 
