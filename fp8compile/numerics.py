@@ -20,6 +20,13 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def size_hint(size) -> int:
+    """A size, or the example value of a symbolic one (1 where it has none: an unbacked size)."""
+    if isinstance(size, torch.SymInt):
+        return size.node.hint if size.node.has_hint() else 1
+    return int(size)
+
+
 def whole_blocks(size: int) -> int:
     """size rounded up to whole 128-wide blocks (a K or an expert intermediate size of part of a
     block is padded with zeros to this in the FP8 copies)."""

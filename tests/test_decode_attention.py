@@ -258,5 +258,9 @@ def test_on_the_gpu_a_static_cache_decode_runs_split_kv_with_the_tokens_of_sdpa(
     decode = [r for r in split.report.rewrites if r.kind == "attention" and r.graph == 1]
     assert decode and all(r.kernels == (("S = 1", "sdpa split-KV (fp8compile)"),) for r in decode)
     assert all("split-KV" not in r.kernels[0][1] for r in sdpa.report.rewrites)
+    # on a GPU the report says why sdpa's kernel runs
+    assert all(
+        r.detail == "gqa 4/2 heads; not split-KV: Fp8Config(split_kv=False)" for r in sdpa.report.rewrites
+    )
     assert torch.equal(tokens, want_tokens)
     assert max(calc_diff(a.float(), b.float()) for a, b in zip(logits, want_logits)) < 1e-4

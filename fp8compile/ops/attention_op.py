@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from ..numerics import size_hint
 from . import triton_attention
 
 
@@ -32,7 +33,7 @@ def gqa_decode_attention(
     s = rows // rep
     chunk = int(chunk)  # a constant of the trace (a symbolic one is specialized)
     if chunk == 0:
-        chunk = triton_attention.chunk_keys(hint(length), hint(b), kv, q.device)
+        chunk = triton_attention.chunk_keys(size_hint(length), size_hint(b), kv, q.device)
     elif chunk % triton_attention.BLOCK_L:
         raise ValueError(f"chunk = {chunk} is not a multiple of {triton_attention.BLOCK_L}")
     if mask is not None:  # (B, H, S, L) through its strides: 0 where it broadcasts
@@ -59,10 +60,3 @@ def gqa_decode_attention(
     grid, args, constexprs = triton_attention.combine_arguments(o, lse, out)
     wrap_triton(triton_attention._gqa_combine_kernel)[grid](*args, **constexprs, num_warps=4)
     return out
-
-
-def hint(size) -> int:
-    """A size, or the example value of a symbolic one."""
-    if isinstance(size, torch.SymInt):
-        return size.node.hint if size.node.has_hint() else 1
-    return int(size)

@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..numerics import size_hint
 from ..report import Rewrite, Skip
 from .context import PassContext, qualified_name
 from .trace import inline_traced
@@ -169,7 +170,8 @@ def gqa_attention_pass(ctx: PassContext) -> None:
             continue
         inputs = [match.query, match.key, match.value] + ([match.mask] if match.mask is not None else [])
         vals = [n.meta["val"] for n in inputs]
-        split = ctx.config.split_kv and _split_kv_why_not(vals, match) is None
+        why_not = _split_kv_why_not(vals, match) if ctx.config.split_kv else "Fp8Config(split_kv=False)"
+        split = why_not is None
         chunk = _batch_invariant_chunk(vals[1]) if split and ctx.config.batch_invariant else 0
 
         def call(q, k, v, mask=None, *, match=match, heads_outer=True, split=split, chunk=chunk):
@@ -229,7 +231,9 @@ def gqa_attention_pass(ctx: PassContext) -> None:
                 h,
                 ((f"S = {s}", f"sdpa {kernel}"),),
                 ctx.graph_index,
-                detail=f"gqa {h}/{kv} heads",
+                detail=f"gqa {h}/{kv} heads"
+                # on a GPU, why sdpa's kernel runs instead of the split-KV one
+                + (f"; not split-KV: {why_not}" if not split and vals[0].device.type == "cuda" else ""),
             )
         )
 
@@ -246,9 +250,9 @@ def _split_kv_why_not(vals: list, match: GqaMatch) -> str | None:
 def _batch_invariant_chunk(key: torch.Tensor) -> int:
     """The split-KV kernel's keys per chunk for any batch: the choice for one sequence (the
     default choice follows the batch, and a row's sum order with it)."""
-    from ..ops import attention_op, triton_attention
+    from ..ops import triton_attention
 
-    return triton_attention.chunk_keys(attention_op.hint(key.shape[2]), 1, key.shape[1], key.device)
+    return triton_attention.chunk_keys(size_hint(key.shape[2]), 1, key.shape[1], key.device)
 
 
 def _same_element_layout(new: torch.Tensor, old: torch.Tensor) -> bool:

@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import registry
-from ..numerics import calc_diff
+from ..numerics import calc_diff, size_hint
 from ..ops.reference_mqa import quant_rows
 from .context import PassContext, qualified_name
 from .replay import ReplayError, concrete, run_subgraph, small_symbols
@@ -281,10 +281,6 @@ def indexer_logits(q, k, w, *tensor_scalars, scalars, e8m0: bool, backend: str, 
     return logits.view(*lead, t).to(out_dtype)
 
 
-def _hint(size) -> int:
-    return size if isinstance(size, int) else int(size.node.hint)
-
-
 def _name(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     return qualified_name(list(stack.values())[-1][0]) if stack else node.name
@@ -304,7 +300,7 @@ def mqa_logits_pass(ctx: PassContext) -> None:
             continue
         qv, kv = _val(found.q), _val(found.k)
         # The kernels specialize on H and D when they run; the choice here is for these sizes.
-        h, d = (_hint(size) for size in qv.shape[-2:])
+        h, d = (size_hint(size) for size in qv.shape[-2:])
         shape = "x".join(map(str, qv.shape))
         try:
             verify(ctx, found)
