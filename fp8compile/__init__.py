@@ -23,6 +23,7 @@ from .config import Fp8Config, make_config
 from .numerics import calc_diff
 from .release import restore as restore_bf16_weights
 from .report import Report
+from .weights import forget as drop_fp8_weights
 
 __version__ = "0.1.0"
 
@@ -55,6 +56,7 @@ __all__ = [
     "backend",
     "calc_diff",
     "calibrate",
+    "drop_fp8_weights",
     "explain",
     "fp8_backend",
     "last_report",

@@ -91,6 +91,16 @@ def _memoized(sources: tuple[torch.Tensor, ...], tag: tuple, make: Callable[[], 
     return value
 
 
+def forget() -> int:
+    """Drop every FP8 copy held here; returns how many entries there were. A graph still compiled
+    keeps the copies it was last called with alive (its own inputs) until it goes
+    (torch._dynamo.reset()); anything that asks again quantizes again, at its first use."""
+    count = len(_MEMO)
+    _MEMO.clear()
+    _BY_ID.clear()
+    return count
+
+
 def fp8_weight(
     w: torch.Tensor,
     kn: bool = False,

@@ -1,10 +1,12 @@
 """The backend as a user meets it: backend="fp8" by entry point, options, explain, debug_dir,
 and the promises about the eager model and its weights."""
 
+import gc
 import os
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
@@ -139,6 +141,36 @@ def test_a_graph_reused_for_another_instance_uses_that_instances_weights():
         out_a, out_b = torch.compile(a, backend=fp8)(x), torch.compile(b, backend=fp8)(x)
         assert fp8.report.graphs == 1
         assert fp8compile.calc_diff(out_a, a(x)) < 1e-3 and fp8compile.calc_diff(out_b, b(x)) < 1e-3
+
+
+def test_drop_fp8_weights_frees_the_copies_once_the_graphs_are_reset_and_a_new_compile_makes_them_again():
+    fp8compile.drop_fp8_weights()  # what other tests left
+    model = GatedMLP().to(BF16)
+    x = randn(8, 256)
+    with torch.no_grad():
+        first = torch.compile(model, backend="fp8")(x)
+        w_fp8, _ = weights.fp8_weight(model.down_proj.weight)  # the memo's copy, the graph's input
+        copy = weakref.ref(w_fp8)
+        del w_fp8
+        torch._dynamo.reset()
+        assert copy() is not None  # the copies live as long as the parameters do
+        assert fp8compile.drop_fp8_weights() == 2  # gate|up stacked, and down
+        gc.collect()
+        assert copy() is None
+        again = torch.compile(model, backend="fp8")(x)
+    assert torch.equal(again, first)
+
+
+def test_a_compiled_model_keeps_running_after_drop_fp8_weights():
+    model = GatedMLP().to(BF16)
+    compiled = torch.compile(model, backend="fp8")
+    x = randn(8, 256)
+    with torch.no_grad():
+        first = compiled(x)
+        fp8compile.drop_fp8_weights()
+        assert torch.equal(compiled(x), first)  # the graph's own inputs
+        model.down_proj.weight.mul_(2)  # a changed parameter: quantized again, at its first use
+        assert fp8compile.calc_diff(compiled(x), model(x)) < GATED_MLP
 
 
 def test_explain_reports_rewrites_and_skips_with_reasons():

@@ -261,6 +261,19 @@ def test_bench_model_sdpa_variants_are_fp8_with_the_decode_attention_on_sdpas_ke
         assert dataclasses.replace(sdpa.backend.config, split_kv=True) == split.backend.config
 
 
+def test_bench_model_autotune_variants_are_fp8_with_the_kernels_chosen_by_timing():
+    from fp8compile.bench.model import _variant
+
+    for name, plain, mode in (
+        ("fp8_autotune", "fp8", None),
+        ("fp8_autotune_ro", "fp8_ro", "reduce-overhead"),
+    ):
+        tuned, default = _variant(name, "rowwise"), _variant(plain, "rowwise")
+        assert tuned.mode == default.mode == mode
+        assert tuned.backend.config.autotune and not default.backend.config.autotune
+        assert dataclasses.replace(tuned.backend.config, autotune=False) == default.backend.config
+
+
 def test_bench_model_rowwise_variants_run_the_rowwise_recipe_beside_the_block_one_in_one_run():
     from fp8compile.bench.model import _variant
 

@@ -121,6 +121,8 @@ MODELS = {
 # without that pass. fp8_rowwise(_ro): the rowwise recipe whatever --recipe says, so that one run
 # puts it beside the block recipe's fp8(_ro) on the same host. fp8_sdpa(_ro): fp8 with
 # Fp8Config(split_kv=False), the decode attention on sdpa's kernel (for an A/B of the split-KV one).
+# fp8_autotune(_ro): fp8 with Fp8Config(autotune=True), each linear's kernel per range of M chosen
+# by timing on this GPU while compiling (its gain at prefill sizes and its compile time).
 VARIANTS = (
     "bf16",
     "bf16_inductor",
@@ -141,6 +143,8 @@ VARIANTS = (
     "fp8_rowwise_ro",
     "fp8_sdpa",
     "fp8_ro_sdpa",
+    "fp8_autotune",
+    "fp8_autotune_ro",
     "torchao_rowwise_ro",
 )
 BATCHES = (1, 4, 16, 64)
@@ -247,6 +251,8 @@ def _variant(name: str, recipe: str = "block"):
         return Variant(name, fp8compile.backend(fusions=fusions, recipe=recipe), mode)
     if name.startswith("fp8_rowwise"):
         return Variant(name, fp8compile.backend(recipe="rowwise"), mode)
+    if name.startswith("fp8_autotune"):
+        return Variant(name, fp8compile.backend(autotune=True, recipe=recipe), mode)
     if name.endswith("_sdpa"):
         return Variant(name, fp8compile.backend(split_kv=False, recipe=recipe), mode)
     if name.startswith("fp8"):
@@ -554,7 +560,10 @@ def bench_model(
                 # a row says the recipe its variant ran (fp8_rowwise's is its own, not --recipe's)
                 fp8_backend = isinstance(variant.backend, fp8compile.Fp8Backend)
                 own_base = dict(base, recipe=variant.backend.config.recipe) if fp8_backend else base
+                # The variant before's graphs and FP8 weight copies go, so that no variant's
+                # memory columns count another's (the copies live as long as the parameters).
                 torch._dynamo.reset()
+                fp8compile.drop_fp8_weights()
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -693,6 +702,10 @@ def model_table(rows: list[dict]) -> str:
             ("fp8_ro", "bf16_gqa_ro"),
             ("fp8", "fp8_sdpa"),
             ("fp8_ro", "fp8_ro_sdpa"),
+            ("fp8_autotune", "bf16_inductor"),
+            ("fp8_autotune_ro", "bf16_inductor_ro"),
+            ("fp8_autotune", "fp8"),
+            ("fp8_autotune_ro", "fp8_ro"),
             ("fp8_ro_repeat_kv", "bf16_inductor_ro"),
             ("bf16_gqa_ro", "bf16_inductor_ro"),
         ):
