@@ -27,6 +27,16 @@ def _shape(text: str) -> tuple[int, int]:
     return n, k
 
 
+def _variant_name(text: str) -> str:
+    from .bench.model import split_variant
+
+    try:
+        split_variant(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _backends(args) -> int:
     import torch
 
@@ -178,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         help="`bench model`: models (default: llama-3-8b, qwen2.5-7b, qwen3-30b-a3b)",
     )
     bench.add_argument(
-        "--variant", action="append", choices=list(VARIANTS), help="`bench model`: variants (default: all)"
+        "--variant",
+        action="append",
+        type=_variant_name,
+        help=f"`bench model`: variants (default: all): {', '.join(VARIANTS)}; an fp8 one may add "
+        "Fp8Config options, e.g. fp8_ro+large_m=1536 (beside fp8_ro: the option's A/B in one run)",
     )
     bench.add_argument(
         "--layers", type=int, default=None, help="`bench model`: cut every model to this many layers"

@@ -233,6 +233,48 @@ def _str_tuple(name: str, value: Any) -> tuple[str, ...]:
     return items
 
 
+# Options a command line can set as text (KEY=VALUE), by how their text reads; Fp8Config's own
+# checks then judge the value. act_amax is a table: fp8compile.calibrate / load_scales make it.
+_TEXT_BOOLS = ("e8m0", "batch_invariant", "autotune", "inline_conds", "release_bf16_weights", "split_kv")
+_TEXT_INTS = ("small_m", "large_m")
+_TEXT_FLOATS = ("act_amax_ub",)
+_TEXT_LISTS = ("backends", "skip", "fusions")  # comma-separated; empty = ()
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """ "KEY=VALUE" from a command line -> (key, typed value): true/false for switches (none too
+    for inductor_launch), ints, comma-separated lists; an unknown key or a bad value is an error
+    that says what the key takes."""
+    key, sep, value = text.partition("=")
+    key, value = key.strip(), value.strip()
+    if not sep or not key:
+        raise ValueError(f"{text!r}: an option is KEY=VALUE, e.g. large_m=1536")
+    if key not in FIELDS:
+        hint = difflib.get_close_matches(key, FIELDS, n=1)
+        raise ValueError(
+            f"unknown fp8compile option {key!r}"
+            + (f" (did you mean {hint[0]!r}?)" if hint else "")
+            + f"; valid options: {', '.join(FIELDS)}"
+        )
+    switches = {"true": True, "false": False}
+    if key in _TEXT_BOOLS or key == "inductor_launch":
+        choices = {**switches, "none": None} if key == "inductor_launch" else switches
+        if value.lower() not in choices:
+            raise ValueError(f"{key} takes {' or '.join(choices)}, got {value!r}")
+        return key, choices[value.lower()]
+    for names, kind, what in ((_TEXT_INTS, int, "an integer"), (_TEXT_FLOATS, float, "a number")):
+        if key in names:
+            try:
+                return key, kind(value)
+            except ValueError:
+                raise ValueError(f"{key} takes {what}, got {value!r}") from None
+    if key in _TEXT_LISTS:
+        return key, tuple(v.strip() for v in value.split(",") if v.strip())
+    if key == "act_amax":
+        raise ValueError("act_amax is a table of calibrated scales: make it with fp8compile.calibrate")
+    return key, value  # recipe, debug_dir: the text itself
+
+
 def make_config(config: Fp8Config | Mapping[str, Any] | None = None, **options: Any) -> Fp8Config:
     """Fp8Config from a config, a dict of options, keyword options, or a mix (keywords win).
 

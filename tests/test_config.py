@@ -3,6 +3,7 @@ import dataclasses
 import pytest
 
 from fp8compile import Fp8Config, make_config
+from fp8compile.config import parse_option
 
 
 def test_defaults_are_block_recipe_with_dispatch_at_32():
@@ -62,3 +63,38 @@ def test_debug_dir_defaults_to_environment(monkeypatch, tmp_path):
     assert Fp8Config().debug_dir == str(tmp_path)
     monkeypatch.delenv("FP8COMPILE_DEBUG_DIR")
     assert Fp8Config().debug_dir is None
+
+
+@pytest.mark.parametrize(
+    "text, option",
+    [
+        ("large_m=1536", ("large_m", 1536)),
+        ("autotune=True", ("autotune", True)),
+        ("split_kv=false", ("split_kv", False)),
+        ("inductor_launch=none", ("inductor_launch", None)),
+        ("backends=cublas, deep_gemm", ("backends", ("cublas", "deep_gemm"))),
+        ("skip=", ("skip", ())),
+        ("act_amax_ub=448", ("act_amax_ub", 448.0)),
+        ("recipe=rowwise", ("recipe", "rowwise")),
+    ],
+)
+def test_a_command_line_option_is_typed_by_what_its_key_takes(text, option):
+    assert parse_option(text) == option
+    key, value = option
+    base = {"recipe": "rowwise"} if key == "act_amax_ub" else {}  # a bound on dynamic scales
+    assert getattr(make_config(base, **{key: value}), key) == value  # a config takes it as it is
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("large=3", "did you mean 'large_m'"),
+        ("large_m", "KEY=VALUE"),
+        ("autotune=yes", "autotune takes true or false"),
+        ("small_m=x", "small_m takes an integer"),
+        ("act_amax=1", "fp8compile.calibrate"),
+    ],
+)
+def test_a_bad_command_line_option_says_what_its_key_takes(text, error):
+    with pytest.raises(ValueError, match=error):
+        parse_option(text)

@@ -261,17 +261,45 @@ def test_bench_model_sdpa_variants_are_fp8_with_the_decode_attention_on_sdpas_ke
         assert dataclasses.replace(sdpa.backend.config, split_kv=True) == split.backend.config
 
 
-def test_bench_model_autotune_variants_are_fp8_with_the_kernels_chosen_by_timing():
+def test_bench_model_variant_options_run_the_named_variant_with_those_config_options():
     from fp8compile.bench.model import _variant
 
-    for name, plain, mode in (
-        ("fp8_autotune", "fp8", None),
-        ("fp8_autotune_ro", "fp8_ro", "reduce-overhead"),
-    ):
-        tuned, default = _variant(name, "rowwise"), _variant(plain, "rowwise")
-        assert tuned.mode == default.mode == mode
-        assert tuned.backend.config.autotune and not default.backend.config.autotune
-        assert dataclasses.replace(tuned.backend.config, autotune=False) == default.backend.config
+    tuned = _variant("fp8_ro+large_m=1536+backends=cublas,deep_gemm,triton_small_m", "rowwise")
+    plain = _variant("fp8_ro", "rowwise")
+    assert tuned.name == "fp8_ro+large_m=1536+backends=cublas,deep_gemm,triton_small_m"
+    assert tuned.mode == plain.mode == "reduce-overhead"
+    assert tuned.backend.config == plain.backend.config.replace(
+        large_m=1536, backends=("cublas", "deep_gemm", "triton_small_m")
+    )
+
+
+@pytest.mark.parametrize(
+    "name, error",
+    [
+        ("bf16_inductor_ro+large_m=1536", "not an fp8 variant"),
+        ("fp8+large=1536", "did you mean 'large_m'"),
+        ("fp9_ro+large_m=1536", "unknown variant 'fp9_ro'"),
+    ],
+)
+def test_the_command_line_refuses_a_variant_option_it_cannot_apply_in_words(name, error, capsys):
+    from fp8compile.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "model", "--variant", name])
+    assert error in capsys.readouterr().err
+
+
+def test_bench_model_table_puts_a_variant_with_options_beside_the_variant_it_changes():
+    from fp8compile.bench.model import model_table
+
+    base = dict(model="llama", layers=2, device="H200", tp=1)
+    rows = [
+        dict(base, variant=v, kind="decode", batch=1, tokens_per_s=tps, ms_per_step=1e3 / tps, recompiles=0)
+        for v, tps in (("fp8_ro", 200.0), ("fp8_ro+large_m=1536", 250.0))
+    ]
+    table = model_table(rows)
+    assert "fp8_ro+large_m=1536/fp8_ro" in table
+    assert "1.25" in table.split("fp8_ro+large_m=1536/fp8_ro")[1]
 
 
 def test_bench_model_rowwise_variants_run_the_rowwise_recipe_beside_the_block_one_in_one_run():

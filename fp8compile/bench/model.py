@@ -49,6 +49,7 @@ import torch
 import fp8compile
 
 from .. import architectures
+from ..config import parse_option
 from . import tp as tp_bench
 from .output import profiled, pyplot
 
@@ -121,8 +122,6 @@ MODELS = {
 # without that pass. fp8_rowwise(_ro): the rowwise recipe whatever --recipe says, so that one run
 # puts it beside the block recipe's fp8(_ro) on the same host. fp8_sdpa(_ro): fp8 with
 # Fp8Config(split_kv=False), the decode attention on sdpa's kernel (for an A/B of the split-KV one).
-# fp8_autotune(_ro): fp8 with Fp8Config(autotune=True), each linear's kernel per range of M chosen
-# by timing on this GPU while compiling (its gain at prefill sizes and its compile time).
 VARIANTS = (
     "bf16",
     "bf16_inductor",
@@ -143,8 +142,6 @@ VARIANTS = (
     "fp8_rowwise_ro",
     "fp8_sdpa",
     "fp8_ro_sdpa",
-    "fp8_autotune",
-    "fp8_autotune_ro",
     "torchao_rowwise_ro",
 )
 BATCHES = (1, 4, 16, 64)
@@ -231,9 +228,30 @@ class Variant:
         return config
 
 
+def split_variant(name: str) -> tuple[str, dict]:
+    """ "fp8_ro+large_m=1536+autotune=true" -> ("fp8_ro", {"large_m": 1536, "autotune": True}):
+    a named variant and the Fp8Config options it runs with on top of its own (an A/B of an
+    option in one run, on one host). Raises ValueError on an unknown variant or option."""
+    base, *options = name.split("+")
+    if base not in VARIANTS:
+        raise ValueError(f"unknown variant {base!r}; valid: {', '.join(VARIANTS)}")
+    if options and not base.startswith("fp8"):
+        raise ValueError(
+            f"{name!r}: +KEY=VALUE options set fp8compile's config; {base!r} is not an fp8 variant"
+        )
+    return base, dict(parse_option(option) for option in options)
+
+
 def _variant(name: str, recipe: str = "block"):
-    """The Variant for a name, or None where it cannot run here (with the reason printed); the
-    fp8 variants in `recipe`."""
+    """The Variant for a name (a named variant, with +KEY=VALUE options if an fp8 one), or None
+    where it cannot run here (with the reason printed); the fp8 variants in `recipe`."""
+    base, options = split_variant(name)
+    if options:
+        variant = _variant(base, recipe)
+        if variant is None:
+            return None
+        config = variant.backend.config.replace(**options)
+        return dataclasses.replace(variant, name=name, backend=fp8compile.backend(config))
     mode = "reduce-overhead" if "ro" in name.split("_") else None
     own = name.endswith(("_own", "_release"))
     if name == "bf16":
@@ -251,8 +269,6 @@ def _variant(name: str, recipe: str = "block"):
         return Variant(name, fp8compile.backend(fusions=fusions, recipe=recipe), mode)
     if name.startswith("fp8_rowwise"):
         return Variant(name, fp8compile.backend(recipe="rowwise"), mode)
-    if name.startswith("fp8_autotune"):
-        return Variant(name, fp8compile.backend(autotune=True, recipe=recipe), mode)
     if name.endswith("_sdpa"):
         return Variant(name, fp8compile.backend(split_kv=False, recipe=recipe), mode)
     if name.startswith("fp8"):
@@ -571,7 +587,8 @@ def bench_model(
                 if name.startswith("torchao"):
                     _torchao_rowwise(model)
                 progress.set_postfix_str(f"{model_name} {name}")
-                path = out_dir / f"profile_{model_name}_{name}_prefill.txt" if profile else None
+                stem = re.sub(r"[^\w.-]", "_", f"profile_{model_name}_{name}")  # no + or = in file names
+                path = out_dir / f"{stem}_prefill.txt" if profile else None
                 for row in prefill_and_accuracy(
                     model, variant, prefill, device, eager_logits, ids_acc, path, prefill_batches
                 ):
@@ -586,7 +603,7 @@ def bench_model(
                     )
                 try:
                     for batch in batches:
-                        path = out_dir / f"profile_{model_name}_{name}_b{batch}.txt" if profile else None
+                        path = out_dir / f"{stem}_b{batch}.txt" if profile else None
                         rows.append(
                             dict(
                                 own_base,
@@ -702,12 +719,15 @@ def model_table(rows: list[dict]) -> str:
             ("fp8_ro", "bf16_gqa_ro"),
             ("fp8", "fp8_sdpa"),
             ("fp8_ro", "fp8_ro_sdpa"),
-            ("fp8_autotune", "bf16_inductor"),
-            ("fp8_autotune_ro", "bf16_inductor_ro"),
-            ("fp8_autotune", "fp8"),
-            ("fp8_autotune_ro", "fp8_ro"),
             ("fp8_ro_repeat_kv", "bf16_inductor_ro"),
             ("bf16_gqa_ro", "bf16_inductor_ro"),
+            # a variant run with options: beside bf16 Inductor in its mode, and the variant it changes
+            *(
+                (v, "bf16_inductor_ro" if "ro" in v.split("+")[0].split("_") else "bf16_inductor")
+                for v in variants
+                if "+" in v
+            ),
+            *((v, v.split("+")[0]) for v in variants if "+" in v),
         ):
             if fp8 not in variants or bf16 not in variants:
                 continue
