@@ -176,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         "--kernels",
         nargs="+",
         default=["small_m", "large_m"],
-        choices=["small_m", "large_m", "tiles", "mqa_paged"],
-        help="which Triton kernels `tune` sweeps (mqa_paged: the paged indexer-logits kernel, bench/mqa.py)",
+        choices=["small_m", "large_m", "tiles", "quant", "mqa_paged"],
+        help="which Triton kernels `tune` sweeps (quant: the activation quantization; mqa_paged: the "
+        "paged indexer-logits kernel, bench/mqa.py)",
     )
     from .bench.model import BATCHES, MODELS, PREFILL_BATCHES, VARIANTS
 

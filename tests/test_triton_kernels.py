@@ -80,6 +80,21 @@ def test_quant_act_pads_rows_to_a_multiple_with_quantized_zeros_in_column_major_
     assert not x_fp8[m:].view(torch.uint8).any() and torch.all(scale[m:] == AMAX_EPS / FP8_MAX)
 
 
+@pytest.mark.parametrize("rows, num_warps", [(16, 4), (32, 8), (64, 4)])  # bench tune's QUANT_SWEEP
+def test_the_quantization_tuned_by_rows_per_program_keeps_the_references_bits(rows, num_warps):
+    """`bench tune --kernels quant` times the kernel at other rows per program; each must quantize
+    as the reference does, also where the last program's rows run past M (70 rows)."""
+    from fp8compile.bench.tune import QUANT_SWEEP, quant_launch
+
+    assert (rows, num_warps) in QUANT_SWEEP
+    x = activation(70, 384)
+    launch, (x_fp8, scale) = quant_launch(x, None, rows, num_warps)
+    launch()
+    ref_fp8, ref_scale = reference.quant_act_block(x)
+    assert torch.equal(x_fp8.view(torch.uint8), ref_fp8.view(torch.uint8)) and torch.equal(scale, ref_scale)
+    assert scale.stride() == (1, 70)  # the cuBLAS side's column-major scales
+
+
 LARGE_M_LOADS = {
     "pointer_loads": dict(tma=False),
     "tma_loads": dict(tma=True),

@@ -35,6 +35,78 @@ LARGE_M_SWEEP = [
 ]
 
 
+# Activation quantization (ops/triton_quant.py): rows per program and warps. Each program
+# quantizes ROWS x 128 (one group of each row); the kernel's default is 16 rows, 4 warps.
+QUANT_SWEEP = [(rows, warps) for rows in (16, 32, 64) for warps in (4, 8)]
+QUANT_MS = (2048, 4096)
+
+
+def quant_launch(x: torch.Tensor, b: torch.Tensor | None, rows: int, num_warps: int):
+    """(launch, (x_fp8, scale)): one quantization of x (act(x, b) = silu(x) * b with b) into
+    buffers of its own, as the cuBLAS side lays them out (scales column-major), with `rows` rows
+    per program and `num_warps` warps."""
+    from fp8compile.ops import triton_quant
+
+    m, k = x.shape
+    x_fp8 = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = triton_quant.empty_scales(m, k // 128, "col", x.device)
+    grid, args, constexprs = triton_quant.quant_act_arguments(
+        x, b, x_fp8, scale, False, "silu", 1.702, 7.0, rows
+    )
+    return (lambda: triton_quant._quant_act_launch(grid, args, constexprs, num_warps=num_warps)), (
+        x_fp8,
+        scale,
+    )
+
+
+def _quant_sweep(k: int, results: list) -> None:
+    """Every QUANT_SWEEP candidate at QUANT_MS rows of K columns, of x itself and of a gated
+    MLP's act(gate, up) read from the two halves of one gate|up output (as the down projection
+    reads them); a candidate whose bits differ from the first one's is not timed."""
+    for m, gated in itertools.product(QUANT_MS, (False, True)):
+        r = harness.copies(m * k * 2 * (2 if gated else 1))
+        inputs = []
+        for _ in range(r):
+            if gated:
+                gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+                inputs.append((gate_up[:, :k], gate_up[:, k:]))
+            else:
+                inputs.append((torch.randn(m, k, device="cuda", dtype=torch.bfloat16), None))
+        moved = m * k * (2 * (2 if gated else 1) + 1) + m * (k // 128) * 4  # bytes read and written
+        first = None
+        for rows, warps in QUANT_SWEEP:
+            launches = [quant_launch(x, b, rows, warps) for x, b in inputs]
+            launches[0][0]()
+            bits = tuple(
+                t.view(torch.uint8 if t.dtype != torch.float32 else torch.int32) for t in launches[0][1]
+            )
+            first = bits if first is None else first
+            same = all(torch.equal(a, b) for a, b in zip(bits, first))
+            us = harness.time_us([launch for launch, _ in launches]) if same else None
+            results.append(
+                dict(
+                    k=k,
+                    m=m,
+                    gated=gated,
+                    rows=rows,
+                    num_warps=warps,
+                    same_bits=same,
+                    us=us,
+                    tbps=us and moved / us / 1e6,
+                )
+            )
+            print(
+                f"   quant K={k} M={m}{' act(gate, up)' if gated else ''}: {rows} rows, {warps} warps: "
+                + (
+                    f"{us:.1f} us, {moved / us / 1e6:.2f} TB/s"
+                    if us
+                    else "bits differ"
+                    if not same
+                    else "failed"
+                )
+            )
+
+
 def _deep_gemm_us(x_q, w8, n: int) -> float | None:
     import deep_gemm
 
@@ -46,15 +118,19 @@ def _deep_gemm_us(x_q, w8, n: int) -> float | None:
 
 def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
     """Sweep the Triton kernels' tile constants; print the best fixed choice by geometric mean.
-    kernels: "small_m", "large_m", and "tiles" (the large-M GEMM's 64- against 128-row tiles by
-    M, and whether they give the same bits)."""
+    kernels: "small_m", "large_m", "tiles" (the large-M GEMM's 64- against 128-row tiles by
+    M, and whether they give the same bits) and "quant" (the activation quantization's rows per
+    program and warps, at each K of the shapes)."""
     from fp8compile.ops import reference, triton_gemm, triton_quant, vendors
 
     from tqdm import tqdm
 
-    results = {"small_m": [], "large_m": [], "tiles": []}
+    results = {"small_m": [], "large_m": [], "tiles": [], "quant": []}
     with torch.no_grad():
-        for n, k in tqdm(shapes, desc="tune"):
+        for k in dict.fromkeys(k for _, k in shapes) if "quant" in kernels else ():
+            _quant_sweep(k, results["quant"])
+        gemms = {"small_m", "large_m", "tiles"} & set(kernels)
+        for n, k in tqdm(shapes if gemms else (), desc="tune"):
             r8 = harness.copies(n * k)
             w8 = [
                 reference.quant_weight_block(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
@@ -151,7 +227,11 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "tune.json").write_text(json.dumps(results, indent=1))
     large_keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "tma", "persistent", "scales")
-    for kind, keys in (("small_m", ("block_n", "ppsm", "stages")), ("large_m", large_keys)):
+    for kind, keys in (
+        ("small_m", ("block_n", "ppsm", "stages")),
+        ("large_m", large_keys),
+        ("quant", ("rows", "num_warps")),
+    ):
         if not results[kind]:
             continue
         groups: dict[tuple, list] = {}
@@ -163,6 +243,8 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
         print(f"{kind}: best fixed configs by geometric-mean time over shapes x M ({', '.join(keys)}):")
         for score, cfg in scored[:5]:
             print(f"   {cfg}: {score:.1f} us")
+        if kind == "quant":
+            continue  # its lines printed as it ran
         best_each = {}
         for r in results[kind]:
             key = (r["n"], r["k"], r["m"])
