@@ -49,7 +49,10 @@ def _backends(args) -> int:
     ((tier, _, _),) = ranges(make_config(), args.m)
     order = registry.default_order(tier)
     print(f"backends for linear N={args.n} K={args.k} M={args.m} on {device} ({tier}-M preference order):")
-    chosen = registry.choose(request, tier=tier)
+    try:
+        chosen, kept = registry.choose(request, tier=tier), None
+    except registry.NoGpuKernel as e:  # a GPU without FP8 kernels: the linear stays bf16
+        chosen, kept = None, str(e)
     for name in order:
         why = registry.why_not(name, request)
         state = "CHOSEN" if name == chosen else "usable" if why is None else "not used: " + why
@@ -58,6 +61,8 @@ def _backends(args) -> int:
 
             state += f" ({large_m_kernel(args.m, args.n, device)})"
         print(f"  {name:<15} {state}")
+    if kept:
+        print(kept)
     return 0
 
 

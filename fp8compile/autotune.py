@@ -122,12 +122,22 @@ def plan(
 ) -> list[tuple[int, int | None, str]]:
     """tuned_ranges for one call site, timing with this GPU (order: Fp8Config.backends, or every
     backend but the reference, which stays the fallback)."""
-    if order is None:
+    default = order is None
+    if default:
         order = (*(name for name in registry.names() if name != "reference"), "reference")
     log.info("fp8compile autotune: %s N=%d K=%d", base.op, base.n, base.k)
-    return tuned_ranges(
+    chosen = tuned_ranges(
         base,
         order,
         lambda name, m: time_us(base.op, name, base.n, base.k, m, base.device, base.e8m0),
         static_m,
     )
+    fallback = [(lo, hi) for lo, hi, name in chosen if name == "reference"]
+    if default and fallback and base.device.type == "cuda":  # as registry.choose's default order
+        lo, hi = fallback[0]
+        request = dataclasses.replace(base, m_min=lo, m_max=hi)
+        raise registry.NoGpuKernel(
+            f"no FP8 kernel ran {base.op} ({request.m_range}) on this GPU while autotuning: kept "
+            "bf16; Fp8Config(backends=[..., 'reference']) runs the float64 reference kernels instead"
+        )
+    return chosen

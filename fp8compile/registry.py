@@ -352,16 +352,30 @@ def why_not(backend: str, request: Request) -> str | None:
     return b.why_not(request)
 
 
+class NoGpuKernel(RuntimeError):
+    """No FP8 kernel runs this request on its GPU (one without FP8 tensor cores, or without the
+    libraries): only the float64 reference would, far slower than the bf16 op it replaces, so
+    the call site stays bf16 unless Fp8Config.backends names the reference."""
+
+
 def choose(request: Request, order: tuple[str, ...] | None = None, tier: str = "medium") -> str:
     """The first backend in `order` (default: the tier's default order) that serves `request`;
-    RuntimeError naming every reason if none."""
-    if order is None:
+    RuntimeError naming every reason if none, NoGpuKernel if the default order on a GPU comes
+    down to the reference."""
+    default = order is None
+    if default:
         # On the CPU the reference is the product; Triton's interpreter runs only when asked for.
         order = default_order(tier, request.op) if request.device.type != "cpu" else ("reference",)
     rejected = []
     for name in order:
         reason = why_not(name, request)
         if reason is None:
+            if name == "reference" and default and request.device.type == "cuda":
+                raise NoGpuKernel(
+                    f"no FP8 kernel runs {request.op} ({request.m_range}) on this GPU "
+                    f"({'; '.join(rejected)}): kept bf16; Fp8Config(backends=[..., 'reference']) "
+                    "runs the float64 reference kernels instead"
+                )
             return name
         rejected.append(f"{name}: {reason}")
     raise RuntimeError(

@@ -275,6 +275,15 @@ def test_cublas_declines_a_k_whose_weight_scale_columns_it_misreads(k, declined,
     assert (f"K={k} is {k // 128} groups of 128, not a multiple of 4" in why) == declined
 
 
+def test_backends_command_on_a_gpu_without_fp8_kernels_says_the_linear_stays_bf16(monkeypatch, capsys):
+    from fp8compile.__main__ import main
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    main(["backends", "-m", "64", "--device", "cuda"])
+    out = capsys.readouterr().out
+    assert "CHOSEN" not in out and "no FP8 kernel runs linear" in out and "kept bf16" in out
+
+
 def test_cli_runs_on_an_install_without_triton():
     # CPU-only torch comes without triton: `backends` says why the Triton kernels do not serve,
     # `bench` (but `bench model`) says in one line that it needs a GPU.

@@ -392,3 +392,27 @@ def test_a_merge_re_derives_values_below_it_through_a_traced_launchs_dict_of_out
     PassContext.replace_uses(ctx, old, new)
     assert launch.meta["val"]["o_ptr"].stride() == (12, 1)
     assert out.meta["val"].shape == (8, 2) and out.meta["val"].stride() == (12, 1)
+
+
+@pytest.mark.parametrize("autotune", [False, True])
+def test_on_a_gpu_without_fp8_kernels_a_linear_stays_bf16_with_why_not_the_float64_reference(
+    autotune, monkeypatch
+):
+    """An A100 (sm_80) has no FP8 tensor cores: every kernel declines and only the reference
+    (float64 sums) would serve, far slower than the bf16 linear it replaces."""
+    from types import SimpleNamespace
+
+    from fp8compile import autotune as autotune_module
+    from fp8compile.passes import dispatch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(autotune_module, "time_us", lambda *a: pytest.fail("nothing serves: nothing to time"))
+    ctx = SimpleNamespace(config=fp8compile.make_config(autotune=autotune))
+    with pytest.raises(dispatch.NoDispatch, match="kept bf16") as kept:
+        dispatch.plan(ctx, "linear", torch.device("cuda"), 512, 512, 64)
+    if not autotune:  # each kernel's own reason, as `backends` prints them
+        assert "triton: needs compute capability >= 8.9, device has 8.0" in str(kept.value)
+    # named by the user, the reference still runs there
+    ctx = SimpleNamespace(config=fp8compile.make_config(backends=("cublas", "reference"), autotune=autotune))
+    sides = dispatch.plan(ctx, "linear", torch.device("cuda"), 512, 512, 64)
+    assert [side.kernel for side in sides] == ["reference"]

@@ -81,3 +81,28 @@ def test_llama_every_linear_is_rewritten_mlps_fused_and_logits_stay_within_the_f
     assert bound < 5e-3
     assert calc_diff(logits, eager) < 1.15 * bound
     assert calc_diff(logits, eager) < 5e-3
+
+
+def test_where_no_fp8_kernel_serves_every_fusion_leaves_llama_in_bf16_with_the_reason(monkeypatch):
+    """What a GPU without FP8 kernels (an A100) gets: the dispatch finds no kernel for any call
+    site (registry.NoGpuKernel, tests/test_dispatch.py), and the fused forms (gate|up, q|k|v,
+    act(gate) * up) leave their linears bf16 too, every one reported with the reason."""
+    from fp8compile.passes import dispatch
+
+    reason = "no FP8 kernel runs linear (all M) on this GPU (...): kept bf16"
+
+    def no_kernel(ctx, op, *args):
+        raise dispatch.NoDispatch(reason.replace("linear", op))
+
+    monkeypatch.setattr(dispatch, "plan", no_kernel)
+    model = small_llama()
+    ids = torch.randint(0, 32000, (2, 24))
+    fp8 = fp8compile.backend()
+    with torch.no_grad():
+        eager = model(ids).logits
+        logits = torch.compile(model, backend=fp8)(ids).logits
+    assert fp8.report.rewrites == []
+    kept = {s.name for s in fp8.report.skips if "no FP8 kernel runs" in s.reason}
+    assert {f"model.layers.{i}.{p}" for i in range(2) for p in PROJECTIONS} | {"lm_head"} <= kept
+    # bf16 Inductor's rounding (2.1e-5, the same as backend="inductor"), not FP8's (3.3e-3 here)
+    assert calc_diff(logits, eager) < 1e-4

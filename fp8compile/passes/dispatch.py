@@ -73,16 +73,24 @@ def plan(ctx: PassContext, op: str, device: torch.device, n: int, k: int, m: Any
     reason) if a range has no kernel."""
     cfg = ctx.config
     base = registry.Request(op, device, n, k, batch_invariant=cfg.batch_invariant, e8m0=cfg.e8m0)
-    if cfg.autotune and not cfg.batch_invariant and op in autotune.TUNED_OPS and autotune.can_tune(device):
-        chosen = autotune.plan(base, cfg.backends, m if isinstance(m, int) else None)
-    else:
-        chosen = []
-        for tier, lo, hi in ranges(cfg, m):
-            kernel = registry.choose(dataclasses.replace(base, m_min=lo, m_max=hi), cfg.backends, tier)
-            if chosen and chosen[-1][2] == kernel:
-                chosen[-1] = (chosen[-1][0], hi, kernel)
-            else:
-                chosen.append((lo, hi, kernel))
+    try:
+        if (
+            cfg.autotune
+            and not cfg.batch_invariant
+            and op in autotune.TUNED_OPS
+            and autotune.can_tune(device)
+        ):
+            chosen = autotune.plan(base, cfg.backends, m if isinstance(m, int) else None)
+        else:
+            chosen = []
+            for tier, lo, hi in ranges(cfg, m):
+                kernel = registry.choose(dataclasses.replace(base, m_min=lo, m_max=hi), cfg.backends, tier)
+                if chosen and chosen[-1][2] == kernel:
+                    chosen[-1] = (chosen[-1][0], hi, kernel)
+                else:
+                    chosen.append((lo, hi, kernel))
+    except registry.NoGpuKernel as e:  # a GPU without FP8 kernels: bf16, with the reasons
+        raise NoDispatch(str(e)) from None
     for lo, hi, kernel in chosen:
         registry.prepare(kernel, dataclasses.replace(base, m_min=lo, m_max=hi))
     return [Side(_label(lo, hi), kernel, hi, lo) for lo, hi, kernel in chosen]
