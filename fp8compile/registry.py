@@ -138,7 +138,7 @@ def _deep_gemm_why_not(request: Request) -> str | None:
         return _vendor_why_not("deep_gemm", request, (9, 0), exact_major=9)
     if request.n % 64:
         return f"N={request.n} is not a multiple of 64"
-    return _vendor_why_not("deep_gemm", request, (9, 0))
+    return _vendor_why_not("deep_gemm", request, (9, 0), exact_major=SCALED_VENDOR_MAJOR)
 
 
 def _deep_gemm_masked_why_not(request: Request) -> str | None:
@@ -179,9 +179,15 @@ def _cublas_why_not(request: Request) -> str | None:
         )
     if request.batch_invariant:
         return "picks its kernel by M: not batch-invariant"
-    return _cuda_why_not(request, (9, 0))
+    return _cuda_why_not(request, (9, 0), exact_major=SCALED_VENDOR_MAJOR)
 
 
+# The vendors' block-scaled GEMMs (DeepGEMM's, cuBLAS's 1x128 / 128x128) with the fp32 scales we
+# pass were measured on sm_90 (H100, H200) only. Their sm_100 forms take other scale formats
+# (DeepGEMM's sm_100 kernels UE8M0 scales packed four to an int; cuBLAS's sm_100 block scaling
+# MXFP8's 1x32 UE8M0 blocks): elsewhere our Triton kernels serve, rather than a vendor call that
+# fails or computes with misread scales.
+SCALED_VENDOR_MAJOR = 9
 # Measured on an H200 (../shared/device/README.md): torch._scaled_mm block scaling works at
 # M >= 8 and fails at M = 1.
 CUBLAS_MIN_M = 8

@@ -275,6 +275,16 @@ def test_cublas_declines_a_k_whose_weight_scale_columns_it_misreads(k, declined,
     assert (f"K={k} is {k // 128} groups of 128, not a multiple of 4" in why) == declined
 
 
+def test_on_a_blackwell_gpu_the_vendors_block_scaled_gemms_give_way_to_our_triton_kernels(monkeypatch):
+    # Their sm_100 forms read other scale formats than the fp32 scales measured on sm_90.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))  # a B200
+    monkeypatch.setattr("fp8compile.ops.vendors.import_error", lambda module: None)  # as if installed
+    request = registry.Request("linear", torch.device("cuda"), 4096, 4096, 4096, 4096)
+    for vendor in ("cublas", "deep_gemm"):
+        assert "needs compute capability sm_90 exactly, device has 10.0" in registry.why_not(vendor, request)
+    assert registry.choose(request, tier="large") == "triton"
+
+
 def test_backends_command_on_a_gpu_without_fp8_kernels_says_the_linear_stays_bf16(monkeypatch, capsys):
     from fp8compile.__main__ import main
 
