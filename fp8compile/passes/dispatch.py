@@ -70,7 +70,8 @@ def ranges(config, m: Any) -> list[tuple[str, int, int | None]]:
 
 def plan(ctx: PassContext, op: str, device: torch.device, n: int, k: int, m: Any) -> list[Side]:
     """Kernel per range of M, adjacent ranges with the same kernel merged. Raises (naming every
-    reason) if a range has no kernel."""
+    reason) if a range has no kernel; NoDispatch (the call site stays bf16) where only the float64
+    reference would serve a range on a GPU (registry.NoGpuKernel)."""
     cfg = ctx.config
     base = registry.Request(op, device, n, k, batch_invariant=cfg.batch_invariant, e8m0=cfg.e8m0)
     try:
