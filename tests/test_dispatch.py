@@ -416,3 +416,23 @@ def test_on_a_gpu_without_fp8_kernels_a_linear_stays_bf16_with_why_not_the_float
     ctx = SimpleNamespace(config=fp8compile.make_config(backends=("cublas", "reference"), autotune=autotune))
     sides = dispatch.plan(ctx, "linear", torch.device("cuda"), 512, 512, 64)
     assert [side.kernel for side in sides] == ["reference"]
+
+
+@pytest.mark.parametrize("capability, kept", [((8, 0), True), ((9, 0), False)])
+def test_gpu_why_not_tells_a_gpu_without_fp8_kernels_before_any_weight_is_quantized(
+    capability, kept, monkeypatch
+):
+    from types import SimpleNamespace
+
+    from fp8compile.passes import dispatch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    ctx = SimpleNamespace(config=fp8compile.make_config())
+    for op in ("linear", "gated_linear", "moe"):
+        why = dispatch.gpu_why_not(ctx, op, torch.device("cuda"))
+        assert (why is not None and f"no FP8 kernel runs {op}" in why) == kept
+    assert (
+        dispatch.gpu_why_not(ctx, "linear", torch.device("cpu")) is None
+    )  # the reference is the CPU's product
+    named = SimpleNamespace(config=fp8compile.make_config(backends=("reference",)))
+    assert dispatch.gpu_why_not(named, "linear", torch.device("cuda")) is None  # asked for by name

@@ -83,25 +83,25 @@ def test_llama_every_linear_is_rewritten_mlps_fused_and_logits_stay_within_the_f
     assert calc_diff(logits, eager) < 5e-3
 
 
-def test_where_no_fp8_kernel_serves_every_fusion_leaves_llama_in_bf16_with_the_reason(monkeypatch):
-    """What a GPU without FP8 kernels (an A100) gets: the dispatch finds no kernel for any call
-    site (registry.NoGpuKernel, tests/test_dispatch.py), and the fused forms (gate|up, q|k|v,
-    act(gate) * up) leave their linears bf16 too, every one reported with the reason."""
+def test_where_no_fp8_kernel_runs_on_the_gpu_llama_stays_bf16_unquantized_with_the_reason(monkeypatch):
+    """What a GPU without FP8 kernels (an A100) gets: every candidate, fused forms included
+    (gate|up, q|k|v, act(gate) * up), stays bf16 with the registry's reason
+    (dispatch.gpu_why_not, tests/test_dispatch.py), and no weight gets an FP8 copy that no kernel
+    would read. Here the CPU plays that GPU."""
+    from fp8compile import weights
     from fp8compile.passes import dispatch
 
-    reason = "no FP8 kernel runs linear (all M) on this GPU (...): kept bf16"
-
-    def no_kernel(ctx, op, *args):
-        raise dispatch.NoDispatch(reason.replace("linear", op))
-
-    monkeypatch.setattr(dispatch, "plan", no_kernel)
+    reason = "no FP8 kernel runs linear (M in [1, inf]) on this GPU (...): kept bf16"
+    monkeypatch.setattr(dispatch, "gpu_why_not", lambda ctx, op, device: reason.replace("linear", op))
+    quantized = []
+    monkeypatch.setattr(weights, "_quantize", lambda w, e8m0: quantized.append(w.shape))
     model = small_llama()
     ids = torch.randint(0, 32000, (2, 24))
     fp8 = fp8compile.backend()
     with torch.no_grad():
         eager = model(ids).logits
         logits = torch.compile(model, backend=fp8)(ids).logits
-    assert fp8.report.rewrites == []
+    assert fp8.report.rewrites == [] and quantized == []
     kept = {s.name for s in fp8.report.skips if "no FP8 kernel runs" in s.reason}
     assert {f"model.layers.{i}.{p}" for i in range(2) for p in PROJECTIONS} | {"lm_head"} <= kept
     # bf16 Inductor's rounding (2.1e-5, the same as backend="inductor"), not FP8's (3.3e-3 here)

@@ -168,6 +168,29 @@ def test_plain_pytorch_moe_forms_are_rewritten(make_model, layout, captured):
     assert calc_diff(out, eager) < MOE_BLOCK
 
 
+def test_where_no_fp8_kernel_runs_the_experts_they_stay_bf16_unquantized_with_the_reason(monkeypatch):
+    """The token-count dispatch is planned before the experts' FP8 copies are made: where it
+    finds no kernel (an A100, registry.NoGpuKernel), no copy is made that no kernel would read."""
+    from fp8compile.passes import dispatch
+    from fp8compile.passes import moe as moe_pass
+
+    real_plan = dispatch.plan
+
+    def plan(ctx, op, *args):
+        if op == "moe":
+            raise dispatch.NoDispatch("no FP8 kernel runs moe (M in [1, inf]) on this GPU (...): kept bf16")
+        return real_plan(ctx, op, *args)
+
+    monkeypatch.setattr(dispatch, "plan", plan)
+    quantized = []
+    monkeypatch.setattr(moe_pass, "fp8_experts", lambda *a, **k: quantized.append(a[0].shape))
+    torch.manual_seed(0)
+    out, eager, report = compile_block(GptFastMoE().to(BF16), randn(37, 256))
+    (skip,) = report.skipped("moe")
+    assert "no FP8 kernel runs moe" in skip.reason and report.counts()["moe"] == 0 and quantized == []
+    assert calc_diff(out, eager) < 1e-4  # stays bf16
+
+
 def test_batched_mm_experts_with_ids_clamped_to_the_expert_range_are_rewritten():
     """transformers 5.17 clamps every routed id to [0, E - 1] before gathering the weights (what
     generate() runs for decode on a GPU): a no-op for ids top-k drew from E experts."""

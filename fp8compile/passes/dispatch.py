@@ -97,6 +97,27 @@ def plan(ctx: PassContext, op: str, device: torch.device, n: int, k: int, m: Any
     return [Side(_label(lo, hi), kernel, hi, lo) for lo, hi, kernel in chosen]
 
 
+# A weight shape every FP8 kernel takes (multiples of 128 and 512): what gpu_why_not asks about.
+_ANY_SHAPE = 4096
+
+
+def gpu_why_not(ctx: PassContext, op: str, device: torch.device) -> str | None:
+    """Why no FP8 kernel runs `op` on this GPU for any shape (its compute capability, missing
+    libraries; registry.NoGpuKernel), or None. Asked before a weight is quantized: a GPU without
+    FP8 kernels gets no FP8 copies that no kernel would read."""
+    if device.type != "cuda" or ctx.config.backends is not None:
+        return None
+    for tier, lo, hi in ranges(ctx.config, None):
+        request = registry.Request(
+            op, device, _ANY_SHAPE, _ANY_SHAPE, lo, hi, ctx.config.batch_invariant, ctx.config.e8m0
+        )
+        try:
+            registry.choose(request, None, tier)
+        except registry.NoGpuKernel as e:
+            return str(e)
+    return None
+
+
 def split(sides: list[Side], at: int, kernel: str | None = None) -> list[Side]:
     """sides with the one that serves both at - 1 and at (if given, only a side of `kernel`) cut
     in two there: the same kernel on each part, so the numbers do not change, but each part can

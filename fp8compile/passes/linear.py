@@ -239,6 +239,12 @@ def emit_fp8(
     (output node, dispatch sides, (N, K)), or None (after recording why, if record_skip) when
     no M dispatch can be built."""
     m = match.x.meta["val"].shape[0]
+    op = "scaled_linear" if ctx.config.recipe != "block" else REGISTRY_OPS[target]  # as scaled_call's
+    why = dispatch.gpu_why_not(ctx, op, match.weight.meta["val"].device)
+    if why is not None:  # before the weights are quantized: no copies no kernel would read
+        if record_skip:
+            ctx.skipped(kind, name, why, "x".join(map(str, match.weight.meta["val"].shape)))
+        return None
     with ctx.gm.graph.inserting_before(before or match.node):
         w_fp8, w_scale = fp8_weight_inputs(ctx, name, weights, match.transposed, match.index)
         target, op_kwargs = scaled_call(ctx, target, names or [name], match.weight, op_kwargs)

@@ -543,17 +543,17 @@ def moe_replacement(
     (and the reordered gate/up bias) are made here, at compile time, into the memo the op reads.
     dense_k: m is dense experts over their slots (moe_dense.py), k rows a token, summed here."""
     param = {n: ctx.parameter(n)[0] for n in (m.w13, m.w3, m.w2, m.b13) if n is not None}
-    fp8_experts(param[m.w13], w_kn, ctx.config.e8m0, m.gate_up, param.get(m.w3))
-    fp8_experts(param[m.w2], w_kn, ctx.config.e8m0)
-    expert_bias(param.get(m.b13), m.gate_up)
     device = param[m.w13].device
     top_k = meta_val(m.topk_ids).shape[1]
     inter_bf16, inter = inter, whole_blocks(inter)  # the kernels' sizes are the FP8 copies'
     n13 = _n13(m, inter)
-    try:
+    try:  # before the copies are made: no FP8 copies where no kernel would read them
         sides = dispatch.plan(ctx, "moe", device, n13, h, meta_val(m.hidden).shape[0])
     except dispatch.NoDispatch as reason:
         raise NoMatch(str(reason)) from None
+    fp8_experts(param[m.w13], w_kn, ctx.config.e8m0, m.gate_up, param.get(m.w3))
+    fp8_experts(param[m.w2], w_kn, ctx.config.e8m0)
+    expert_bias(param.get(m.b13), m.gate_up)
     for cut in (
         inline.moe_decode_cut(ctx, e, top_k, device),
         inline.moe_gluon_cut(ctx, e, top_k, n13, inter, h, device),
