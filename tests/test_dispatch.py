@@ -428,7 +428,7 @@ def test_gpu_why_not_tells_a_gpu_without_fp8_kernels_before_any_weight_is_quanti
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     ctx = SimpleNamespace(config=fp8compile.make_config())
-    for op in ("linear", "gated_linear", "moe"):
+    for op in ("linear", "gated_linear", "moe", "scaled_linear"):
         why = dispatch.gpu_why_not(ctx, op, torch.device("cuda"))
         assert (why is not None and f"no FP8 kernel runs {op}" in why) == kept
     assert (
