@@ -30,6 +30,8 @@ SMALL_M = 32
 LARGE_M = 2048
 
 DEBUG_DIR_ENV = "FP8COMPILE_DEBUG_DIR"
+# The options that are True or False.
+SWITCHES = ("e8m0", "batch_invariant", "autotune", "inline_conds", "release_bf16_weights", "split_kv")
 
 
 def _debug_dir_from_env() -> str | None:
@@ -108,14 +110,7 @@ class Fp8Config:
         if self.recipe not in RECIPES:
             raise ValueError(f"recipe={self.recipe!r} is not supported; valid recipes: {', '.join(RECIPES)}")
         self._check_recipe_options()
-        for name in (
-            "e8m0",
-            "batch_invariant",
-            "autotune",
-            "inline_conds",
-            "release_bf16_weights",
-            "split_kv",
-        ):
+        for name in SWITCHES:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.inductor_launch is not None and not isinstance(self.inductor_launch, bool):
@@ -235,7 +230,6 @@ def _str_tuple(name: str, value: Any) -> tuple[str, ...]:
 
 # Options a command line can set as text (KEY=VALUE), by how their text reads; Fp8Config's own
 # checks then judge the value. act_amax is a table: fp8compile.calibrate / load_scales make it.
-_TEXT_BOOLS = ("e8m0", "batch_invariant", "autotune", "inline_conds", "release_bf16_weights", "split_kv")
 _TEXT_INTS = ("small_m", "large_m")
 _TEXT_FLOATS = ("act_amax_ub",)
 _TEXT_LISTS = ("backends", "skip", "fusions")  # comma-separated; empty = ()
@@ -257,7 +251,7 @@ def parse_option(text: str) -> tuple[str, Any]:
             + f"; valid options: {', '.join(FIELDS)}"
         )
     switches = {"true": True, "false": False}
-    if key in _TEXT_BOOLS or key == "inductor_launch":
+    if key in SWITCHES or key == "inductor_launch":
         choices = {**switches, "none": None} if key == "inductor_launch" else switches
         if value.lower() not in choices:
             raise ValueError(f"{key} takes {' or '.join(choices)}, got {value!r}")

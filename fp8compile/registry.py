@@ -183,10 +183,10 @@ def _cublas_why_not(request: Request) -> str | None:
 
 
 # The vendors' block-scaled GEMMs (DeepGEMM's, cuBLAS's 1x128 / 128x128) with the fp32 scales we
-# pass were measured on sm_90 (H100, H200) only. Their sm_100 forms take other scale formats
-# (DeepGEMM's sm_100 kernels UE8M0 scales packed four to an int; cuBLAS's sm_100 block scaling
-# MXFP8's 1x32 UE8M0 blocks): elsewhere our Triton kernels serve, rather than a vendor call that
-# fails or computes with misread scales.
+# pass were measured on sm_90 (H100, H200) only. DeepGEMM's sm_100 kernels take UE8M0 scales
+# packed four to an int (its README); cuBLAS's block-scaled modes were not tried on any other
+# major. Elsewhere our Triton kernels serve, rather than a vendor call that may fail or read the
+# scales otherwise than we lay them out.
 SCALED_VENDOR_MAJOR = 9
 # Measured on an H200 (../shared/device/README.md): torch._scaled_mm block scaling works at
 # M >= 8 and fails at M = 1.

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 import fp8compile
+from fp8compile.numerics import FP8_DTYPE
 
 from . import harness
 from .gemm import SHAPES
@@ -48,7 +49,7 @@ def quant_launch(x: torch.Tensor, b: torch.Tensor | None, rows: int, num_warps: 
     from fp8compile.ops import triton_quant
 
     m, k = x.shape
-    x_fp8 = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    x_fp8 = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     scale = triton_quant.empty_scales(m, k // 128, "col", x.device)
     grid, args, constexprs = triton_quant.quant_act_arguments(
         x, b, x_fp8, scale, False, "silu", 1.702, 7.0, rows
@@ -77,9 +78,8 @@ def _quant_sweep(k: int, results: list) -> None:
         for rows, warps in QUANT_SWEEP:
             launches = [quant_launch(x, b, rows, warps) for x, b in inputs]
             launches[0][0]()
-            bits = tuple(
-                t.view(torch.uint8 if t.dtype != torch.float32 else torch.int32) for t in launches[0][1]
-            )
+            x_fp8, scale = launches[0][1]
+            bits = (x_fp8.view(torch.uint8), scale)
             first = bits if first is None else first
             same = all(torch.equal(a, b) for a, b in zip(bits, first))
             us = harness.time_us([launch for launch, _ in launches]) if same else None
