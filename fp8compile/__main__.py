@@ -46,7 +46,7 @@ def _backends(args) -> int:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     request = registry.Request("linear", device, n=args.n, k=args.k, m_min=args.m, m_max=args.m)
-    ((tier, _, _),) = ranges(make_config(), args.m)
+    ((tier, _, _),) = ranges(make_config(), args.m, args.n)
     order = registry.default_order(tier)
     print(f"backends for linear N={args.n} K={args.k} M={args.m} on {device} ({tier}-M preference order):")
     try:

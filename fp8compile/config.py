@@ -25,9 +25,16 @@ SMALL_M = 32
 # Above LARGE_M the large-M kernels take over (DeepGEMM by default). `bench gemm` on an H200
 # (BENCHMARKS.md): DeepGEMM is 8-14% faster than cuBLAS at M = 4096 on all five shapes and at
 # M = 2048 on four of five, but 2.5x slower at M = 1024 for N = 4096 (and 1.15x at M = 2560:
-# no threshold avoids every cliff; autotune does). For MoE blocks it beat our Triton grouped
-# kernel at 4096 tokens and not at 1024.
-LARGE_M = 2048
+# no threshold avoids every cliff; autotune does). So 2048 rows belong to DeepGEMM: on a whole
+# Llama-3-8B (H100, forty-first session) a 2048-token prefill took 36.3 ms with 1536 here against
+# 39.2 ms with 2048 (bf16 Inductor 54.4 ms). Narrow outputs are the exception: for Qwen3-30B-A3B's
+# o projection (N = 2048, K = 4096) DeepGEMM took 91-99 us against cuBLAS's 33-37 from 1536 to
+# 2048 rows (H100, thirty-third session's probe), so outputs narrower than WIDE_N keep cuBLAS up
+# to NARROW_LARGE_M rows. For MoE blocks our grouped kernels stay first in every range
+# (registry.ORDER_EXCEPTIONS).
+LARGE_M = 1536
+WIDE_N = 4096
+NARROW_LARGE_M = 2048
 
 DEBUG_DIR_ENV = "FP8COMPILE_DEBUG_DIR"
 # The options that are True or False.
@@ -52,7 +59,8 @@ class Fp8Config:
                      does not depend on the other rows of the batch.
     small_m:         rows M <= small_m take the small-M (decode) kernel, chosen by torch.cond.
     large_m:         rows M > large_m take the large-M kernel (a second, nested cond);
-                     0 = no third range.
+                     0 = no third range; None = by the output width N: LARGE_M (1536) where
+                     N >= WIDE_N (4096), NARROW_LARGE_M (2048) below (large_m_for).
     autotune:        time the backends that serve each call site on this GPU while compiling, and
                      split M where another kernel is faster (autotune.py), instead of the
                      small_m / large_m ranges and the default order; linears and gated linears.
@@ -93,7 +101,7 @@ class Fp8Config:
     e8m0: bool = False
     batch_invariant: bool = False
     small_m: int = SMALL_M
-    large_m: int = LARGE_M
+    large_m: int | None = None
     autotune: bool = False
     backends: tuple[str, ...] | None = None
     skip: tuple[str, ...] = ()
@@ -121,11 +129,19 @@ class Fp8Config:
             raise ValueError(
                 f"small_m must be an int >= 0 (0 = never take the small-M path), got {self.small_m!r}"
             )
-        if isinstance(self.large_m, bool) or not isinstance(self.large_m, int) or self.large_m < 0:
+        if self.large_m is not None and (
+            isinstance(self.large_m, bool) or not isinstance(self.large_m, int) or self.large_m < 0
+        ):
             raise ValueError(
-                f"large_m must be an int >= 0 (0 = no separate large-M range), got {self.large_m!r}"
+                "large_m must be an int >= 0 (0 = no separate large-M range) or None (by the output "
+                f"width), got {self.large_m!r}"
             )
-        if 0 < self.large_m <= self.small_m:
+        if self.large_m is None and self.small_m >= LARGE_M:
+            raise ValueError(
+                f"small_m={self.small_m} is not below the default large_m ({LARGE_M} for outputs of "
+                f"{WIDE_N} or more, {NARROW_LARGE_M} narrower): set large_m too (0 for no large-M range)"
+            )
+        if self.large_m is not None and 0 < self.large_m <= self.small_m:
             raise ValueError(
                 f"large_m={self.large_m} must be above small_m={self.small_m} (or 0 for no large-M range)"
             )
@@ -149,6 +165,13 @@ class Fp8Config:
             raise TypeError(f"debug_dir must be a path or None, got {self.debug_dir!r}")
         if self.debug_dir is not None:
             object.__setattr__(self, "debug_dir", os.fspath(self.debug_dir))
+
+    def large_m_for(self, n: int) -> int:
+        """The large-M threshold of a call site with N outputs: large_m, or where it is None,
+        LARGE_M for outputs of WIDE_N or more and NARROW_LARGE_M for narrower ones."""
+        if self.large_m is not None:
+            return self.large_m
+        return LARGE_M if n >= WIDE_N else NARROW_LARGE_M
 
     def _check_recipe_options(self) -> None:
         if self.recipe == "block":
@@ -237,7 +260,7 @@ _TEXT_LISTS = ("backends", "skip", "fusions")  # comma-separated; empty = ()
 
 def parse_option(text: str) -> tuple[str, Any]:
     """ "KEY=VALUE" from a command line -> (key, typed value): true/false for switches (none too
-    for inductor_launch), ints, comma-separated lists; an unknown key or a bad value is an error
+    for inductor_launch and large_m), ints, comma-separated lists; an unknown key or a bad value is an error
     that says what the key takes."""
     key, sep, value = text.partition("=")
     key, value = key.strip(), value.strip()
@@ -256,11 +279,14 @@ def parse_option(text: str) -> tuple[str, Any]:
         if value.lower() not in choices:
             raise ValueError(f"{key} takes {' or '.join(choices)}, got {value!r}")
         return key, choices[value.lower()]
+    if key == "large_m" and value.lower() == "none":
+        return key, None  # the threshold by output width
     for names, kind, what in ((_TEXT_INTS, int, "an integer"), (_TEXT_FLOATS, float, "a number")):
         if key in names:
             try:
                 return key, kind(value)
             except ValueError:
+                what += " or none (by the output width)" if key == "large_m" else ""
                 raise ValueError(f"{key} takes {what}, got {value!r}") from None
     if key in _TEXT_LISTS:
         return key, tuple(v.strip() for v in value.split(",") if v.strip())

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+from .config import WIDE_N
+
 KINDS = ("linear", "silu_mul", "moe", "attention", "mqa_logits")
 
 
@@ -73,7 +75,7 @@ class Report:
             c = self.config
             head += (
                 f"\nconfig: recipe={c.recipe}{_scales(c)} e8m0={c.e8m0} batch_invariant={c.batch_invariant} "
-                f"small_m={c.small_m} large_m={c.large_m} autotune={c.autotune}"
+                f"small_m={c.small_m} large_m={_large_m(c)} autotune={c.autotune}"
             )
         if self.rank is not None:
             digests = ", ".join(f"{g}: {d}" for g, d in sorted(self.digests.items()))
@@ -115,6 +117,13 @@ class Report:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _large_m(config) -> str:
+    """large_m as set, or the width rule that stands in for it (Fp8Config.large_m_for)."""
+    if config.large_m is not None:
+        return str(config.large_m)
+    return f"{config.large_m_for(WIDE_N)} (N >= {WIDE_N}) / {config.large_m_for(WIDE_N - 1)} (narrower)"
 
 
 def _scales(config) -> str:

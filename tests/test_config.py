@@ -69,6 +69,7 @@ def test_debug_dir_defaults_to_environment(monkeypatch, tmp_path):
     "text, option",
     [
         ("large_m=1536", ("large_m", 1536)),
+        ("large_m=None", ("large_m", None)),
         ("autotune=True", ("autotune", True)),
         ("split_kv=false", ("split_kv", False)),
         ("inductor_launch=none", ("inductor_launch", None)),
@@ -92,6 +93,7 @@ def test_a_command_line_option_is_typed_by_what_its_key_takes(text, option):
         ("large_m", "KEY=VALUE"),
         ("autotune=yes", "autotune takes true or false"),
         ("small_m=x", "small_m takes an integer"),
+        ("large_m=auto", "large_m takes an integer or none"),
         ("act_amax=1", "fp8compile.calibrate"),
     ],
 )

@@ -107,6 +107,50 @@ def test_ranges_that_get_the_same_kernel_share_one_call(probe_backend, captured)
 def test_large_m_must_be_above_small_m():
     with pytest.raises(ValueError, match="large_m=16 must be above small_m=32"):
         fp8compile.backend(large_m=16)
+    with pytest.raises(ValueError, match="small_m=2000 is not below the default large_m .* set large_m too"):
+        fp8compile.backend(small_m=2000)
+    assert fp8compile.backend(small_m=2000, large_m=0).config.large_m_for(4096) == 0
+
+
+class WideAndNarrow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wide, self.narrow = nn.Linear(256, 4096), nn.Linear(256, 2048)
+
+    def forward(self, x):
+        return self.wide(x), self.narrow(x)
+
+
+def test_by_default_the_large_m_range_starts_after_1536_rows_on_wide_outputs_and_2048_on_narrow():
+    """large_m=None: outputs of 4096 or more take the large-M order (DeepGEMM first) from 1537 rows,
+    narrower ones (where DeepGEMM was measured slower at 1536-2048 rows) from 2049; a set large_m
+    serves every width."""
+    from fp8compile.passes.dispatch import ranges
+
+    default = fp8compile.Fp8Config()
+    assert ranges(default, None, 4096)[1:] == [("medium", 33, 1536), ("large", 1537, None)]
+    assert ranges(default, None, 2048)[1:] == [("medium", 33, 2048), ("large", 2049, None)]
+    assert ranges(default, 2048, 14336) == [("large", 2048, 2048)]
+    assert ranges(default, 2048, 2048) == [("medium", 2048, 2048)]
+    for n in (2048, 4096):
+        assert ranges(fp8compile.Fp8Config(large_m=1024), None, n)[2] == ("large", 1025, None)
+    assert "large_m=1536 (N >= 4096) / 2048 (narrower)" in str(fp8compile.backend().report)
+
+
+def test_each_call_site_gets_the_large_m_range_of_its_output_width(probe_backend):
+    model = WideAndNarrow().to(BF16)
+    # fusions=(): the qkv fusion would merge the two siblings into one 6144-wide linear
+    backend = fp8compile.backend(backends=["probe", "mid", "reference"], fusions=())
+    x = randn(1600, 256)
+    torch._dynamo.mark_dynamic(x, 0)
+    with torch.no_grad():
+        wide, narrow = torch.compile(model, backend=backend)(x)
+    kernels = {r.name.split(".")[-1]: r.kernels for r in backend.report.rewrites}
+    assert kernels["wide"] == (("M <= 32", "probe"), ("32 < M <= 1536", "mid"), ("M > 1536", "reference"))
+    assert kernels["narrow"] == (("M <= 32", "probe"), ("32 < M <= 2048", "mid"), ("M > 2048", "reference"))
+    assert probe_backend == [("mid:linear", 1600)]  # the narrow site's; the wide one ran the reference
+    for y, ref in zip((wide, narrow), model(x)):
+        assert fp8compile.calc_diff(y, ref) < 1e-3
 
 
 def test_m_of_one_works_on_a_dynamic_graph(probe_backend):

@@ -118,14 +118,17 @@ def test_default_dispatch_has_a_decode_a_medium_and_a_large_m_kernel_in_one_grap
             torch._dynamo.mark_dynamic(x, 0)
             assert calc_diff(compiled(x), model(x)) < 1e-3
     (rewrite,) = fp8.report.rewrites
-    cuda = torch.device("cuda")
+    cuda, large_m = torch.device("cuda"), fp8.config.large_m_for(4096)
     want = [
         ("M <= 32", "triton_small_m"),
         (
-            "32 < M <= 2048",
-            registry.choose(registry.Request("linear", cuda, 4096, 4096, 33, 2048), tier="medium"),
+            f"32 < M <= {large_m}",
+            registry.choose(registry.Request("linear", cuda, 4096, 4096, 33, large_m), tier="medium"),
         ),
-        ("M > 2048", registry.choose(registry.Request("linear", cuda, 4096, 4096, 2049, None), tier="large")),
+        (
+            f"M > {large_m}",
+            registry.choose(registry.Request("linear", cuda, 4096, 4096, large_m + 1, None), tier="large"),
+        ),
     ]
     if want[1][1] == want[2][1]:  # no DeepGEMM here: the two upper ranges share one kernel
         want[1:] = [("M > 32", want[1][1])]

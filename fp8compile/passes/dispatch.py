@@ -2,7 +2,8 @@
 op with the kernel the registry chose for each range of M, so one graph compiled with dynamic M
 serves decode, mid-size batches and prefill without recompiling.
 
-Ranges: M <= small_m (decode), small_m < M <= large_m, M > large_m, or, with autotune, the
+Ranges: M <= small_m (decode), small_m < M <= large_m, M > large_m (large_m by the output width
+unless set: Fp8Config.large_m_for), or, with autotune, the
 ranges where measurement found one kernel fastest (autotune.py); n ranges are n - 1 nested
 conds. Adjacent ranges that get the same kernel merge, so a site whose ranges all get one
 kernel (static M, batch-invariant mode, a single backend) has no cond at all.
@@ -35,7 +36,7 @@ class NoDispatch(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Side:
-    label: str  # "M <= 32", "32 < M <= 2048", "M > 2048", "all M", "M = 7"
+    label: str  # "M <= 32", "32 < M <= 1536", "M > 1536", "all M", "M = 7"
     kernel: str  # the registry backend whose kernel runs this side
     m_max: int | None = None  # the side serves M <= m_max (None: unbounded)
     m_min: int = 1  # and M >= m_min
@@ -49,12 +50,14 @@ def _label(lo: int, hi: int | None) -> str:
     return f"M > {lo - 1}" if hi is None else f"{lo - 1} < M <= {hi}"
 
 
-def ranges(config, m: Any) -> list[tuple[str, int, int | None]]:
-    """(tier, m_min, m_max) of each range of M a call site needs a kernel for; tier names the
-    registry's default order for that range. Raises NoDispatch for a static M of 0."""
+def ranges(config, m: Any, n: int) -> list[tuple[str, int, int | None]]:
+    """(tier, m_min, m_max) of each range of M a call site with N outputs needs a kernel for; tier
+    names the registry's default order for that range. Raises NoDispatch for a static M of 0."""
     if config.batch_invariant:
         return [("large", 1, None)]
-    bounds = [(b, tier) for b, tier in ((config.small_m, "small"), (config.large_m, "medium")) if b > 0]
+    bounds = [
+        (b, tier) for b, tier in ((config.small_m, "small"), (config.large_m_for(n), "medium")) if b > 0
+    ]
     out, lo = [], 1
     for b, tier in bounds:
         out.append((tier, lo, b))
@@ -84,7 +87,7 @@ def plan(ctx: PassContext, op: str, device: torch.device, n: int, k: int, m: Any
             chosen = autotune.plan(base, cfg.backends, m if isinstance(m, int) else None)
         else:
             chosen = []
-            for tier, lo, hi in ranges(cfg, m):
+            for tier, lo, hi in ranges(cfg, m, n):
                 kernel = registry.choose(dataclasses.replace(base, m_min=lo, m_max=hi), cfg.backends, tier)
                 if chosen and chosen[-1][2] == kernel:
                     chosen[-1] = (chosen[-1][0], hi, kernel)
@@ -107,7 +110,7 @@ def gpu_why_not(ctx: PassContext, op: str, device: torch.device) -> str | None:
     FP8 kernels gets no FP8 copies that no kernel would read."""
     if device.type != "cuda" or ctx.config.backends is not None:
         return None
-    for tier, lo, hi in ranges(ctx.config, None):
+    for tier, lo, hi in ranges(ctx.config, None, _ANY_SHAPE):
         request = registry.Request(
             op, device, _ANY_SHAPE, _ANY_SHAPE, lo, hi, ctx.config.batch_invariant, ctx.config.e8m0
         )
