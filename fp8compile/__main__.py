@@ -151,14 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "-m",
         type=_tokens,
-        action="append",
+        action="extend",
+        nargs="+",
         help="M values (default: gemm 1 16 32 128 1024 4096; mlp 1 16 128 4096; "
         "moe 1 16 128 1024 4096; host 1 16)",
     )
     bench.add_argument(
         "--shape",
         type=_shape,
-        action="append",
+        action="extend",
+        nargs="+",
         help="`bench gemm` / `bench tune`: a weight shape NxK to time instead of the five default "
         "ones, e.g. --shape 6144x4096 --shape 28672x4096 (Llama-3-8B's q|k|v and gate|up)",
     )
@@ -169,11 +171,15 @@ def main(argv: list[str] | None = None) -> int:
         help="`bench host`: linears per compiled graph; times are per linear (default 8)",
     )
     bench.add_argument(
-        "--skip", action="append", help="`bench gemm`: leave this variant out (e.g. fp8compile_tuned)"
+        "--skip",
+        action="extend",
+        nargs="+",
+        help="`bench gemm`: leave this variant out (e.g. fp8compile_tuned)",
     )
     bench.add_argument(
         "--layer",
-        action="append",
+        action="extend",
+        nargs="+",
         choices=["qwen3-30b-a3b", "deepseek-v3", "nemotron-h"],
         help="MoE layers for `bench moe` (default: all)",
     )
@@ -189,13 +195,15 @@ def main(argv: list[str] | None = None) -> int:
 
     bench.add_argument(
         "--model",
-        action="append",
+        action="extend",
+        nargs="+",
         choices=list(MODELS),
         help="`bench model`: models (default: llama-3-8b, qwen2.5-7b, qwen3-30b-a3b)",
     )
     bench.add_argument(
         "--variant",
-        action="append",
+        action="extend",
+        nargs="+",
         type=_variant_name,
         help=f"`bench model`: variants (default: all): {', '.join(VARIANTS)}; an fp8 one may add "
         "Fp8Config options, e.g. fp8_ro+large_m=1536 (beside fp8_ro: the option's A/B in one run)",
@@ -204,7 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         "--layers", type=int, default=None, help="`bench model`: cut every model to this many layers"
     )
     bench.add_argument(
-        "--batch", type=int, action="append", help=f"`bench model`: decode batch sizes (default {BATCHES})"
+        "--batch",
+        type=int,
+        action="extend",
+        nargs="+",
+        help=f"`bench model`: decode batch sizes (default {BATCHES})",
     )
     bench.add_argument(
         "--context", type=int, default=1024, help="`bench model`: prompt tokens before decoding"
@@ -214,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--prefill-batch",
         type=int,
-        action="append",
+        action="extend",
+        nargs="+",
         help=f"`bench model`: sequences per timed prefill (default {PREFILL_BATCHES})",
     )
     bench.add_argument(

@@ -255,6 +255,21 @@ def test_bench_gemm_and_tune_time_the_weight_shapes_the_command_line_names(monke
     assert asked == {"gemm": [(6144, 4096), (28672, 4096)], "tune": gemm.SHAPES}
 
 
+def test_a_bench_list_option_takes_its_values_after_one_flag_or_after_several(monkeypatch):
+    from fp8compile.__main__ import main
+    from fp8compile.bench import gemm
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gemm, "bench_gemm", lambda out, shapes, ms, skip: asked.append((shapes, ms, skip)))
+    main(["bench", "gemm", "-m", "1600", "1792", "-m", "2048", "--shape", "6144x4096", "4096x4096"])
+    main(["bench", "gemm", "-m", "1600", "-m", "1792", "--skip", "deep_gemm", "cublas_fp8"])
+    assert asked == [
+        ([(6144, 4096), (4096, 4096)], [1600, 1792, 2048], ()),
+        (gemm.SHAPES, [1600, 1792], ["deep_gemm", "cublas_fp8"]),
+    ]
+
+
 @pytest.mark.parametrize("shape", ["6144", "6144x4096x2", "0x4096", "ax4096"])
 def test_the_command_line_refuses_a_shape_that_is_not_n_by_k_in_words(shape, capsys):
     from fp8compile.__main__ import main
