@@ -38,7 +38,15 @@ NARROW_LARGE_M = 2048
 
 DEBUG_DIR_ENV = "FP8COMPILE_DEBUG_DIR"
 # The options that are True or False.
-SWITCHES = ("e8m0", "batch_invariant", "autotune", "inline_conds", "release_bf16_weights", "split_kv")
+SWITCHES = (
+    "e8m0",
+    "batch_invariant",
+    "autotune",
+    "inline_conds",
+    "release_bf16_weights",
+    "split_kv",
+    "fast_accum",
+)
 
 
 def _debug_dir_from_env() -> str | None:
@@ -91,6 +99,11 @@ class Fp8Config:
                      None = dynamic scales, computed per call. A linear the table lacks stays bf16.
     act_amax_ub:     upper bound on a dynamic activation amax (vLLM's input_scale_ub): values
                      past ub saturate at 448 * scale; 0 = none.
+    fast_accum:      the rowwise and tensor recipes' cuBLAS GEMM (above the decode sizes) in
+                     torch._scaled_mm's fast-accumulation mode, as torchao's float8 inference
+                     configs run it by default: Hopper's FP8 tensor cores then accumulate all of
+                     K in their own reduced-precision accumulator instead of promoting partial
+                     sums to fp32 along the way. Faster at large M, less exact as K grows; off.
     split_kv:        the gqa_attention fusion's decode attention on a GPU runs fp8compile's
                      split-KV kernel (ops/triton_attention.py: the keys spread over the SMs)
                      instead of the sdpa kernel torch picks (its work split over sequences and
@@ -112,6 +125,7 @@ class Fp8Config:
     release_bf16_weights: bool = False
     act_amax: Mapping[str, float] | None = None
     act_amax_ub: float = 0.0
+    fast_accum: bool = False
     split_kv: bool = True
 
     def __post_init__(self) -> None:
@@ -179,6 +193,11 @@ class Fp8Config:
                 raise ValueError(
                     "act_amax and act_amax_ub serve the rowwise and tensor recipes; the block recipe "
                     "scales each 1x128 group of a token from its own amax"
+                )
+            if self.fast_accum:
+                raise ValueError(
+                    "fast_accum serves the rowwise and tensor recipes' cuBLAS GEMM; the block recipe "
+                    "scales each 128-wide group of K, so its kernels sum every group's product in fp32"
                 )
             return
         if self.batch_invariant:

@@ -187,6 +187,23 @@ def test_static_scales_leave_no_amax_reduction_in_the_traced_cublas_side():
     assert reductions(torch.tensor(0.01)) == []
 
 
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_fast_accum_is_the_traced_cublas_sides_scaled_mm_mode(fast_accum):
+    """What Inductor compiles in default mode: torch._scaled_mm with use_fast_accum as asked, and
+    on the CPU, whose _scaled_mm sums in fp32 either way, the reference's numbers."""
+    w_fp8, w_scale = rs.quant_weight_scaled(randn(96, 256, scale=0.02), "rowwise")
+    x = randn(8, 256)
+
+    def cublas(x, w, ws):
+        return linear_scaled_cublas(x, w, ws, None, "rowwise", None, 0.0, False, fast_accum)
+
+    gm = make_fx(cublas, tracing_mode="fake")(x, w_fp8, w_scale)
+    (mm,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten._scaled_mm.default]
+    assert (mm.kwargs.get("use_fast_accum", False) or (len(mm.args) > 7 and mm.args[7])) == fast_accum
+    ref = rs.linear_scaled(x, w_fp8, w_scale, None, "rowwise")
+    assert calc_diff(cublas(x, w_fp8, w_scale).float(), ref.float()) < 1e-5
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("m", [1, 3, 20])
 def test_the_triton_decode_kernel_matches_the_reference(recipe, m):
@@ -283,8 +300,19 @@ def test_linears_become_qlinear_scaled_and_still_merge_over_one_input(recipe, ca
     (skip,) = report.skipped("silu_mul")
     assert skip.name == "mlp.down_proj" and f"not fused in the {recipe} recipe" in skip.reason
     assert f"recipe={recipe} act_scales=dynamic" in str(report) and f"{recipe}, dynamic" in str(report)
+    assert "fast_accum" not in str(report) and not any("fast_accum" in c.kwargs for c in calls)
     # Bound: 2 GEMMs in series on the attention side, 3 on the MLP's (GATED_MLP)
     assert calc_diff(out.float(), model(x).float()) < GATED_MLP
+
+
+def test_fast_accum_reaches_every_scaled_linear_and_the_report(captured):
+    model = Block().to(BF16).requires_grad_(False)
+    fn, backend = compiled(model, "rowwise", fast_accum=True)
+    with torch.no_grad():
+        fn(randn(2, 9, 256))
+    calls = captured[0].ops(SCALED)
+    assert len(calls) == 4 and all(c.kwargs["fast_accum"] is True for c in calls)
+    assert "fast_accum=True" in str(backend.report)
 
 
 class OddK(nn.Module):
@@ -351,6 +379,10 @@ def test_configs_refuse_what_the_scaled_recipes_cannot_do():
         fp8compile.make_config(recipe="tensor", act_amax_ub=-1)
     with pytest.raises(ValueError, match="with act_amax the scales are static"):
         fp8compile.make_config(recipe="tensor", act_amax={"fc": 1.0}, act_amax_ub=2.0)
+    with pytest.raises(ValueError, match="fast_accum serves the rowwise and tensor recipes' cuBLAS GEMM"):
+        fp8compile.make_config(fast_accum=True)
+    with pytest.raises(TypeError, match="fast_accum must be True or False"):
+        fp8compile.make_config(recipe="rowwise", fast_accum=1)
 
 
 def test_a_config_with_static_scales_stays_hashable_copyable_and_picklable():

@@ -201,6 +201,7 @@ def qlinear_scaled(
     recipe: str = "rowwise",
     amax_ub: float = 0.0,
     e8m0: bool = False,
+    fast_accum: bool = False,
     backend: str = "reference",
 ) -> Tensor:
     """FP8 linear of the "tensor" or "rowwise" recipe (reference_scaled.py): bf16 x (..., K) times
@@ -208,18 +209,28 @@ def qlinear_scaled(
 
     x is quantized with the static scale x_scale (() fp32, calibrated) if given, else with a
     dynamic one: per token ("rowwise") or over x ("tensor"), its amax capped at amax_ub if > 0.
+    fast_accum: the cuBLAS kernel's accumulation mode (Fp8Config.fast_accum); the others ignore it.
     """
     _check_scaled_shapes(
         x, w_fp8, w_scale, bias, recipe, x_scale
     )  # a scale of the other recipe would broadcast
     return registry.implementation("scaled_linear", backend)(
-        x, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0
+        x, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, fast_accum
     )
 
 
 @_fake(qlinear_scaled)
 def _(
-    x, w_fp8, w_scale, bias=None, x_scale=None, recipe="rowwise", amax_ub=0.0, e8m0=False, backend="reference"
+    x,
+    w_fp8,
+    w_scale,
+    bias=None,
+    x_scale=None,
+    recipe="rowwise",
+    amax_ub=0.0,
+    e8m0=False,
+    fast_accum=False,
+    backend="reference",
 ):
     _check_scaled_shapes(x, w_fp8, w_scale, bias, recipe, x_scale)
     return x.new_empty(*x.shape[:-1], w_fp8.shape[0])

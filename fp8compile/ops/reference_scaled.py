@@ -109,9 +109,11 @@ def linear_scaled(
     x_scale: torch.Tensor | None = None,
     amax_ub: float = 0.0,
     e8m0: bool = False,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """FP8 linear of the scaled recipes on x (..., K): quantize (x_scale: a static scale, else
-    dynamic), GEMM, (..., N) in x.dtype."""
+    dynamic), GEMM, (..., N) in x.dtype. fast_accum names a GPU GEMM's accumulation mode: the
+    reference's sums are exact either way."""
     x2 = x.reshape(-1, x.shape[-1])
     x_fp8, sx = quant_act_scaled(x2, recipe, e8m0, x_scale, amax_ub)
     return gemm_scaled(x_fp8, sx, w_fp8, w_scale, bias, x.dtype).reshape(*x.shape[:-1], w_fp8.shape[0])

@@ -8,6 +8,8 @@ x (a norm, a gated MLP's silu(gate) * up) and calls cuBLAS from its generated co
 of ours at run time. Called as fp8compile::qlinear_scaled's cublas kernel it runs the same ops
 eagerly. The numbers are reference_scaled.linear_scaled's, the product in cuBLAS's
 fp32 accumulation, the bias added to the bf16 result (as the block recipe's cuBLAS side does).
+With fast_accum (Fp8Config.fast_accum, torchao's default) cuBLAS accumulates in the tensor
+cores' own reduced precision instead.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ def linear_scaled_cublas(
     x_scale: Tensor | None = None,
     amax_ub: float = 0.0,
     e8m0: bool = False,
+    fast_accum: bool = False,
 ) -> Tensor:
-    """bf16 x (..., K) times w_fp8 (N, K) with w_scale () or (N,) (+ bias) -> bf16 (..., N)."""
+    """bf16 x (..., K) times w_fp8 (N, K) with w_scale () or (N,) (+ bias) -> bf16 (..., N);
+    fast_accum: torch._scaled_mm's use_fast_accum (Fp8Config.fast_accum)."""
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
     if isinstance(m, int) and m == 0:  # traced, M is the dispatch's symbol, which its branch keeps >= 1
@@ -50,7 +54,9 @@ def linear_scaled_cublas(
         sb = w_scale.reshape(1, -1)
     else:
         sa, sb = sx.reshape(()), w_scale.reshape(())
-    out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=sa, scale_b=sb, out_dtype=x.dtype)
+    out = torch._scaled_mm(
+        x_fp8, w_fp8.t(), scale_a=sa, scale_b=sb, out_dtype=x.dtype, use_fast_accum=fast_accum
+    )
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], w_fp8.shape[0])

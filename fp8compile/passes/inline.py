@@ -261,10 +261,11 @@ def emit_scaled_launch(
         if node is not None
     ]
     names = tuple(name for name, _ in present)
-    recipe, amax_ub, e8m0 = (
+    recipe, amax_ub, e8m0, fast_accum = (
         kwargs.get("recipe", "rowwise"),
         kwargs.get("amax_ub", 0.0),
         kwargs.get("e8m0", False),
+        kwargs.get("fast_accum", False),
     )
 
     def call(*values):
@@ -274,9 +275,11 @@ def emit_scaled_launch(
             return torch.ops.fp8compile.linear_scaled_decode(
                 *operands, v.get("x_scale"), recipe, amax_ub, e8m0, m_max
             )
-        return scaled_cublas.linear_scaled_cublas(*operands, recipe, v.get("x_scale"), amax_ub, e8m0)
+        return scaled_cublas.linear_scaled_cublas(
+            *operands, recipe, v.get("x_scale"), amax_ub, e8m0, fast_accum
+        )
 
-    key = ("linear_scaled", decode, names, recipe, amax_ub, e8m0, m_max if decode else None)
+    key = ("linear_scaled", decode, names, recipe, amax_ub, e8m0, fast_accum, m_max if decode else None)
     return inline_traced(graph, call, [node for _, node in present], cache, key)
 
 
