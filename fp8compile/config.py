@@ -29,7 +29,8 @@ SMALL_M = 32
 # Llama-3-8B (H100, forty-first session) a 2048-token prefill took 36.3 ms with 1536 here against
 # 39.2 ms with 2048 (bf16 Inductor 54.4 ms). Narrow outputs are the exception: for Qwen3-30B-A3B's
 # o projection (N = 2048, K = 4096) DeepGEMM took 91-99 us against cuBLAS's 33-37 from 1536 to
-# 2048 rows (H100, thirty-third session's probe), so outputs narrower than WIDE_N keep cuBLAS up
+# 2048 rows, where it took 0.84-1.16x cuBLAS's time on every output of 3584 or more (H100,
+# benchmarks/large_m_probe_h100_33rd.json), so outputs narrower than WIDE_N keep cuBLAS up
 # to NARROW_LARGE_M rows. For MoE blocks our grouped kernels stay first in every range
 # (registry.ORDER_EXCEPTIONS).
 LARGE_M = 1536
