@@ -12,15 +12,8 @@ from tests.conftest import CountingBackend, gpu
 pytestmark = [pytest.mark.gpu, gpu]
 transformers = pytest.importorskip("transformers")
 
-MS = [
-    1,
-    3,
-    16,
-    33,
-    64,
-    300,
-    2049,
-]  # tokens: every range of the default dispatch (32, and 2048 for these narrow outputs)
+# tokens: every range of the default dispatch (32, and 2048 for these models' narrow outputs)
+MS = [1, 3, 16, 33, 64, 300, 2049]
 MODES = [None, "reduce-overhead"]
 
 
