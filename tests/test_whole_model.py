@@ -204,7 +204,7 @@ def test_reduce_overhead_specializes_python_float_inputs_and_recompiles_when_one
         assert calc_diff(changed, model(ids, use_cache=False).logits) < 5e-3
 
 
-def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path):
+def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path, capsys):
     from fp8compile.bench.model import bench_model, model_table
 
     rows = bench_model(
@@ -236,6 +236,8 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path):
     assert "fp8_rowwise/fp8" in table
     assert "2x prefill" in table
     assert (tmp_path / "bench_model.json").exists()
+    # the table after every variant, so that a run cut off by a time limit still shows its rows
+    assert capsys.readouterr().out.count("decode tokens/s (ms/step)") == 6
     assert (
         "generate" in (tmp_path / "profile_tiny-llama_fp8_b2.txt").read_text()
     )  # --profile: host time by function

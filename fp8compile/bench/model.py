@@ -560,9 +560,8 @@ def bench_model(
                         model(ids_acc, use_cache=False).logits.float(), eager_logits
                     )
                 rows.append(dict(base, variant="fp8_unfused_eager", kind="accuracy", calc_diff=unfused))
-            for name in sorted(
-                names, key=lambda n: n.startswith("torchao")
-            ):  # torchao changes the model: last
+            ordered = sorted(names, key=lambda n: n.startswith("torchao"))  # torchao changes the model: last
+            for index, name in enumerate(ordered):
                 if tp > 1 and name.startswith("torchao"):
                     say(f"{name}: not run sharded (torchao quantizes whole weights in place)")
                     progress.update(len(batches) + 1)
@@ -634,8 +633,10 @@ def bench_model(
                     # Why candidates stayed bf16, once per kind and reason (a user's next question).
                     for kind, reason in dict.fromkeys((skip.kind, skip.reason) for skip in report.skips):
                         say(f"  kept bf16 ({kind}): {reason}")
-                if leader:  # a cut-off run keeps its rows
+                if leader:  # a cut-off run (a lease's time limit) keeps its rows and its table so far
                     (out_dir / "bench_model.json").write_text(json.dumps(rows, indent=1))
+                    if index + 1 < len(ordered) or model_name != models[-1]:
+                        print(model_table(rows))
             del model
     if leader:
         print(model_table(rows))
