@@ -221,7 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--context", type=int, default=1024, help="`bench model`: prompt tokens before decoding"
     )
-    bench.add_argument("--steps", type=int, default=128, help="`bench model`: decode steps timed")
+    bench.add_argument(
+        "--steps",
+        type=int,
+        default=128,
+        help="`bench model`: decode steps timed; 0 = no decode (accuracy and prefill only, e.g. for a "
+        "prefill option's A/B)",
+    )
     bench.add_argument("--prefill", type=int, default=2048, help="`bench model`: tokens of the timed prefill")
     bench.add_argument(
         "--prefill-batch",

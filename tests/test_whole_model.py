@@ -244,6 +244,23 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path, capsys):
     assert "step" in (tmp_path / "profile_tiny-llama_fp8_prefill.txt").read_text()  # and of one prefill
 
 
+def test_bench_model_with_no_decode_steps_measures_accuracy_and_prefill_only(tmp_path):
+    from fp8compile.bench.model import bench_model, model_table
+
+    options = dict(TINY_BENCH, steps=0)
+    rows = bench_model(tmp_path, **options, variants=["bf16_inductor", "fp8"], repeat=1, prefill_batches=[1])
+    assert {(r["variant"], r["kind"]) for r in rows} == {
+        ("fp8_unfused_eager", "accuracy"),
+        ("bf16_inductor", "accuracy"),
+        ("bf16_inductor", "prefill"),
+        ("fp8", "accuracy"),
+        ("fp8", "prefill"),
+    }
+    assert "fp8/bf16_inductor" in model_table(rows)
+    with pytest.raises(ValueError, match="steps is a number of decode steps, 0 for none"):
+        bench_model(tmp_path, **dict(TINY_BENCH, steps=-1), variants=["bf16"])
+
+
 def test_bench_model_inline_conds_variant_is_default_mode_fp8_with_the_branches_inline():
     from fp8compile.bench.model import _variant
 

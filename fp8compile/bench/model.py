@@ -514,7 +514,8 @@ def bench_model(
     repeat: int = 3,
     prefill_batches=None,
 ) -> list[dict]:
-    """recipe: the fp8 variants' Fp8Config.recipe (and the unfused composition's); tp: shard the
+    """steps: decode steps timed per point, 0 for none (accuracy and prefill only);
+    recipe: the fp8 variants' Fp8Config.recipe (and the unfused composition's); tp: shard the
     model over this many ranks of the host (tp.py), one process each; repeat: timed generate()
     calls per decode point (their median is reported); prefill_batches: the prefills' batch
     sizes (default PREFILL_BATCHES)."""
@@ -530,7 +531,9 @@ def bench_model(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     models = models or ["llama-3-8b", "qwen2.5-7b", "qwen3-30b-a3b"]
-    batches = batches or list(BATCHES)
+    if steps < 0:
+        raise ValueError(f"steps is a number of decode steps, 0 for none, got {steps}")
+    batches = (batches or list(BATCHES)) if steps else []
     prefill_batches = tuple(prefill_batches or PREFILL_BATCHES)
     names = variants or list(tp_bench.TP_VARIANTS if tp > 1 else VARIANTS)
     rows: list[dict] = []
