@@ -222,7 +222,8 @@ def linear_scaled_small_m(
 ) -> Tensor:
     """bf16 x (..., K), at most 64 rows, times w_fp8 (N, K) with w_scale () or (N,) (+ bias) ->
     bf16 (..., N): quantization and GEMM in one launch. fast_accum is cuBLAS's option
-    (Fp8Config.fast_accum): this kernel adds each 128-wide step's product to an fp32 sum."""
+    (Fp8Config.fast_accum), not this kernel's: Triton already keeps all of K in the tensor cores'
+    FP8 accumulator here (BENCHMARKS.md, twenty-sixth session)."""
     x2 = x.reshape(-1, x.shape[-1])
     m, k = x2.shape
     n = w_fp8.shape[0]
