@@ -199,7 +199,8 @@ def test_fast_accum_is_the_traced_cublas_sides_scaled_mm_mode(fast_accum):
 
     gm = make_fx(cublas, tracing_mode="fake")(x, w_fp8, w_scale)
     (mm,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten._scaled_mm.default]
-    assert (mm.kwargs.get("use_fast_accum", False) or (len(mm.args) > 7 and mm.args[7])) == fast_accum
+    bound = mm.normalized_arguments(gm, normalize_to_only_use_kwargs=True).kwargs
+    assert bound.get("use_fast_accum", False) is fast_accum
     ref = rs.linear_scaled(x, w_fp8, w_scale, None, "rowwise")
     assert calc_diff(cublas(x, w_fp8, w_scale).float(), ref.float()) < 1e-5
 

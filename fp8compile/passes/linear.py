@@ -202,6 +202,12 @@ def static_act_scale(ctx: PassContext, names: list[str], weight: fx.Node) -> fx.
     return node
 
 
+def registry_op(ctx: PassContext, target) -> str:
+    """The registry's name for what `target` computes once scaled_call has put it in the
+    configured recipe: "scaled_linear" in the rowwise and tensor recipes."""
+    return "scaled_linear" if ctx.config.recipe != "block" else REGISTRY_OPS[target]
+
+
 def scaled_call(
     ctx: PassContext, target, names: list[str], weight: fx.Node, op_kwargs: dict
 ) -> tuple[object, dict]:
@@ -241,8 +247,7 @@ def emit_fp8(
     (output node, dispatch sides, (N, K)), or None (after recording why, if record_skip) when
     no M dispatch can be built."""
     m = match.x.meta["val"].shape[0]
-    op = "scaled_linear" if ctx.config.recipe != "block" else REGISTRY_OPS[target]  # as scaled_call's
-    why = dispatch.gpu_why_not(ctx, op, match.weight.meta["val"].device)
+    why = dispatch.gpu_why_not(ctx, registry_op(ctx, target), match.weight.meta["val"].device)
     if why is not None:  # before the weights are quantized: no copies no kernel would read
         if record_skip:
             ctx.skipped(kind, name, why, "x".join(map(str, match.weight.meta["val"].shape)))

@@ -18,7 +18,7 @@ import torch
 
 from . import dispatch
 from .context import PassContext
-from .linear import LinearMatch, emit_fp8, fp8_weight_inputs, module_name, padded_k
+from .linear import LinearMatch, emit_fp8, fp8_weight_inputs, module_name, padded_k, registry_op
 from ..weights import stacked_bias
 
 aten = torch.ops.aten
@@ -34,7 +34,7 @@ def merge_linears(ctx: PassContext, matches: list[LinearMatch]) -> bool:
     biases = [ctx.parameter(m.bias) for m in matches if m.bias is not None]
     if None in biases:
         return False  # a bias that is no parameter may change between calls: it cannot be stacked once
-    op = "scaled_linear" if ctx.config.recipe != "block" else "linear"
+    op = registry_op(ctx, torch.ops.fp8compile.qlinear.default)
     if dispatch.gpu_why_not(ctx, op, head.weight.meta["val"].device) is not None:
         return False  # no stack of FP8 copies no kernel would read; each linear's skip says why
     # Both stacks are made now, at compile time (fp8_weight_inputs, derived_inputs): made at a
