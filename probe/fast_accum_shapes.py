@@ -1,4 +1,5 @@
 """Rowwise cuBLAS _scaled_mm at M = 4096 with and without fast accumulation, per MLP shape."""
+
 import json, os, torch
 from triton.testing import do_bench
 
@@ -11,7 +12,9 @@ for n, k in [(37888, 3584), (18944, 3584), (3584, 18944), (28672, 4096), (14336,
     sb = torch.rand(1, n, device="cuda") + 0.5
     r = {"n": n, "k": k, "m": m}
     for fast in (False, True):
-        f = lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+        f = lambda: torch._scaled_mm(
+            a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast
+        )
         r["fast" if fast else "fp32_promote"] = do_bench(f, warmup=50, rep=200) * 1e3
     r["tflops_fast"] = 2 * m * n * k / r["fast"] / 1e6
     rows.append(r)
