@@ -321,6 +321,20 @@ def test_bench_model_table_puts_a_variant_with_options_beside_the_variant_it_cha
     assert "1.25" in table.split("fp8_ro+large_m=1536/fp8_ro")[1]
 
 
+def test_bench_model_table_shows_no_warm_peak_where_no_decode_ran():
+    """`--steps 0` measures accuracy and prefill only: its memory row has no decode peak, and the
+    table says so with a dash, not a 0.0 GB that reads as a measurement."""
+    from fp8compile.bench.model import model_table
+
+    base = dict(model="llama", layers=2, device="H100", tp=1, variant="fp8_ro")
+    rows = [
+        dict(base, kind="prefill", batch=1, tokens=2048, ms=10.0, tokens_per_s=204800.0),
+        dict(base, kind="memory", warm_peak_gb=None, peak_gb=26.5),
+    ]
+    row = next(line for line in model_table(rows).splitlines() if line.startswith("fp8_ro "))
+    assert row.split()[3:5] == ["26.5", "-"]  # prefill, first call, peak, warm peak
+
+
 def test_bench_model_rowwise_variants_run_the_rowwise_recipe_beside_the_block_one_in_one_run():
     from fp8compile.bench.model import _variant
 

@@ -619,7 +619,8 @@ def bench_model(
                         del model.forward
                 if device.type == "cuda":
                     mine = [r for r in rows if r["variant"] == name and r.get("model") == model_name]
-                    warm = max((r.get("warm_peak_gb") or 0.0 for r in mine), default=0.0)
+                    # the decode peak after warm-up; None where no decode ran (--steps 0)
+                    warm = max((r["warm_peak_gb"] for r in mine if r.get("warm_peak_gb")), default=None)
                     peak = max(
                         [torch.cuda.max_memory_allocated(device) / 2**30]
                         + [r.get(key) or 0.0 for r in mine for key in ("warm_peak_gb", "peak_before_gb")]
@@ -706,7 +707,10 @@ def model_table(rows: list[dict]) -> str:
                 cells += f"{pre['tokens_per_s']:>11.0f}" if pre else f"{'-':>11}"
             cells += f"{first:>11.1f}" if first is not None else f"{'-':>11}"
             cells += (
-                f"{mem['peak_gb']:>9.1f}{mem.get('warm_peak_gb', 0.0):>9.1f}" if mem else f"{'-':>9}{'-':>9}"
+                f"{mem['peak_gb']:>9.1f}"
+                + (f"{mem['warm_peak_gb']:>9.1f}" if mem.get("warm_peak_gb") else f"{'-':>9}")
+                if mem
+                else f"{'-':>9}{'-':>9}"
             )
             cells += f"{acc['calc_diff']:>10.2e}" if acc else f"{'-':>10}"
             lines.append(f"{v:<20}{cells}{recompiles:>11}")
