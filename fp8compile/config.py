@@ -46,8 +46,9 @@ SWITCHES = (
     "inline_conds",
     "release_bf16_weights",
     "split_kv",
-    "fast_accum",
 )
+# The switches that may also be None: the default picked for the recipe or the mode.
+AUTO_SWITCHES = ("inductor_launch", "fast_accum")
 
 
 def _debug_dir_from_env() -> str | None:
@@ -101,10 +102,15 @@ class Fp8Config:
     act_amax_ub:     upper bound on a dynamic activation amax (vLLM's input_scale_ub): values
                      past ub saturate at 448 * scale; 0 = none.
     fast_accum:      the rowwise and tensor recipes' cuBLAS GEMM (above the decode sizes) in
-                     torch._scaled_mm's fast-accumulation mode, as torchao's float8 inference
-                     configs run it by default: Hopper's FP8 tensor cores then accumulate all of
-                     K in their own reduced-precision accumulator instead of promoting partial
-                     sums to fp32 along the way. Faster at large M, less exact as K grows; off.
+                     torch._scaled_mm's fast-accumulation mode: Hopper's FP8 tensor cores then
+                     accumulate all of K in their own reduced-precision accumulator instead of
+                     promoting partial sums to fp32 along the way, as our Triton decode kernel
+                     of those recipes does at every M. None (the default): on for rowwise and
+                     tensor, as torchao's float8 configs run them. Measured on an H100: the
+                     GEMM 1.07-1.20x faster at M = 4096, its calc_diff against the exact
+                     product of the same FP8 operands 2e-6..7e-6 instead of 1.4e-6 for K 4096-
+                     18944, next to quantization's 7.0e-4 (BENCHMARKS.md, "Forty-second
+                     session"). False promotes; True is refused for the block recipe.
     split_kv:        the gqa_attention fusion's decode attention on a GPU runs fp8compile's
                      split-KV kernel (ops/triton_attention.py: the keys spread over the SMs)
                      instead of the sdpa kernel torch picks (its work split over sequences and
@@ -126,7 +132,7 @@ class Fp8Config:
     release_bf16_weights: bool = False
     act_amax: Mapping[str, float] | None = None
     act_amax_ub: float = 0.0
-    fast_accum: bool = False
+    fast_accum: bool | None = None
     split_kv: bool = True
 
     def __post_init__(self) -> None:
@@ -136,10 +142,9 @@ class Fp8Config:
         for name in SWITCHES:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.inductor_launch is not None and not isinstance(self.inductor_launch, bool):
-            raise TypeError(
-                f"inductor_launch must be True, False or None (auto), got {self.inductor_launch!r}"
-            )
+        for name in AUTO_SWITCHES:
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True, False or None (auto), got {getattr(self, name)!r}")
         if isinstance(self.small_m, bool) or not isinstance(self.small_m, int) or self.small_m < 0:
             raise ValueError(
                 f"small_m must be an int >= 0 (0 = never take the small-M path), got {self.small_m!r}"
@@ -187,6 +192,11 @@ class Fp8Config:
         if self.large_m is not None:
             return self.large_m
         return LARGE_M if n >= WIDE_N else NARROW_LARGE_M
+
+    def cublas_fast_accum(self) -> bool:
+        """Whether the scaled recipes' cuBLAS GEMM accumulates fast: fast_accum, or where it is
+        None, yes for rowwise and tensor (the block recipe has no such GEMM)."""
+        return self.recipe != "block" if self.fast_accum is None else self.fast_accum
 
     def _check_recipe_options(self) -> None:
         if self.recipe == "block":
@@ -280,8 +290,8 @@ _TEXT_LISTS = ("backends", "skip", "fusions")  # comma-separated; empty = ()
 
 def parse_option(text: str) -> tuple[str, Any]:
     """ "KEY=VALUE" from a command line -> (key, typed value): true/false for switches (none too
-    for inductor_launch and large_m), ints, comma-separated lists; an unknown key or a bad value is an error
-    that says what the key takes."""
+    for inductor_launch, fast_accum and large_m), ints, comma-separated lists; an unknown key or a
+    bad value is an error that says what the key takes."""
     key, sep, value = text.partition("=")
     key, value = key.strip(), value.strip()
     if not sep or not key:
@@ -294,8 +304,8 @@ def parse_option(text: str) -> tuple[str, Any]:
             + f"; valid options: {', '.join(FIELDS)}"
         )
     switches = {"true": True, "false": False}
-    if key in SWITCHES or key == "inductor_launch":
-        choices = {**switches, "none": None} if key == "inductor_launch" else switches
+    if key in SWITCHES or key in AUTO_SWITCHES:
+        choices = {**switches, "none": None} if key in AUTO_SWITCHES else switches
         if value.lower() not in choices:
             raise ValueError(f"{key} takes {' or '.join(choices)}, got {value!r}")
         return key, choices[value.lower()]

@@ -76,7 +76,7 @@ class Report:
             head += (
                 f"\nconfig: recipe={c.recipe}{_scales(c)} e8m0={c.e8m0} batch_invariant={c.batch_invariant} "
                 f"small_m={c.small_m} large_m={_large_m(c)} autotune={c.autotune}"
-                + (" fast_accum=True" if c.fast_accum else "")
+                + ("" if c.recipe == "block" else f" fast_accum={c.cublas_fast_accum()}")
             )
         if self.rank is not None:
             digests = ", ".join(f"{g}: {d}" for g, d in sorted(self.digests.items()))

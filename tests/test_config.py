@@ -73,6 +73,8 @@ def test_debug_dir_defaults_to_environment(monkeypatch, tmp_path):
         ("autotune=True", ("autotune", True)),
         ("split_kv=false", ("split_kv", False)),
         ("inductor_launch=none", ("inductor_launch", None)),
+        ("fast_accum=none", ("fast_accum", None)),
+        ("fast_accum=false", ("fast_accum", False)),
         ("backends=cublas, deep_gemm", ("backends", ("cublas", "deep_gemm"))),
         ("skip=", ("skip", ())),
         ("act_amax_ub=448", ("act_amax_ub", 448.0)),

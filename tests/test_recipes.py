@@ -301,19 +301,29 @@ def test_linears_become_qlinear_scaled_and_still_merge_over_one_input(recipe, ca
     (skip,) = report.skipped("silu_mul")
     assert skip.name == "mlp.down_proj" and f"not fused in the {recipe} recipe" in skip.reason
     assert f"recipe={recipe} act_scales=dynamic" in str(report) and f"{recipe}, dynamic" in str(report)
-    assert "fast_accum" not in str(report) and not any("fast_accum" in c.kwargs for c in calls)
+    # cuBLAS's fast accumulation by default, as torchao and vLLM run these recipes (Fp8Config.fast_accum)
+    assert "fast_accum=True" in str(report) and all(c.kwargs["fast_accum"] is True for c in calls)
     # Bound: 2 GEMMs in series on the attention side, 3 on the MLP's (GATED_MLP)
     assert calc_diff(out.float(), model(x).float()) < GATED_MLP
 
 
-def test_fast_accum_reaches_every_scaled_linear_and_the_report(captured):
+def test_fast_accum_false_promotes_every_scaled_linear_and_the_report_says_so(captured):
     model = Block().to(BF16).requires_grad_(False)
-    fn, backend = compiled(model, "rowwise", fast_accum=True)
+    fn, backend = compiled(model, "rowwise", fast_accum=False)
     with torch.no_grad():
         fn(randn(2, 9, 256))
     calls = captured[0].ops(SCALED)
-    assert len(calls) == 4 and all(c.kwargs["fast_accum"] is True for c in calls)
-    assert "fast_accum=True" in str(backend.report)
+    assert len(calls) == 4 and not any(c.kwargs.get("fast_accum", False) for c in calls)
+    assert "fast_accum=False" in str(backend.report)
+
+
+@pytest.mark.parametrize(
+    "recipe, fast_accum, on",
+    [("rowwise", None, True), ("tensor", None, True), ("block", None, False)]
+    + [("rowwise", False, False), ("tensor", True, True), ("block", False, False)],
+)
+def test_fast_accum_none_means_on_for_the_scaled_recipes_and_off_for_block(recipe, fast_accum, on):
+    assert fp8compile.make_config(recipe=recipe, fast_accum=fast_accum).cublas_fast_accum() is on
 
 
 class OddK(nn.Module):
@@ -382,7 +392,7 @@ def test_configs_refuse_what_the_scaled_recipes_cannot_do():
         fp8compile.make_config(recipe="tensor", act_amax={"fc": 1.0}, act_amax_ub=2.0)
     with pytest.raises(ValueError, match="fast_accum serves the rowwise and tensor recipes' cuBLAS GEMM"):
         fp8compile.make_config(fast_accum=True)
-    with pytest.raises(TypeError, match="fast_accum must be True or False"):
+    with pytest.raises(TypeError, match="fast_accum must be True, False or None"):
         fp8compile.make_config(recipe="rowwise", fast_accum=1)
 
 

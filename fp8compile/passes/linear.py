@@ -220,7 +220,7 @@ def scaled_call(
     kwargs = {**op_kwargs, "recipe": ctx.config.recipe, "x_scale": static_act_scale(ctx, names, weight)}
     if ctx.config.act_amax_ub:
         kwargs["amax_ub"] = ctx.config.act_amax_ub
-    if ctx.config.fast_accum:
+    if ctx.config.cublas_fast_accum():
         kwargs["fast_accum"] = True
     return torch.ops.fp8compile.qlinear_scaled.default, kwargs
 
