@@ -226,10 +226,16 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path, capsys):
     # with the bf16 weights released, then restored for what follows
     assert set(decode) == {"bf16", "bf16_gqa_ro", "fp8", "fp8_ro", "fp8_ro_release", "fp8_rowwise"}
     # each row names the recipe its variant ran: fp8_rowwise's own beside --recipe's block
-    assert {r["variant"] for r in rows if r["recipe"] == "rowwise"} == {"fp8_rowwise"}
+    assert {r["variant"] for r in rows if r["recipe"] == "rowwise"} == {
+        "fp8_rowwise",
+        "fp8_rowwise_unfused_eager",
+    }
     assert all(r["recompiles"] == 0 and r["tokens_per_s"] > 0 for r in decode.values())
     accuracy = {r["variant"]: r["calc_diff"] for r in rows if r["kind"] == "accuracy"}
     assert accuracy["bf16"] == 0 and 0 < accuracy["fp8"] < 1.15 * accuracy["fp8_unfused_eager"]
+    # fp8_rowwise beside the block run: its own recipe's composition is its bound
+    assert 0 < accuracy["fp8_rowwise"] < 1.15 * accuracy["fp8_rowwise_unfused_eager"]
+    assert {r["recipe"] for r in rows if r["variant"] == "fp8_rowwise_unfused_eager"} == {"rowwise"}
     # fp8 over the bf16 anchor with the same attention rewrite; a ratio needs both of its variants
     table = model_table(rows)
     assert "fp8_ro/bf16_gqa_ro" in table and "fp8_ro/bf16_inductor_ro" not in table
@@ -319,6 +325,20 @@ def test_bench_model_table_puts_a_variant_with_options_beside_the_variant_it_cha
     table = model_table(rows)
     assert "fp8_ro+large_m=1536/fp8_ro" in table
     assert "1.25" in table.split("fp8_ro+large_m=1536/fp8_ro")[1]
+
+
+@pytest.mark.parametrize(
+    "names, recipe, recipes",
+    [
+        (["bf16", "fp8", "fp8_ro"], "block", ["block"]),
+        (["fp8_ro", "fp8_rowwise_ro+fast_accum=false", "torchao_rowwise_ro"], "block", ["block", "rowwise"]),
+        (["fp8+recipe=tensor", "bf16_inductor"], "rowwise", ["rowwise", "tensor"]),
+    ],
+)
+def test_bench_model_bounds_each_recipe_it_runs_by_that_recipes_composition(names, recipe, recipes):
+    from fp8compile.bench.model import composition_recipes
+
+    assert composition_recipes(names, recipe) == recipes
 
 
 def test_bench_model_table_shows_no_warm_peak_where_no_decode_ran():

@@ -242,6 +242,17 @@ def split_variant(name: str) -> tuple[str, dict]:
     return base, dict(parse_option(option) for option in options)
 
 
+def composition_recipes(names, recipe: str) -> list[str]:
+    """The recipes whose unfused composition bounds these variants' calc_diff: `recipe` (the
+    run's --recipe), then any other an fp8 variant runs (fp8_rowwise*, +recipe=...)."""
+    found = [recipe]
+    for name in names:
+        base, options = split_variant(name)
+        if base.startswith("fp8"):
+            found.append(options.get("recipe") or ("rowwise" if base.startswith("fp8_rowwise") else recipe))
+    return list(dict.fromkeys(found))
+
+
 def _variant(name: str, recipe: str = "block"):
     """The Variant for a name (a named variant, with +KEY=VALUE options if an fp8 one), or None
     where it cannot run here (with the reason printed); the fp8 variants in `recipe`."""
@@ -556,13 +567,18 @@ def bench_model(
             ids_acc = torch.randint(0, model.config.vocab_size, (1, 64), device=device)
             eager_logits = model(ids_acc, use_cache=False).logits.float()
             base = dict(device=device_name, model=model_name, layers=n_layers, recipe=recipe, tp=tp)
-            # The composition swaps nn.Linear forwards for the reference FP8 linear on whole weights.
+            # The composition swaps nn.Linear forwards for the reference FP8 linear on whole weights:
+            # one per recipe the fp8 variants run, each variant's calc_diff bound.
             if not getattr(model.config, "num_experts", None) and tp == 1:
-                with architectures.composition(model, recipe):
-                    unfused = fp8compile.calc_diff(
-                        model(ids_acc, use_cache=False).logits.float(), eager_logits
+                for r in composition_recipes(names, recipe):
+                    with architectures.composition(model, r):
+                        unfused = fp8compile.calc_diff(
+                            model(ids_acc, use_cache=False).logits.float(), eager_logits
+                        )
+                    unfused_name = "fp8_unfused_eager" if r == recipe else f"fp8_{r}_unfused_eager"
+                    rows.append(
+                        dict(base, recipe=r, variant=unfused_name, kind="accuracy", calc_diff=unfused)
                     )
-                rows.append(dict(base, variant="fp8_unfused_eager", kind="accuracy", calc_diff=unfused))
             ordered = sorted(names, key=lambda n: n.startswith("torchao"))  # torchao changes the model: last
             for index, name in enumerate(ordered):
                 if tp > 1 and name.startswith("torchao"):
