@@ -474,13 +474,17 @@ def test_a_table_of_another_model_is_a_clear_error_and_a_missing_linear_stays_bf
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("m", [1, 5, 16, 33, 64, 300])
-@pytest.mark.parametrize("kernel", ["cublas", "triton_small_m"])
+@pytest.mark.parametrize("kernel", ["cublas", "cublas_fast_accum", "triton_small_m"])
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.gpu
 @gpu
 def test_gpu_kernels_give_the_references_numbers(recipe, m, kernel, static):
     if kernel == "triton_small_m" and m > 64:
         pytest.skip("the decode kernel serves M <= 64")
+    # cuBLAS in fast accumulation (the scaled recipes' default, Fp8Config.fast_accum): its GEMM
+    # error at K = 4096 measured 2.3e-6 against the exact product of the same FP8 operands (H100,
+    # BENCHMARKS.md "Forty-second session"), inside SCALED_KERNEL_BOUND too.
+    kernel, fast_accum = ("cublas", True) if kernel == "cublas_fast_accum" else (kernel, False)
     x, w, bias = (
         randn(m, 4096, device="cuda"),
         randn(1536, 4096, scale=0.02, device="cuda"),
@@ -489,7 +493,9 @@ def test_gpu_kernels_give_the_references_numbers(recipe, m, kernel, static):
     w_fp8, w_scale = rs.quant_weight_scaled(w, recipe)
     x_scale = torch.tensor(3.0 / FP8_MAX, device="cuda") if static else None
     ref = rs.linear_scaled(x, w_fp8, w_scale, bias, recipe, x_scale)
-    out = torch.ops.fp8compile.qlinear_scaled(x, w_fp8, w_scale, bias, x_scale, recipe, backend=kernel)
+    out = torch.ops.fp8compile.qlinear_scaled(
+        x, w_fp8, w_scale, bias, x_scale, recipe, fast_accum=fast_accum, backend=kernel
+    )
     # Tensor cores' accumulation against the exact fp64 sum, then bf16 (+ the bias, added in bf16
     # by the cuBLAS side): SCALED_KERNEL_BOUND, why there.
     assert calc_diff(out.float(), ref.float()) < SCALED_KERNEL_BOUND

@@ -6,10 +6,10 @@ the division, the cast), so where the pass traces this function into the graph (
 in both compile modes), Inductor fuses the quantization into one kernel with whatever produced
 x (a norm, a gated MLP's silu(gate) * up) and calls cuBLAS from its generated code: no Python
 of ours at run time. Called as fp8compile::qlinear_scaled's cublas kernel it runs the same ops
-eagerly. The numbers are reference_scaled.linear_scaled's, the product in cuBLAS's
-fp32 accumulation, the bias added to the bf16 result (as the block recipe's cuBLAS side does).
-With fast_accum (Fp8Config.fast_accum, torchao's default) cuBLAS accumulates in the tensor
-cores' own reduced precision instead.
+eagerly. The numbers are reference_scaled.linear_scaled's, the bias added to the bf16 result
+(as the block recipe's cuBLAS side does). The product is summed in the tensor cores' own
+reduced-precision accumulator with fast_accum (the compiled scaled recipes' default,
+Fp8Config.fast_accum, as torchao runs them), in cuBLAS's fp32 promotion along K without.
 """
 
 from __future__ import annotations
