@@ -62,8 +62,8 @@ class Fp8Config:
     recipe:          scaling recipe: "block" (DeepSeek-V3: activations 1x128, weights 128x128),
                      "rowwise" (weights per output channel, activations per token) or "tensor"
                      (one scale each). rowwise and tensor serve linears (gate/up and q/k/v
-                     still merged into one GEMM); a gated MLP's down projection is then a
-                     plain FP8 linear (no fused activation) and routed experts stay bf16.
+                     still merged into one GEMM) and a gated MLP's down projection with its
+                     activation fused (gated_qlinear_scaled); routed experts stay bf16.
     e8m0:            round every scale up to a power of two (UE8M0 checkpoints, Blackwell).
     batch_invariant: one kernel and one reduction order for every M, so row i of the output
                      does not depend on the other rows of the batch.

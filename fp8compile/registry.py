@@ -163,10 +163,12 @@ def _flashinfer_why_not(request: Request) -> str | None:
 
 
 def _cublas_why_not(request: Request) -> str | None:
-    if request.op == "scaled_linear":  # tensorwise / rowwise _scaled_mm: no block-scaling limits
+    if request.op in SCALED_OPS:  # tensorwise / rowwise _scaled_mm: no block-scaling limits
         from .ops.scaled_cublas import why_not as shape_why_not
 
         why = shape_why_not(request.n, request.k)
+        if why is None and request.op == "gated_scaled_linear":  # act(a, b) quantized by our kernel
+            why = _triton_device_why_not(request)
         return why if why is not None else _cuda_why_not(request, (8, 9))
     if request.m_min < CUBLAS_MIN_M:
         return f"cuBLAS block scaling fails below M = {CUBLAS_MIN_M} (CUBLAS_STATUS_NOT_SUPPORTED at M = 1)"
@@ -180,6 +182,10 @@ def _cublas_why_not(request: Request) -> str | None:
     if request.batch_invariant:
         return "picks its kernel by M: not batch-invariant"
     return _cuda_why_not(request, (9, 0), exact_major=SCALED_VENDOR_MAJOR)
+
+
+# The scaled recipes' ops (a linear, a gated MLP's down projection): one scale per row or tensor.
+SCALED_OPS = ("scaled_linear", "gated_scaled_linear")
 
 
 # The vendors' block-scaled GEMMs (DeepGEMM's, cuBLAS's 1x128 / 128x128) with the fp32 scales we
@@ -206,6 +212,7 @@ _BACKENDS: dict[str, Backend] = {
             "linear": ".ops.triton_gemm:linear_small_m",
             "gated_linear": ".ops.triton_gemm:gated_linear_small_m",
             "scaled_linear": ".ops.triton_scaled:linear_scaled_small_m",
+            "gated_scaled_linear": ".ops.triton_scaled:gated_linear_scaled_small_m",
         },
         _triton_small_m_why_not,
         prepare=".ops.triton_gemm:prepare_small_m",
@@ -249,6 +256,7 @@ _BACKENDS: dict[str, Backend] = {
             "linear": ".ops.vendors:linear_cublas",
             "gated_linear": ".ops.vendors:gated_linear_cublas",
             "scaled_linear": ".ops.scaled_cublas:linear_scaled_cublas",
+            "gated_scaled_linear": ".ops.scaled_gated_mm:gated_linear_scaled_cublas",
         },
         _cublas_why_not,
     ),
@@ -262,6 +270,7 @@ _BACKENDS: dict[str, Backend] = {
             "quant_act": ".ops.reference:quant_act_block",
             "moe": ".ops.reference:moe_block",
             "scaled_linear": ".ops.reference_scaled:linear_scaled",
+            "gated_scaled_linear": ".ops.reference_scaled:gated_linear_scaled",
             "mqa_logits": ".ops.reference_mqa:mqa_logits",
             "paged_mqa_logits": ".ops.reference_mqa:paged_mqa_logits",
             "paged_mqa_logits_metadata": ".ops.reference_mqa:paged_schedule",

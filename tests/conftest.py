@@ -188,11 +188,12 @@ class CountingBackend:
 
 @pytest.fixture
 def ranged_references(monkeypatch) -> tuple[str, ...]:
-    """Three registry backends that run the reference kernels for linear, gated_linear, moe and
-    scaled_linear, each serving one range of M (with small_m=32, large_m=64): configured with
-    these backends, a CPU compile builds the full nested M dispatch (two torch.conds per call
-    site) that the GPU's default order builds, so the stride contract between each branch and
-    the tensors that reach it is tested on the CPU too. Returns the backends option."""
+    """Three registry backends that run the reference kernels for linear, gated_linear, moe,
+    scaled_linear and gated_scaled_linear, each serving one range of M (with small_m=32,
+    large_m=64): configured with these backends, a CPU compile builds the full nested M dispatch
+    (two torch.conds per call site) that the GPU's default order builds, so the stride contract
+    between each branch and the tensors that reach it is tested on the CPU too. Returns the
+    backends option."""
     monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
     monkeypatch.setattr(registry, "DEFAULT_ORDERS", dict(registry.DEFAULT_ORDERS))
     return register_ranged_references()
@@ -211,7 +212,10 @@ def register_ranged_references() -> tuple[str, ...]:
 
         return why_not
 
-    ops = {op: reference.ops[op] for op in ("linear", "gated_linear", "moe", "scaled_linear")}
+    ops = {
+        op: reference.ops[op]
+        for op in ("linear", "gated_linear", "moe", "scaled_linear", "gated_scaled_linear")
+    }
     registry.register(registry.Backend("ref_small", ops, serving(1, 32)))
     registry.register(registry.Backend("ref_medium", ops, serving(33, 64)))
     return ("ref_small", "ref_medium", "reference")

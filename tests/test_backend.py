@@ -411,18 +411,25 @@ def test_mlp_benchmark_table_reports_fp8_speedups():
             ("fp8_unfused", 60.0),
             ("fp8_gate_up_apart", 50.0),
             ("fp8", 45.0),
+            ("fp8_plain_down", 49.5),
         ]
     ]
     last = mlp_table(rows).splitlines()[-1].split()
-    assert last[:2] == ["llama3-8b", "16"] and last[-4:] == ["2.00", "1.50", "1.33", "1.11"]
+    assert last[:2] == ["llama3-8b", "16"] and last[-5:] == ["2.00", "1.50", "1.33", "1.11", "1.10"]
 
 
 @pytest.mark.parametrize(
-    "recipe, extra", [("block", []), ("rowwise", ["fp8_promote"]), ("tensor", ["fp8_promote"])]
+    "recipe, extra",
+    [
+        ("block", []),
+        ("rowwise", ["fp8_promote", "fp8_plain_down"]),
+        ("tensor", ["fp8_promote", "fp8_plain_down"]),
+    ],
 )
 def test_mlp_benchmark_plumbing_runs_every_variant(monkeypatch, tmp_path, recipe, extra):
     """The GPU benchmark's code path on the CPU with a tiny MLP: every variant compiles and runs,
-    JSON and table come out; the scaled recipes add cuBLAS's GEMM promoting along K (fast_accum=False).
+    JSON and table come out; the scaled recipes add cuBLAS's GEMM promoting along K (fast_accum=False)
+    and the down projection as a plain linear on the bf16 product (no silu_mul fusion).
     Timing itself needs CUDA graphs and is stubbed here."""
     import json
 

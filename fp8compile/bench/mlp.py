@@ -21,9 +21,10 @@ def bench_mlp(out_dir: Path, ms=MLP_MS, mlps=MLPS, device: str = "cuda", recipe:
     """Gated MLP down(silu(gate(x)) * up(x)): bf16 torch.compile (Inductor) vs the fp8 backend
     with every fusion (`fp8`: gate and up as one GEMM, silu_mul fused into the down projection),
     with gate and up as two GEMMs (`fp8_gate_up_apart`: fusions=("silu_mul",)), and with no
-    fusion (`fp8_unfused`), all in `recipe` (in rowwise and tensor the silu_mul fusion does not
-    fire: the down projection is a plain FP8 linear; those recipes add `fp8_promote`, cuBLAS's
-    GEMM promoting to fp32 along K instead of the fast accumulation torchao and fp8 run); and
+    fusion (`fp8_unfused`), all in `recipe`. rowwise and tensor add `fp8_promote`, cuBLAS's GEMM
+    promoting to fp32 along K instead of the fast accumulation torchao and fp8 run, and
+    `fp8_plain_down`, gate and up merged but the down projection a plain FP8 linear on the bf16
+    product (Inductor's act / amax / cast kernel in place of our quantization of act(gate, up)); and
     torchao's float8 rowwise (`torchao_rowwise`, Inductor) where torchao is importable. One
     compiled graph per variant and model serves every weight copy and every M >= 2 (dynamic M)."""
     from tqdm import tqdm
@@ -40,6 +41,7 @@ def bench_mlp(out_dir: Path, ms=MLP_MS, mlps=MLPS, device: str = "cuda", recipe:
     }
     if recipe != "block":  # cuBLAS promoting along K, not in its (default) fast accumulation
         backends["fp8_promote"] = fp8compile.backend(recipe=recipe, fast_accum=False)
+        backends["fp8_plain_down"] = fp8compile.backend(recipe=recipe, fusions=("gate_up",))
     torchao = _torchao_rowwise()
     if torchao is not None:
         backends["torchao_rowwise"] = "inductor"
@@ -100,6 +102,7 @@ MLP_COLUMNS = (
     "fp8_gate_up_apart",
     "fp8",
     "fp8_promote",
+    "fp8_plain_down",
 )
 
 
@@ -109,7 +112,7 @@ def mlp_table(rows: list[dict]) -> str:
         "times in us (CUDA-graph replay, median); ratios are speedups of fp8 (>1 = fp8 faster)",
         f"{'model':<12} {'M':>5} "
         + " ".join(f"{v:>17}" for v in MLP_COLUMNS)
-        + "  vs_bf16 vs_torchao vs_unfused vs_gate_up_apart",
+        + "  vs_bf16 vs_torchao vs_unfused vs_gate_up_apart vs_plain_down",
     ]
     for model, m in sorted({(r["model"], r["m"]) for r in rows}, key=lambda t: (t[0], t[1])):
         t = {v: by.get((model, m, v)) for v in MLP_COLUMNS}
@@ -121,6 +124,7 @@ def mlp_table(rows: list[dict]) -> str:
                 ("torchao_rowwise", 10),
                 ("fp8_unfused", 10),
                 ("fp8_gate_up_apart", 16),
+                ("fp8_plain_down", 13),
             )
         )
         lines.append(f"{model:<12} {m:>5} {cells}  {ratios}")

@@ -171,6 +171,16 @@ def _(x, w_fp8, w_scale, bias=None, e8m0=False, backend="reference"):
     return x.new_empty(*x.shape[:-1], w_fp8.shape[0])
 
 
+def _check_gated(a: Tensor, b: Tensor, activation: str) -> None:
+    torch._check(
+        a.shape == b.shape, lambda: f"act(a, b) needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}"
+    )
+    torch._check(
+        activation in reference.GATED_ACTIVATIONS,
+        lambda: f"activation {activation!r}: valid gated activations are {reference.GATED_ACTIVATIONS}",
+    )
+
+
 def _check_scaled_shapes(x, w_fp8, w_scale, bias, recipe, x_scale) -> None:
     n, k = w_fp8.shape
     torch._check(x.shape[-1] == k, lambda: f"x has K={x.shape[-1]} but the weight has K={k}")
@@ -265,13 +275,7 @@ def gated_linear(
 def _(
     a, b, w, bias=None, e8m0=False, backend="reference", w_kn=False, activation="silu", alpha=1.702, limit=7.0
 ):
-    torch._check(
-        a.shape == b.shape, lambda: f"act(a, b) needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}"
-    )
-    torch._check(
-        activation in reference.GATED_ACTIVATIONS,
-        lambda: f"activation {activation!r}: valid gated activations are {reference.GATED_ACTIVATIONS}",
-    )
+    _check_gated(a, b, activation)
     return a.new_empty(*a.shape[:-1], _weight_out_features(a, w, bias, w_kn))
 
 
@@ -307,14 +311,58 @@ def _(
     alpha=1.702,
     limit=7.0,
 ):
-    torch._check(
-        a.shape == b.shape, lambda: f"act(a, b) needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}"
-    )
-    torch._check(
-        activation in reference.GATED_ACTIVATIONS,
-        lambda: f"activation {activation!r}: valid gated activations are {reference.GATED_ACTIVATIONS}",
-    )
+    _check_gated(a, b, activation)
     _check_linear_shapes(a, w_fp8, w_scale, bias)
+    return a.new_empty(*a.shape[:-1], w_fp8.shape[0])
+
+
+@_op
+def gated_qlinear_scaled(
+    a: Tensor,
+    b: Tensor,
+    w_fp8: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None = None,
+    x_scale: Tensor | None = None,
+    recipe: str = "rowwise",
+    amax_ub: float = 0.0,
+    e8m0: bool = False,
+    fast_accum: bool = False,
+    backend: str = "reference",
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> Tensor:
+    """A gated MLP's down projection in the "tensor" or "rowwise" recipe: qlinear_scaled of
+    act(a, b) (reference.gated), a (gate) and b (up) bf16 (..., K). The product is computed in
+    fp32 and quantized with the recipe's scale in the same pass (inside the GEMM at decode
+    sizes), never written in bf16 (reference_scaled.gated_linear_scaled)."""
+    _check_gated(a, b, activation)
+    _check_scaled_shapes(a, w_fp8, w_scale, bias, recipe, x_scale)
+    return registry.implementation("gated_scaled_linear", backend)(
+        a, b, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, fast_accum, activation, alpha, limit
+    )
+
+
+@_fake(gated_qlinear_scaled)
+def _(
+    a,
+    b,
+    w_fp8,
+    w_scale,
+    bias=None,
+    x_scale=None,
+    recipe="rowwise",
+    amax_ub=0.0,
+    e8m0=False,
+    fast_accum=False,
+    backend="reference",
+    activation="silu",
+    alpha=1.702,
+    limit=7.0,
+):
+    _check_gated(a, b, activation)
+    _check_scaled_shapes(a, w_fp8, w_scale, bias, recipe, x_scale)
     return a.new_empty(*a.shape[:-1], w_fp8.shape[0])
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..numerics import FP8_DTYPE, FP8_MAX, scale_from_amax
+from .reference import gated
 
 SCALED_RECIPES = ("tensor", "rowwise")
 
@@ -117,6 +118,30 @@ def linear_scaled(
     x2 = x.reshape(-1, x.shape[-1])
     x_fp8, sx = quant_act_scaled(x2, recipe, e8m0, x_scale, amax_ub)
     return gemm_scaled(x_fp8, sx, w_fp8, w_scale, bias, x.dtype).reshape(*x.shape[:-1], w_fp8.shape[0])
+
+
+def gated_linear_scaled(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    recipe: str = "rowwise",
+    x_scale: torch.Tensor | None = None,
+    amax_ub: float = 0.0,
+    e8m0: bool = False,
+    fast_accum: bool = False,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """A gated MLP's down projection in the scaled recipes: linear_scaled of act(a, b)
+    (reference.gated, fp32, never rounded to bf16) over a and b (..., K), written in a.dtype."""
+    h = gated(a, b, activation, alpha, limit)
+    h2 = h.reshape(-1, h.shape[-1])
+    x_fp8, sx = quant_act_scaled(h2, recipe, e8m0, x_scale, amax_ub)
+    out = gemm_scaled(x_fp8, sx, w_fp8, w_scale, bias, a.dtype)
+    return out.reshape(*a.shape[:-1], w_fp8.shape[0])
 
 
 def dequant_weight_scaled(w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from torch.library import triton_op, wrap_triton
 
 from ..numerics import AMAX_EPS, FP8_MAX
 from .launch import Launcher
+from .reference import gated
 from .reference_scaled import check_recipe
 from .triton_gemm import (
     SMALL_M_MAX,
@@ -37,7 +38,7 @@ from .triton_gemm import (
     counters_ptr,
     store_split_k,
 )
-from .triton_quant import round_up_pow2
+from .triton_quant import activation_code, load_activation, round_up_pow2
 
 BLOCK_K = 128
 # How the activation scale is found: from each token's amax, from the amax over x, or given.
@@ -47,6 +48,7 @@ ACT_PER_TOKEN, ACT_PER_TENSOR, ACT_STATIC = 0, 1, 2
 @triton.jit
 def _scaled_small_m_kernel(
     x_ptr,
+    b_ptr,
     w_ptr,
     w_s_ptr,
     x_s_ptr,
@@ -60,11 +62,16 @@ def _scaled_small_m_kernel(
     K,
     stride_xm,
     stride_xk,
+    stride_bm,
+    stride_bk,
     stride_wn,
     stride_om,
     eps,
     fp8_max,
     amax_ub,
+    alpha,
+    limit,
+    ACT: tl.constexpr,
     W_ROWWISE: tl.constexpr,
     ACT_SCALE: tl.constexpr,
     CAP: tl.constexpr,
@@ -84,12 +91,12 @@ def _scaled_small_m_kernel(
         tl.cast(fp8_max, tl.float32),
         tl.cast(amax_ub, tl.float32),
     )
+    alpha, limit = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = offs_m < M
     safe_n = offs_n % N
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
 
     if ACT_SCALE == 2:
         x_s = tl.load(x_s_ptr + offs_m * 0)  # the static scale, on every row
@@ -112,13 +119,17 @@ def _scaled_small_m_kernel(
     for c in range(c0, c1):
         cols = c * BLOCK_K + offs_k
         if EVEN_K:  # whole steps: the weight loads need no mask
-            x = tl.load(x_rows + cols[None, :] * stride_xk, mask=rows[:, None], other=0.0)
+            x_mask = rows[:, None]
             w = tl.load(w_ptr + safe_n[:, None] * stride_wn + cols[None, :])
         else:
             in_k = cols < K
-            x = tl.load(x_rows + cols[None, :] * stride_xk, mask=rows[:, None] & in_k[None, :], other=0.0)
+            x_mask = rows[:, None] & in_k[None, :]
             w = tl.load(w_ptr + safe_n[:, None] * stride_wn + cols[None, :], mask=in_k[None, :], other=0.0)
-        x_fp8 = tl.clamp(x.to(tl.float32) / x_s[:, None], -fp8_max, fp8_max).to(tl.float8e4nv)
+        # x itself, or a gated MLP's act(x, b) in fp32 (the down projection's input)
+        x = load_activation(
+            x_ptr, b_ptr, offs_m, cols, stride_xm, stride_xk, stride_bm, stride_bk, x_mask, alpha, limit, ACT
+        )
+        x_fp8 = tl.clamp(x / x_s[:, None], -fp8_max, fp8_max).to(tl.float8e4nv)
         acc += tl.dot(w, tl.trans(x_fp8))
     if W_ROWWISE:
         acc = acc * tl.load(w_s_ptr + safe_n)[:, None]
@@ -133,28 +144,58 @@ def _scaled_small_m_kernel(
 
 
 @triton.jit
-def _row_amax_kernel(x_ptr, amax_ptr, K, stride_xm, stride_xk, BLOCK: tl.constexpr):
-    """amax[m] = max |x[m, :]|, one program per row, BLOCK elements per load."""
-    row = tl.program_id(0)
+def _row_amax_kernel(
+    x_ptr,
+    b_ptr,
+    amax_ptr,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_bm,
+    stride_bk,
+    alpha,
+    limit,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """amax[m] = max |x[m, :]| (or of act(x, b)[m, :]), one program per row, BLOCK elements per load."""
+    rows = tl.program_id(0) + tl.arange(0, 1)
     offs = tl.arange(0, BLOCK)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    alpha, limit = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)
+    amax = tl.zeros((1, BLOCK), dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         cols = k0 + offs
-        x = tl.load(x_ptr + row * stride_xm + cols * stride_xk, mask=cols < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    tl.store(amax_ptr + row, tl.max(amax, axis=0))
+        x = load_activation(
+            x_ptr,
+            b_ptr,
+            rows,
+            cols,
+            stride_xm,
+            stride_xk,
+            stride_bm,
+            stride_bk,
+            cols[None, :] < K,
+            alpha,
+            limit,
+            ACT,
+        )
+        amax = tl.maximum(amax, tl.abs(x))
+    tl.store(amax_ptr + rows, tl.max(amax, axis=1))
 
 
 AMAX_BLOCK = 2048
 _amax_launch = Launcher(_row_amax_kernel)
 
 
-def row_amax(x2: Tensor) -> Tensor:
-    """max |x| per row of x (M, K), fp32 (M,): what the GEMM kernel makes dynamic scales from."""
+def row_amax(x2: Tensor, b: Tensor | None = None, act: tuple = ("silu", 1.702, 7.0)) -> Tensor:
+    """max |x| per row of x (M, K), or of act(x, b) (act: (activation, alpha, limit)), fp32 (M,):
+    what the GEMM kernel makes dynamic scales from."""
     m, k = x2.shape
     amax = torch.empty(m, dtype=torch.float32, device=x2.device)
+    b_ = x2 if b is None else b
     launch = {} if _interpreting(x2) else dict(num_warps=4)
-    _amax_launch((m,), (x2, amax, k, x2.stride(0), x2.stride(1)), {"BLOCK": AMAX_BLOCK}, **launch)
+    args = (x2, b_, amax, k, x2.stride(0), x2.stride(1), b_.stride(0), b_.stride(1), *map(float, act[1:]))
+    _amax_launch((m,), args, {"ACT": activation_code(b, act[0]), "BLOCK": AMAX_BLOCK}, **launch)
     return amax
 
 
@@ -165,14 +206,23 @@ def _act_mode(recipe: str, x_scale: Tensor | None) -> int:
     return ACT_PER_TOKEN if recipe == "rowwise" else ACT_PER_TENSOR
 
 
-def _arguments(x2, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, out, partial, arrivals, tiles, amax):
-    """(args, constexprs) of one launch; x_scale: the static scale, else amax: each row's amax;
-    tiles = (block_m, block_n, split)."""
+# The gated activation (reference.gated) of a down projection: (activation, alpha, limit).
+NO_ACT = ("silu", 1.702, 7.0)
+
+
+def _arguments(
+    x2, b, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, out, partial, arrivals, tiles, amax
+):
+    """(args, constexprs) of one launch over x2, or act(x2, b) with act = (activation, alpha,
+    limit) where b is given; x_scale: the static scale, else amax: each row's amax; tiles =
+    (block_m, block_n, split)."""
     block_m, block_n, split = tiles
     m, k = x2.shape
     n = w_fp8.shape[0]
+    b_ = x2 if b is None else b
     args = (
         x2,
+        b_,
         w_fp8,
         w_scale,
         x_scale if x_scale is not None else amax,
@@ -185,13 +235,18 @@ def _arguments(x2, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, out, pa
         k,
         x2.stride(0),
         x2.stride(1),
+        b_.stride(0),
+        b_.stride(1),
         w_fp8.stride(0),
         out.stride(0),
         AMAX_EPS,
         FP8_MAX,
         float(amax_ub),
+        float(act[1]),
+        float(act[2]),
     )
     constexprs = dict(
+        ACT=activation_code(b, act[0]),
         W_ROWWISE=recipe == "rowwise",
         ACT_SCALE=_act_mode(recipe, x_scale),
         CAP=x_scale is None and amax_ub > 0,
@@ -209,6 +264,42 @@ def _arguments(x2, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, out, pa
 _launch = Launcher(_scaled_small_m_kernel)
 
 
+def _small_m(x, b, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0) -> Tensor:
+    """The eager launch over x (..., K), or act(x, b): (..., N) in x.dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    b2 = None if b is None else b.reshape(x2.shape)
+    m, k = x2.shape
+    n = w_fp8.shape[0]
+    if m > SMALL_M_MAX:
+        raise ValueError(f"the scaled decode kernel serves M <= {SMALL_M_MAX}, got M={m}")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    block_m, block_n, split, n_tiles = _small_m_tiles(m, n, k, False, x.device, None, None)
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    arrivals = split_k_counters(x.device, n_tiles, split)
+    args, constexprs = _arguments(
+        x2,
+        b2,
+        act,
+        w_fp8,
+        w_scale,
+        bias,
+        recipe,
+        x_scale,
+        amax_ub,
+        e8m0,
+        out,
+        partial,
+        arrivals,
+        (block_m, block_n, split),
+        None if x_scale is not None else row_amax(x2, b2, act),
+    )
+    launch = {} if _interpreting(x2) else dict(num_warps=4, num_stages=SMALL_M_NUM_STAGES)
+    _launch((n_tiles, split), args, constexprs, **launch)
+    return out.reshape(*x.shape[:-1], n)
+
+
 def linear_scaled_small_m(
     x: Tensor,
     w_fp8: Tensor,
@@ -224,35 +315,27 @@ def linear_scaled_small_m(
     bf16 (..., N): quantization and GEMM in one launch. fast_accum is cuBLAS's option
     (Fp8Config.fast_accum), not this kernel's: Triton already keeps all of K in the tensor cores'
     FP8 accumulator here (BENCHMARKS.md, twenty-sixth session)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    m, k = x2.shape
-    n = w_fp8.shape[0]
-    if m > SMALL_M_MAX:
-        raise ValueError(f"linear_scaled_small_m serves M <= {SMALL_M_MAX}, got M={m}")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.reshape(*x.shape[:-1], n)
-    block_m, block_n, split, n_tiles = _small_m_tiles(m, n, k, False, x.device, None, None)
-    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    arrivals = split_k_counters(x.device, n_tiles, split)
-    args, constexprs = _arguments(
-        x2,
-        w_fp8,
-        w_scale,
-        bias,
-        recipe,
-        x_scale,
-        amax_ub,
-        e8m0,
-        out,
-        partial,
-        arrivals,
-        (block_m, block_n, split),
-        None if x_scale is not None else row_amax(x2),
-    )
-    launch = {} if _interpreting(x2) else dict(num_warps=4, num_stages=SMALL_M_NUM_STAGES)
-    _launch((n_tiles, split), args, constexprs, **launch)
-    return out.reshape(*x.shape[:-1], n)
+    return _small_m(x, None, NO_ACT, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0)
+
+
+def gated_linear_scaled_small_m(
+    a: Tensor,
+    b: Tensor,
+    w_fp8: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None = None,
+    recipe: str = "rowwise",
+    x_scale: Tensor | None = None,
+    amax_ub: float = 0.0,
+    e8m0: bool = False,
+    fast_accum: bool = False,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> Tensor:
+    """linear_scaled_small_m of a gated MLP's act(a, b) (reference.gated): each tile of the
+    product is computed in fp32 where the GEMM loads it, never written."""
+    return _small_m(a, b, (activation, alpha, limit), w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0)
 
 
 @triton_op("fp8compile::linear_scaled_decode", mutates_args=())
@@ -266,10 +349,15 @@ def linear_scaled_decode(
     amax_ub: float = 0.0,
     e8m0: bool = False,
     max_m: int = 16,
+    b: Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> Tensor:
     """linear_scaled_small_m for x (M, K), M <= max_m <= 64, as a launch Inductor makes: the tile
     height and split are fixed at trace time from max_m (M is the dispatch's symbol there); the
-    split-K counters are the eager path's, by address (triton_gemm.split_k_counters)."""
+    split-K counters are the eager path's, by address (triton_gemm.split_k_counters). With b
+    (M, K): gated_linear_scaled_small_m, on act(x, b)."""
     if not 1 <= max_m <= SMALL_M_MAX:
         raise ValueError(f"linear_scaled_decode serves 1 <= M <= {SMALL_M_MAX}, asked for M up to {max_m}")
     m = x.shape[0]
@@ -278,8 +366,16 @@ def linear_scaled_decode(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     arrivals = split_k_counters(x.device, n_tiles, split)
+    act = (activation, alpha, limit)
+    # Traced, the amax is Inductor's to compute: a reduction it can fuse with what made x (or
+    # with act(x, b), which the GEMM computes again as it loads it).
+    amax = None
+    if x_scale is None:
+        amax = (x if b is None else gated(x, b, *act)).abs().amax(dim=1).float()
     args, constexprs = _arguments(
         x,
+        b,
+        act,
         w_fp8,
         w_scale,
         bias,
@@ -291,8 +387,7 @@ def linear_scaled_decode(
         partial,
         arrivals,
         (block_m, block_n, split),
-        # Traced, the amax is Inductor's to compute: a reduction it can fuse with what made x.
-        None if x_scale is not None else x.abs().amax(dim=1).float(),
+        amax,
     )
     launch = {} if x.device.type == "cpu" else dict(num_warps=4, num_stages=SMALL_M_NUM_STAGES)
     wrap_triton(_scaled_small_m_kernel)[(n_tiles, split)](*args, **constexprs, **launch)

@@ -311,7 +311,7 @@ class PassContext:
         recipe = "block"
         if kind == "mqa_logits":  # q per (token, head), k per token: one scale per row of D
             recipe = "per row"
-        elif kind == "linear" and self.config.recipe != "block":  # the other kinds run the block recipe
+        elif kind in ("linear", "silu_mul") and self.config.recipe != "block":  # the others run block
             scales = "static" if self.config.act_amax is not None else "dynamic"
             recipe = f"{self.config.recipe}, {scales}"
         self.report.rewrites.append(

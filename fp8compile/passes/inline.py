@@ -43,6 +43,8 @@ _QLINEAR = torch.ops.fp8compile.qlinear.default
 _GATED_QLINEAR = torch.ops.fp8compile.gated_qlinear.default
 _MOE = torch.ops.fp8compile.moe.default
 _QLINEAR_SCALED = torch.ops.fp8compile.qlinear_scaled.default
+_GATED_QLINEAR_SCALED = torch.ops.fp8compile.gated_qlinear_scaled.default
+_SCALED = (_QLINEAR_SCALED, _GATED_QLINEAR_SCALED)
 DECODE_BACKEND = "triton_small_m"
 CUBLAS_BACKEND = "cublas"
 MOE_BACKEND = "triton"
@@ -66,7 +68,7 @@ def inductor_launch(
     # op's own path quantizes with unfused tensor ops (cuBLAS side) or an extra launch (decode),
     # where traced, Inductor fuses the quantization with what made x. Measured on an H100, Llama-3-8B
     # widths, 4 layers, reduce-overhead, rowwise, the op's own path: prefill 0.74x bf16.
-    wanted = ctx.inductor_launch or (target is _QLINEAR_SCALED and ctx.config.inductor_launch is not False)
+    wanted = ctx.inductor_launch or (target in _SCALED and ctx.config.inductor_launch is not False)
     if not (wanted and args[0].meta["val"].device.type == "cuda"):
         return None
     backend = kwargs.get("backend")
@@ -78,7 +80,7 @@ def inductor_launch(
         if moe_gluon_fits(args, kwargs, m_min):
             return functools.partial(emit_moe_gluon_launch, cache=ctx.traces, tokens_from=m_min)
         return None
-    if target is _QLINEAR_SCALED:
+    if target in _SCALED:
         if backend == DECODE_BACKEND and m_max is not None:
             return functools.partial(emit_scaled_launch, cache=ctx.traces, decode=True)
         if backend == CUBLAS_BACKEND:
@@ -179,8 +181,8 @@ def moe_gluon_fits(args: tuple, kwargs: dict, m_min: int) -> bool:
 
 
 def _operands(target, args: tuple, kwargs: dict):
-    """(named operand nodes present, activation kwargs, e8m0) of a qlinear / gated_qlinear call."""
-    if target is _QLINEAR:
+    """(named operand nodes present, activation kwargs, e8m0) of a (gated) qlinear or qlinear_scaled call."""
+    if target in (_QLINEAR, _QLINEAR_SCALED):
         (x, w_fp8, w_scale, bias), b = args, None
     else:
         x, b, w_fp8, w_scale, bias = args
@@ -238,33 +240,24 @@ def emit_scaled_launch(
     cache: TraceCache | None = None,
     decode: bool = False,
 ) -> fx.Node:
-    """Into `graph`: the qlinear_scaled call target(*args, **kwargs) (x 2-D) traced: as
-    fp8compile::linear_scaled_decode (M <= m_max) if decode, else as the cuBLAS kernel's own
-    tensor ops and aten._scaled_mm (ops/scaled_cublas.py), whose quantization Inductor fuses."""
+    """Into `graph`: the (gated_)qlinear_scaled call target(*args, **kwargs) (x 2-D) traced: as
+    fp8compile::linear_scaled_decode (M <= m_max) if decode; else a plain linear as the cuBLAS
+    kernel's own tensor ops and aten._scaled_mm (ops/scaled_cublas.py), whose quantization
+    Inductor fuses, and a gated one as fp8compile::gated_linear_scaled_mm (ops/scaled_gated_mm.py)."""
     from ..ops import scaled_cublas
 
     if decode:
         from ..ops import triton_scaled  # noqa: F401  (registers fp8compile::linear_scaled_decode)
+    elif target is _GATED_QLINEAR_SCALED:
+        from ..ops import scaled_gated_mm  # noqa: F401  (registers fp8compile::gated_linear_scaled_mm)
 
-    x, w_fp8, w_scale, bias = (list(args) + [None])[:4]
-    bias = kwargs.get("bias", bias)
-    x_scale = kwargs.get("x_scale")
-    present = [
-        (name, node)
-        for name, node in (
-            ("x", x),
-            ("w_fp8", w_fp8),
-            ("w_scale", w_scale),
-            ("bias", bias),
-            ("x_scale", x_scale),
-        )
-        if node is not None
-    ]
+    present, act, e8m0 = _operands(target, args, kwargs)
+    if kwargs.get("x_scale") is not None:
+        present.append(("x_scale", kwargs["x_scale"]))
     names = tuple(name for name, _ in present)
-    recipe, amax_ub, e8m0, fast_accum = (
+    recipe, amax_ub, fast_accum = (
         kwargs.get("recipe", "rowwise"),
         kwargs.get("amax_ub", 0.0),
-        kwargs.get("e8m0", False),
         kwargs.get("fast_accum", False),
     )
 
@@ -273,13 +266,27 @@ def emit_scaled_launch(
         operands = (v["x"], v["w_fp8"], v["w_scale"], v.get("bias"))
         if decode:
             return torch.ops.fp8compile.linear_scaled_decode(
-                *operands, v.get("x_scale"), recipe, amax_ub, e8m0, m_max
+                *operands, v.get("x_scale"), recipe, amax_ub, e8m0, m_max, v.get("b"), **act
+            )
+        if "b" in v:
+            return torch.ops.fp8compile.gated_linear_scaled_mm(
+                v["x"], v["b"], *operands[1:], v.get("x_scale"), recipe, amax_ub, e8m0, fast_accum, **act
             )
         return scaled_cublas.linear_scaled_cublas(
             *operands, recipe, v.get("x_scale"), amax_ub, e8m0, fast_accum
         )
 
-    key = ("linear_scaled", decode, names, recipe, amax_ub, e8m0, fast_accum, m_max if decode else None)
+    key = (
+        "linear_scaled",
+        decode,
+        names,
+        recipe,
+        amax_ub,
+        e8m0,
+        fast_accum,
+        m_max if decode else None,
+        tuple(sorted(act.items())),
+    )
     return inline_traced(graph, call, [node for _, node in present], cache, key)
 
 

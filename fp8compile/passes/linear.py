@@ -30,6 +30,12 @@ REGISTRY_OPS = {
     torch.ops.fp8compile.qlinear.default: "linear",
     torch.ops.fp8compile.gated_qlinear.default: "gated_linear",
     torch.ops.fp8compile.qlinear_scaled.default: "scaled_linear",
+    torch.ops.fp8compile.gated_qlinear_scaled.default: "gated_scaled_linear",
+}
+# A block-recipe op the passes emit -> its twin in the rowwise and tensor recipes (scaled_call).
+SCALED_TWINS = {
+    torch.ops.fp8compile.qlinear.default: torch.ops.fp8compile.qlinear_scaled.default,
+    torch.ops.fp8compile.gated_qlinear.default: torch.ops.fp8compile.gated_qlinear_scaled.default,
 }
 # Along K the scaled recipes need only what FP8 tensor cores and cuBLAS need: 16-byte rows.
 SCALED_K_ALIGN = 16
@@ -204,25 +210,26 @@ def static_act_scale(ctx: PassContext, names: list[str], weight: fx.Node) -> fx.
 
 def registry_op(ctx: PassContext, target) -> str:
     """The registry's name for what `target` computes once scaled_call has put it in the
-    configured recipe: "scaled_linear" in the rowwise and tensor recipes."""
-    return "scaled_linear" if ctx.config.recipe != "block" else REGISTRY_OPS[target]
+    configured recipe: "scaled_linear" or "gated_scaled_linear" in the rowwise and tensor recipes."""
+    return REGISTRY_OPS[SCALED_TWINS[target] if ctx.config.recipe != "block" else target]
 
 
 def scaled_call(
     ctx: PassContext, target, names: list[str], weight: fx.Node, op_kwargs: dict
 ) -> tuple[object, dict]:
     """(target, kwargs) of a linear in the configured recipe: the block recipe's op as given, or
-    qlinear_scaled with the recipe's activation scale (static or dynamic) for a plain linear."""
+    its scaled twin (qlinear_scaled, gated_qlinear_scaled) with the recipe's activation scale
+    (static or dynamic)."""
     if ctx.config.recipe == "block":
         return target, op_kwargs
-    if target is not torch.ops.fp8compile.qlinear.default:
+    if target not in SCALED_TWINS:
         raise ValueError(f"{target} has no kernel in the {ctx.config.recipe} recipe")
     kwargs = {**op_kwargs, "recipe": ctx.config.recipe, "x_scale": static_act_scale(ctx, names, weight)}
     if ctx.config.act_amax_ub:
         kwargs["amax_ub"] = ctx.config.act_amax_ub
     if ctx.config.cublas_fast_accum():
         kwargs["fast_accum"] = True
-    return torch.ops.fp8compile.qlinear_scaled.default, kwargs
+    return SCALED_TWINS[target], kwargs
 
 
 def emit_fp8(

@@ -1,11 +1,12 @@
 """silu_mul pass: down(act(a, b)) -> fp8compile::gated_qlinear(a, b, w_down's FP8 copy), act silu,
-swigluoai or silu_limit.
+swigluoai or silu_limit; gated_qlinear_scaled in the rowwise and tensor recipes (linear.scaled_call).
 
 A gated MLP writes the bf16 product silu(gate(x)) * up(x) to memory only to read it back and
 quantize it for the down projection. The fused op computes the product in fp32 and quantizes
-it 1x128 in the same pass (inside the decode GEMM at small M), so the product is never
-written in bf16 and never quantized twice. gate and up stay ordinary linears (linear_pass
-rewrites them); a and b may also be the two halves of one fused gate_up linear (chunk/split).
+it in the same pass (1x128 groups, or the scaled recipes' scale per token or tensor; inside the
+decode GEMM at small M), so the product is never written in bf16 and never quantized twice.
+gate and up stay ordinary linears (linear_pass rewrites them); a and b may also be the two
+halves of one fused gate_up linear (chunk/split).
 
 silu as it reaches the ATen graph (after Inductor's decompositions):
     x / (1 + exp(-x))       F.silu, nn.SiLU, transformers' ACT2FN["silu"] (fp32 round trip)
@@ -183,7 +184,7 @@ def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
 
 
 # where a gated MLP's gate and up come from: bf16 matmuls, or the FP8 GEMM that gate_up or qkv made of them
-_PROJECTIONS = (*MATMULS, torch.ops.fp8compile.qlinear.default)
+_PROJECTIONS = (*MATMULS, torch.ops.fp8compile.qlinear.default, torch.ops.fp8compile.qlinear_scaled.default)
 _ACTIVATIONS = (
     (aten.erf.default, "gelu"),
     (aten.tanh.default, "tanh / gelu-tanh"),
@@ -235,12 +236,6 @@ def silu_mul_replacement(
     )
 
 
-NOT_FUSED_IN_SCALED_RECIPES = (
-    "not fused in the {recipe} recipe (the fused kernels quantize 1x128 groups): "
-    "a plain FP8 linear on act(gate, up)"
-)
-
-
 def silu_mul_pass(ctx: PassContext) -> None:
     for node in [n for n in ctx.gm.graph.nodes if n.op == "call_function" and n.target in MATMULS]:
         match = linear_pattern(node)
@@ -250,9 +245,7 @@ def silu_mul_pass(ctx: PassContext) -> None:
         if linear_extra_check(ctx, match, name) is not None:
             continue  # stays bf16: linear_pass records why
         found = silu_mul_pattern(match.x)
-        if isinstance(found, tuple) and ctx.config.recipe != "block":
-            ctx.skipped("silu_mul", name, NOT_FUSED_IN_SCALED_RECIPES.format(recipe=ctx.config.recipe))
-        elif isinstance(found, tuple):
+        if isinstance(found, tuple):
             silu_mul_replacement(ctx, match, *found, *param)
         elif isinstance(found, str):
             ctx.skipped("silu_mul", name, found)
