@@ -694,7 +694,9 @@ def test_gpu_kernels_give_the_references_numbers(recipe, m, kernel, static):
 @gpu
 def test_gpu_gated_kernels_give_the_references_numbers(recipe, m, k, kernel, static):
     # K = 33024: past ONE_PASS_MAX, the quantization's two passes over chunks. cuBLAS in fast
-    # accumulation, the default: SCALED_KERNEL_BOUND, why there.
+    # accumulation (the default) up to K = 18944, where its GEMM error was measured (2.3e-6..7.2e-6,
+    # SCALED_KERNEL_BOUND); at K = 33024 it measured 1.7e-5 (H100, forty-third session), past the
+    # bound by the accumulation alone, so that K runs promoting: what is tested there is our kernel.
     if kernel == "triton_small_m" and m > 64:
         pytest.skip("the decode kernel serves M <= 64")
     a, b = randn(m, k, scale=2.0, device="cuda"), randn(m, k, device="cuda")
@@ -703,7 +705,15 @@ def test_gpu_gated_kernels_give_the_references_numbers(recipe, m, k, kernel, sta
     x_scale = torch.tensor(3.0 / FP8_MAX, device="cuda") if static else None
     ref = rs.gated_linear_scaled(a, b, w_fp8, w_scale, bias, recipe, x_scale)
     out = torch.ops.fp8compile.gated_qlinear_scaled(
-        a, b, w_fp8, w_scale, bias, x_scale, recipe, fast_accum=kernel == "cublas", backend=kernel
+        a,
+        b,
+        w_fp8,
+        w_scale,
+        bias,
+        x_scale,
+        recipe,
+        fast_accum=kernel == "cublas" and k <= 18944,
+        backend=kernel,
     )
     assert calc_diff(out.float(), ref.float()) < SCALED_KERNEL_BOUND
     if kernel == "triton_small_m":
