@@ -5,13 +5,13 @@ sizes: act(a, b) quantized by a kernel of ours, then cuBLAS's tensorwise or roww
 The plain linear on act(gate, up) (ops/scaled_cublas.py, traced) leaves the product, its
 per-token amax and the cast to Inductor's fused reduction: on an H100 at M = 4096, K = 14336
 (Llama-3-8B) it took 143.6 us, 2.04 TB/s of the bytes it must move (gate and up read, the FP8
-product written). Inductor's reduction loops over the row twice, reading gate and up twice.
-_quant_rows_kernel holds a whole row in registers instead (one program per token, up to
-ONE_PASS_MAX columns): one read, the amax, the quantized row written, 107.8 us (2.72 TB/s)
-there, 65.8 us against 76.9 at M = 2048, 200 against 217 at K = 18944 (Qwen2.5-7B)
-(BENCHMARKS.md, "Forty-third session"). Wider rows take two passes over chunks, the second
-reading the row back (mostly from L2). A static scale (or the tensor recipe's dynamic one, whose
-amax over all of x a reduction before the launch finds) needs one pass over chunks.
+product written). _quant_rows_kernel holds a whole row in registers instead (one program per
+token, up to ONE_PASS_MAX columns): one read, the amax, the quantized row written. With 32 warps
+it took 107.8 us there (2.72 TB/s), 72.3 against 76.9 at M = 2048, 200 against 217 at K = 18944
+(Qwen2.5-7B) (BENCHMARKS.md, W8A8 recipes, "Forty-third session"; the probe is in git at
+246828c). Wider rows take two passes over chunks, the second reading the row back (mostly from
+L2). A static scale (or the tensor recipe's dynamic one, whose amax over all of x a reduction
+before the launch finds) needs one pass over chunks.
 
 The numbers are reference_scaled.gated_linear_scaled's: act(a, b) in fp32, never rounded to
 bf16, quantized with the reference's scale. Like fp8compile::linear_scaled_mm (scaled_mm_op.py)
