@@ -66,7 +66,8 @@ class Fp8Config:
                      activation fused (gated_qlinear_scaled); routed experts stay bf16.
     e8m0:            round every scale up to a power of two (UE8M0 checkpoints, Blackwell).
     batch_invariant: one kernel and one reduction order for every M, so row i of the output
-                     does not depend on the other rows of the batch.
+                     does not depend on the other rows of the batch. In rowwise and tensor
+                     (static scales only) our Triton GEMM then serves every M, not cuBLAS.
     small_m:         rows M <= small_m take the small-M (decode) kernel, chosen by torch.cond.
     large_m:         rows M > large_m take the large-M kernel (a second, nested cond);
                      0 = no third range; None = by the output width N: LARGE_M (1536) where
@@ -211,11 +212,10 @@ class Fp8Config:
                     "scales each 128-wide group of K, so its kernels sum every group's product in fp32"
                 )
             return
-        if self.batch_invariant:
+        if self.batch_invariant and self.recipe == "tensor" and self.act_amax is None:
             raise ValueError(
-                f"batch_invariant=True needs recipe='block': the {self.recipe} recipe runs on cuBLAS "
-                "above the decode sizes, whose kernel choice depends on M"
-                + ("" if self.recipe == "rowwise" else ", and a dynamic per-tensor scale on every row")
+                "batch_invariant=True with recipe='tensor' needs static scales (act_amax, from "
+                "fp8compile.calibrate): a dynamic per-tensor scale comes from every row of the batch"
             )
         ub = self.act_amax_ub
         if isinstance(ub, bool) or not isinstance(ub, (int, float)) or not ub >= 0:

@@ -164,6 +164,8 @@ def _flashinfer_why_not(request: Request) -> str | None:
 
 def _cublas_why_not(request: Request) -> str | None:
     if request.op in SCALED_OPS:  # tensorwise / rowwise _scaled_mm: no block-scaling limits
+        if request.batch_invariant:
+            return "picks its kernel by M: not batch-invariant"
         from .ops.scaled_cublas import why_not as shape_why_not
 
         why = shape_why_not(request.n, request.k)
@@ -243,6 +245,8 @@ _BACKENDS: dict[str, Backend] = {
             "gated_linear": ".ops.triton_gemm:gated_linear_large_m",
             "gemm": ".ops.triton_gemm:gemm_large_m",
             "quant_act": ".ops.triton_quant:quant_act_row",
+            "scaled_linear": ".ops.triton_scaled_gemm:linear_scaled_large_m",
+            "gated_scaled_linear": ".ops.triton_scaled_gemm:gated_linear_scaled_large_m",
             "moe": ".ops.triton_moe:moe_triton",
             "mqa_logits": ".ops.triton_mqa:mqa_logits",
             "paged_mqa_logits": ".ops.triton_mqa:paged_mqa_logits",

@@ -84,9 +84,11 @@ def test_flashinfer_reads_block_scales_in_our_layout():
     assert calc_diff(scrambled, expected) > 0.1  # the check above would have caught a layout mix-up
 
 
-def test_batch_invariant_rows_are_bitwise_independent_of_m_from_1_to_300():
+@pytest.mark.parametrize("recipe", ["block", "rowwise"])
+def test_batch_invariant_rows_are_bitwise_independent_of_m_from_1_to_300(recipe):
+    # rowwise: our Triton GEMM of the scaled recipes at every M (cuBLAS and split-K decline)
     model = torch.nn.Linear(2048, 4096).to(BF16).cuda()
-    fp8 = fp8compile.backend(batch_invariant=True)
+    fp8 = fp8compile.backend(batch_invariant=True, recipe=recipe)
     compiled = torch.compile(model, backend=fp8)
     x = randn(300, 2048, device="cuda")
     with torch.no_grad():
