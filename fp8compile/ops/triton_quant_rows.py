@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.library import wrap_triton
 
 from ..numerics import AMAX_EPS, FP8_DTYPE, FP8_MAX, next_pow2
+from .launch import Launcher
 from .reference import gated
 from .reference_scaled import act_scale
 from .triton_quant import activation_code, load_activation, round_up_pow2
@@ -141,10 +142,12 @@ def quant_rows(
     activation: str,
     alpha: float,
     limit: float,
+    traced: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """act(a, b) (M, K) (a itself if b is None) -> (x_fp8 (M, K), scale): each row's own (M,)
-    fp32, or `given` (one scale) as it is. Launched through wrap_triton: traced, Inductor makes
-    the launch."""
+    fp32, or `given` (one scale) as it is. traced: launched through wrap_triton (in a
+    triton_op's body: traced, Inductor makes the launch), else through our Launcher (an eager
+    kernel's call, where every launch pays its host cost)."""
     m, k = a.shape
     b_ = a if b is None else b
     x_fp8 = torch.empty(m, k, dtype=FP8_DTYPE, device=a.device)
@@ -152,7 +155,7 @@ def quant_rows(
     constexprs, options = quant_rows_launch(k, given is not None)
     if a.device.type == "cpu":  # Triton's interpreter takes no launch options
         options = {}
-    wrap_triton(_quant_rows_kernel)[(m,)](
+    args = (
         a,
         b_,
         x_fp8,
@@ -169,14 +172,21 @@ def quant_rows(
         float(amax_ub),
         float(alpha),
         float(limit),
+    )
+    constexprs.update(
         ACT=activation_code(b, activation),
         GIVEN=given is not None,
         CAP=given is None and amax_ub > 0,
         E8M0=e8m0,
-        **constexprs,
-        **options,
     )
+    if traced:
+        wrap_triton(_quant_rows_kernel)[(m,)](*args, **constexprs, **options)
+    else:
+        _launch((m,), args, constexprs, **options)
     return x_fp8, scale
+
+
+_launch = Launcher(_quant_rows_kernel)
 
 
 def quantize(
@@ -187,6 +197,7 @@ def quantize(
     amax_ub: float,
     e8m0: bool,
     act: tuple = ("silu", 1.702, 7.0),
+    traced: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """x (M, K), or act(x, b) with act = (activation, alpha, limit), quantized as the recipe
     says (reference_scaled.quant_act_scaled of it): (x_fp8 (M, K), scale): (M,) per token for a
@@ -196,4 +207,4 @@ def quantize(
     if given is None and recipe == "tensor":  # one amax over all rows
         h = x if b is None else gated(x, b, *act)
         given = act_scale(h, "tensor", e8m0, None, amax_ub)
-    return quant_rows(x, b, given, amax_ub, e8m0, *act)
+    return quant_rows(x, b, given, amax_ub, e8m0, *act, traced)
