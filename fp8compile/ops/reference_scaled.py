@@ -1,6 +1,7 @@
 """Pure-PyTorch definitions of the per-tensor ("tensor") and per-channel ("rowwise") FP8 recipes,
 the W8A8 formats most FP8 checkpoints and torchao's float8 rowwise use. Every kernel of
-fp8compile::qlinear_scaled is tested against these.
+fp8compile::qlinear_scaled and gated_qlinear_scaled (a gated MLP's down projection,
+gated_linear_scaled) is tested against these.
 
 Layouts (M tokens, N output features, K input features):
   recipe "tensor":   w_fp8 (N, K) e4m3fn, w_scale () fp32      x_scale () fp32
