@@ -29,6 +29,24 @@ def why_not(n: int, k: int) -> str | None:
     return None
 
 
+def scaled_mm(
+    x_fp8: Tensor, sx: Tensor, w_fp8: Tensor, w_scale: Tensor, recipe: str, out_dtype, fast_accum: bool
+) -> Tensor:
+    """torch._scaled_mm of x_fp8 (M, K) with its scale sx ((M,) per token, or one) and w_fp8
+    (N, K) with w_scale ((N,) or ()) -> (M, N) out_dtype, in the recipe's cuBLAS mode."""
+    if recipe == "rowwise":
+        # cuBLAS's rowwise mode: one scale per row of x (M, 1) and per column of w.T (1, N); a
+        # static scale is the same for every row.
+        m = x_fp8.shape[0]
+        sa = sx.reshape(-1, 1) if sx.dim() else sx.reshape(1, 1).expand(m, 1).contiguous()
+        sb = w_scale.reshape(1, -1)
+    else:
+        sa, sb = sx.reshape(()), w_scale.reshape(())
+    return torch._scaled_mm(
+        x_fp8, w_fp8.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum
+    )
+
+
 def linear_scaled_cublas(
     x: Tensor,
     w_fp8: Tensor,
@@ -47,16 +65,7 @@ def linear_scaled_cublas(
     if isinstance(m, int) and m == 0:  # traced, M is the dispatch's symbol, which its branch keeps >= 1
         return x.new_empty(*x.shape[:-1], w_fp8.shape[0])
     x_fp8, sx = quant_act_scaled(x2, recipe, e8m0, x_scale, amax_ub)
-    if recipe == "rowwise":
-        # cuBLAS's rowwise mode: one scale per row of x (M, 1) and per column of w.T (1, N); a
-        # static scale is the same for every row.
-        sa = sx.reshape(-1, 1) if sx.dim() else sx.reshape(1, 1).expand(m, 1).contiguous()
-        sb = w_scale.reshape(1, -1)
-    else:
-        sa, sb = sx.reshape(()), w_scale.reshape(())
-    out = torch._scaled_mm(
-        x_fp8, w_fp8.t(), scale_a=sa, scale_b=sb, out_dtype=x.dtype, use_fast_accum=fast_accum
-    )
+    out = scaled_mm(x_fp8, sx, w_fp8, w_scale, recipe, x.dtype, fast_accum)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], w_fp8.shape[0])

@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.library import triton_op
 
 from .reference_scaled import check_recipe
+from .scaled_cublas import scaled_mm
 from .triton_quant_rows import quantize
 
 
@@ -43,16 +44,8 @@ def gated_linear_scaled_mm(
     tensor), as reference_scaled.gated_linear_scaled; fast_accum: _scaled_mm's use_fast_accum."""
     check_recipe(recipe)
     torch._check(a.shape == b.shape, lambda: "act(a, b) needs a and b of one shape")
-    m = a.shape[0]
     x_fp8, sx = quantize(a, b, recipe, x_scale, amax_ub, e8m0, (activation, alpha, limit))
-    if recipe == "rowwise":  # (M, 1) and (1, N); a static scale is the same for every row
-        sa = sx.reshape(-1, 1) if sx.dim() else sx.reshape(1, 1).expand(m, 1).contiguous()
-        sb = w_scale.reshape(1, -1)
-    else:
-        sa, sb = sx.reshape(()), w_scale.reshape(())
-    out = torch._scaled_mm(
-        x_fp8, w_fp8.t(), scale_a=sa, scale_b=sb, out_dtype=a.dtype, use_fast_accum=fast_accum
-    )
+    out = scaled_mm(x_fp8, sx, w_fp8, w_scale, recipe, a.dtype, fast_accum)
     return out if bias is None else out + bias
 
 

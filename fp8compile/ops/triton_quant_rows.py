@@ -34,7 +34,7 @@ CHUNK = 4096  # columns per step of the two-pass and given-scale loops
 
 
 @triton.jit
-def _scale_from(amax, eps, fp8_max, amax_ub, CAP: tl.constexpr, E8M0: tl.constexpr):
+def scale_from(amax, eps, fp8_max, amax_ub, CAP: tl.constexpr, E8M0: tl.constexpr):
     """reference_scaled.act_scale's dynamic scale from an amax (capped at amax_ub if CAP)."""
     if CAP:
         amax = tl.minimum(amax, amax_ub)
@@ -42,6 +42,44 @@ def _scale_from(amax, eps, fp8_max, amax_ub, CAP: tl.constexpr, E8M0: tl.constex
     if E8M0:
         scale = round_up_pow2(scale)
     return scale
+
+
+@triton.jit
+def act_row_amax(
+    x_ptr,
+    b_ptr,
+    rows,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_bm,
+    stride_bk,
+    alpha,
+    limit,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """max |act(x, b)| (load_activation) over row `rows` (a (1,) index), BLOCK columns per load: (1,) fp32."""
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((1, BLOCK), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        cols = k0 + offs
+        h = load_activation(
+            x_ptr,
+            b_ptr,
+            rows,
+            cols,
+            stride_xm,
+            stride_xk,
+            stride_bm,
+            stride_bk,
+            cols[None, :] < K,
+            alpha,
+            limit,
+            ACT,
+        )
+        amax = tl.maximum(amax, tl.abs(h))
+    return tl.max(amax, axis=1)
 
 
 @triton.jit
@@ -86,7 +124,7 @@ def _quant_rows_kernel(
         h = load_activation(
             x_ptr, b_ptr, rows, offs, stride_xm, stride_xk, stride_bm, stride_bk, in_k, alpha, limit, ACT
         )
-        scale = _scale_from(tl.max(tl.abs(h), axis=1), eps, fp8_max, amax_ub, CAP, E8M0)
+        scale = scale_from(tl.max(tl.abs(h), axis=1), eps, fp8_max, amax_ub, CAP, E8M0)
         tl.store(s_ptr + rows, scale)
         q = tl.clamp(h / scale[:, None], -fp8_max, fp8_max).to(tl.float8e4nv)
         tl.store(q_row + offs[None, :], q, mask=in_k)
@@ -94,25 +132,10 @@ def _quant_rows_kernel(
         if GIVEN:
             scale = tl.load(given_ptr + rows * 0)
         else:
-            amax = tl.zeros((1, BLOCK_K), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                cols = k0 + offs
-                h = load_activation(
-                    x_ptr,
-                    b_ptr,
-                    rows,
-                    cols,
-                    stride_xm,
-                    stride_xk,
-                    stride_bm,
-                    stride_bk,
-                    cols[None, :] < K,
-                    alpha,
-                    limit,
-                    ACT,
-                )
-                amax = tl.maximum(amax, tl.abs(h))
-            scale = _scale_from(tl.max(amax, axis=1), eps, fp8_max, amax_ub, CAP, E8M0)
+            amax = act_row_amax(
+                x_ptr, b_ptr, rows, K, stride_xm, stride_xk, stride_bm, stride_bk, alpha, limit, ACT, BLOCK_K
+            )
+            scale = scale_from(amax, eps, fp8_max, amax_ub, CAP, E8M0)
             tl.store(s_ptr + rows, scale)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + offs

@@ -38,7 +38,8 @@ from .triton_gemm import (
     counters_ptr,
     store_split_k,
 )
-from .triton_quant import activation_code, load_activation, round_up_pow2
+from .triton_quant import activation_code, load_activation
+from .triton_quant_rows import act_row_amax, scale_from
 
 BLOCK_K = 128
 # How the activation scale is found: from each token's amax, from the amax over x, or given.
@@ -105,11 +106,7 @@ def _scaled_small_m_kernel(
         amax = tl.load(x_s_ptr + offs_m, mask=rows, other=0.0)
         if ACT_SCALE == 1:  # padding rows hold zeros: the max over the tile is the max over x
             amax = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.max(amax, axis=0)
-        if CAP:
-            amax = tl.minimum(amax, amax_ub)
-        x_s = tl.maximum(amax, eps) / fp8_max
-        if E8M0:
-            x_s = round_up_pow2(x_s)
+        x_s = scale_from(amax, eps, fp8_max, amax_ub, CAP, E8M0)
 
     chunks = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(chunks, SPLIT_K)
@@ -160,27 +157,11 @@ def _row_amax_kernel(
 ):
     """amax[m] = max |x[m, :]| (or of act(x, b)[m, :]), one program per row, BLOCK elements per load."""
     rows = tl.program_id(0) + tl.arange(0, 1)
-    offs = tl.arange(0, BLOCK)
     alpha, limit = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)
-    amax = tl.zeros((1, BLOCK), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        cols = k0 + offs
-        x = load_activation(
-            x_ptr,
-            b_ptr,
-            rows,
-            cols,
-            stride_xm,
-            stride_xk,
-            stride_bm,
-            stride_bk,
-            cols[None, :] < K,
-            alpha,
-            limit,
-            ACT,
-        )
-        amax = tl.maximum(amax, tl.abs(x))
-    tl.store(amax_ptr + rows, tl.max(amax, axis=1))
+    amax = act_row_amax(
+        x_ptr, b_ptr, rows, K, stride_xm, stride_xk, stride_bm, stride_bk, alpha, limit, ACT, BLOCK
+    )
+    tl.store(amax_ptr + rows, amax)
 
 
 AMAX_BLOCK = 2048
