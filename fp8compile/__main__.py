@@ -187,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         "--kernels",
         nargs="+",
         default=["small_m", "large_m"],
-        choices=["small_m", "large_m", "tiles", "quant", "mqa_paged"],
+        choices=["small_m", "large_m", "tiles", "quant", "scaled_small_m", "mqa_paged"],
         help="which Triton kernels `tune` sweeps (quant: the activation quantization; mqa_paged: the "
-        "paged indexer-logits kernel, bench/mqa.py)",
+        "paged indexer-logits kernel, bench/mqa.py; scaled_small_m: the rowwise decode kernel)",
     )
     from .bench.model import BATCHES, MODELS, PREFILL_BATCHES, VARIANTS
 

@@ -374,6 +374,8 @@ def test_bench_model_splits_gpu_time_by_kernel_kind_attention_and_experts_before
             "nvjet_tst_128x64_64x4_1x1_v_bz_coopA_TNT",
             "_linear_small_m_kernel",
             "_quant_act_kernel",
+            "_scaled_small_m_kernel",
+            "_quant_rows_kernel",
             "fmha_cutlassF_bf16_aligned_64x128_rf_sm80",
             "pytorch_flash::flash_fwd_kernel",
             "_gqa_decode_kernel",
@@ -386,6 +388,8 @@ def test_bench_model_splits_gpu_time_by_kernel_kind_attention_and_experts_before
         "nvjet_tst_128x64_64x4_1x1_v_bz_coopA_TNT": "linear",
         "_linear_small_m_kernel": "linear",
         "_quant_act_kernel": "linear",
+        "_scaled_small_m_kernel": "linear",  # the scaled recipes' decode kernel
+        "_quant_rows_kernel": "linear",  # their per-token quantization before cuBLAS
         "fmha_cutlassF_bf16_aligned_64x128_rf_sm80": "attention",
         "pytorch_flash::flash_fwd_kernel": "attention",
         "_gqa_decode_kernel": "attention",

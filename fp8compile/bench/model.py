@@ -310,7 +310,10 @@ KERNEL_KINDS = (
     ),  # expert GEMMs and our routing, before "gemm"
     (
         "linear",
-        re.compile(r"gemm|nvjet|xmma|cutlass|splitk|_linear_small_m|quant_act|deep_gemm|matmul", re.I),
+        re.compile(
+            r"gemm|nvjet|xmma|cutlass|splitk|_linear_small_m|_scaled_small_m|quant_act|quant_rows|deep_gemm|matmul",
+            re.I,
+        ),
     ),
 )
 

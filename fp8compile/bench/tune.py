@@ -107,6 +107,64 @@ def _quant_sweep(k: int, results: list) -> None:
             )
 
 
+# The scaled recipes' decode kernel (ops/triton_scaled.py): tile width, programs per SM (its split
+# of K), pipeline stages; plain and gated (act(gate, up) computed as the tiles load), M <= 16.
+SCALED_SMALL_M_SWEEP = list(itertools.product((64, 128, 256), (1, 2, 4), (3, 4)))
+
+
+def _scaled_small_m_sweep(n: int, k: int, results: list) -> None:
+    """Every SCALED_SMALL_M_SWEEP candidate on a rowwise weight (n, k), dynamic per-token scales
+    (the row-amax launch included, as the eager op runs it), M = 1 and 16, plain and gated;
+    a candidate whose output is not the default tiles' within 1e-6 calc_diff is not timed."""
+    from fp8compile.ops import reference_scaled, triton_scaled
+
+    w8 = [
+        reference_scaled.quant_weight_scaled(
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, "rowwise"
+        )
+        for _ in range(harness.copies(n * k))
+    ]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m, gated in itertools.product((1, 16), (False, True)):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) if gated else None
+
+        def run(q, **tiles):
+            if gated:
+                return triton_scaled.gated_linear_scaled_small_m(x, b, *q, **tiles)
+            return triton_scaled.linear_scaled_small_m(x, *q, **tiles)
+
+        default = run(w8[0])
+        for block_n, ppsm, stages in SCALED_SMALL_M_SWEEP:
+            split = max(1, min(k // 128, round(ppsm * sms / math.ceil(n / block_n))))
+            tiles = dict(block_n=block_n, split_k=split, num_stages=stages)
+            agrees = fp8compile.calc_diff(run(w8[0], **tiles), default) < 1e-6
+            us = agrees and harness.time_us([lambda q=q: run(q, **tiles) for q in w8]) or None
+            results.append(
+                dict(
+                    n=n,
+                    k=k,
+                    m=m,
+                    gated=gated,
+                    block_n=block_n,
+                    ppsm=ppsm,
+                    stages=stages,
+                    split=split,
+                    agrees=agrees,
+                    us=us,
+                    weight_tbps=us and n * k / us / 1e6,
+                )
+            )
+        mine = [r for r in results if (r["n"], r["k"], r["m"], r["gated"]) == (n, k, m, gated) and r["us"]]
+        best = min(mine, key=lambda r: r["us"], default=None)
+        if best:
+            print(
+                f"   scaled N={n} K={k} M={m}{' gated' if gated else ''}: best block_n {best['block_n']}, "
+                f"{best['ppsm']} per SM (split {best['split']}), {best['stages']} stages: "
+                f"{best['us']:.1f} us ({best['weight_tbps']:.2f} TB/s)"
+            )
+
+
 def _deep_gemm_us(x_q, w8, n: int) -> float | None:
     import deep_gemm
 
@@ -119,14 +177,17 @@ def _deep_gemm_us(x_q, w8, n: int) -> float | None:
 def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
     """Sweep the Triton kernels' tile constants; print the best fixed choice by geometric mean.
     kernels: "small_m", "large_m", "tiles" (the large-M GEMM's 64- against 128-row tiles by
-    M, and whether they give the same bits) and "quant" (the activation quantization's rows per
-    program and warps, at each K of the shapes)."""
+    M, and whether they give the same bits), "quant" (the activation quantization's rows per
+    program and warps, at each K of the shapes) and "scaled_small_m" (the rowwise decode
+    kernel's tiles, plain and gated)."""
     from fp8compile.ops import reference, triton_gemm, triton_quant, vendors
 
     from tqdm import tqdm
 
-    results = {"small_m": [], "large_m": [], "tiles": [], "quant": []}
+    results = {"small_m": [], "large_m": [], "tiles": [], "quant": [], "scaled_small_m": []}
     with torch.no_grad():
+        for n, k in shapes if "scaled_small_m" in kernels else ():
+            _scaled_small_m_sweep(n, k, results["scaled_small_m"])
         for k in dict.fromkeys(k for _, k in shapes) if "quant" in kernels else ():
             _quant_sweep(k, results["quant"])
         gemms = {"small_m", "large_m", "tiles"} & set(kernels)
@@ -231,6 +292,7 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
         ("small_m", ("block_n", "ppsm", "stages")),
         ("large_m", large_keys),
         ("quant", ("rows", "num_warps")),
+        ("scaled_small_m", ("gated", "block_n", "ppsm", "stages")),
     ):
         if not results[kind]:
             continue
@@ -243,8 +305,8 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
         print(f"{kind}: best fixed configs by geometric-mean time over shapes x M ({', '.join(keys)}):")
         for score, cfg in scored[:5]:
             print(f"   {cfg}: {score:.1f} us")
-        if kind == "quant":
-            continue  # its lines printed as it ran
+        if kind in ("quant", "scaled_small_m"):
+            continue  # their lines printed as they ran
         best_each = {}
         for r in results[kind]:
             key = (r["n"], r["k"], r["m"])

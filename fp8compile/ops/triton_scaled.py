@@ -245,8 +245,24 @@ def _arguments(
 _launch = Launcher(_scaled_small_m_kernel)
 
 
-def _small_m(x, b, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0) -> Tensor:
-    """The eager launch over x (..., K), or act(x, b): (..., N) in x.dtype."""
+def _small_m(
+    x,
+    b,
+    act,
+    w_fp8,
+    w_scale,
+    bias,
+    recipe,
+    x_scale,
+    amax_ub,
+    e8m0,
+    block_n=None,
+    split_k=None,
+    num_stages=None,
+) -> Tensor:
+    """The eager launch over x (..., K), or act(x, b): (..., N) in x.dtype. block_n, split_k,
+    num_stages: the tiles, for a sweep (`bench tune --kernels scaled_small_m`; default: the
+    decode kernel's)."""
     x2 = x.reshape(-1, x.shape[-1])
     b2 = None if b is None else b.reshape(x2.shape)
     m, k = x2.shape
@@ -256,7 +272,7 @@ def _small_m(x, b, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0) ->
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
-    block_m, block_n, split, n_tiles = _small_m_tiles(m, n, k, False, x.device, None, None)
+    block_m, block_n, split, n_tiles = _small_m_tiles(m, n, k, False, x.device, block_n, split_k)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     arrivals = split_k_counters(x.device, n_tiles, split)
     args, constexprs = _arguments(
@@ -276,7 +292,7 @@ def _small_m(x, b, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0) ->
         (block_m, block_n, split),
         None if x_scale is not None else row_amax(x2, b2, act),
     )
-    launch = {} if _interpreting(x2) else dict(num_warps=4, num_stages=SMALL_M_NUM_STAGES)
+    launch = {} if _interpreting(x2) else dict(num_warps=4, num_stages=num_stages or SMALL_M_NUM_STAGES)
     _launch((n_tiles, split), args, constexprs, **launch)
     return out.reshape(*x.shape[:-1], n)
 
@@ -291,12 +307,18 @@ def linear_scaled_small_m(
     amax_ub: float = 0.0,
     e8m0: bool = False,
     fast_accum: bool = False,
+    *,
+    block_n: int | None = None,
+    split_k: int | None = None,
+    num_stages: int | None = None,
 ) -> Tensor:
     """bf16 x (..., K), at most 64 rows, times w_fp8 (N, K) with w_scale () or (N,) (+ bias) ->
     bf16 (..., N): quantization and GEMM in one launch. fast_accum is cuBLAS's option
     (Fp8Config.fast_accum), not this kernel's: Triton already keeps all of K in the tensor cores'
-    FP8 accumulator here (BENCHMARKS.md, twenty-sixth session)."""
-    return _small_m(x, None, NO_ACT, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0)
+    FP8 accumulator here (BENCHMARKS.md, twenty-sixth session). block_n, split_k, num_stages:
+    tiles for a sweep (default: the kernel's own)."""
+    tiles = dict(block_n=block_n, split_k=split_k, num_stages=num_stages)
+    return _small_m(x, None, NO_ACT, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, **tiles)
 
 
 def gated_linear_scaled_small_m(
@@ -313,10 +335,16 @@ def gated_linear_scaled_small_m(
     activation: str = "silu",
     alpha: float = 1.702,
     limit: float = 7.0,
+    *,
+    block_n: int | None = None,
+    split_k: int | None = None,
+    num_stages: int | None = None,
 ) -> Tensor:
     """linear_scaled_small_m of a gated MLP's act(a, b) (reference.gated): each tile of the
     product is computed in fp32 where the GEMM loads it, never written."""
-    return _small_m(a, b, (activation, alpha, limit), w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0)
+    act = (activation, alpha, limit)
+    tiles = dict(block_n=block_n, split_k=split_k, num_stages=num_stages)
+    return _small_m(a, b, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, **tiles)
 
 
 @triton_op("fp8compile::linear_scaled_decode", mutates_args=())
