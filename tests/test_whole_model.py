@@ -365,6 +365,22 @@ def test_bench_model_rowwise_variants_run_the_rowwise_recipe_beside_the_block_on
     assert dataclasses.replace(rowwise.backend.config, recipe="block") == block.backend.config
 
 
+def test_bench_model_counts_gpu_idle_time_between_the_kernels_it_falls_between():
+    from fp8compile.bench.model import idle_between
+
+    spans = [  # us; the third overlaps the second, so the GPU is busy from 10 to 40
+        (0.0, 10.0, "a"),
+        (10.0, 30.0, "b"),
+        (25.0, 40.0, "c"),
+        (1040.0, 1050.0, "a"),  # 1 ms idle after c
+        (1060.0, 1070.0, "b"),  # 10 us idle after a
+        (1070.0, 1075.0, "c"),
+        (2075.0, 2080.0, "a"),  # 1 ms idle after c again
+    ]
+    assert idle_between(reversed(spans)) == pytest.approx({"c -> a": 2.0, "a -> b": 0.01})
+    assert idle_between([]) == {}
+
+
 def test_bench_model_splits_gpu_time_by_kernel_kind_attention_and_experts_before_gemm_names():
     from fp8compile.bench.model import kernel_kind
 

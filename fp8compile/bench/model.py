@@ -339,6 +339,35 @@ def _kernel_ms(fn) -> dict[str, float]:
     return totals
 
 
+def _gpu_gaps(fn) -> dict[str, float]:
+    """Idle GPU time while fn runs, ms, by where it falls: "previous kernel -> next kernel" (the
+    names cut to 50 characters), from the profiler's timeline of every CUDA activity."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return idle_between(
+        (event.time_range.start, event.time_range.end, event.name[:50])
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    )
+
+
+def idle_between(spans) -> dict[str, float]:
+    """spans: (start us, end us, name) of GPU activities, in any order, overlapping or not ->
+    the time no span covers, ms, by "name of the span that ended last -> name of the next"."""
+    gaps: dict[str, float] = {}
+    busy_until, last = None, None
+    for start, end, name in sorted(spans):
+        if busy_until is not None and start > busy_until:
+            key = f"{last} -> {name}"
+            gaps[key] = gaps.get(key, 0.0) + (start - busy_until) / 1e3
+        if busy_until is None or end >= busy_until:
+            busy_until, last = end, name
+    return gaps
+
+
 def by_kind(kernel_ms: dict[str, float]) -> dict[str, float]:
     """Kernel times summed by kind (KERNEL_KINDS, then "other")."""
     totals = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
@@ -378,7 +407,8 @@ def decode(
     their median (each run's in `ms_per_step_runs`: a lease's host moves a host-bound step between
     calls); if asked, one more under cProfile (host time by function, written to `profile`) and,
     on a GPU, the GPU time per step by kind of kernel (a generate() of `steps` steps minus one of
-    a single step, which leaves the prompt out, over the steps between)."""
+    a single step, which leaves the prompt out, over the steps between), and the GPU's idle
+    time per step by the kernels it falls between (_gpu_gaps, the prompt left out the same way)."""
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
     kwargs = dict(
         attention_mask=torch.ones_like(ids),
@@ -438,6 +468,12 @@ def decode(
             every = _kernel_ms(generate)
             prompt = _kernel_ms(lambda: generate(max_new_tokens=1))
             _kernel_split(row, {name: ms - prompt.get(name, 0.0) for name, ms in every.items()}, steps)
+            every = _gpu_gaps(generate)
+            prompt = _gpu_gaps(lambda: generate(max_new_tokens=1))
+            idle = {where: (ms - prompt.get(where, 0.0)) / steps for where, ms in every.items()}
+            row["gpu_idle_ms_per_step"] = sum(idle.values())
+            top = sorted(idle.items(), key=lambda item: -item[1])[:8]
+            row["top_gpu_idle_ms_per_step"] = [[where, ms] for where, ms in top]
     return row
 
 
@@ -794,6 +830,13 @@ def model_table(rows: list[dict]) -> str:
                         for name, kind, ms in r.get("top_kernels_ms_per_step", [])[:6]
                     )
                 )
+            for r in split:
+                if "gpu_idle_ms_per_step" in r:
+                    lines.append(
+                        f"GPU idle, {r['variant']} {_step_name(r)}: {r['gpu_idle_ms_per_step']:.3f} ms per "
+                        "step, most between: "
+                        + "; ".join(f"{where} {ms:.3f}" for where, ms in r["top_gpu_idle_ms_per_step"][:4])
+                    )
     return "\n".join(lines)
 
 
