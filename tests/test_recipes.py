@@ -367,14 +367,21 @@ def test_the_gated_cublas_kernel_gives_the_references_numbers(recipe, static):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("m", [1, 20])
-def test_the_triton_decode_kernel_computes_the_gated_product_as_it_loads_it(recipe, m):
+@pytest.mark.parametrize("quantize_first", [True, False])
+def test_the_triton_decode_kernel_serves_the_gated_product_quantized_first_or_as_it_loads_it(
+    recipe, m, quantize_first, monkeypatch
+):
+    # quantize_first (the default): act(a, b) quantized by the per-token kernel, then the GEMM on
+    # FP8 x; else each GEMM program computes act as it loads its tiles.
     pytest.importorskip("triton")
+    from fp8compile.ops import triton_scaled
     from fp8compile.ops.triton_scaled import (
         gated_linear_scaled_small_m,
         linear_scaled_decode,
         linear_scaled_small_m,
     )
 
+    monkeypatch.setattr(triton_scaled, "QUANTIZE_GATED_FIRST", quantize_first)
     a, b = (t.to(DEVICE) for t in exact_products(m, 272))
     w_fp8, w_scale = rs.quant_weight_scaled(randn(80, 272, scale=0.02, device=DEVICE), recipe)
     out = gated_linear_scaled_small_m(a, b, w_fp8, w_scale, recipe=recipe)
@@ -467,10 +474,11 @@ def test_batch_invariant_scaled_recipes_run_one_triton_kernel_for_every_m(act_am
     assert kernels == {"triton"} and {r.kind for r in backend.report.rewrites} == {"linear", "silu_mul"}
 
 
-def test_the_gated_cublas_op_traces_to_our_quantization_launch_and_one_scaled_mm():
-    """What passes/inline.py copies into the graph for the cuBLAS side of a gated down projection
-    (traced as AOTAutograd traces, symbolic M): our kernel's launch and aten._scaled_mm, and an
-    amax reduction only for the tensor recipe's dynamic scale. Traced in a process without
+def test_the_gated_cublas_and_decode_ops_trace_to_our_quantization_launch_and_one_gemm():
+    """What passes/inline.py copies into the graph for a gated down projection (traced as
+    AOTAutograd traces, symbolic M): our quantization kernel's launch, then aten._scaled_mm (the
+    cuBLAS side) or the decode kernel's launch (act(gate, up) is not computed again there), and
+    an amax reduction only for the tensor recipe's dynamic scale. Traced in a process without
     Triton's interpreter, which wrap_triton cannot trace through; on the CPU, as nothing runs."""
     pytest.importorskip("triton")
     script = textwrap.dedent("""
@@ -479,20 +487,26 @@ def test_the_gated_cublas_op_traces_to_our_quantization_launch_and_one_scaled_mm
         from torch._inductor.decomposition import select_decomp_table
         from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
         from torch.fx.experimental.proxy_tensor import make_fx
-        from fp8compile.ops import scaled_gated_mm  # noqa: F401
-        a = torch.empty(300, 512, dtype=torch.bfloat16)
+        from fp8compile.ops import scaled_gated_mm, triton_scaled  # noqa: F401
         w = torch.empty(256, 512, dtype=torch.float8_e4m3fn)
-        for recipe, static in (("rowwise", False), ("rowwise", True), ("tensor", False), ("tensor", True)):
-            ws = torch.empty(256) if recipe == "rowwise" else torch.empty(())
-            s = torch.tensor(0.1) if static else None
-            op = torch.ops.fp8compile.gated_linear_scaled_mm
-            call = lambda a, b, w, ws, s: op(a, b, w, ws, None, s, recipe)
-            traced = make_fx(dispatch_functionalize(call, FunctionalTensorMode()),
-                             decomposition_table=select_decomp_table(),
-                             tracing_mode="symbolic")(a, a, w, ws, s)
-            ops = (torch._ops.OpOverload, torch._ops.HigherOrderOperator)
-            print(json.dumps([recipe, static, sorted(str(n.target) for n in traced.graph.nodes
-                  if n.op == "call_function" and isinstance(n.target, ops))]))
+        cases = (("rowwise", False), ("rowwise", True), ("tensor", False), ("tensor", True))
+        for side, m in (("cublas", 300), ("decode", 12)):
+            a = torch.empty(m, 512, dtype=torch.bfloat16)
+            for recipe, static in cases:
+                ws = torch.empty(256) if recipe == "rowwise" else torch.empty(())
+                s = torch.tensor(0.1) if static else None
+                if side == "cublas":
+                    op = torch.ops.fp8compile.gated_linear_scaled_mm
+                    call = lambda a, b, w, ws, s: op(a, b, w, ws, None, s, recipe)
+                else:
+                    op = torch.ops.fp8compile.linear_scaled_decode
+                    call = lambda a, b, w, ws, s: op(a, w, ws, None, s, recipe, max_m=16, b=b)
+                traced = make_fx(dispatch_functionalize(call, FunctionalTensorMode()),
+                                 decomposition_table=select_decomp_table(),
+                                 tracing_mode="symbolic")(a, a, w, ws, s)
+                ops = (torch._ops.OpOverload, torch._ops.HigherOrderOperator)
+                print(json.dumps([side, recipe, static, sorted(str(n.target) for n in traced.graph.nodes
+                      if n.op == "call_function" and isinstance(n.target, ops))]))
     """)
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run(
@@ -500,13 +514,17 @@ def test_the_gated_cublas_op_traces_to_our_quantization_launch_and_one_scaled_mm
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
-    assert len(lines) == 4, done.stdout
+    assert len(lines) == 8, done.stdout
     for line in lines:
-        recipe, static, targets = json.loads(line)
-        assert targets.count("triton_kernel_wrapper_functional") == 1, targets
-        assert targets.count("aten._scaled_mm.default") == 1, targets
+        side, recipe, static, targets = json.loads(line)
+        launches = targets.count("triton_kernel_wrapper_functional")
+        assert launches == (1 if side == "cublas" else 2), targets
+        assert targets.count("aten._scaled_mm.default") == (side == "cublas"), targets
         reductions = [t for t in targets if t in ("aten.amax.default", "aten.max.default")]
-        assert bool(reductions) == (recipe == "tensor" and not static), (recipe, static, targets)
+        tensor_dynamic = recipe == "tensor" and not static
+        assert bool(reductions) == tensor_dynamic, (recipe, static, targets)
+        # act(gate, up) is computed in our kernel only, but for the tensor recipe's one amax
+        assert ("aten.sigmoid.default" in targets) == tensor_dynamic, targets
 
 
 # --- the passes --------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from .triton_gemm import (
     store_split_k,
 )
 from .triton_quant import activation_code, load_activation
-from .triton_quant_rows import act_row_amax, scale_from
+from .triton_quant_rows import act_row_amax, quantize, scale_from
 
 BLOCK_K = 128
 # How the activation scale is found: from each token's amax, from the amax over x, or given.
@@ -74,6 +74,7 @@ def _scaled_small_m_kernel(
     limit,
     ACT: tl.constexpr,
     W_ROWWISE: tl.constexpr,
+    X_QUANTIZED: tl.constexpr,
     ACT_SCALE: tl.constexpr,
     CAP: tl.constexpr,
     E8M0: tl.constexpr,
@@ -99,7 +100,12 @@ def _scaled_small_m_kernel(
     rows = offs_m < M
     safe_n = offs_n % N
 
-    if ACT_SCALE == 2:
+    if X_QUANTIZED:  # x is FP8 already; x_s_ptr holds its scales: one per row, or one (ACT_SCALE 2)
+        if ACT_SCALE == 2:
+            x_s = tl.load(x_s_ptr + offs_m * 0)
+        else:
+            x_s = tl.load(x_s_ptr + offs_m, mask=rows, other=1.0)
+    elif ACT_SCALE == 2:
         x_s = tl.load(x_s_ptr + offs_m * 0)  # the static scale, on every row
     else:
         # Each row's amax, which a launch before this one wrote there (row_amax).
@@ -122,11 +128,26 @@ def _scaled_small_m_kernel(
             in_k = cols < K
             x_mask = rows[:, None] & in_k[None, :]
             w = tl.load(w_ptr + safe_n[:, None] * stride_wn + cols[None, :], mask=in_k[None, :], other=0.0)
-        # x itself, or a gated MLP's act(x, b) in fp32 (the down projection's input)
-        x = load_activation(
-            x_ptr, b_ptr, offs_m, cols, stride_xm, stride_xk, stride_bm, stride_bk, x_mask, alpha, limit, ACT
-        )
-        x_fp8 = tl.clamp(x / x_s[:, None], -fp8_max, fp8_max).to(tl.float8e4nv)
+        if X_QUANTIZED:
+            x_fp8 = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk, mask=x_mask, other=0.0
+            )
+        else:  # x itself, or a gated MLP's act(x, b) in fp32 (the down projection's input)
+            x = load_activation(
+                x_ptr,
+                b_ptr,
+                offs_m,
+                cols,
+                stride_xm,
+                stride_xk,
+                stride_bm,
+                stride_bk,
+                x_mask,
+                alpha,
+                limit,
+                ACT,
+            )
+            x_fp8 = tl.clamp(x / x_s[:, None], -fp8_max, fp8_max).to(tl.float8e4nv)
         acc += tl.dot(w, tl.trans(x_fp8))
     if W_ROWWISE:
         acc = acc * tl.load(w_s_ptr + safe_n)[:, None]
@@ -187,16 +208,37 @@ def _act_mode(recipe: str, x_scale: Tensor | None) -> int:
     return ACT_PER_TOKEN if recipe == "rowwise" else ACT_PER_TENSOR
 
 
+# A gated down projection's act(gate, up) is quantized first, by one launch of the per-token
+# quantization kernel (triton_quant_rows), and the GEMM streams FP8 x; False: every GEMM program
+# computes act over its part of K as it loads it (the block recipe's way), after an amax launch.
+QUANTIZE_GATED_FIRST = True
+
 # The gated activation (reference.gated) of a down projection: (activation, alpha, limit).
 NO_ACT = ("silu", 1.702, 7.0)
 
 
 def _arguments(
-    x2, b, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, out, partial, arrivals, tiles, amax
+    x2,
+    b,
+    act,
+    w_fp8,
+    w_scale,
+    bias,
+    recipe,
+    x_scale,
+    amax_ub,
+    e8m0,
+    out,
+    partial,
+    arrivals,
+    tiles,
+    amax,
+    quantized=None,
 ):
     """(args, constexprs) of one launch over x2, or act(x2, b) with act = (activation, alpha,
     limit) where b is given; x_scale: the static scale, else amax: each row's amax; tiles =
-    (block_m, block_n, split)."""
+    (block_m, block_n, split). quantized: x2 is FP8 already (_quantized) and x_scale its scales,
+    one per row ("rows") or one ("one")."""
     block_m, block_n, split = tiles
     m, k = x2.shape
     n = w_fp8.shape[0]
@@ -226,11 +268,15 @@ def _arguments(
         float(act[1]),
         float(act[2]),
     )
+    act_mode = _act_mode(recipe, x_scale)
+    if quantized is not None:
+        act_mode = ACT_PER_TOKEN if quantized == "rows" else ACT_STATIC
     constexprs = dict(
         ACT=activation_code(b, act[0]),
         W_ROWWISE=recipe == "rowwise",
-        ACT_SCALE=_act_mode(recipe, x_scale),
-        CAP=x_scale is None and amax_ub > 0,
+        X_QUANTIZED=quantized is not None,
+        ACT_SCALE=act_mode,
+        CAP=quantized is None and x_scale is None and amax_ub > 0,
         E8M0=e8m0,
         HAS_BIAS=bias is not None,
         EVEN_K=k % BLOCK_K == 0,
@@ -243,6 +289,15 @@ def _arguments(
 
 
 _launch = Launcher(_scaled_small_m_kernel)
+
+
+def _quantized(x2, b2, act, recipe, x_scale, amax_ub, e8m0, traced):
+    """A gated down projection's input act(x2, b2) quantized as the recipe says, by one launch
+    of the per-token quantization kernel (triton_quant_rows.quantize; traced: through
+    wrap_triton): (x_fp8, its scales, "rows" if one per token else "one"). The GEMM then
+    streams FP8 x instead of computing act again in every program over its part of K."""
+    x_fp8, scale = quantize(x2, b2, recipe, x_scale, amax_ub, e8m0, act, traced)
+    return x_fp8, scale, "rows" if recipe == "rowwise" and x_scale is None else "one"
 
 
 def _small_m(
@@ -275,6 +330,12 @@ def _small_m(
     block_m, block_n, split, n_tiles = _small_m_tiles(m, n, k, False, x.device, block_n, split_k)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     arrivals = split_k_counters(x.device, n_tiles, split)
+    quantized, amax = None, None
+    if b2 is not None and QUANTIZE_GATED_FIRST:
+        x2, x_scale, quantized = _quantized(x2, b2, act, recipe, x_scale, amax_ub, e8m0, traced=False)
+        b2, act = None, NO_ACT
+    elif x_scale is None:
+        amax = row_amax(x2, b2, act)
     args, constexprs = _arguments(
         x2,
         b2,
@@ -290,7 +351,8 @@ def _small_m(
         partial,
         arrivals,
         (block_m, block_n, split),
-        None if x_scale is not None else row_amax(x2, b2, act),
+        amax,
+        quantized,
     )
     launch = {} if _interpreting(x2) else dict(num_warps=4, num_stages=num_stages or SMALL_M_NUM_STAGES)
     _launch((n_tiles, split), args, constexprs, **launch)
@@ -376,10 +438,13 @@ def linear_scaled_decode(
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     arrivals = split_k_counters(x.device, n_tiles, split)
     act = (activation, alpha, limit)
-    # Traced, the amax is Inductor's to compute: a reduction it can fuse with what made x (or
-    # with act(x, b), which the GEMM computes again as it loads it).
-    amax = None
-    if x_scale is None:
+    quantized, amax = None, None
+    if b is not None and QUANTIZE_GATED_FIRST:  # act(x, b) quantized first, by our kernel (traced as well)
+        x, x_scale, quantized = _quantized(x, b, act, recipe, x_scale, amax_ub, e8m0, traced=True)
+        b, act = None, NO_ACT
+    elif x_scale is None:
+        # Traced, the amax is Inductor's to compute: a reduction it can fuse with what made x
+        # (or with act(x, b), which the GEMM computes again as it loads it).
         amax = (x if b is None else gated(x, b, *act)).abs().amax(dim=1).float()
     args, constexprs = _arguments(
         x,
@@ -397,6 +462,7 @@ def linear_scaled_decode(
         arrivals,
         (block_m, block_n, split),
         amax,
+        quantized,
     )
     launch = {} if x.device.type == "cpu" else dict(num_warps=4, num_stages=SMALL_M_NUM_STAGES)
     wrap_triton(_scaled_small_m_kernel)[(n_tiles, split)](*args, **constexprs, **launch)
