@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--profile",
         action="store_true",
-        help="`bench model`: cProfile one more generate() per batch (profile_*.txt: host time by function)",
+        help="`bench model`: cProfile one more generate() per batch (profile_*.txt: host time by function); "
+        "on a GPU also the GPU time per step by kernel and its idle time by the kernels it falls between",
     )
     args = parser.parse_args(argv)
     if args.command == "bench":

@@ -12,6 +12,10 @@ its part of K: swapAB (the weight tile is the MMA's M side, the tokens its N sid
 with fp32 partials that the last program to arrive at an N tile sums in split order
 (deterministic): triton_gemm.store_split_k, the block recipe's decode kernel's epilogue.
 
+A gated MLP's down projection is the exception: act(gate, up) is quantized first, by the
+per-token quantization kernel (triton_quant_rows: act, amax and the FP8 row in one launch, in
+place of the amax launch), and the GEMM streams FP8 x (QUANTIZE_GATED_FIRST, measured there).
+
 linear_scaled_small_m is fp8compile::qlinear_scaled's triton_small_m kernel; linear_scaled_decode
 is the same launch as a torch.library.triton_op, which the pass traces into the graph in both
 compile modes (passes/inline.py), so Inductor launches it with no Python of ours around it.
@@ -210,7 +214,10 @@ def _act_mode(recipe: str, x_scale: Tensor | None) -> int:
 
 # A gated down projection's act(gate, up) is quantized first, by one launch of the per-token
 # quantization kernel (triton_quant_rows), and the GEMM streams FP8 x; False: every GEMM program
-# computes act over its part of K as it loads it (the block recipe's way), after an amax launch.
+# computes act over its part of K as it loads it (the block recipe's way), after an amax launch:
+# act is then computed once per N tile. The compiled rowwise MLP on an H100 (BENCHMARKS.md, W8A8
+# recipes, "Forty-fourth session"): Llama-3-8B 75.3 / 80.4 us at M = 1 / 16 against 77.5 / 83.9,
+# Qwen2.5-7B 93.4 against 97.7 at M = 16. The launch count is the same either way.
 QUANTIZE_GATED_FIRST = True
 
 # The gated activation (reference.gated) of a down projection: (activation, alpha, limit).
@@ -402,8 +409,9 @@ def gated_linear_scaled_small_m(
     split_k: int | None = None,
     num_stages: int | None = None,
 ) -> Tensor:
-    """linear_scaled_small_m of a gated MLP's act(a, b) (reference.gated): each tile of the
-    product is computed in fp32 where the GEMM loads it, never written."""
+    """linear_scaled_small_m of a gated MLP's act(a, b) (reference.gated): the product is
+    computed in fp32 and written only as its FP8 quantization (QUANTIZE_GATED_FIRST; else each
+    tile of it is computed where the GEMM loads it), never in bf16."""
     act = (activation, alpha, limit)
     tiles = dict(block_n=block_n, split_k=split_k, num_stages=num_stages)
     return _small_m(a, b, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, **tiles)
