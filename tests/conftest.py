@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 
 import torch
@@ -29,6 +30,37 @@ def fresh_dynamo():
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+
+
+def _triton_language_owners() -> list:
+    """The modules and classes of triton.language whose members Triton's interpreter patches."""
+    try:
+        import triton.language as tl
+    except ImportError:
+        return []
+    return [tl, tl.core, tl.math, tl.core.tensor, tl.core.tensor_descriptor_base]
+
+
+# Their members before any kernel ran (Triton is imported by fp8compile above).
+_TRITON_LANGUAGE = [(owner, dict(vars(owner))) for owner in _triton_language_owners()]
+
+
+@pytest.fixture(autouse=True)
+def triton_language_restored():
+    """Triton 3.9's interpreter patches triton.language again for every standard-library @jit
+    function a kernel calls (tl.cdiv, tl.max, ...) and never undoes that (InterpretedFunction
+    .__call__), so after an interpreted kernel triton.language.core's builtins stay the
+    interpreter's. A real compile later in the process (tests/test_gluon_gemm.py builds the Gluon
+    kernel for Hopper on any machine) then fails inside Triton's code generator, unless Triton's
+    cache already holds the kernel. Each test leaves triton.language as it found it."""
+    yield
+    for owner, members in _TRITON_LANGUAGE:
+        for name in set(vars(owner)) - set(members):
+            if not inspect.ismodule(vars(owner)[name]):  # a submodule imported since stays
+                delattr(owner, name)
+        for name, member in members.items():
+            if vars(owner).get(name, None) is not member:
+                setattr(owner, name, member)
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
