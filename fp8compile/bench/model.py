@@ -322,8 +322,10 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
 
 
-def _kernel_ms(fn) -> dict[str, float]:
-    """GPU time of fn's kernels by kernel name, ms."""
+def _gpu_profile(fn) -> tuple[dict[str, float], dict[str, float]]:
+    """One profiled run of fn: the GPU time of its kernels by kernel name, ms, and the GPU's idle
+    time by where it falls, "previous kernel -> next kernel" (idle_between; the names cut to 50
+    characters), ms."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -336,22 +338,12 @@ def _kernel_ms(fn) -> dict[str, float]:
             us = getattr(event, "self_cuda_time_total", 0.0)
         if us and event.device_type == torch.autograd.DeviceType.CUDA:
             totals[event.key] = totals.get(event.key, 0.0) + us / 1e3
-    return totals
-
-
-def _gpu_gaps(fn) -> dict[str, float]:
-    """Idle GPU time while fn runs, ms, by where it falls: "previous kernel -> next kernel" (the
-    names cut to 50 characters), from the profiler's timeline of every CUDA activity."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return idle_between(
+    idle = idle_between(
         (event.time_range.start, event.time_range.end, event.name[:50])
         for event in prof.events()
         if event.device_type == torch.autograd.DeviceType.CUDA
     )
+    return totals, idle
 
 
 def idle_between(spans) -> dict[str, float]:
@@ -408,7 +400,7 @@ def decode(
     calls); if asked, one more under cProfile (host time by function, written to `profile`) and,
     on a GPU, the GPU time per step by kind of kernel (a generate() of `steps` steps minus one of
     a single step, which leaves the prompt out, over the steps between), and the GPU's idle
-    time per step by the kernels it falls between (_gpu_gaps, the prompt left out the same way)."""
+    time per step by the kernels it falls between (_gpu_profile, the prompt left out the same way)."""
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
     kwargs = dict(
         attention_mask=torch.ones_like(ids),
@@ -465,12 +457,10 @@ def decode(
     if profile is not None:
         profiled(generate, profile)
         if device.type == "cuda":
-            every = _kernel_ms(generate)
-            prompt = _kernel_ms(lambda: generate(max_new_tokens=1))
+            every, every_idle = _gpu_profile(generate)
+            prompt, prompt_idle = _gpu_profile(lambda: generate(max_new_tokens=1))
             _kernel_split(row, {name: ms - prompt.get(name, 0.0) for name, ms in every.items()}, steps)
-            every = _gpu_gaps(generate)
-            prompt = _gpu_gaps(lambda: generate(max_new_tokens=1))
-            idle = {where: (ms - prompt.get(where, 0.0)) / steps for where, ms in every.items()}
+            idle = {where: (ms - prompt_idle.get(where, 0.0)) / steps for where, ms in every_idle.items()}
             row["gpu_idle_ms_per_step"] = sum(idle.values())
             top = sorted(idle.items(), key=lambda item: -item[1])[:8]
             row["top_gpu_idle_ms_per_step"] = [[where, ms] for where, ms in top]
@@ -543,7 +533,7 @@ def prefill_and_accuracy(
         if profile is not None and batch == batches[0]:
             profiled(step, profile)
             if device.type == "cuda":
-                _kernel_split(row, _kernel_ms(step), 1)
+                _kernel_split(row, _gpu_profile(step)[0], 1)
         rows.append(row)
     return rows
 

@@ -224,38 +224,33 @@ QUANTIZE_GATED_FIRST = True
 NO_ACT = ("silu", 1.702, 7.0)
 
 
-def _arguments(
-    x2,
-    b,
-    act,
-    w_fp8,
-    w_scale,
-    bias,
-    recipe,
-    x_scale,
-    amax_ub,
-    e8m0,
-    out,
-    partial,
-    arrivals,
-    tiles,
-    amax,
-    quantized=None,
-):
-    """(args, constexprs) of one launch over x2, or act(x2, b) with act = (activation, alpha,
-    limit) where b is given; x_scale: the static scale, else amax: each row's amax; tiles =
-    (block_m, block_n, split). quantized: x2 is FP8 already (_quantized) and x_scale its scales,
-    one per row ("rows") or one ("one")."""
-    block_m, block_n, split = tiles
+def _launch_arguments(x2, b, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, out, tiles, traced):
+    """(grid, args, constexprs) of the launch writing `out` from x2 (M, K), or from act(x2, b)
+    with act = (activation, alpha, limit) where b is given; x_scale: the static scale or None;
+    tiles = (block_m, block_n, split, n_tiles). What the launch needs first: act(x2, b)
+    quantized (_quantized: the GEMM then streams FP8 x, with its scales), else for a dynamic
+    scale each row's amax: Inductor's reduction where traced (it can fuse it with what made x),
+    our row_amax launch where not."""
+    block_m, block_n, split, n_tiles = tiles
     m, k = x2.shape
     n = w_fp8.shape[0]
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else out
+    arrivals = split_k_counters(x2.device, n_tiles, split)
+    act_mode, quantized = _act_mode(recipe, x_scale), b is not None and QUANTIZE_GATED_FIRST
+    if quantized:
+        x2, x_scale, per_row = _quantized(x2, b, act, recipe, x_scale, amax_ub, e8m0, traced)
+        b, act, act_mode = None, NO_ACT, ACT_PER_TOKEN if per_row else ACT_STATIC
+    elif x_scale is None and traced:  # each row's amax
+        x_scale = (x2 if b is None else gated(x2, b, *act)).abs().amax(dim=1).float()
+    elif x_scale is None:
+        x_scale = row_amax(x2, b, act)
     b_ = x2 if b is None else b
     args = (
         x2,
         b_,
         w_fp8,
         w_scale,
-        x_scale if x_scale is not None else amax,
+        x_scale,  # the static scale, each row's amax, or (quantized) x2's scales
         bias if bias is not None else w_scale,
         out,
         partial,
@@ -275,15 +270,12 @@ def _arguments(
         float(act[1]),
         float(act[2]),
     )
-    act_mode = _act_mode(recipe, x_scale)
-    if quantized is not None:
-        act_mode = ACT_PER_TOKEN if quantized == "rows" else ACT_STATIC
     constexprs = dict(
         ACT=activation_code(b, act[0]),
         W_ROWWISE=recipe == "rowwise",
-        X_QUANTIZED=quantized is not None,
+        X_QUANTIZED=quantized,
         ACT_SCALE=act_mode,
-        CAP=quantized is None and x_scale is None and amax_ub > 0,
+        CAP=act_mode != ACT_STATIC and not quantized and amax_ub > 0,
         E8M0=e8m0,
         HAS_BIAS=bias is not None,
         EVEN_K=k % BLOCK_K == 0,
@@ -292,7 +284,7 @@ def _arguments(
         BLOCK_N=block_n,
         BLOCK_K=BLOCK_K,
     )
-    return args, constexprs
+    return (n_tiles, split), args, constexprs
 
 
 _launch = Launcher(_scaled_small_m_kernel)
@@ -301,10 +293,10 @@ _launch = Launcher(_scaled_small_m_kernel)
 def _quantized(x2, b2, act, recipe, x_scale, amax_ub, e8m0, traced):
     """A gated down projection's input act(x2, b2) quantized as the recipe says, by one launch
     of the per-token quantization kernel (triton_quant_rows.quantize; traced: through
-    wrap_triton): (x_fp8, its scales, "rows" if one per token else "one"). The GEMM then
+    wrap_triton): (x_fp8, its scales, whether they are one per token). The GEMM then
     streams FP8 x instead of computing act again in every program over its part of K."""
     x_fp8, scale = quantize(x2, b2, recipe, x_scale, amax_ub, e8m0, act, traced)
-    return x_fp8, scale, "rows" if recipe == "rowwise" and x_scale is None else "one"
+    return x_fp8, scale, recipe == "rowwise" and x_scale is None
 
 
 def _small_m(
@@ -334,35 +326,12 @@ def _small_m(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
-    block_m, block_n, split, n_tiles = _small_m_tiles(m, n, k, False, x.device, block_n, split_k)
-    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    arrivals = split_k_counters(x.device, n_tiles, split)
-    quantized, amax = None, None
-    if b2 is not None and QUANTIZE_GATED_FIRST:
-        x2, x_scale, quantized = _quantized(x2, b2, act, recipe, x_scale, amax_ub, e8m0, traced=False)
-        b2, act = None, NO_ACT
-    elif x_scale is None:
-        amax = row_amax(x2, b2, act)
-    args, constexprs = _arguments(
-        x2,
-        b2,
-        act,
-        w_fp8,
-        w_scale,
-        bias,
-        recipe,
-        x_scale,
-        amax_ub,
-        e8m0,
-        out,
-        partial,
-        arrivals,
-        (block_m, block_n, split),
-        amax,
-        quantized,
+    tiles = _small_m_tiles(m, n, k, False, x.device, block_n, split_k)
+    grid, args, constexprs = _launch_arguments(
+        x2, b2, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, out, tiles, traced=False
     )
     launch = {} if _interpreting(x2) else dict(num_warps=4, num_stages=num_stages or SMALL_M_NUM_STAGES)
-    _launch((n_tiles, split), args, constexprs, **launch)
+    _launch(grid, args, constexprs, **launch)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -441,37 +410,12 @@ def linear_scaled_decode(
         raise ValueError(f"linear_scaled_decode serves 1 <= M <= {SMALL_M_MAX}, asked for M up to {max_m}")
     m = x.shape[0]
     n, k = (int(size) for size in w_fp8.shape)
-    block_m, block_n, split, n_tiles = _small_m_tiles(max_m, n, k, False, x.device, None, None)
+    tiles = _small_m_tiles(max_m, n, k, False, x.device, None, None)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    arrivals = split_k_counters(x.device, n_tiles, split)
     act = (activation, alpha, limit)
-    quantized, amax = None, None
-    if b is not None and QUANTIZE_GATED_FIRST:  # act(x, b) quantized first, by our kernel (traced as well)
-        x, x_scale, quantized = _quantized(x, b, act, recipe, x_scale, amax_ub, e8m0, traced=True)
-        b, act = None, NO_ACT
-    elif x_scale is None:
-        # Traced, the amax is Inductor's to compute: a reduction it can fuse with what made x
-        # (or with act(x, b), which the GEMM computes again as it loads it).
-        amax = (x if b is None else gated(x, b, *act)).abs().amax(dim=1).float()
-    args, constexprs = _arguments(
-        x,
-        b,
-        act,
-        w_fp8,
-        w_scale,
-        bias,
-        recipe,
-        x_scale,
-        amax_ub,
-        e8m0,
-        out,
-        partial,
-        arrivals,
-        (block_m, block_n, split),
-        amax,
-        quantized,
+    grid, args, constexprs = _launch_arguments(
+        x, b, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, out, tiles, traced=True
     )
     launch = {} if x.device.type == "cpu" else dict(num_warps=4, num_stages=SMALL_M_NUM_STAGES)
-    wrap_triton(_scaled_small_m_kernel)[(n_tiles, split)](*args, **constexprs, **launch)
+    wrap_triton(_scaled_small_m_kernel)[grid](*args, **constexprs, **launch)
     return out
