@@ -90,6 +90,14 @@ def compile_graph(
     from .passes import GraphInputs, PassContext, run_passes
 
     patches = dict(list_mode_options(mode)) if mode else {}
+    # With coordinate_descent_tuning on (mode="max-autotune", torchao's recommended Inductor
+    # config, gpt-fast's), Inductor's decompositions turn a matmul of one row into a multiply and
+    # a sum while AOTAutograd traces the graph, on any device but the CPU: every linear of a
+    # graph of M = 1 would reach our passes as no matmul at all and stay bf16, silently. It is
+    # off while the graph is traced; Inductor's compile of the rewritten graph gets the user's
+    # setting back (inductor_compile).
+    tuning = patches.get("coordinate_descent_tuning", torch._inductor.config.coordinate_descent_tuning)
+    patches["coordinate_descent_tuning"] = False
     if hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels"):
         # For a graph compiled in this process (compile_threads=1); compile workers read the
         # environment (static_launch_for_user_kernels).
@@ -103,14 +111,18 @@ def compile_graph(
     if dump:
         dump.dynamo(gm)
 
+    def inductor_compile(aten_gm: fx.GraphModule, aten_inputs: Sequence[Any], **kwargs: Any):
+        with torch._inductor.config.patch(coordinate_descent_tuning=tuning):
+            return compile_fx_inner(aten_gm, aten_inputs, **kwargs)
+
     def fp8_inner_compile(aten_gm: fx.GraphModule, aten_inputs: Sequence[Any], **kwargs: Any):
         def skip_graph(reason: str):
             report.skips.append(Skip("graph", f"graph {graph_index}", reason, graph_index))
-            return compile_fx_inner(aten_gm, aten_inputs, **kwargs)
+            return inductor_compile(aten_gm, aten_inputs, **kwargs)
 
         if not kwargs.get("is_inference", False):
             if kwargs.get("is_backward", False):
-                return compile_fx_inner(aten_gm, aten_inputs, **kwargs)
+                return inductor_compile(aten_gm, aten_inputs, **kwargs)
             warnings.warn(
                 "fp8compile: this graph needs gradients, so it stays bf16 (FP8 ops are inference-only). "
                 "Run the compiled model under torch.no_grad() or torch.inference_mode().",
@@ -162,7 +174,7 @@ def compile_graph(
             _release_weights(ctx, dropped)
         if ctx.traced_launches:
             static_launch_for_user_kernels()
-        compiled = compile_fx_inner(aten_gm, aten_inputs, **kwargs)
+        compiled = inductor_compile(aten_gm, aten_inputs, **kwargs)
         names = {node.name: name for node, (_, name) in bound.items() if name}
         report.cuda_graphs[graph_index] = _cuda_graph_state(
             asked, bool(getattr(box, "value", False)), compiled, mode, names

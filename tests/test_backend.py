@@ -13,7 +13,7 @@ import torch
 
 import fp8compile
 from fp8compile import registry, weights
-from tests.conftest import BF16, GATED_MLP, TWO_GEMMS, randn
+from tests.conftest import BF16, GATED_MLP, ONE_GEMM, TWO_GEMMS, randn
 from tests.models import GatedMLP, OddDims
 
 
@@ -379,6 +379,45 @@ def test_inference_mode_works_like_no_grad():
     assert fp8.report.counts() == {"linear": 2, "silu_mul": 1, "moe": 0, "attention": 0, "mqa_logits": 0}
 
 
+@pytest.mark.parametrize("asked_by", ["inductor_config", "max_autotune_mode"])
+def test_a_one_row_linear_is_rewritten_when_coordinate_descent_tuning_is_on(asked_by, monkeypatch):
+    # With coordinate_descent_tuning on (mode="max-autotune", or torchao's quantize_, which
+    # turns it on for the whole process), Inductor decomposes a one-row matmul into a multiply and
+    # a sum while the graph is traced, on every device but the CPU; the linear would reach the
+    # passes as no matmul and stay bf16. The GPU's rule is put in the CPU's table here.
+    from torch._inductor import compile_fx
+    from torch._inductor import config as inductor_config
+    from torch._inductor.decomposition import select_decomp_table
+
+    def mm_as_on_a_gpu(a, b):
+        if inductor_config.coordinate_descent_tuning and a.shape[0] == 1:
+            return (a.unsqueeze(2) * b.unsqueeze(0)).sum(dim=1)
+        return NotImplemented
+
+    tuning_in_inductors_compile = []
+
+    def inner(*args, original=compile_fx.compile_fx_inner, **kwargs):
+        tuning_in_inductors_compile.append(inductor_config.coordinate_descent_tuning)
+        return original(*args, **kwargs)
+
+    monkeypatch.setitem(select_decomp_table(), torch.ops.aten.mm.default, mm_as_on_a_gpu)
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", inner)
+    mode = None
+    if asked_by == "inductor_config":
+        monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", True)
+    else:
+        mode = "max-autotune-no-cudagraphs"
+    model = torch.nn.Linear(256, 512, bias=False).to(BF16)
+    fp8 = fp8compile.backend()
+    x = randn(1, 256)
+    with torch.no_grad():
+        out = torch.compile(model, backend=fp8, mode=mode)(x)
+    assert fp8.report.counts()["linear"] == 1
+    # FP8's error, not bf16's (1e-5); one row's 512 outputs spread more than ONE_GEMM's mean: 7.3e-4
+    assert 1e-4 < fp8compile.calc_diff(out, model(x)) < 1.5 * ONE_GEMM
+    assert tuning_in_inductors_compile == [True]  # the user's setting, for Inductor's own kernels
+
+
 def test_graph_breaks_give_several_graphs_in_one_report():
     class TwoGraphs(torch.nn.Module):
         def __init__(self):
@@ -442,6 +481,31 @@ def test_mlp_benchmark_plumbing_runs_every_variant(monkeypatch, tmp_path, recipe
         ["bf16_inductor", "fp8", "fp8_gate_up_apart", "fp8_unfused"] + extra
     )
     assert json.loads((tmp_path / "bench_mlp.json").read_text()) == rows
+
+
+def test_no_benchmark_variant_runs_under_the_inductor_config_a_variant_before_it_set(monkeypatch):
+    # torchao's quantize_ turns coordinate_descent_tuning on for the process (its
+    # recommended_inductor_config_setter); the variants after it once ran under it.
+    from torch._inductor import config as inductor_config
+
+    from fp8compile.bench import harness
+
+    monkeypatch.setattr(harness, "time_us", lambda fns: [fn() for fn in fns] and 1.0)
+    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)
+    seen = {}
+
+    def compile_variant(variant):
+        seen[variant] = inductor_config.coordinate_descent_tuning
+        if variant == "like_torchao":
+            inductor_config.coordinate_descent_tuning = True
+        return [lambda x: x]
+
+    rows = harness.variant_rows(
+        compile_variant, {"like_torchao": None, "next": None}, [(1, 0)], lambda v, key, us: (v, key, us)
+    )
+    assert rows == [("like_torchao", 1, 1.0), ("next", 1, 1.0)]
+    assert seen == {"like_torchao": False, "next": False}
+    assert inductor_config.coordinate_descent_tuning is False  # and none after the benchmark
 
 
 def test_report_says_per_graph_whether_calls_replay_cuda_graphs():

@@ -14,6 +14,7 @@ import fp8compile
 from fp8compile import calc_diff, registry
 from fp8compile.ops import reference
 from tests.conftest import BF16, GATED_MLP, gpu, randn
+from tests.models import GatedMLP
 from tests.test_gpu import weight
 
 pytestmark = [pytest.mark.gpu, gpu]
@@ -55,13 +56,29 @@ def _op_body_runs():
 
 
 @pytest.mark.parametrize("model_name", ["linear", "gated_mlp", "qwen3_moe_block"])
+@pytest.mark.parametrize("recipe", ["block", "rowwise"])
+def test_a_gated_mlp_at_one_row_is_rewritten_under_torchaos_inductor_config(recipe, monkeypatch):
+    # torchao's quantize_ turns coordinate_descent_tuning on for the process; Inductor then
+    # decomposes every one-row matmul on a GPU while the graph is traced (tests/test_backend.py
+    # has the CPU's version of this test). Found as bench mlp's second MLP running bf16 at M = 1.
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", True)
+    model = GatedMLP(1024, 2048).to(BF16).cuda()
+    fp8 = fp8compile.backend(recipe=recipe)
+    x = randn(1, 1024, device="cuda")
+    with torch.no_grad():
+        assert calc_diff(torch.compile(model, backend=fp8)(x), model(x)) < GATED_MLP
+    assert fp8.report.counts()["linear"] == 2 and fp8.report.counts()["silu_mul"] == 1
+    assert {kernel for rewrite in fp8.report.rewrites for _, kernel in rewrite.kernels} == {"triton_small_m"}
+
+
 def test_reduce_overhead_mode_replays_a_cuda_graph_per_m_with_the_bits_of_the_default_mode(
     model_name, monkeypatch
 ):
     from torch._dynamo.utils import counters
 
     from fp8compile.ops import triton_gemm
-    from tests.models import GatedMLP
 
     # The decode kernel's split-K counters, as in a fresh process: the compiler allocates them,
     # not the CUDA graphs' warm-up run, whose allocations all land in their memory pool.
@@ -235,7 +252,6 @@ def test_default_mode_cublas_side_is_launched_by_inductor_with_the_bits_of_the_o
     from torch._inductor.utils import run_and_get_code
 
     from fp8compile.ops import scaled_mm_op  # noqa: F401  (registers the op)
-    from tests.models import GatedMLP
 
     model = GatedMLP(512, 1024).to(BF16).cuda()
     with torch.no_grad():
@@ -292,8 +308,6 @@ def test_default_mode_decode_side_is_launched_by_inductor_with_the_numbers_of_th
     gives the numbers of the op path (inductor_launch=False) at every M of the decode range and
     above it."""
     from torch._inductor.utils import run_and_get_code
-
-    from tests.models import GatedMLP
 
     model = GatedMLP(512, 1024).to(BF16).cuda()
     x1 = randn(1, 512, device="cuda")
@@ -353,8 +367,6 @@ def test_inline_conds_give_the_bits_of_inductors_branch_functions(model_name):
     import re
 
     from torch._inductor.utils import run_and_get_code
-
-    from tests.models import GatedMLP
 
     if model_name == "gated_mlp":
         model = GatedMLP(512, 1024).to(BF16).cuda()

@@ -40,14 +40,22 @@ def time_us(fns) -> float | None:
 def variant_rows(compile_variant, variants, inputs, row, report=False):
     """Time every variant on every input, one variant at a time: Dynamo is reset before each,
     so no variant runs out of its recompile budget (a code object shared by several backends
-    keeps at most torch._dynamo.config.cache_size_limit graphs, then silently runs eagerly)."""
+    keeps at most torch._dynamo.config.cache_size_limit graphs, then silently runs eagerly), and
+    Inductor's config is put back as it was, so no variant runs under another's (torchao's
+    quantize_ turns coordinate_descent_tuning on for the process; the bf16 variant after it then
+    compiled one-row matmuls as Inductor reductions), nor after them."""
     rows = []
-    for variant in variants:
-        torch._dynamo.reset()
-        fns = compile_variant(variant)
-        for key, x in inputs:
-            us = time_us([lambda f=f: f(x) for f in fns])
-            rows.append(row(variant, key, us))
-        if report and isinstance(variants[variant], fp8compile.Fp8Backend):
-            print(f"{variant}: {variants[variant].report}")
+    inductor_config = torch._inductor.config.get_config_copy()
+    try:
+        for variant in variants:
+            torch._dynamo.reset()
+            torch._inductor.config.load_config(inductor_config)
+            fns = compile_variant(variant)
+            for key, x in inputs:
+                us = time_us([lambda f=f: f(x) for f in fns])
+                rows.append(row(variant, key, us))
+            if report and isinstance(variants[variant], fp8compile.Fp8Backend):
+                print(f"{variant}: {variants[variant].report}")
+    finally:
+        torch._inductor.config.load_config(inductor_config)
     return rows

@@ -609,6 +609,8 @@ def bench_model(
                         dict(base, recipe=r, variant=unfused_name, kind="accuracy", calc_diff=unfused)
                     )
             ordered = sorted(names, key=lambda n: n.startswith("torchao"))  # torchao changes the model: last
+            # and Inductor's config for the process (coordinate_descent_tuning): put back before each variant
+            inductor_config = torch._inductor.config.get_config_copy()
             for index, name in enumerate(ordered):
                 if tp > 1 and name.startswith("torchao"):
                     say(f"{name}: not run sharded (torchao quantizes whole weights in place)")
@@ -626,6 +628,7 @@ def bench_model(
                 # The variant before's graphs and FP8 weight copies go, so that no variant's
                 # memory columns count another's (the copies live as long as the parameters).
                 torch._dynamo.reset()
+                torch._inductor.config.load_config(inductor_config)
                 fp8compile.drop_fp8_weights()
                 gc.collect()
                 if device.type == "cuda":
