@@ -55,7 +55,6 @@ def _op_body_runs():
         registry.implementation = implementation
 
 
-@pytest.mark.parametrize("model_name", ["linear", "gated_mlp", "qwen3_moe_block"])
 @pytest.mark.parametrize("recipe", ["block", "rowwise"])
 def test_a_gated_mlp_at_one_row_is_rewritten_under_torchaos_inductor_config(recipe, monkeypatch):
     # torchao's quantize_ turns coordinate_descent_tuning on for the process; Inductor then
@@ -73,6 +72,7 @@ def test_a_gated_mlp_at_one_row_is_rewritten_under_torchaos_inductor_config(reci
     assert {kernel for rewrite in fp8.report.rewrites for _, kernel in rewrite.kernels} == {"triton_small_m"}
 
 
+@pytest.mark.parametrize("model_name", ["linear", "gated_mlp", "qwen3_moe_block"])
 def test_reduce_overhead_mode_replays_a_cuda_graph_per_m_with_the_bits_of_the_default_mode(
     model_name, monkeypatch
 ):
