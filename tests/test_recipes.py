@@ -234,27 +234,6 @@ def test_the_triton_decode_kernel_matches_the_reference(recipe, m):
         assert_kernel_close(out, device_reference(x, w_fp8, w_scale, b, recipe))
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_the_traced_decode_launch_gives_the_same_bits_with_the_weight_through_tma_or_pointers(recipe):
-    # K = 272, N = 80: the descriptor's zero fill past K and N stands in for the pointer loads'
-    # masks. The pass asks for TMA in graphs that replay as CUDA graphs (TMA_IN_CUDA_GRAPHS).
-    pytest.importorskip("triton")
-    from fp8compile.ops.triton_scaled import linear_scaled_decode
-
-    x, w, bias = (
-        exact_rows(3, 272).to(DEVICE),
-        randn(80, 272, scale=0.02, device=DEVICE),
-        randn(80, device=DEVICE),
-    )
-    w_fp8, w_scale = rs.quant_weight_scaled(w, recipe)
-    for b in (None, bias):
-        pointers = linear_scaled_decode(x, w_fp8, w_scale, b, recipe=recipe, max_m=16)
-        assert torch.equal(
-            linear_scaled_decode(x, w_fp8, w_scale, b, recipe=recipe, max_m=16, tma=True), pointers
-        )
-        assert_kernel_close(pointers, device_reference(x, w_fp8, w_scale, b, recipe))
-
-
 def test_the_triton_decode_kernel_takes_static_scales_caps_and_strided_rows():
     pytest.importorskip("triton")
     from fp8compile.ops.triton_scaled import linear_scaled_decode, linear_scaled_small_m

@@ -37,14 +37,10 @@ from .triton_gemm import (
     SMALL_M_MAX,
     SMALL_M_NUM_STAGES,
     split_k_counters,
-    _descriptor,
-    _hopper_or_newer,
     _interpreting,
     _small_m_tiles,
     counters_ptr,
     store_split_k,
-    tma_pays_off,
-    use_tma,
 )
 from .triton_quant import activation_code, load_activation
 from .triton_quant_rows import act_row_amax, quantize, scale_from
@@ -59,7 +55,6 @@ def _scaled_small_m_kernel(
     x_ptr,
     b_ptr,
     w_ptr,
-    w_desc,
     w_s_ptr,
     x_s_ptr,
     bias_ptr,
@@ -89,7 +84,6 @@ def _scaled_small_m_kernel(
     E8M0: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
-    TMA: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -131,15 +125,13 @@ def _scaled_small_m_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # swapAB: out^T tile
     for c in range(c0, c1):
         cols = c * BLOCK_K + offs_k
-        x_mask = rows[:, None] if EVEN_K else rows[:, None] & (cols < K)[None, :]
-        if TMA:  # bulk tensor copy; rows past N and columns past K arrive as zeros
-            w = w_desc.load([pid_n * BLOCK_N, c * BLOCK_K])
-        elif EVEN_K:  # whole steps: the weight loads need no mask
+        if EVEN_K:  # whole steps: the weight loads need no mask
+            x_mask = rows[:, None]
             w = tl.load(w_ptr + safe_n[:, None] * stride_wn + cols[None, :])
         else:
-            w = tl.load(
-                w_ptr + safe_n[:, None] * stride_wn + cols[None, :], mask=(cols < K)[None, :], other=0.0
-            )
+            in_k = cols < K
+            x_mask = rows[:, None] & in_k[None, :]
+            w = tl.load(w_ptr + safe_n[:, None] * stride_wn + cols[None, :], mask=in_k[None, :], other=0.0)
         if X_QUANTIZED:
             x_fp8 = tl.load(
                 x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk, mask=x_mask, other=0.0
@@ -228,22 +220,14 @@ def _act_mode(recipe: str, x_scale: Tensor | None) -> int:
 # Qwen2.5-7B 93.4 against 97.7 at M = 16. The launch count is the same either way.
 QUANTIZE_GATED_FIRST = True
 
-# Traced decode launches in graphs that replay as CUDA graphs load the weight through a TMA
-# descriptor (linear_scaled_decode's tma); outside them Inductor's wrapper would build it on the
-# host at every call. MEASURED BELOW.
-TMA_IN_CUDA_GRAPHS = True
-
 # The gated activation (reference.gated) of a down projection: (activation, alpha, limit).
 NO_ACT = ("silu", 1.702, 7.0)
 
 
-def _launch_arguments(
-    x2, b, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, out, tiles, traced, tma
-):
+def _launch_arguments(x2, b, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, out, tiles, traced):
     """(grid, args, constexprs) of the launch writing `out` from x2 (M, K), or from act(x2, b)
     with act = (activation, alpha, limit) where b is given; x_scale: the static scale or None;
-    tiles = (block_m, block_n, split, n_tiles); tma: the weight through a TMA descriptor (its
-    tiles as bulk copies) instead of pointer loads. What the launch needs first: act(x2, b)
+    tiles = (block_m, block_n, split, n_tiles). What the launch needs first: act(x2, b)
     quantized (_quantized: the GEMM then streams FP8 x, with its scales), else for a dynamic
     scale each row's amax: Inductor's reduction where traced (it can fuse it with what made x),
     our row_amax launch where not."""
@@ -265,7 +249,6 @@ def _launch_arguments(
         x2,
         b_,
         w_fp8,
-        _descriptor(w_fp8, block_n) if tma else w_fp8,
         w_scale,
         x_scale,  # the static scale, each row's amax, or (quantized) x2's scales
         bias if bias is not None else w_scale,
@@ -296,7 +279,6 @@ def _launch_arguments(
         E8M0=e8m0,
         HAS_BIAS=bias is not None,
         EVEN_K=k % BLOCK_K == 0,
-        TMA=tma,
         SPLIT_K=split,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -345,9 +327,8 @@ def _small_m(
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
     tiles = _small_m_tiles(m, n, k, False, x.device, block_n, split_k)
-    tma = tma_pays_off(x.device) and use_tma(w_fp8)
     grid, args, constexprs = _launch_arguments(
-        x2, b2, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, out, tiles, traced=False, tma=tma
+        x2, b2, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, out, tiles, traced=False
     )
     launch = {} if _interpreting(x2) else dict(num_warps=4, num_stages=num_stages or SMALL_M_NUM_STAGES)
     _launch(grid, args, constexprs, **launch)
@@ -420,16 +401,11 @@ def linear_scaled_decode(
     activation: str = "silu",
     alpha: float = 1.702,
     limit: float = 7.0,
-    tma: bool = False,
 ) -> Tensor:
     """linear_scaled_small_m for x (M, K), M <= max_m <= 64, as a launch Inductor makes: the tile
     height and split are fixed at trace time from max_m (M is the dispatch's symbol there); the
     split-K counters are the eager path's, by address (triton_gemm.split_k_counters). With b
-    (M, K): gated_linear_scaled_small_m, on act(x, b). tma: the weight through a TMA descriptor,
-    which Inductor's wrapper builds on the host at every call: for graphs replayed as CUDA graphs
-    (the pass asks there), where that happens once, at capture (TMA_IN_CUDA_GRAPHS). The weight
-    must then be row-major with 16-byte rows and a 16-byte aligned base, as the FP8 copies the
-    passes make are (fresh allocations); its address is not known at trace time."""
+    (M, K): gated_linear_scaled_small_m, on act(x, b)."""
     if not 1 <= max_m <= SMALL_M_MAX:
         raise ValueError(f"linear_scaled_decode serves 1 <= M <= {SMALL_M_MAX}, asked for M up to {max_m}")
     m = x.shape[0]
@@ -437,10 +413,8 @@ def linear_scaled_decode(
     tiles = _small_m_tiles(max_m, n, k, False, x.device, None, None)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     act = (activation, alpha, limit)
-    hopper = x.device.type == "cpu" or _hopper_or_newer(x.device.index or 0)  # the interpreter has TMA
-    tma = tma and hopper and w_fp8.stride(1) == 1 and w_fp8.stride(0) % 16 == 0
     grid, args, constexprs = _launch_arguments(
-        x, b, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, out, tiles, traced=True, tma=tma
+        x, b, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, out, tiles, traced=True
     )
     launch = {} if x.device.type == "cpu" else dict(num_warps=4, num_stages=SMALL_M_NUM_STAGES)
     wrap_triton(_scaled_small_m_kernel)[grid](*args, **constexprs, **launch)

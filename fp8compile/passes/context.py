@@ -158,7 +158,6 @@ class PassContext:
         self.inductor_launch = (
             config.inductor_launch if config.inductor_launch is not None else not cuda_graphs
         )
-        self.cuda_graphs = cuda_graphs  # the graph replays as CUDA graphs: host work once, at capture
         self.traced_launches = 0  # how many it emitted: Inductor must launch them statically (backend.py)
         self.traces = TraceCache()  # inline_traced's traces, one per call signature (passes/inline.py)
         self.dispatch_branches: dict[tuple, list[str]] = {}  # M dispatch: call signature -> branch modules

@@ -82,10 +82,7 @@ def inductor_launch(
         return None
     if target in _SCALED:
         if backend == DECODE_BACKEND and m_max is not None:
-            from ..ops import triton_scaled
-
-            tma = ctx.cuda_graphs and triton_scaled.TMA_IN_CUDA_GRAPHS
-            return functools.partial(emit_scaled_launch, cache=ctx.traces, decode=True, tma=tma)
+            return functools.partial(emit_scaled_launch, cache=ctx.traces, decode=True)
         if backend == CUBLAS_BACKEND:
             return functools.partial(emit_scaled_launch, cache=ctx.traces, decode=False)
         return None
@@ -242,13 +239,11 @@ def emit_scaled_launch(
     m_max: int | None,
     cache: TraceCache | None = None,
     decode: bool = False,
-    tma: bool = False,
 ) -> fx.Node:
     """Into `graph`: the (gated_)qlinear_scaled call target(*args, **kwargs) (x 2-D) traced: as
-    fp8compile::linear_scaled_decode (M <= m_max; its weight through a TMA descriptor if tma) if
-    decode; else a plain linear as the cuBLAS kernel's own tensor ops and aten._scaled_mm
-    (ops/scaled_cublas.py), whose quantization Inductor fuses, and a gated one as
-    fp8compile::gated_linear_scaled_mm (ops/scaled_gated_mm.py)."""
+    fp8compile::linear_scaled_decode (M <= m_max) if decode; else a plain linear as the cuBLAS
+    kernel's own tensor ops and aten._scaled_mm (ops/scaled_cublas.py), whose quantization
+    Inductor fuses, and a gated one as fp8compile::gated_linear_scaled_mm (ops/scaled_gated_mm.py)."""
     from ..ops import scaled_cublas
 
     if decode:
@@ -271,7 +266,7 @@ def emit_scaled_launch(
         operands = (v["x"], v["w_fp8"], v["w_scale"], v.get("bias"))
         if decode:
             return torch.ops.fp8compile.linear_scaled_decode(
-                *operands, v.get("x_scale"), recipe, amax_ub, e8m0, m_max, v.get("b"), **act, tma=tma
+                *operands, v.get("x_scale"), recipe, amax_ub, e8m0, m_max, v.get("b"), **act
             )
         if "b" in v:
             return torch.ops.fp8compile.gated_linear_scaled_mm(
@@ -291,7 +286,6 @@ def emit_scaled_launch(
         fast_accum,
         m_max if decode else None,
         tuple(sorted(act.items())),
-        tma,
     )
     return inline_traced(graph, call, [node for _, node in present], cache, key)
 
