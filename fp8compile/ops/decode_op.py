@@ -99,7 +99,6 @@ def linear_decode(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         GROUP=BLOCK,
-        STEP=1,
         **launch,
     )
     return out

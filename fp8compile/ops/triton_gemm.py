@@ -151,7 +151,6 @@ def _linear_small_m_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
-    STEP: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -159,9 +158,7 @@ def _linear_small_m_kernel(
     eps, fp8_max = tl.cast(eps, tl.float32), tl.cast(fp8_max, tl.float32)
     alpha, limit = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)
     groups = K // GROUP
-    # STEP groups a loop step (the launcher asks for STEP > 1 only where it divides `groups`): each
-    # split's share is a whole number of steps, so no step reaches past its split or past K.
-    per_split = tl.cdiv(tl.cdiv(groups, SPLIT_K), STEP) * STEP
+    per_split = tl.cdiv(groups, SPLIT_K)
     g0 = pid_k * per_split
     g1 = min(g0 + per_split, groups)
 
@@ -185,35 +182,33 @@ def _linear_small_m_kernel(
     w_s_ptrs = w_s_ptr + (safe_n // GROUP) * stride_wsn
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # swapAB: out^T tile
-    for g0_step in range(g0, g1, STEP):
-        for j in tl.static_range(STEP):  # the groups of a step, summed in order (the bits of STEP = 1)
-            g = g0_step + j
-            if ACT_TMA:  # pipelined with the weight tiles; rows past M arrive as zeros
-                tl.static_assert(ACT == 0, "TMA activation tiles serve plain linears only")
-                x = x_desc.load([0, g * GROUP]).to(tl.float32)
-            else:
-                x = load_activation(
-                    x_ptr,
-                    b_ptr,
-                    offs_m,
-                    g * GROUP + offs_k,
-                    stride_xm,
-                    stride_xk,
-                    stride_bm,
-                    stride_bk,
-                    offs_m[:, None] < M,
-                    alpha,
-                    limit,
-                    ACT,
-                )
-            x_fp8, x_s = quant_group(x, eps, fp8_max, E8M0)  # padding rows: zeros, finite scale
-            if TMA:  # bulk tensor copy; rows past N arrive as zeros
-                w = w_desc.load([pid_n * BLOCK_N, g * GROUP])
-            else:
-                w = tl.load(w_ptrs)
-            w_s = tl.load(w_s_ptrs + g * stride_wsg)
-            acc += tl.dot(w, tl.trans(x_fp8)) * w_s[:, None] * x_s[None, :]
-            w_ptrs += GROUP
+    for g in range(g0, g1):
+        if ACT_TMA:  # pipelined with the weight tiles; rows past M arrive as zeros
+            tl.static_assert(ACT == 0, "TMA activation tiles serve plain linears only")
+            x = x_desc.load([0, g * GROUP]).to(tl.float32)
+        else:
+            x = load_activation(
+                x_ptr,
+                b_ptr,
+                offs_m,
+                g * GROUP + offs_k,
+                stride_xm,
+                stride_xk,
+                stride_bm,
+                stride_bk,
+                offs_m[:, None] < M,
+                alpha,
+                limit,
+                ACT,
+            )
+        x_fp8, x_s = quant_group(x, eps, fp8_max, E8M0)  # padding rows: zeros, finite scale
+        if TMA:  # bulk tensor copy; rows past N arrive as zeros
+            w = w_desc.load([pid_n * BLOCK_N, g * GROUP])
+        else:
+            w = tl.load(w_ptrs)
+        w_s = tl.load(w_s_ptrs + g * stride_wsg)
+        acc += tl.dot(w, tl.trans(x_fp8)) * w_s[:, None] * x_s[None, :]
+        w_ptrs += GROUP
 
     arrivals_ptr = counters_ptr(arrivals_hi, arrivals_lo)
     store_split_k(
@@ -644,7 +639,6 @@ def linear_small_m(
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             GROUP=BLOCK,
-            STEP=1,
         ),
         **launch,
     )
