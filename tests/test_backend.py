@@ -1,7 +1,10 @@
 """The backend as a user meets it: backend="fp8" by entry point, options, explain, debug_dir,
 and the promises about the eager model and its weights."""
 
+import functools
 import gc
+import math
+import operator
 import os
 import subprocess
 import sys
@@ -361,12 +364,30 @@ def test_benchmark_table_reports_speedups_of_the_compiled_linear():
             ("cublas_fp8", None),
             ("fp8compile", 10.0),
             ("fp8compile_tuned", 8.0),
+            ("read", 8.0),
         ]
     ]
     last = gemm_table(rows).splitlines()[-1].split()
     assert last[:3] == ["4096", "7168", "1"]
-    # vs bf16, vs the best anchor (FlashInfer), no Triton GEMM row, the autotuned linear vs bf16
-    assert last[-4:] == ["4.00", "2.00", "-", "5.00"]
+    # vs bf16, vs the best anchor (FlashInfer), no Triton GEMM row, the autotuned linear vs bf16,
+    # the share of the plain read's speed the compiled linear reaches
+    assert last[-5:] == ["4.00", "2.00", "-", "5.00", "0.80"]
+
+
+@pytest.mark.parametrize("n, k", [(48, 1536), (37, 1000)])
+def test_the_plain_read_reads_every_byte_of_the_weight_once(n, k):
+    """bench gemm's ceiling for a decode GEMM: its programs' XORs together are the XOR of all of
+    the weight's bytes, whether or not the tiles divide N and K (a byte skipped or read twice
+    would change it)."""
+    pytest.importorskip("triton")
+    from fp8compile.bench.read import plain_read
+
+    w = torch.randint(0, 256, (n, k), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    partials = plain_read(w, block_n=16, block_k=512, programs_per_sm=8)
+    assert partials.numel() == 3 * math.ceil(k / 512)  # 3 tiles of N, each split over K
+    assert functools.reduce(operator.xor, partials.tolist()) == functools.reduce(
+        operator.xor, w.view(torch.uint8).flatten().tolist()
+    )
 
 
 def test_inference_mode_works_like_no_grad():

@@ -1,7 +1,9 @@
 """`python -m fp8compile bench gemm`: one linear, our kernels and the compiled nn.Linear against
 bf16 cuBLAS, cuBLAS FP8, DeepGEMM and FlashInfer, over shapes x M. Inputs are pre-quantized for
 cuBLAS FP8, DeepGEMM and our Triton GEMM (GEMM alone); FlashInfer, triton_small_m and
-fp8compile (the compiled nn.Linear) take bf16 and quantize themselves. Times: harness.py."""
+fp8compile (the compiled nn.Linear) take bf16 and quantize themselves. At decode sizes `read`
+is a plain read of the FP8 weight (read.py): the ceiling a decode GEMM is held to, and the last
+column the share of its speed the compiled linear reaches. Times: harness.py."""
 
 from __future__ import annotations
 
@@ -76,6 +78,9 @@ class _Shape:
                 for q in self.w8
             ]
         if m <= triton_gemm.SMALL_M_MAX:
+            from .read import plain_read
+
+            v["read"] = [lambda q=q: plain_read(q[0]) for q in self.w8]
             v["triton_small_m"] = [lambda q=q: triton_gemm.linear_small_m(x, *q) for q in self.w8]
         if m >= 128:
             v["triton_gemm"] = [
@@ -109,7 +114,7 @@ def bench_gemm(out_dir: Path, shapes=SHAPES, ms=MS, skip=()) -> list[dict]:
                             m=m,
                             variant=name,
                             us=us,
-                            tflops=None if us is None else 2 * m * n * k / us / 1e6,
+                            tflops=None if us is None or name == "read" else 2 * m * n * k / us / 1e6,
                             weight_tbps=None
                             if us is None
                             else n * k * (2 if name == "bf16" else 1) / us / 1e6,
@@ -128,6 +133,7 @@ def bench_gemm(out_dir: Path, shapes=SHAPES, ms=MS, skip=()) -> list[dict]:
 def gemm_table(rows: list[dict]) -> str:
     by = {(r["n"], r["k"], r["m"], r["variant"]): r["us"] for r in rows}
     names = [
+        "read",
         "bf16",
         "cublas_fp8",
         "deep_gemm",
@@ -141,7 +147,7 @@ def gemm_table(rows: list[dict]) -> str:
     head = (
         f"{'N':>6} {'K':>6} {'M':>5} "
         + " ".join(f"{n:>{width[n]}}" for n in names)
-        + "   ours/bf16 ours/best_anchor tri/dg tuned/bf16"
+        + "   ours/bf16 ours/best_anchor tri/dg tuned/bf16 read/ours"
     )
     lines = ["times in us (CUDA-graph replay, median); ratios are speedups (>1 = ours faster)", head]
     for n, k, m in sorted({(r["n"], r["k"], r["m"]) for r in rows}):
@@ -161,7 +167,8 @@ def gemm_table(rows: list[dict]) -> str:
             if t["fp8compile_tuned"] and t["bf16"]
             else f"{'-':>11}"
         )
-        lines.append(f"{n:>6} {k:>6} {m:>5} {cells}   {r1} {r2} {r3}{r4}")
+        r5 = f"{t['read'] / ours:10.2f}" if ours and t["read"] else f"{'-':>10}"
+        lines.append(f"{n:>6} {k:>6} {m:>5} {cells}   {r1} {r2} {r3}{r4} {r5}")
     return "\n".join(lines)
 
 

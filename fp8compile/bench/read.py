@@ -1,0 +1,64 @@
+"""A plain read of an FP8 weight: what streaming its bytes costs on this GPU with nothing else to
+do, the ceiling a decode GEMM (which must read every weight byte once) is measured against in
+`bench gemm` (the `read` column). Each program XORs its [BLOCK_N, BLOCK_K] tiles over its part of
+K, split over K as the decode kernels are. The default tiles, rows of 512 contiguous bytes and
+about four programs an SM, were the fastest of 30 tilings on three of Llama-3-8B's four decode
+weights (H100; BENCHMARKS.md, W8A8 recipes, "Forty-sixth session": 2.14-2.89 TB/s, 64-86% of the
+HBM peak)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+READ_BLOCK_N = 16
+READ_BLOCK_K = 512
+READ_PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _read_kernel(
+    w_ptr, out_ptr, N, K, stride_wn, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    steps = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(steps, SPLIT_K)
+    s0 = pid_k * per_split
+    s1 = tl.minimum(s0 + per_split, steps)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
+    for s in range(s0, s1):
+        cols = s * BLOCK_K + offs_k
+        mask = (offs_n[:, None] < N) & (cols[None, :] < K)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + cols[None, :], mask=mask, other=0)
+        acc = acc ^ w.to(tl.int32)
+    tl.store(out_ptr + pid_n * SPLIT_K + pid_k, tl.xor_sum(tl.xor_sum(acc, 1), 0))
+
+
+def plain_read(
+    w: torch.Tensor,
+    block_n: int = READ_BLOCK_N,
+    block_k: int = READ_BLOCK_K,
+    programs_per_sm: int = READ_PROGRAMS_PER_SM,
+) -> torch.Tensor:
+    """Read every byte of w (N, K), one byte an element (FP8 or int8), rows contiguous: int32
+    XORs, one per program (their XOR is the XOR of all of w's bytes)."""
+    if w.dim() != 2 or w.element_size() != 1 or w.stride(1) != 1:
+        raise ValueError(
+            "plain_read reads a 2-D tensor of one-byte elements, rows contiguous; "
+            f"got {w.dtype} {tuple(w.shape)} with strides {w.stride()}"
+        )
+    n, k = w.shape
+    n_tiles = math.ceil(n / block_n)
+    sms = torch.cuda.get_device_properties(w.device).multi_processor_count if w.is_cuda else 1
+    split = max(1, min(math.ceil(k / block_k), round(programs_per_sm * sms / n_tiles)))
+    out = torch.empty(n_tiles * split, dtype=torch.int32, device=w.device)
+    _read_kernel[(n_tiles, split)](
+        w.view(torch.uint8), out, n, k, w.stride(0), SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k
+    )
+    return out
