@@ -39,6 +39,7 @@ class _Shape:
         self.r16 = r16
         self.w8 = [reference.quant_weight_block(w) for w in self.w16[:r8]]
         self.linears, self.tuned = [], []
+        self.read_tiling = None  # read.fastest_tiling, at the first decode size
         fp8 = fp8compile.backend()  # the object, not the entry point: runs from a source tree too
         fp8_tuned = fp8compile.backend(autotune=True)
         for w in self.w16[:r8]:
@@ -78,9 +79,11 @@ class _Shape:
                 for q in self.w8
             ]
         if m <= triton_gemm.SMALL_M_MAX:
-            from .read import plain_read
+            from .read import fastest_tiling, plain_read
 
-            v["read"] = [lambda q=q: plain_read(q[0]) for q in self.w8]
+            if self.read_tiling is None:
+                self.read_tiling = fastest_tiling([q[0] for q in self.w8])
+            v["read"] = [lambda q=q: plain_read(q[0], *self.read_tiling) for q in self.w8]
             v["triton_small_m"] = [lambda q=q: triton_gemm.linear_small_m(x, *q) for q in self.w8]
         if m >= 128:
             v["triton_gemm"] = [

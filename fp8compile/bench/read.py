@@ -1,10 +1,10 @@
 """A plain read of an FP8 weight: what streaming its bytes costs on this GPU with nothing else to
 do, the ceiling a decode GEMM (which must read every weight byte once) is measured against in
 `bench gemm` (the `read` column). Each program XORs its [BLOCK_N, BLOCK_K] tiles over its part of
-K, split over K as the decode kernels are. The default tiles, rows of 512 contiguous bytes and
-about four programs an SM, were the fastest of 30 tilings on three of Llama-3-8B's four decode
-weights (H100; BENCHMARKS.md, W8A8 recipes, "Forty-sixth session": 2.14-2.89 TB/s, 64-86% of the
-HBM peak)."""
+K, split over K as the decode kernels are. READ_TILINGS were the fastest of 30 tilings on
+Llama-3-8B's four decode weights (H100; BENCHMARKS.md, W8A8 recipes, "Forty-sixth session":
+2.14-2.89 TB/s, 64-86% of the HBM peak); `bench gemm` times each on every shape and keeps the
+fastest (fastest_tiling)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-READ_BLOCK_N = 16
-READ_BLOCK_K = 512
-READ_PROGRAMS_PER_SM = 4
+# (BLOCK_N, BLOCK_K, programs per SM): rows of 512 or 256 contiguous bytes.
+READ_TILINGS = ((16, 512, 1), (16, 512, 4), (32, 256, 4))
 
 
 @triton.jit
@@ -41,10 +40,7 @@ def _read_kernel(
 
 
 def plain_read(
-    w: torch.Tensor,
-    block_n: int = READ_BLOCK_N,
-    block_k: int = READ_BLOCK_K,
-    programs_per_sm: int = READ_PROGRAMS_PER_SM,
+    w: torch.Tensor, block_n: int = 16, block_k: int = 512, programs_per_sm: int = 4
 ) -> torch.Tensor:
     """Read every byte of w (N, K), one byte an element (FP8 or int8), rows contiguous: int32
     XORs, one per program (their XOR is the XOR of all of w's bytes)."""
@@ -62,3 +58,11 @@ def plain_read(
         w.view(torch.uint8), out, n, k, w.stride(0), SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k
     )
     return out
+
+
+def fastest_tiling(weights: list[torch.Tensor]) -> tuple[int, int, int]:
+    """The READ_TILINGS entry that reads these weight copies (all of one shape) fastest here."""
+    from . import harness
+
+    times = {t: harness.time_us([lambda w=w, t=t: plain_read(w, *t) for w in weights]) for t in READ_TILINGS}
+    return min((us, t) for t, us in times.items() if us is not None)[1]
