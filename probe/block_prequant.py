@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import torch
 import triton
@@ -125,10 +126,12 @@ def prequant_launch(x8, xs, w, s, block_m):
     return run, out
 
 
-def shipped_launch(x, w, s, block_m):
+def shipped_launch(x, w, s, block_m, split=None, block_n=None):
     m, k = x.shape
     n = w.shape[0]
-    _, block_n, split, n_tiles = _tiles(m, n, k, x.device)
+    _, block_n_, split_, n_tiles = _tiles(m, n, k, x.device)
+    split, block_n = split or split_, block_n or block_n_
+    n_tiles = math.ceil(n / block_n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     arrivals = triton_gemm.split_k_counters(x.device, n_tiles, split)
@@ -194,6 +197,42 @@ def check():
     print("ok")
 
 
+def splits(out_dir):
+    """The shipped kernel at its split and at fewer splits (less fp32 partial traffic, which
+    grows with M), and at 64-wide N tiles."""
+    from fp8compile.bench import harness
+
+    rows = []
+    for n, k in SHAPES:
+        ws = [
+            reference.quant_weight_block(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+            for _ in range(harness.copies(n * k))
+        ]
+        for m, block_m in [(1, 16), (16, 16), (16, 32), (32, 32)]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            _, _, split, _ = _tiles(m, n, k, x.device)
+            ref = None
+            t = {}
+            for bn, sp in [
+                (128, split),
+                (128, max(1, split // 2)),
+                (128, max(1, split // 4)),
+                (64, max(1, split // 2)),
+                (64, split),
+            ]:
+                fns = [shipped_launch(x, w, s, block_m, sp, bn) for w, s in ws]
+                fns[0][0]()
+                out = fns[0][1].clone()
+                ref = out if ref is None else ref
+                d = fp8compile.calc_diff(out, ref)
+                t[f"bn{bn}_split{sp}"] = harness.time_us([f for f, _ in fns]) if d < 1e-5 else None
+            rows.append(dict(n=n, k=k, m=m, block_m=block_m, **t))
+            print(n, k, m, block_m, {a: round(b, 1) if b else b for a, b in t.items()}, flush=True)
+    (out_dir / "block_splits.json").write_text(
+        json.dumps(dict(device=torch.cuda.get_device_name(0), rows=rows), indent=1)
+    )
+
+
 def main(out_dir):
     from fp8compile.bench import harness
     import deep_gemm
@@ -235,8 +274,11 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=pathlib.Path)
     p.add_argument("--check", action="store_true")
+    p.add_argument("--splits", action="store_true")
     a = p.parse_args()
     if a.check:
         check()
+    elif a.splits:
+        splits(a.out)
     else:
         main(a.out)
