@@ -376,7 +376,7 @@ def test_benchmark_table_reports_speedups_of_the_compiled_linear():
 
 @pytest.mark.parametrize("n, k", [(48, 1536), (37, 1000)])
 def test_the_plain_read_reads_every_byte_of_the_weight_once(n, k):
-    """bench gemm's ceiling for a decode GEMM: its programs' XORs together are the XOR of all of
+    """bench gemm's reference for a decode GEMM: its programs' XORs together are the XOR of all of
     the weight's bytes, whether or not the tiles divide N and K (a byte skipped or read twice
     would change it)."""
     pytest.importorskip("triton")

@@ -2,8 +2,8 @@
 bf16 cuBLAS, cuBLAS FP8, DeepGEMM and FlashInfer, over shapes x M. Inputs are pre-quantized for
 cuBLAS FP8, DeepGEMM and our Triton GEMM (GEMM alone); FlashInfer, triton_small_m and
 fp8compile (the compiled nn.Linear) take bf16 and quantize themselves. At decode sizes `read`
-is a plain read of the FP8 weight (read.py): the ceiling a decode GEMM is held to, and the last
-column the share of its speed the compiled linear reaches. Times: harness.py."""
+is a plain read of the FP8 weight (read.py), what streaming its bytes costs here, and the last
+column the share of the read's speed the compiled linear reaches. Times: harness.py."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
-"""A plain read of an FP8 weight: what streaming its bytes costs on this GPU with nothing else to
-do, the ceiling a decode GEMM (which must read every weight byte once) is measured against in
-`bench gemm` (the `read` column). Each program XORs its [BLOCK_N, BLOCK_K] tiles over its part of
-K, split over K as the decode kernels are. READ_TILINGS were the fastest of 30 tilings on
-Llama-3-8B's four decode weights (H100; BENCHMARKS.md, W8A8 recipes, "Forty-sixth session":
-2.14-2.89 TB/s, 64-86% of the HBM peak); `bench gemm` times each on every shape and keeps the
-fastest (fastest_tiling)."""
+"""A plain read of an FP8 weight: what streaming its bytes costs on this GPU with nothing else to do,
+the reference a decode GEMM (which must read every weight byte once) is measured against in `bench
+gemm` (the `read` column). A reference, not a bound: DeepGEMM's GEMM took less than it on the two
+tallest weights there (BENCHMARKS.md, Linear, "Forty-sixth session"). Each program XORs its
+[BLOCK_N, BLOCK_K] tiles over its part of K, split over K as the decode kernels are. READ_TILINGS
+were the fastest of 30 tilings on Llama-3-8B's four decode weights (H100; BENCHMARKS.md, W8A8
+recipes, "Forty-sixth session": 2.14-2.89 TB/s, 64-86% of the HBM peak); `bench gemm` times each on
+every shape and keeps the fastest (fastest_tiling)."""
 
 from __future__ import annotations
 
@@ -65,4 +66,4 @@ def fastest_tiling(weights: list[torch.Tensor]) -> tuple[int, int, int]:
     from . import harness
 
     times = {t: harness.time_us([lambda w=w, t=t: plain_read(w, *t) for w in weights]) for t in READ_TILINGS}
-    return min((us, t) for t, us in times.items() if us is not None)[1]
+    return min(((us, t) for t, us in times.items() if us is not None), default=(None, READ_TILINGS[0]))[1]
