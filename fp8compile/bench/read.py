@@ -9,11 +9,12 @@ every shape and keeps the fastest (fastest_tiling)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
+
+from ..numerics import ceil_div
+from ..ops.launch import num_sms
 
 # (BLOCK_N, BLOCK_K, programs per SM): rows of 512 or 256 contiguous bytes.
 READ_TILINGS = ((16, 512, 1), (16, 512, 4), (32, 256, 4))
@@ -51,9 +52,9 @@ def plain_read(
             f"got {w.dtype} {tuple(w.shape)} with strides {w.stride()}"
         )
     n, k = w.shape
-    n_tiles = math.ceil(n / block_n)
-    sms = torch.cuda.get_device_properties(w.device).multi_processor_count if w.is_cuda else 1
-    split = max(1, min(math.ceil(k / block_k), round(programs_per_sm * sms / n_tiles)))
+    n_tiles = ceil_div(n, block_n)
+    sms = num_sms(w.device.index or 0) if w.is_cuda else 1
+    split = max(1, min(ceil_div(k, block_k), round(programs_per_sm * sms / n_tiles)))
     out = torch.empty(n_tiles * split, dtype=torch.int32, device=w.device)
     _read_kernel[(n_tiles, split)](
         w.view(torch.uint8), out, n, k, w.stride(0), SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k
