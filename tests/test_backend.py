@@ -425,13 +425,13 @@ def test_a_one_row_linear_is_rewritten_when_coordinate_descent_tuning_is_on(aske
     monkeypatch.setattr(compile_fx, "compile_fx_inner", inner)
     mode = None
     if asked_by == "inductor_config":
-        monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", True)
+        tuning = inductor_config.patch(coordinate_descent_tuning=True)
     else:
-        mode = "max-autotune-no-cudagraphs"
+        tuning, mode = inductor_config.patch({}), "max-autotune-no-cudagraphs"
     model = torch.nn.Linear(256, 512, bias=False).to(BF16)
     fp8 = fp8compile.backend()
     x = randn(1, 256)
-    with torch.no_grad():
+    with torch.no_grad(), tuning:
         out = torch.compile(model, backend=fp8, mode=mode)(x)
     assert fp8.report.counts()["linear"] == 1
     # FP8's error, not bf16's (1e-5); one row's 512 outputs spread more than ONE_GEMM's mean: 7.3e-4
@@ -512,7 +512,6 @@ def test_no_benchmark_variant_runs_under_the_inductor_config_a_variant_before_it
     from fp8compile.bench import harness
 
     monkeypatch.setattr(harness, "time_us", lambda fns: [fn() for fn in fns] and 1.0)
-    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)
     seen = {}
 
     def compile_variant(variant):
@@ -521,12 +520,13 @@ def test_no_benchmark_variant_runs_under_the_inductor_config_a_variant_before_it
             inductor_config.coordinate_descent_tuning = True
         return [lambda x: x]
 
-    rows = harness.variant_rows(
-        compile_variant, {"like_torchao": None, "next": None}, [(1, 0)], lambda v, key, us: (v, key, us)
-    )
+    with inductor_config.patch(coordinate_descent_tuning=False):
+        rows = harness.variant_rows(
+            compile_variant, {"like_torchao": None, "next": None}, [(1, 0)], lambda v, key, us: (v, key, us)
+        )
+        assert inductor_config.coordinate_descent_tuning is False  # and none after the benchmark
     assert rows == [("like_torchao", 1, 1.0), ("next", 1, 1.0)]
     assert seen == {"like_torchao": False, "next": False}
-    assert inductor_config.coordinate_descent_tuning is False  # and none after the benchmark
 
 
 def test_report_says_per_graph_whether_calls_replay_cuda_graphs():

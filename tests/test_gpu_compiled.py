@@ -56,17 +56,16 @@ def _op_body_runs():
 
 
 @pytest.mark.parametrize("recipe", ["block", "rowwise"])
-def test_a_gated_mlp_at_one_row_is_rewritten_under_torchaos_inductor_config(recipe, monkeypatch):
+def test_a_gated_mlp_at_one_row_is_rewritten_under_torchaos_inductor_config(recipe):
     # torchao's quantize_ turns coordinate_descent_tuning on for the process; Inductor then
     # decomposes every one-row matmul on a GPU while the graph is traced (tests/test_backend.py
     # has the CPU's version of this test). Found as bench mlp's second MLP running bf16 at M = 1.
     from torch._inductor import config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", True)
     model = GatedMLP(1024, 2048).to(BF16).cuda()
     fp8 = fp8compile.backend(recipe=recipe)
     x = randn(1, 1024, device="cuda")
-    with torch.no_grad():
+    with torch.no_grad(), inductor_config.patch(coordinate_descent_tuning=True):
         assert calc_diff(torch.compile(model, backend=fp8)(x), model(x)) < GATED_MLP
     assert fp8.report.counts()["linear"] == 2 and fp8.report.counts()["silu_mul"] == 1
     assert {kernel for rewrite in fp8.report.rewrites for _, kernel in rewrite.kernels} == {"triton_small_m"}

@@ -1,0 +1,66 @@
+"""Rules the tree's own text keeps, checked on every run of the tests."""
+
+import ast
+import re
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+# A config module's dotted name or alias: inductor_config, torch._inductor.config, dynamo_config,
+# torch._functorch.config; as a string target, "torch._inductor.config.<name>".
+_CONFIG_TARGET = re.compile(r"(^|[._])config$|\bconfig\.\w+$")
+
+
+def config_monkeypatches(source: str) -> list[str]:
+    """The `monkeypatch.setattr` / `.delattr` calls in source whose target is a config module.
+
+    torch's config modules (Inductor's, Dynamo's, functorch's) keep their values outside the
+    module's __dict__. pytest 9.2's monkeypatch reads the old value from __dict__, finds none, and
+    undoes the change with delattr, which hides the key for good: every later read of it in the
+    process raises AttributeError (162 failures on a fresh machine). Such tests use the config's
+    own `config.patch(...)`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("setattr", "delattr")
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "monkeypatch"
+            and node.args
+        ):
+            continue
+        target = node.args[0]
+        text = target.value if isinstance(target, ast.Constant) else ast.unparse(target)
+        if isinstance(text, str) and _CONFIG_TARGET.search(text):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_test_monkeypatches_a_config_module():
+    found = {path.name: config_monkeypatches(path.read_text()) for path in sorted(TESTS.glob("*.py"))}
+    offenders = {name: calls for name, calls in found.items() if calls}
+    assert offenders == {}, "use config.patch(...), never monkeypatch, on torch's config modules"
+
+
+def test_the_config_monkeypatch_check_finds_every_spelling_and_nothing_else():
+    bad = """
+monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", True)
+monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", 8)
+monkeypatch.delattr(functorch_config, "enable_autograd_cache")
+monkeypatch.setattr("torch._inductor.config.max_autotune", True)
+"""
+    good = """
+monkeypatch.setattr(registry, "_BACKENDS", {})
+monkeypatch.setattr(fp8compile.passes, "run_passes", spy)
+monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "1")
+with inductor_config.patch(coordinate_descent_tuning=True):
+    pass
+"""
+    assert [line.split(":")[0] for line in config_monkeypatches(bad)] == [
+        "line 2",
+        "line 3",
+        "line 4",
+        "line 5",
+    ]
+    assert config_monkeypatches(good) == []
