@@ -25,19 +25,10 @@ from torch.library import triton_op
 
 from ..numerics import next_pow2
 from . import triton_moe
+from .moe_tiles import decode_fits
 from .reference import act_operands
 from .traced import launch, quant_act
 from .triton_quant import QUANT_ROWS
-
-
-def decode_fits(num_experts: int, top_k: int, max_tokens: int) -> bool:
-    """Whether moe_decode serves 1..max_tokens tokens of top_k of num_experts experts with
-    moe_triton's own choices: routing in one program and its smallest row blocks throughout."""
-    slots = max_tokens * top_k
-    return (
-        slots <= triton_moe.ROUTE_ONE_PROGRAM_MAX_SLOTS
-        and triton_moe.block_m_for(slots, num_experts) == triton_moe.BLOCK_M_CHOICES[0]
-    )
 
 
 @triton_op("fp8compile::moe_decode", mutates_args=())

@@ -24,16 +24,12 @@ import torch
 from torch import Tensor
 from torch.library import triton_op
 
-from ..numerics import BLOCK, ceil_div
+from ..numerics import BLOCK
 from . import gluon_gemm, triton_moe
+from .moe_tiles import gluon_min_tokens as min_tokens
 from .reference import act_operands
 from .traced import launch, quant_act
 from .triton_quant import QUANT_ROWS
-
-
-def min_tokens(num_experts: int, top_k: int) -> int:
-    """The fewest tokens moe_triton runs on the Gluon GEMMs (GLUON_MIN_SLOTS_PER_EXPERT slots per expert)."""
-    return ceil_div(triton_moe.GLUON_MIN_SLOTS_PER_EXPERT * num_experts, top_k)
 
 
 def fits(

@@ -34,6 +34,16 @@ import triton.language as tl
 
 from ..numerics import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, ceil_div, next_pow2
 from .launch import Launcher
+from .moe_tiles import (  # noqa: F401  (the tile choices, triton-free for the passes; named here too)
+    BATCH_INVARIANT_BLOCK_M,
+    BLOCK_M_CHOICES,
+    GLUON_MIN_SLOTS_PER_EXPERT,
+    ROUTE_CHUNK,
+    ROUTE_KERNEL_MAX_SLOTS,
+    ROUTE_ONE_PROGRAM_MAX_SLOTS,
+    block_m_for,
+    route_capacity,
+)
 from .reference import act_operands
 from .triton_quant import quant_act, quant_group
 
@@ -134,20 +144,6 @@ def _route_kernel(
 
 
 _route_launch = Launcher(_route_kernel)
-
-
-# Routing in one Triton program up to this many slots (T * k), the chunked kernels above. One
-# program sorts all slots itself: on an H200 (9d201bf:scripts/decode_probe.py) it took 3.0 us for 8 slots
-# and 6.8 us for 128, but 15.1 us for 1024 and 73.9 us for 4096, where the torch ops took 57-99 us.
-ROUTE_ONE_PROGRAM_MAX_SLOTS = 512
-ROUTE_KERNEL_MAX_SLOTS = 4096  # what one program can sort (its BLOCK_S keys sit in registers)
-ROUTE_CHUNK = 64  # slots per program of the chunked routing
-
-
-def route_capacity(num_slots: int, num_experts: int, block_m: int) -> int:
-    """Rows any routing of num_slots slots over num_experts experts can need (each expert's run
-    padded to a multiple of block_m). num_slots may be symbolic (moe_decode_op traces this)."""
-    return ceil_div(num_slots + torch.sym_min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
 
 
 def route_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -598,27 +594,6 @@ def grouped_gemm_arguments(
     )
     constexprs = dict(HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK)
     return (block_expert.shape[0], w_fp8.shape[1] // BLOCK), args, constexprs, dict(num_warps=4, num_stages=3)
-
-
-# Rows per block by average slots per expert: decode fills few rows of each expert's block.
-BLOCK_M_CHOICES = (16, 32, 64)
-BATCH_INVARIANT_BLOCK_M = 64
-
-
-def block_m_for(num_slots: int, num_experts: int, batch_invariant: bool = False) -> int:
-    if batch_invariant:
-        return BATCH_INVARIANT_BLOCK_M
-    per_expert = num_slots / num_experts
-    return next((b for b in BLOCK_M_CHOICES if per_expert <= b), BLOCK_M_CHOICES[-1])
-
-
-# From this many slots per expert on average (and not batch-invariant), the GEMMs are the
-# warp-specialized Gluon kernel's on activations gathered into routed order (gluon_gemm.grouped_gemm).
-# Its blocks are 64 rows (128 where 256-column tiles do not divide N) and the gather costs a
-# pass: the op on an H100, uniform routing, Qwen3-30B-A3B widths: 299 against the Triton
-# kernel's 263 us at 16 slots per expert, 310 / 304 at 32, 349 / 413 at 64, 431 / 599 at 128;
-# DeepSeek-V3: 4626 / 4991 at 32 (BENCHMARKS.md, "Eighteenth session").
-GLUON_MIN_SLOTS_PER_EXPERT = 32
 
 
 def _gluon_runs(x, w13_fp8, w2_fp8, num_slots: int, batch_invariant: bool) -> bool:

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from ..ops.moe_tiles import decode_fits, gluon_min_tokens
 from .context import PassContext
 from .trace import TraceCache, inline_traced
 
@@ -110,7 +111,6 @@ def moe_launch_wanted(
     if not (ctx.inductor_launch and device.type == "cuda" and not ctx.config.batch_invariant):
         return False
     from ..ops import moe_gluon_op
-    from ..ops.moe_decode_op import decode_fits
 
     return any(
         side.kernel == MOE_BACKEND
@@ -131,8 +131,6 @@ def moe_decode_cut(ctx: PassContext, num_experts: int, top_k: int, device: torch
     triton kernel, are one side, and a graph compiled for dynamic M (generate() at a second batch
     size) ran every decode step's experts through the op: 0.9 ms of host time a layer under
     cProfile (H100, Qwen3-30B-A3B widths, batch 4), where a graph of static M takes the launch."""
-    from ..ops.moe_decode_op import decode_fits
-
     if not (ctx.inductor_launch and device.type == "cuda" and not ctx.config.batch_invariant):
         return None
     most = next((m for m in range(ctx.config.small_m, 0, -1) if decode_fits(num_experts, top_k, m)), 0)
@@ -146,24 +144,17 @@ def moe_gluon_cut(
     its part from there up can be moe_gluon's traced launch: the Gluon GEMMs' first count
     (moe_gluon_op.min_tokens, where the op itself switches kernels: the numbers stay), or None
     where no traced launch is wanted or the Gluon kernel cannot serve these experts."""
-    from ..ops import moe_gluon_op
+    if not (ctx.inductor_launch and device.type == "cuda" and not ctx.config.batch_invariant):
+        return None
+    from ..ops import moe_gluon_op  # the Gluon kernel's limits need Triton, present with a GPU
 
-    at = moe_gluon_op.min_tokens(num_experts, top_k)
-    if (
-        ctx.inductor_launch
-        and device.type == "cuda"
-        and not ctx.config.batch_invariant
-        and moe_gluon_op.fits(num_experts, top_k, at, n13, inter, hidden, device)
-    ):
-        return at
-    return None
+    at = gluon_min_tokens(num_experts, top_k)
+    return at if moe_gluon_op.fits(num_experts, top_k, at, n13, inter, hidden, device) else None
 
 
 def moe_decode_fits(args: tuple, kwargs: dict, m_max: int) -> bool:
     """Whether a moe call site (not batch-invariant, which keeps 64-row blocks; its FP8 weights in
     kwargs: inductor_launch checks both) can be fp8compile::moe_decode for up to m_max tokens."""
-    from ..ops.moe_decode_op import decode_fits
-
     num_experts = kwargs[LAUNCH_OPERANDS][0].meta["val"].shape[0]
     return decode_fits(num_experts, args[1].meta["val"].shape[1], m_max)
 
