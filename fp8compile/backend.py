@@ -112,7 +112,10 @@ def compile_graph(
         dump.dynamo(gm)
 
     def inductor_compile(aten_gm: fx.GraphModule, aten_inputs: Sequence[Any], **kwargs: Any):
-        with torch._inductor.config.patch(coordinate_descent_tuning=tuning):
+        inner = dict(coordinate_descent_tuning=tuning)
+        if hasattr(torch._inductor.config, "graph_partition") and _partition_off(aten_gm):
+            inner["graph_partition"] = False
+        with torch._inductor.config.patch(inner):
             return compile_fx_inner(aten_gm, aten_inputs, **kwargs)
 
     def fp8_inner_compile(aten_gm: fx.GraphModule, aten_inputs: Sequence[Any], **kwargs: Any):
@@ -135,6 +138,7 @@ def compile_graph(
         if isinstance(bound, str):
             return skip_graph(f"cannot map graph inputs to the model's tensors: {bound}")
         fake_mode = detect_fake_mode(aten_inputs)
+        rewrites_before = len(report.rewrites)
         ctx = PassContext(
             aten_gm,
             bound,
@@ -148,7 +152,11 @@ def compile_graph(
         )
         if dump:
             dump.before(aten_gm)
-        run_passes(ctx)
+        # As Dynamo gave it, for Inductor alone should it fail on the graph the passes made
+        as_written = (_copy_graph_module(aten_gm), list(aten_inputs), dict(kwargs))
+        faults = run_passes(ctx)
+        if faults:
+            _warn_faults(graph_index, faults)
         if dump:
             dump.after(aten_gm)
         _record_rank(report, graph_index, aten_gm)
@@ -170,11 +178,18 @@ def compile_graph(
                 *range(first, first + len(derived)),
             ]
             aten_inputs = [*aten_inputs, *derived]
-        if config.release_bf16_weights:
-            _release_weights(ctx, dropped)
         if ctx.traced_launches:
             static_launch_for_user_kernels()
-        compiled = inductor_compile(aten_gm, aten_inputs, **kwargs)
+        try:
+            compiled = inductor_compile(aten_gm, aten_inputs, **kwargs)
+        except Exception as error:
+            if config.strict or _control_flow(error) or len(report.rewrites) == rewrites_before:
+                raise
+            return _compile_as_written(
+                report, graph_index, rewrites_before, error, as_written, inductor_compile
+            )
+        if config.release_bf16_weights:
+            _release_weights(ctx, dropped)
         names = {node.name: name for node, (_, name) in bound.items() if name}
         report.cuda_graphs[graph_index] = _cuda_graph_state(
             asked, bool(getattr(box, "value", False)), compiled, mode, names
@@ -183,12 +198,6 @@ def compile_graph(
             return CallWithDerivedInputs(compiled, ctx.derived, keep if len(keep) < len(bound) else None)
         return compiled
 
-    if patches.get("triton.cudagraphs") and hasattr(torch._inductor.config, "graph_partition"):
-        # Graph partitioning records CUDA graphs between the ops it cannot record, and a
-        # torch.cond is one: every FP8 op of the M dispatch would stay outside them. Recorded
-        # whole (per M), one graph replays them all; a graph that cannot be recorded whole runs
-        # without CUDA graphs, and the report says why.
-        patches["graph_partition"] = False
     # AOTAutograd's cache would skip our inner compiler on a hit, and with it the report (and
     # the compile-time weight quantization): it is off for graphs we compile. Inductor's FX
     # graph cache stays on; it keys the graph after our passes, which holds no weight values.
@@ -201,6 +210,77 @@ def compile_graph(
         compiled = compile_fx(gm, example_inputs, inner_compile=fp8_inner_compile, config_patches=patches)
     log.info("fp8compile graph %d: %s", graph_index, report.counts())
     return compiled
+
+
+def _partition_off(gm: fx.GraphModule) -> bool:
+    """Whether Inductor compiles this graph without graph partitioning (under CUDA graphs: one
+    CUDA graph for the whole graph, or none).
+
+    Partitioning records CUDA graphs between the ops it cannot record, and a torch.cond is one:
+    every FP8 op of the M dispatch would stay outside them, where recorded whole (per M) one graph
+    replays them all. A graph with a CPU tensor input (transformers' cache position when the
+    static cache is first filled inside the compiled call) stays whole too: partitioned, Inductor
+    2.11's static launch of our Triton kernels crashed there (a segfault parsing the kernel's
+    arguments, H200). Any other graph keeps Inductor's partitioning: without it CUDA graphs are
+    recorded again for every new value of an int input, and a sliding-window cache passes its
+    position as one that moves every decode step (Mistral-7B-v0.1's window: a recording per
+    step, 10.6 tokens/s against bf16 Inductor's 331 at 2 layers of NeMo widths on an H200;
+    BENCHMARKS.md, "Sliding windows")."""
+    if any(True for _ in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.cond)):
+        return True
+    values = (node.meta.get("val") for node in gm.graph.find_nodes(op="placeholder"))
+    return any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in values)
+
+
+def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """gm over a copy of its graph (node meta shared, shallow): what the passes change is not in it."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+def _warn_faults(graph_index: int, faults) -> None:
+    first = faults[0]
+    where = f" at {first.site}" if first.site else ""
+    warnings.warn(
+        f"fp8compile: {len(faults)} error(s) in the passes on graph {graph_index}; what they concern "
+        f"is kept as the model wrote it and the rest is rewritten (first: the {first.pass_name} pass"
+        f"{where}: {first.error}). The report (fp8compile.explain) lists them; "
+        "Fp8Config(strict=True) raises instead.",
+        stacklevel=3,
+    )
+
+
+def _control_flow(error: Exception) -> bool:
+    """Whether error is Dynamo's way of tracing again or giving up on a frame, not a failure."""
+    from torch._dynamo import exc
+
+    kinds = tuple(getattr(exc, name) for name in ("RestartAnalysis", "SkipFrame") if hasattr(exc, name))
+    return isinstance(error, kinds)
+
+
+def _compile_as_written(report, graph_index, rewrites_before, error, as_written, inductor_compile):
+    """Inductor could not compile the graph our passes made: the graph as Dynamo gave it instead,
+    its rewrites taken off the report and the reason on it."""
+    log.warning("fp8compile: Inductor failed on rewritten graph %d", graph_index, exc_info=True)
+    warnings.warn(
+        f"fp8compile: Inductor could not compile graph {graph_index} as rewritten "
+        f"({type(error).__name__}: {str(error)[:300]}); it runs as the model wrote it. "
+        "Fp8Config(strict=True) raises instead.",
+        stacklevel=3,
+    )
+    del report.rewrites[rewrites_before:]
+    report.skips.append(
+        Skip(
+            "graph",
+            f"graph {graph_index}",
+            f"Inductor could not compile it as rewritten ({type(error).__name__}: {str(error)[:300]}): "
+            "kept as the model wrote it",
+            graph_index,
+        )
+    )
+    gm, inputs, kwargs = as_written
+    return inductor_compile(gm, inputs, **kwargs)
 
 
 def _record_rank(report: Report, graph_index: int, gm: fx.GraphModule) -> None:

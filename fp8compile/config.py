@@ -46,6 +46,7 @@ SWITCHES = (
     "inline_conds",
     "release_bf16_weights",
     "split_kv",
+    "strict",
 )
 # The switches that may also be None: the default picked for the recipe or the mode.
 AUTO_SWITCHES = ("inductor_launch", "fast_accum")
@@ -116,6 +117,10 @@ class Fp8Config:
                      split-KV kernel (ops/triton_attention.py: the keys spread over the SMs)
                      instead of the sdpa kernel torch picks (its work split over sequences and
                      K/V heads only, each block walking the whole cache).
+    strict:          an exception inside a pass fails the compile. Off (the default), it leaves
+                     the site it was raised at as the model wrote it, the rest of the graph is
+                     still rewritten, the report names the site, the pass and the exception,
+                     and one warning says so (passes/guard.py). On, for the tests and debugging.
     """
 
     recipe: str = "block"
@@ -135,6 +140,7 @@ class Fp8Config:
     act_amax_ub: float = 0.0
     fast_accum: bool | None = None
     split_kv: bool = True
+    strict: bool = False
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:

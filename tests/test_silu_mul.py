@@ -89,6 +89,23 @@ def test_gelu_gated_mlp_stays_unfused_with_the_reason(captured):
     assert calc_diff(out, eager) < MLP_BOUND
 
 
+def test_a_product_whose_factor_comes_from_an_op_of_keyword_arguments_only_is_no_gated_mlp():
+    # Gemma-2's graph on a GPU: walking back from a factor of a product met an op with no
+    # positional argument, and the whole compile failed with IndexError in silu_mul_pattern.
+    from fp8compile.passes.silu_mul import silu_mul_pattern
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4, 256, dtype=BF16)
+    filled = graph.call_function(
+        torch.ops.aten.full.default, (), {"size": [4, 256], "fill_value": 1.0, "dtype": BF16}
+    )
+    filled.meta["val"] = torch.empty(4, 256, dtype=BF16)
+    h = graph.call_function(torch.ops.aten.mul.Tensor, (filled, x))
+    h.meta["val"] = torch.empty(4, 256, dtype=BF16)
+    assert silu_mul_pattern(h) is None
+
+
 def _mlp_of_intermediate_200():
     model = nn.Module()
     model.gate, model.up, model.down = nn.Linear(256, 200), nn.Linear(256, 200), nn.Linear(200, 256)

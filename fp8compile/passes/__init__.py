@@ -6,6 +6,7 @@ from __future__ import annotations
 from .context import GraphInputs, PassContext
 from .gate_up import gate_up_pass
 from .gqa_attention import gqa_attention_pass
+from .guard import Fault, run_guarded
 from .linear import linear_pass
 from .moe import moe_pass
 from .moe_dense import moe_dense_pass
@@ -33,15 +34,16 @@ FUSION_PASSES = {
 PASSES = (*FUSION_PASSES.values(), linear_pass)
 
 
-def run_passes(ctx: PassContext) -> None:
-    for name, fusion in FUSION_PASSES.items():
-        if name in ctx.config.fusions:
-            fusion(ctx)
-    linear_pass(ctx)
+def run_passes(ctx: PassContext) -> list[Fault]:
+    """The fusions the config asks for, then linear_pass, each site's error contained
+    (guard.py); returns the errors, each already on the report."""
+    chosen = [(name, fusion) for name, fusion in FUSION_PASSES.items() if name in ctx.config.fusions]
+    faults = run_guarded(ctx, [*chosen, ("linear", linear_pass)])
     ctx.gm.graph.eliminate_dead_code()
     ctx.drop_unused_derived_inputs()
     ctx.gm.graph.lint()
     ctx.gm.recompile()
+    return faults
 
 
 __all__ = ["GraphInputs", "PassContext", "run_passes", "PASSES"]

@@ -129,6 +129,14 @@ class GraphInputs:
         return all(type(d) is int for d in fake.shape)
 
 
+class SiteFailure(Exception):
+    """An exception raised while a pass worked on one site (PassContext.at_site; passes/guard.py)."""
+
+    def __init__(self, pass_name: str, site: str, error: BaseException):
+        super().__init__(f"{pass_name} pass at {site}: {type(error).__name__}: {error}")
+        self.pass_name, self.site, self.error = pass_name, site, error
+
+
 class PassContext:
     def __init__(
         self,
@@ -158,17 +166,44 @@ class PassContext:
         self.inductor_launch = (
             config.inductor_launch if config.inductor_launch is not None else not cuda_graphs
         )
+        self._index = {
+            node: i for i, node in enumerate(inputs)
+        }  # placeholder -> its position among the inputs
+        # What a pass's error left out (passes/guard.py): pass -> sites, and whole passes.
+        self.current_pass: str | None = None
+        self.failed_sites: dict[str, set[str]] = {}
+        self.passes_left_out: set[str] = set()
+        self.start_over()
+
+    def start_over(self) -> None:
+        """Forget what the passes made: they run again on the graph as it was before them
+        (passes/guard.py puts it back)."""
         self.traced_launches = 0  # how many it emitted: Inductor must launch them statically (backend.py)
         self.traces = TraceCache()  # inline_traced's traces, one per call signature (passes/inline.py)
         self.dispatch_branches: dict[tuple, list[str]] = {}  # M dispatch: call signature -> branch modules
         # matmul node -> why a fusion pass wants it left bf16 (linear_pass records the reason)
         self.keep_bf16: dict[fx.Node, str] = {}
-        self._index = {
-            node: i for i, node in enumerate(inputs)
-        }  # placeholder -> its position among the inputs
         # Inputs the backend appends to the graph and computes per call (derived_inputs):
         # (key, sources) -> (what computes them, their placeholders).
         self._derived: dict[tuple, tuple[DerivedInput, tuple[fx.Node, ...]]] = {}
+
+    def site_failed(self, site: str) -> bool:
+        """Whether the current pass raised at this site before (at_site leaves it out)."""
+        return site in self.failed_sites.get(self.current_pass, ())
+
+    def at_site(self, site: str, work: Callable[[], Any]) -> Any:
+        """work(), the current pass's matching, checks and rewrite of one site (a module's name
+        where it has one), or None without calling it where that site failed before. An
+        exception from work() is a guard.SiteFailure naming the pass and the site: the graph
+        is put back and the passes run again without it (passes/guard.py)."""
+        if self.site_failed(site):
+            return None
+        try:
+            return work()
+        except SiteFailure:
+            raise
+        except Exception as error:
+            raise SiteFailure(self.current_pass or "fp8compile", site, error) from error
 
     @property
     def derived(self) -> list[DerivedInput]:

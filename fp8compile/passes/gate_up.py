@@ -22,7 +22,7 @@ import torch.fx as fx
 from .context import PassContext
 from ..numerics import BLOCK
 from .linear import MATMULS, LinearMatch, linear_extra_check, linear_pattern, module_name
-from .merge import merge_linears
+from .merge import group_name, merge_linears
 from .silu_mul import _CASTS, _VIEWS, _strip, silu_mul_pattern
 
 aten = torch.ops.aten
@@ -76,9 +76,12 @@ def gate_up_pass(ctx: PassContext) -> None:
     for node in [n for n in ctx.gm.graph.nodes if n.op == "call_function" and n.target in MATMULS]:
         # gate and up precede their down projection, so the nodes a merge erases were seen already
         pair = gate_up_pattern(node)
-        if pair is None:
-            continue
-        if (reason := gate_up_extra_check(ctx, *pair)) is None:
-            gate_up_replacement(ctx, *pair)
-        else:
-            log.info("fp8compile: %s and %s stay two GEMMs: %s", *(m.weight.name for m in pair), reason)
+        if pair is not None:
+            ctx.at_site(group_name(ctx, list(pair)), lambda pair=pair: _gate_up_site(ctx, *pair))
+
+
+def _gate_up_site(ctx: PassContext, gate: LinearMatch, up: LinearMatch) -> None:
+    if (reason := gate_up_extra_check(ctx, gate, up)) is None:
+        gate_up_replacement(ctx, gate, up)
+    else:
+        log.info("fp8compile: %s and %s stay two GEMMs: %s", gate.weight.name, up.weight.name, reason)

@@ -159,8 +159,7 @@ def grouped_sdpa(query, key, value, mask, scale, rep, heads_outer, split_keys=Fa
 
 
 def gqa_attention_pass(ctx: PassContext) -> None:
-    graph = ctx.gm.graph
-    for node in list(graph.nodes):
+    for node in list(ctx.gm.graph.nodes):
         match = gqa_pattern(node)
         if match is None:
             continue
@@ -168,74 +167,80 @@ def gqa_attention_pass(ctx: PassContext) -> None:
         if isinstance(match, str):
             ctx.report.skips.append(Skip("attention", name, match, ctx.graph_index, _shape(node)))
             continue
-        inputs = [match.query, match.key, match.value] + ([match.mask] if match.mask is not None else [])
-        vals = [n.meta["val"] for n in inputs]
-        why_not = _split_kv_why_not(vals, match) if ctx.config.split_kv else "Fp8Config(split_kv=False)"
-        split = why_not is None
-        chunk = _batch_invariant_chunk(vals[1]) if split and ctx.config.batch_invariant else 0
+        ctx.at_site(name, lambda node=node, match=match, name=name: gqa_replacement(ctx, node, match, name))
 
-        def call(q, k, v, mask=None, *, match=match, heads_outer=True, split=split, chunk=chunk):
-            return grouped_sdpa(q, k, v, mask, match.scale, match.rep, heads_outer, split, chunk)
 
-        # The output as laid out before: the nodes reading it may be views that need that layout.
-        layouts = [
-            outer
-            for outer in (True, False)
-            if _same_element_layout(ctx.fake(call, *inputs, heads_outer=outer), match.out.meta["val"])
-        ]
-        if not layouts:
-            ctx.report.skips.append(
-                Skip(
-                    "attention",
-                    name,
-                    "its output is laid out neither as (B, H, S, D) nor as (B, S, H, D)",
-                    ctx.graph_index,
-                    _shape(node),
-                )
-            )
-            continue
-        call = functools.partial(call, heads_outer=layouts[0])
-        before = node.prev
-        with graph.inserting_before(node):
-            out = inline_traced(
-                graph,
-                call,
-                inputs,
-                ctx.traces,
-                ("grouped_sdpa", match.scale, match.rep, layouts[0], split, chunk),
-            )
-        kernel = (
-            "split-KV (fp8compile)"
-            if split
-            else next(
-                (
-                    n.target.__name__.split(".")[0].removeprefix("_scaled_dot_product_")
-                    for n in _between(before, node)
-                    if n.target in SDPA_OPS
-                ),
-                "sdpa",
-            )
-        )
-        ctx.replace_uses(match.out, out)
-        graph.erase_node(match.out)
-        graph.erase_node(node)
-        b, h, s, _ = match.query.meta["val"].shape
-        kv = match.key.meta["val"].shape[1]
-        # The report's columns for an attention: M = query tokens, K -> N = query heads -> K/V heads.
-        ctx.report.rewrites.append(
-            Rewrite(
+def gqa_replacement(ctx: PassContext, node: fx.Node, match: GqaMatch, name: str) -> None:
+    """The attention at node (match) as grouped_sdpa over the un-repeated keys and values."""
+    graph = ctx.gm.graph
+    inputs = [match.query, match.key, match.value] + ([match.mask] if match.mask is not None else [])
+    vals = [n.meta["val"] for n in inputs]
+    why_not = _split_kv_why_not(vals, match) if ctx.config.split_kv else "Fp8Config(split_kv=False)"
+    split = why_not is None
+    chunk = _batch_invariant_chunk(vals[1]) if split and ctx.config.batch_invariant else 0
+
+    def call(q, k, v, mask=None, *, match=match, heads_outer=True, split=split, chunk=chunk):
+        return grouped_sdpa(q, k, v, mask, match.scale, match.rep, heads_outer, split, chunk)
+
+    # The output as laid out before: the nodes reading it may be views that need that layout.
+    layouts = [
+        outer
+        for outer in (True, False)
+        if _same_element_layout(ctx.fake(call, *inputs, heads_outer=outer), match.out.meta["val"])
+    ]
+    if not layouts:
+        ctx.report.skips.append(
+            Skip(
                 "attention",
                 name,
-                str(s),
-                kv,
-                h,
-                ((f"S = {s}", f"sdpa {kernel}"),),
+                "its output is laid out neither as (B, H, S, D) nor as (B, S, H, D)",
                 ctx.graph_index,
-                detail=f"gqa {h}/{kv} heads"
-                # on a GPU, why sdpa's kernel runs instead of the split-KV one
-                + (f"; not split-KV: {why_not}" if not split and vals[0].device.type == "cuda" else ""),
+                _shape(node),
             )
         )
+        return
+    call = functools.partial(call, heads_outer=layouts[0])
+    before = node.prev
+    with graph.inserting_before(node):
+        out = inline_traced(
+            graph,
+            call,
+            inputs,
+            ctx.traces,
+            ("grouped_sdpa", match.scale, match.rep, layouts[0], split, chunk),
+        )
+    kernel = (
+        "split-KV (fp8compile)"
+        if split
+        else next(
+            (
+                n.target.__name__.split(".")[0].removeprefix("_scaled_dot_product_")
+                for n in _between(before, node)
+                if n.target in SDPA_OPS
+            ),
+            "sdpa",
+        )
+    )
+    ctx.replace_uses(match.out, out)
+    graph.erase_node(match.out)
+    graph.erase_node(node)
+    b, h, s, _ = match.query.meta["val"].shape
+    kv = match.key.meta["val"].shape[1]
+    # The report's columns for an attention: M = query tokens, K -> N = query heads -> K/V heads.
+    ctx.report.rewrites.append(
+        Rewrite(
+            "attention",
+            name,
+            str(s),
+            kv,
+            h,
+            ((f"S = {s}", f"sdpa {kernel}"),),
+            ctx.graph_index,
+            detail=f"gqa {h}/{kv} heads"
+            # on a GPU, why sdpa's kernel runs instead of the split-KV one
+            + (f"; not split-KV: {why_not}" if not split and vals[0].device.type == "cuda" else ""),
+        )
+    )
 
 
 def _split_kv_why_not(vals: list, match: GqaMatch) -> str | None:

@@ -335,23 +335,32 @@ def linear_pass(ctx: PassContext) -> None:
         name = module_name(param[1] if param else (input_name or weight.name))
         if isinstance(found, LinearMatch) and found.index is not None:
             name += f"[{found.index}]"
-        w_val = found.weight_val if isinstance(found, LinearMatch) else weight.meta["val"]
-        shape = "x".join(map(str, w_val.shape))
-        if not isinstance(found, LinearMatch):
-            ctx.skipped("linear", name, _unsupported_weight_reason(node, weight), shape)
-        elif param is None:
-            kind = "buffer or input" if isinstance(value, torch.Tensor) else "graph input"
-            ctx.skipped(
-                "linear",
-                name,
-                f"weight is a {kind}, not a parameter: it may change between calls, "
-                "so it is not quantized at compile time",
-                shape,
-            )
-        elif (reason := linear_extra_check(ctx, found, name)) is not None:
-            ctx.skipped("linear", name, reason, shape)
-        else:
-            linear_replacement(ctx, found, *param)
+        ctx.at_site(
+            name, lambda node=node, found=found, name=name: _linear_site(ctx, node, found, name, param, value)
+        )
+
+
+def _linear_site(ctx: PassContext, node: fx.Node, found, name: str, param, value) -> None:
+    """found (a LinearMatch, or the weight placeholder of a form not supported) rewritten, or
+    kept bf16 with the reason; param the model parameter behind its weight, value its input."""
+    weight = found.weight if isinstance(found, LinearMatch) else found
+    w_val = found.weight_val if isinstance(found, LinearMatch) else weight.meta["val"]
+    shape = "x".join(map(str, w_val.shape))
+    if not isinstance(found, LinearMatch):
+        ctx.skipped("linear", name, _unsupported_weight_reason(node, weight), shape)
+    elif param is None:
+        kind = "buffer or input" if isinstance(value, torch.Tensor) else "graph input"
+        ctx.skipped(
+            "linear",
+            name,
+            f"weight is a {kind}, not a parameter: it may change between calls, "
+            "so it is not quantized at compile time",
+            shape,
+        )
+    elif (reason := linear_extra_check(ctx, found, name)) is not None:
+        ctx.skipped("linear", name, reason, shape)
+    else:
+        linear_replacement(ctx, found, *param)
 
 
 def _unsupported_weight_reason(node: fx.Node, placeholder: fx.Node) -> str:

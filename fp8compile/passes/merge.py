@@ -24,6 +24,15 @@ from ..weights import stacked_bias
 aten = torch.ops.aten
 
 
+def group_name(ctx: PassContext, matches: list[LinearMatch]) -> str:
+    """The linears of a group, for the report: "model.layers.0.self_attn.q_proj|k_proj|v_proj"."""
+    names = [module_name(param[1]) if (param := ctx.parameter(m.weight)) else m.weight.name for m in matches]
+    prefix = names[0].rpartition(".")[0]
+    if prefix and all(name.rpartition(".")[0] == prefix for name in names):
+        return prefix + "." + "|".join(name.rpartition(".")[2] for name in names)
+    return "|".join(names)
+
+
 def merge_linears(ctx: PassContext, matches: list[LinearMatch]) -> bool:
     """matches (same x, same weight layout, all or no biases; each a linear the linear pass would
     rewrite) -> one FP8 linear, output sliced back. False, graph unchanged, where a bias is no

@@ -683,22 +683,26 @@ def rewrite_block(ctx: PassContext, down: ExpertGemm, rewrite, report: bool = Tr
     on the report unless report=False (the caller may still take the block another way)."""
     name = block_name(ctx, down.weight)
     shape = "x".join(map(str, meta_val(down.weight).shape))
-    try:
-        if ctx.config.recipe != "block":
-            raise NoMatch(
-                f"routed experts have FP8 kernels in the block recipe only (recipe={ctx.config.recipe!r})"
-            )
-        if meta_val(down.weight).dtype != torch.bfloat16:
-            dtype = str(meta_val(down.weight).dtype).replace("torch.", "")
-            raise NoMatch(f"dtype {dtype}: only bfloat16 experts are rewritten")
-        rewrite()
-        return None
-    except NoMatch as error:
-        reason = str(error)
-    except Exception as error:  # a pass bug must not fail the user's compile: the block stays bf16
-        log.warning("fp8compile: moe pass failed on %s", name, exc_info=True)
-        reason = f"moe pass error ({type(error).__name__}: {error})"
-    if report:
+    if ctx.site_failed(name):  # the report has the error already (passes/guard.py)
+        return f"the {ctx.current_pass} pass raised an error at this block"
+
+    def attempt() -> str | None:
+        try:
+            if ctx.config.recipe != "block":
+                raise NoMatch(
+                    f"routed experts have FP8 kernels in the block recipe only (recipe={ctx.config.recipe!r})"
+                )
+            if meta_val(down.weight).dtype != torch.bfloat16:
+                dtype = str(meta_val(down.weight).dtype).replace("torch.", "")
+                raise NoMatch(f"dtype {dtype}: only bfloat16 experts are rewritten")
+            rewrite()
+            return None
+        except NoMatch as error:
+            return str(error)
+
+    # any other exception: the graph is put back and the block stays bf16 (passes/guard.py)
+    reason = ctx.at_site(name, attempt)
+    if reason is not None and report:
         ctx.skipped("moe", name, reason, shape)
     return reason
 

@@ -298,38 +298,42 @@ def mqa_logits_pass(ctx: PassContext) -> None:
         if isinstance(found, str):
             ctx.skipped("mqa_logits", name, found)
             continue
-        qv, kv = _val(found.q), _val(found.k)
-        # The kernels specialize on H and D when they run; the choice here is for these sizes.
-        h, d = (size_hint(size) for size in qv.shape[-2:])
-        shape = "x".join(map(str, qv.shape))
-        try:
-            verify(ctx, found)
-            request = registry.Request("mqa_logits", qv.device, n=h, k=d)
-            backend = registry.choose(request, ctx.config.backends, tier="large")
-        except (NoMatch, RuntimeError) as e:
-            ctx.skipped("mqa_logits", name, str(e), shape)
-            continue
-        scalars = tuple((mul, None if isinstance(v, fx.Node) else v) for mul, v in found.scalars)
-        live = [v for _, v in found.scalars if isinstance(v, fx.Node)]
-        call = dict(
-            scalars=scalars, e8m0=ctx.config.e8m0, backend=backend, out_dtype=_val(found.output).dtype
+        ctx.at_site(name, lambda relu=relu, found=found, name=name: _mqa_logits_site(ctx, relu, found, name))
+
+
+def _mqa_logits_site(ctx: PassContext, relu: fx.Node, found, name: str) -> None:
+    """The indexer logits found (the match ending in relu) as fp8compile's op, or kept with the reason."""
+    graph = ctx.gm.graph
+    qv, kv = _val(found.q), _val(found.k)
+    # The kernels specialize on H and D when they run; the choice here is for these sizes.
+    h, d = (size_hint(size) for size in qv.shape[-2:])
+    shape = "x".join(map(str, qv.shape))
+    try:
+        verify(ctx, found)
+        request = registry.Request("mqa_logits", qv.device, n=h, k=d)
+        backend = registry.choose(request, ctx.config.backends, tier="large")
+    except (NoMatch, RuntimeError) as e:
+        ctx.skipped("mqa_logits", name, str(e), shape)
+        return
+    scalars = tuple((mul, None if isinstance(v, fx.Node) else v) for mul, v in found.scalars)
+    live = [v for _, v in found.scalars if isinstance(v, fx.Node)]
+    call = dict(scalars=scalars, e8m0=ctx.config.e8m0, backend=backend, out_dtype=_val(found.output).dtype)
+    with graph.inserting_before(found.output):
+        new = inline_traced(
+            graph,
+            lambda q, k, w, *live: indexer_logits(q, k, w, *live, **call),
+            [found.q, found.k, found.w, *live],
+            ctx.traces,
+            ("indexer_logits", *sorted(call.items())),
         )
-        with graph.inserting_before(found.output):
-            new = inline_traced(
-                graph,
-                lambda q, k, w, *live: indexer_logits(q, k, w, *live, **call),
-                [found.q, found.k, found.w, *live],
-                ctx.traces,
-                ("indexer_logits", *sorted(call.items())),
-            )
-        ctx.replace_uses(found.output, new)
-        tokens = qv.shape[-3] if qv.dim() == 4 else qv.shape[0]
-        ctx.rewrote(
-            "mqa_logits",
-            name,
-            tokens,
-            h,
-            d,
-            (("all M", backend),),
-            detail=f"H={h}, D={d}, {'batched' if kv.dim() == 3 else 'shared'} keys",
-        )
+    ctx.replace_uses(found.output, new)
+    tokens = qv.shape[-3] if qv.dim() == 4 else qv.shape[0]
+    ctx.rewrote(
+        "mqa_logits",
+        name,
+        tokens,
+        h,
+        d,
+        (("all M", backend),),
+        detail=f"H={h}, D={d}, {'batched' if kv.dim() == 3 else 'shared'} keys",
+    )

@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..numerics import BLOCK
 from .context import PassContext
 from .linear import MATMULS, LinearMatch, linear_extra_check, linear_pattern, module_name
-from .merge import merge_linears
+from .merge import group_name, merge_linears
 from .silu_mul import _VIEWS, _strip
 
 
@@ -53,6 +53,10 @@ def qkv_extra_check(ctx: PassContext, group: list[LinearMatch]) -> list[LinearMa
 
 def qkv_pass(ctx: PassContext) -> None:
     for group in qkv_pattern(ctx):
-        group = qkv_extra_check(ctx, group)
-        if group:
-            merge_linears(ctx, group)
+        ctx.at_site(group_name(ctx, group), lambda group=group: _qkv_site(ctx, group))
+
+
+def _qkv_site(ctx: PassContext, group: list[LinearMatch]) -> None:
+    group = qkv_extra_check(ctx, group)
+    if group:
+        merge_linears(ctx, group)

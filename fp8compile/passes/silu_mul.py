@@ -211,6 +211,8 @@ def _chain(node, targets, depth: int = 12) -> bool:
             return False
         if node.target in targets:
             return True
+        if not node.args:  # an op of keyword arguments only (Gemma-2's graph on a GPU had one)
+            return False
         node = node.args[0]
     return False
 
@@ -242,10 +244,14 @@ def silu_mul_pass(ctx: PassContext) -> None:
         if not isinstance(match, LinearMatch) or (param := ctx.parameter(match.weight)) is None:
             continue
         name = module_name(param[1])
-        if linear_extra_check(ctx, match, name) is not None:
-            continue  # stays bf16: linear_pass records why
-        found = silu_mul_pattern(match.x)
-        if isinstance(found, tuple):
-            silu_mul_replacement(ctx, match, *found, *param)
-        elif isinstance(found, str):
-            ctx.skipped("silu_mul", name, found)
+        ctx.at_site(name, lambda match=match, param=param, name=name: _silu_mul_site(ctx, match, param, name))
+
+
+def _silu_mul_site(ctx: PassContext, match: LinearMatch, param: tuple[torch.Tensor, str], name: str) -> None:
+    if linear_extra_check(ctx, match, name) is not None:
+        return  # stays bf16: linear_pass records why
+    found = silu_mul_pattern(match.x)
+    if isinstance(found, tuple):
+        silu_mul_replacement(ctx, match, *found, *param)
+    elif isinstance(found, str):
+        ctx.skipped("silu_mul", name, found)
