@@ -97,14 +97,23 @@ def test_no_two_modules_import_each_other_even_lazily():
     assert _import_cycles() == []
 
 
+def _ruff() -> str | None:
+    """The ruff of the environment running the tests (beside its python, also where that
+    environment is not activated), else the one on PATH."""
+    import shutil
+    import sys
+
+    beside = Path(sys.executable).parent / "ruff"
+    return str(beside) if beside.exists() else shutil.which("ruff")
+
+
 def test_the_package_and_its_tests_pass_the_linter():
     # pyproject.toml's [tool.ruff]: pycodestyle errors and warnings, pyflakes, 110 columns.
-    import shutil
     import subprocess
 
     import pytest
 
-    ruff = shutil.which("ruff")
+    ruff = _ruff()
     if ruff is None:
         pytest.skip("ruff is not installed (pip install -e '.[test]')")
     done = subprocess.run(
@@ -115,12 +124,11 @@ def test_the_package_and_its_tests_pass_the_linter():
 
 def test_the_package_and_its_tests_are_laid_out_by_the_formatter():
     # pyproject.toml's [tool.ruff.format]; `ruff format` fixes what this finds.
-    import shutil
     import subprocess
 
     import pytest
 
-    ruff = shutil.which("ruff")
+    ruff = _ruff()
     if ruff is None:
         pytest.skip("ruff is not installed (pip install -e '.[test]')")
     done = subprocess.run(
