@@ -68,6 +68,7 @@ def _backends(args) -> int:
 
 def _models(args) -> int:
     import concurrent.futures
+    import functools
     import dataclasses
     import json
     import logging
@@ -80,15 +81,20 @@ def _models(args) -> int:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if args.in_process:  # one architecture, its row as JSON on the last line
         (arch,) = args.arch
-        print(json.dumps(dataclasses.asdict(architectures.run(arch, device=args.device))))
+        row = architectures.run(arch, device=args.device, modes=tuple(args.generate))
+        print(json.dumps(dataclasses.asdict(row)))
         return 0
     archs = args.arch or architectures.causal_lm_architectures()
     rows = []
-    print(architectures.table([]))
+    modes = tuple(args.generate)
+    print(architectures.table([], modes))
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # each its own process
-        for row in pool.map(lambda arch: architectures.run_isolated(arch, args.timeout, args.device), archs):
+        run = functools.partial(
+            architectures.run_isolated, timeout=args.timeout, device=args.device, modes=modes
+        )
+        for row in pool.map(run, archs):
             rows.append(row)
-            print(architectures.table([row]).splitlines()[-1], flush=True)
+            print(architectures.table([row], modes).splitlines()[-1], flush=True)
     counts = {
         status: sum(r.status == status for r in rows) for status in dict.fromkeys(r.status for r in rows)
     }
@@ -132,6 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     models.add_argument(
         "--jobs", type=int, default=1, help="architectures run at once, each in its own process"
+    )
+    models.add_argument(
+        "--generate",
+        action="append",
+        default=[],
+        choices=["default", "reduce-overhead"],
+        help="also run generate() with a static cache compiled in this mode, bf16 Inductor beside fp8 "
+        "(tokens/s on a GPU, recompiles, CUDA graphs); may be given twice",
     )
     models.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # one arch, JSON out
     bench = sub.add_parser(

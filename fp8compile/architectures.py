@@ -109,6 +109,7 @@ class Row:
     kept: dict = dataclasses.field(default_factory=dict)  # reason -> how many candidates
     note: str = ""
     seconds: float = 0.0
+    decode: list = dataclasses.field(default_factory=list)  # generate_check.Decode per mode, as dicts
 
     @property
     def within_bound(self) -> bool:
@@ -296,9 +297,11 @@ def median_token_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(per_token.median())
 
 
-def run(arch: str, seed: int = 0, device: str = "cpu") -> Row:
+def run(arch: str, seed: int = 0, device: str = "cpu", modes: tuple[str, ...] = ()) -> Row:
     """One architecture through the matrix (module docstring). On "cuda" the compiled model runs
-    the GPU kernels the registry picks, and eager bf16 and the composition run there too."""
+    the GPU kernels the registry picks, and eager bf16 and the composition run there too.
+    modes: also generate() in these compile modes, bf16 Inductor beside fp8 (generate_check;
+    timed on a GPU): an exception of fp8's side there makes the row "failed"."""
     import fp8compile
 
     begin = time.perf_counter()
@@ -341,11 +344,22 @@ def run(arch: str, seed: int = 0, device: str = "cpu") -> Row:
         row.status = "rewritten"
     else:
         row.status = "over bound"
+    _decode(row, model, device, modes)
     row.seconds = time.perf_counter() - begin
     return row
 
 
-def run_isolated(arch: str, timeout: float = 600, device: str = "cpu") -> Row:
+def _decode(row: Row, model, device: str, modes: tuple[str, ...]) -> None:
+    from . import generate_check
+
+    for mode in modes:
+        result = generate_check.decode(model, mode, device, timed=device != "cpu")
+        row.decode.append(dataclasses.asdict(result))
+        if result.error.startswith("fp8"):
+            row.status, row.note = "failed", f"generate() in {mode}: {result.error}"
+
+
+def run_isolated(arch: str, timeout: float = 600, device: str = "cpu", modes: tuple[str, ...] = ()) -> Row:
     """run(arch) in a fresh Python process: an architecture that exhausts memory, hangs or kills
     its process becomes a "failed" row instead of ending the matrix (and compiled graphs do not
     pile up over hundreds of models in one process)."""
@@ -355,6 +369,7 @@ def run_isolated(arch: str, timeout: float = 600, device: str = "cpu") -> Row:
 
     begin = time.perf_counter()
     command = [sys.executable, "-m", "fp8compile", "models", "--in-process", "--device", device, arch]
+    command += [f"--generate={mode}" for mode in modes]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -373,12 +388,16 @@ def run_isolated(arch: str, timeout: float = 600, device: str = "cpu") -> Row:
     return Row(**json.loads(lines[-1]))
 
 
-def table(rows: list[Row]) -> str:
-    """The matrix as a Markdown table."""
+def table(rows: list[Row], modes: tuple[str, ...] = ()) -> str:
+    """The matrix as a Markdown table; a generate() column per mode (those of the rows' by default)."""
+    modes = list(modes) or list(dict.fromkeys(d["mode"] for r in rows for d in r.decode))
     lines = [
         "| architecture | status | rewritten | median token calc_diff, x composition | pooled, x composition "
-        "| kept bf16 |",
-        "|---|---|---|---|---|---|",
+        + "".join(
+            f"| generate(), {mode}: fp8 / bf16 Inductor tokens/s, recompiles, CUDA graphs " for mode in modes
+        )
+        + "| kept bf16 |",
+        "|---|---|---|---|---|---|" + "---|" * len(modes),
     ]
     for r in rows:
         counts = ", ".join(f"{kind} {n}" for kind, n in r.counts.items()) or "-"
@@ -388,5 +407,19 @@ def table(rows: list[Row]) -> str:
             pooled = f"{r.calc_diff:.2e}, {r.calc_diff / max(r.composition, 1e-30):.2f}x"
         kept = "; ".join(f"{n} x {reason}" for reason, n in r.kept.items()) or r.note or "-"
         arch = f"{r.arch} ({r.experts})" if r.experts else r.arch
-        lines.append(f"| {arch} | {r.status} | {counts} | {median} | {pooled} | {kept.replace('|', '/')} |")
+        decode = "".join(f"| {_decode_cell(r, mode)} " for mode in modes)
+        kept = kept.replace("|", "/")
+        lines.append(f"| {arch} | {r.status} | {counts} | {median} | {pooled} {decode}| {kept} |")
     return "\n".join(lines)
+
+
+def _decode_cell(row: Row, mode: str) -> str:
+    found = [d for d in row.decode if d["mode"] == mode]
+    if not found:
+        return "-"
+    d = found[0]
+    if d["error"]:
+        return d["error"].replace("|", "/")
+    bf16, fp8 = d["bf16_tokens_per_s"], d["fp8_tokens_per_s"]
+    speed = f"{fp8:.0f} / {bf16:.0f} = {fp8 / bf16:.2f}x" if bf16 and fp8 else "ran"
+    return f"{speed}, {d['recompiles']}, {d['cuda_graphs'] or '-'}"

@@ -166,3 +166,40 @@ def test_the_matrix_runs_architectures_side_by_side_and_prints_them_in_the_order
     ]
     printed = [line.split("|")[1].strip() for line in result.stdout.splitlines() if line.startswith("| ")]
     assert printed[1:] == ["no_such_model_type", "llama"]  # after the header
+
+
+def test_generate_in_the_matrix_tells_a_crash_of_fp8_from_the_models_own(monkeypatch):
+    # generate_check.decode runs bf16 Inductor first: an exception there is the model's or
+    # transformers' (a note), one on fp8's side fails the row.
+    from fp8compile import generate_check
+
+    def fake_generate(model, ids, backend, mode):
+        if mode == "default" and backend != "inductor":
+            raise IndexError("tuple index out of range")
+        if mode == "reduce-overhead" and backend == "inductor":
+            raise ValueError("this model has no static cache")
+        return 0.5, 0
+
+    monkeypatch.setattr(generate_check, "_generate_twice", fake_generate)
+    model = architectures.build("llama")
+    row = architectures.Row("llama", "rewritten", counts={"linear": 14})
+    architectures._decode(row, model, "cpu", ("default", "reduce-overhead"))
+    assert row.status == "failed" and "generate() in default: fp8: IndexError" in row.note
+    assert [d["error"].split(":")[0] for d in row.decode] == ["fp8", "bf16"]
+    header, _, line = architectures.table([row]).splitlines()
+    assert "generate(), default" in header and "generate(), reduce-overhead" in header
+    assert "fp8: IndexError: tuple index out of range" in line and "bf16: ValueError" in line
+    assert header.count("|") == line.count("|")
+
+
+def test_generate_in_the_matrix_gives_tokens_per_second_on_both_sides(monkeypatch):
+    from fp8compile import generate_check
+
+    monkeypatch.setattr(
+        generate_check,
+        "_generate_twice",
+        lambda model, ids, backend, mode: (0.25 if backend != "inductor" else 0.5, 0),
+    )
+    result = generate_check.decode(architectures.build("llama"), "reduce-overhead", "cpu", timed=True)
+    assert (result.bf16_tokens_per_s, result.fp8_tokens_per_s) == (64.0, 128.0) and result.ratio == 2.0
+    assert result.recompiles == 0 and result.error == ""
