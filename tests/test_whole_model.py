@@ -500,3 +500,25 @@ def test_generate_with_a_cache_made_before_the_call_builds_the_m_dispatch_when_d
             warm = backend.compiles
             assert torch.equal(generate(), first) and backend.compiles == warm, f"batch {batch}: recompiled"
     assert {"ref_small", "ref_medium"} <= {k for r in backend.report.rewrites for _, k in r.kernels}
+
+
+@pytest.mark.parametrize(
+    "name, feature",
+    [
+        ("mistral-7b-v0.1", lambda c: c.sliding_window == 4096),
+        ("gemma-2-9b", lambda c: c.sliding_window == 4096 and c.final_logit_softcapping == 30.0),
+        ("gemma-3-12b", lambda c: c.sliding_window == 1024 and "full_attention" in c.layer_types),
+        ("phi-3-medium", lambda c: c.num_key_value_heads == 10),
+        ("mixtral-8x7b", lambda c: (c.num_local_experts, c.num_experts_per_tok) == (8, 2)),
+        ("qwen3-8b", lambda c: c.head_dim == 128),
+    ],
+)
+def test_bench_model_builds_each_family_at_its_real_widths(name, feature):
+    # On the meta device: the real widths, the family's own attention or layout, no memory.
+    from fp8compile.bench.model import MODELS, build
+
+    model = build(name, layers=6, device="meta")  # Gemma-3: the sixth layer is its first global one
+    config = model.config
+    assert config.hidden_size == MODELS[name][2]["hidden_size"] and config.num_hidden_layers == 6
+    assert feature(config)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
