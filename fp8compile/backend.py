@@ -111,9 +111,11 @@ def compile_graph(
     if dump:
         dump.dynamo(gm)
 
+    cuda_graphs = bool(patches.get("triton.cudagraphs"))
+
     def inductor_compile(aten_gm: fx.GraphModule, aten_inputs: Sequence[Any], **kwargs: Any):
         inner = dict(coordinate_descent_tuning=tuning)
-        if hasattr(torch._inductor.config, "graph_partition") and _partition_off(aten_gm):
+        if cuda_graphs and hasattr(torch._inductor.config, "graph_partition") and _partition_off(aten_gm):
             inner["graph_partition"] = False
         with torch._inductor.config.patch(inner):
             return compile_fx_inner(aten_gm, aten_inputs, **kwargs)
@@ -213,8 +215,8 @@ def compile_graph(
 
 
 def _partition_off(gm: fx.GraphModule) -> bool:
-    """Whether Inductor compiles this graph without graph partitioning (under CUDA graphs: one
-    CUDA graph for the whole graph, or none).
+    """Whether Inductor compiles this graph, asked for CUDA graphs, without graph partitioning
+    (one CUDA graph for the whole graph, or none).
 
     Partitioning records CUDA graphs between the ops it cannot record, and a torch.cond is one:
     every FP8 op of the M dispatch would stay outside them, where recorded whole (per M) one graph

@@ -371,6 +371,11 @@ def why_not(backend: str, request: Request) -> str | None:
     return b.why_not(request)
 
 
+class UnservableBackends(RuntimeError):
+    """The backends the config names (Fp8Config.backends) cannot serve a call site: the user's
+    choice cannot be honoured, which is an error of the compile, not a site kept bf16."""
+
+
 class NoGpuKernel(RuntimeError):
     """No FP8 kernel runs this request on its GPU (one without FP8 tensor cores, or without the
     libraries): only the float64 reference would, far slower than the bf16 op it replaces, so
@@ -379,8 +384,8 @@ class NoGpuKernel(RuntimeError):
 
 def choose(request: Request, order: tuple[str, ...] | None = None, tier: str = "medium") -> str:
     """The first backend in `order` (default: the tier's default order) that serves `request`;
-    RuntimeError naming every reason if none, NoGpuKernel if the default order on a GPU comes
-    down to the reference."""
+    RuntimeError naming every reason if none (UnservableBackends where `order` was given),
+    NoGpuKernel if the default order on a GPU comes down to the reference."""
     default = order is None
     if default:
         # On the CPU the reference is the product; Triton's interpreter runs only when asked for.
@@ -397,7 +402,7 @@ def choose(request: Request, order: tuple[str, ...] | None = None, tier: str = "
                 )
             return name
         rejected.append(f"{name}: {reason}")
-    raise RuntimeError(
+    raise (RuntimeError if default else UnservableBackends)(
         f"no backend in {list(order)} can run {request.op} (N={request.n}, K={request.k}, "
         f"{request.m_range}) on {request.device}: {'; '.join(rejected)}"
     )

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch.fx as fx
 
+from .. import registry
 from .context import PassContext, SiteFailure
 
 log = logging.getLogger("fp8compile")
@@ -114,8 +115,8 @@ def run_guarded(ctx: PassContext, passes: list[tuple[str, Callable[[PassContext]
                     run(ctx)
             break
         except Exception as error:
-            if ctx.config.strict:
-                raise
+            if ctx.config.strict or isinstance(getattr(error, "error", error), registry.UnservableBackends):
+                raise  # strict, or the user's own choice of backends cannot be honoured: their error
             fault = _fault(ctx, error)
             log.warning("fp8compile: %s", fault.reason(), exc_info=True)
             faults.append(fault)
