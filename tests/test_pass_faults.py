@@ -168,3 +168,25 @@ def test_an_error_outside_any_site_leaves_that_pass_out_of_the_graph(monkeypatch
     assert "left out of" in fault.reason and "a bug in a pass's matching" in fault.reason
     with torch.no_grad():
         assert calc_diff(out, model(x)) < 3 * 7.2e-4
+
+
+def test_a_graph_inductor_cannot_compile_as_rewritten_is_compiled_as_dynamo_gave_it(monkeypatch):
+    from torch._inductor import compile_fx
+
+    real = compile_fx.compile_fx_inner
+
+    def inner(gm, *args, **kwargs):
+        if any("fp8compile" in str(node.target) for node in gm.graph.nodes):
+            raise RuntimeError("a lowering Inductor lacks")
+        return real(gm, *args, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", inner)
+    model, x = GatedMLP(256, 512).to(BF16), randn(4, 256)
+    fp8 = fp8compile.backend()
+    with torch.no_grad(), pytest.warns(UserWarning, match="Inductor could not compile graph 0 as rewritten"):
+        out = torch.compile(model, backend=fp8)(x)
+    assert set(fp8.report.counts().values()) == {0}  # the rewrites it did not keep are off the report
+    (skip,) = fp8.report.skipped("graph")
+    assert "a lowering Inductor lacks" in skip.reason and "kept as the model wrote it" in skip.reason
+    with torch.no_grad():
+        assert calc_diff(out, model(x)) < 1e-5  # bf16: no FP8 error
