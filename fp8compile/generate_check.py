@@ -28,12 +28,6 @@ class Decode:
     cuda_graphs: str = ""  # fp8's: "on", or each graph's reason where off
     error: str = ""  # the side and the exception, where one raised
 
-    @property
-    def ratio(self) -> float | None:
-        if self.bf16_tokens_per_s and self.fp8_tokens_per_s:
-            return self.fp8_tokens_per_s / self.bf16_tokens_per_s
-        return None
-
 
 def decode(model, mode: str, device: str, timed: bool, batch: int = 1) -> Decode:
     """generate() on model in mode ("default" or "reduce-overhead"), bf16 Inductor then fp8.

@@ -201,5 +201,5 @@ def test_generate_in_the_matrix_gives_tokens_per_second_on_both_sides(monkeypatc
         lambda model, ids, backend, mode: (0.25 if backend != "inductor" else 0.5, 0),
     )
     result = generate_check.decode(architectures.build("llama"), "reduce-overhead", "cpu", timed=True)
-    assert (result.bf16_tokens_per_s, result.fp8_tokens_per_s) == (64.0, 128.0) and result.ratio == 2.0
+    assert (result.bf16_tokens_per_s, result.fp8_tokens_per_s) == (64.0, 128.0)
     assert result.recompiles == 0 and result.error == ""

@@ -96,6 +96,12 @@ def inductor_launch(
     return None
 
 
+def _moe_launches(ctx: PassContext, device: torch.device) -> bool:
+    """Whether a moe call site on this device may get traced launches at all (batch-invariant
+    keeps the op's 64-row blocks)."""
+    return bool(ctx.inductor_launch) and device.type == "cuda" and not ctx.config.batch_invariant
+
+
 def moe_launch_wanted(
     ctx: PassContext,
     sides,
@@ -108,7 +114,7 @@ def moe_launch_wanted(
 ) -> bool:
     """Whether a moe call site on these sides of the dispatch gets a traced launch on one of them
     (so its FP8 expert weights must enter the graph: LAUNCH_OPERANDS)."""
-    if not (ctx.inductor_launch and device.type == "cuda" and not ctx.config.batch_invariant):
+    if not _moe_launches(ctx, device):
         return False
     from ..ops import moe_gluon_op
 
@@ -131,7 +137,7 @@ def moe_decode_cut(ctx: PassContext, num_experts: int, top_k: int, device: torch
     triton kernel, are one side, and a graph compiled for dynamic M (generate() at a second batch
     size) ran every decode step's experts through the op: 0.9 ms of host time a layer under
     cProfile (H100, Qwen3-30B-A3B widths, batch 4), where a graph of static M takes the launch."""
-    if not (ctx.inductor_launch and device.type == "cuda" and not ctx.config.batch_invariant):
+    if not _moe_launches(ctx, device):
         return None
     most = next((m for m in range(ctx.config.small_m, 0, -1) if decode_fits(num_experts, top_k, m)), 0)
     return most + 1 if most else None
@@ -144,7 +150,7 @@ def moe_gluon_cut(
     its part from there up can be moe_gluon's traced launch: the Gluon GEMMs' first count
     (moe_gluon_op.min_tokens, where the op itself switches kernels: the numbers stay), or None
     where no traced launch is wanted or the Gluon kernel cannot serve these experts."""
-    if not (ctx.inductor_launch and device.type == "cuda" and not ctx.config.batch_invariant):
+    if not _moe_launches(ctx, device):
         return None
     from ..ops import moe_gluon_op  # the Gluon kernel's limits need Triton, present with a GPU
 
