@@ -150,22 +150,23 @@ def test_the_matrix_runs_each_architecture_in_its_own_process_and_keeps_going():
 
 
 def test_the_matrix_runs_architectures_side_by_side_and_prints_them_in_the_order_asked(tmp_path):
-    """`--jobs 2` runs two processes at once (the GPU matrix ran 8); the rows keep their order."""
+    """`--jobs 2` runs two processes at once (the GPU matrix ran 8); the rows keep their order,
+    the order asked, not the alphabet's. (Rows of real architectures, rewritten in a process of
+    their own, are test_the_matrix_runs_each_architecture_in_its_own_process_and_keeps_going's
+    and the parametrized test's; two unknown ones keep this test to the command's plumbing.)"""
+    asked = ["zz_no_such_model_type", "aa_no_such_model_type"]
     result = subprocess.run(
-        [sys.executable, "-m", "fp8compile", "models", "--jobs", "2", "--out", str(tmp_path)]
-        + ["no_such_model_type", "llama"],
+        [sys.executable, "-m", "fp8compile", "models", "--jobs", "2", "--out", str(tmp_path)] + asked,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads((tmp_path / "models.json").read_text())
-    assert [(r["arch"], r["status"]) for r in rows] == [
-        ("no_such_model_type", "not built small"),
-        ("llama", "rewritten"),
-    ]
+    assert [(r["arch"], r["status"]) for r in rows] == [(arch, "not built small") for arch in asked]
+    assert all("KeyError" in r["note"] for r in rows)
     printed = [line.split("|")[1].strip() for line in result.stdout.splitlines() if line.startswith("| ")]
-    assert printed[1:] == ["no_such_model_type", "llama"]  # after the header
+    assert printed[1:] == asked  # after the header
 
 
 def test_generate_in_the_matrix_tells_a_crash_of_fp8_from_the_models_own(monkeypatch):

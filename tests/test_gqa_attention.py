@@ -64,7 +64,7 @@ def _generate(model, ids, backend, steps=6):
 
 
 def test_static_cache_decode_reads_each_kv_head_once_with_the_numbers_of_repeat_kv(captured):
-    model = small_llama()  # 4 query heads on 2 K/V heads
+    model = small_llama(layers=1)  # 4 query heads on 2 K/V heads
     model.generation_config.eos_token_id = None
     ids = torch.randint(0, 32000, (2, 12))
     rewritten = fp8compile.backend(
@@ -106,13 +106,13 @@ def test_every_layers_attention_after_the_first_is_a_copy_of_its_trace(monkeypat
 
     traced, real = [], trace._trace
     monkeypatch.setattr(trace, "_trace", lambda fn, vals: traced.append(fn) or real(fn, vals))
-    model = small_llama(layers=3)
+    model = small_llama(layers=2)
     model.generation_config.eos_token_id = None
     backend = fp8compile.backend(fusions=("gqa_attention",), skip=("*",))
     with torch.no_grad():
         _generate(model, torch.randint(0, 32000, (2, 5)), backend, steps=2)
-    # The prompt (5 tokens, static) and the decode step: three layers each, one trace each.
-    assert [r.graph for r in backend.report.rewrites if r.kind == "attention"] == [0, 0, 0, 1, 1, 1]
+    # The prompt (5 tokens, static) and the decode step: two layers each, one trace each.
+    assert [r.graph for r in backend.report.rewrites if r.kind == "attention"] == [0, 0, 1, 1]
     assert len(traced) == 2
 
 

@@ -583,11 +583,14 @@ def test_a_static_graph_too_large_to_replay_stays_as_it_was_with_what_to_do(monk
     assert "static sizes" in skip.reason and "dynamic=True" in skip.reason, skip.reason
 
 
-def deepseek_v32(topk: int):
+def deepseek_v32(topk: int, layers: int = 2):
+    """DeepSeek-V3.2 at the architecture matrix's small sizes: a dense layer, then an MoE layer
+    (layers=1: the dense one only; every layer has its indexer)."""
     from fp8compile import architectures
 
     config = architectures.small_config("deepseek_v32")
     config.index_topk = topk
+    config.num_hidden_layers = layers
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 
@@ -600,7 +603,7 @@ def deepseek_v32(topk: int):
 
 
 def test_pass_rewrites_every_deepseek_v32_indexer(captured):
-    model = deepseek_v32(topk=16)
+    model = deepseek_v32(topk=16, layers=1)
     ids = torch.randint(0, 200, (2, 64), device=DEVICE)
     fp8 = fp8compile.backend()
     with torch.no_grad():
@@ -617,7 +620,7 @@ def test_pass_rewrites_every_deepseek_v32_indexer(captured):
 
 
 def test_deepseek_v32_indexer_keeps_the_bf16_top_k():
-    model = deepseek_v32(topk=16)
+    model = deepseek_v32(topk=16, layers=1)
     indexer = model.model.layers[0].self_attn.indexer
     calls = []
     indexer.register_forward_pre_hook(

@@ -150,7 +150,7 @@ def _generate(model, ids, steps, **kwargs):
 def test_generate_with_a_static_cache_runs_16_steps_without_recompiling_after_warm_up(path):
     from transformers.generation.configuration_utils import CompileConfig
 
-    model = small_llama()
+    model = small_llama(layers=1)
     model.generation_config.eos_token_id = None
     ids = torch.randint(0, 32000, (2, 12))
     backend = CountingBackend()
@@ -487,7 +487,7 @@ def test_generate_with_a_cache_made_before_the_call_builds_the_m_dispatch_when_d
     # fails in Inductor's codegen, "expected [s16] to have been codegen-ed", here as on the GPU).
     from fp8compile.bench.model import static_cache
 
-    model = small_llama()
+    model = small_llama(layers=1)
     model.generation_config.eos_token_id = None
     backend = CountingBackend(backends=ranged_references, **RANGES)
     model.forward = torch.compile(model.forward, backend=backend, mode="reduce-overhead")
