@@ -317,10 +317,12 @@ def test_bench_model_tp_plumbing_shards_decodes_and_writes_rank_zeros_rows(tmp_p
 
     # one timed call, one prefill batch, and of the fp8 variants the one a TP user runs (their own
     # compile in reduce-overhead): test_whole_model's plumbing test covers the others
-    rows = bench_model(tmp_path, **TINY_BENCH, variants=["bf16", "fp8_ro_own"], tp=2, repeat=1, prefill_batches=[1])
+    variants = ["bf16", "fp8_ro_own"]
+    rows = bench_model(tmp_path, **TINY_BENCH, variants=variants, tp=2, repeat=1, prefill_batches=[1])
     decode = {r["variant"]: r for r in rows if r["kind"] == "decode"}
     assert set(decode) == {"bf16", "fp8_ro_own"} and all(r["tp"] == 2 for r in rows)
     assert all(r["recompiles"] == 0 and r["tokens_per_s"] > 0 for r in decode.values())
     accuracy = {r["variant"]: r["calc_diff"] for r in rows if r["kind"] == "accuracy"}
-    assert accuracy["bf16"] == 0 and 0 < accuracy["fp8_ro_own"] < 2e-2  # against the sharded model's bf16 eager
+    # against the sharded model's bf16 eager
+    assert accuracy["bf16"] == 0 and 0 < accuracy["fp8_ro_own"] < 2e-2
     assert "x 2 (tensor parallel)" in model_table(rows)
