@@ -369,6 +369,34 @@ def test_deep_gemm_adapter_cleans_the_compressed_layout_past_each_window_itself(
     assert torch.equal(logits.isinf(), torch.arange(4)[None, :] >= torch.tensor([1, 4, 0])[:, None])
 
 
+def test_deep_gemm_adapters_return_contiguous_logits_where_deep_gemm_pads_its_rows(monkeypatch):
+    """DeepGEMM's logits are a view of rows padded to its tile of keys (32 keys, row stride 256, on
+    an H200); the op's fake says contiguous rows, and Inductor's check of the op's output failed
+    DeepSeek-V3.2 on the GPU ("expected size 64==64, stride 256==32"). A stand-in for DeepGEMM
+    that pads as it does."""
+    from types import SimpleNamespace
+
+    from fp8compile.ops import vendors_mqa
+
+    def padded(rows, keys):
+        return torch.zeros(rows, 256)[:, :keys]
+
+    stand_in = SimpleNamespace(
+        fp8_mqa_logits=lambda q, kv, weights, ks, ke, clean_logits, max_seqlen_k: padded(q.shape[0], 32),
+        fp8_paged_mqa_logits=lambda q, cache, w, lengths, tables, schedule, max_len, clean_logits: padded(
+            q.shape[0] * q.shape[1], max_len
+        ),
+    )
+    monkeypatch.setattr(vendors_mqa, "require", lambda module: stand_in)
+    q, k, k_scale = torch.zeros(3, 4, 32), torch.zeros(32, 32), torch.ones(32)
+    ks, ke = torch.zeros(3, dtype=torch.int32), torch.full((3,), 32, dtype=torch.int32)
+    logits = vendors_mqa.mqa_logits_deep_gemm(q, k, k_scale, torch.ones(3, 4), ks, ke, True, 0)
+    assert logits.shape == (3, 32) and logits.stride() == (32, 1)
+    q_fp8, cache, weights, lens, tables = paged_case(2, 1, 16, 32, 64, (70, 1), blocks=4)
+    paged = vendors_mqa.paged_mqa_logits_deep_gemm(q_fp8, cache, weights, lens, tables, None, 96, True)
+    assert paged.shape == (2, 96) and paged.stride() == (96, 1)
+
+
 def test_registry_says_why_a_kernel_cannot_serve_these_heads():
     request = registry.Request("mqa_logits", torch.device("cuda"), n=48, k=128)
     assert "powers of two" in registry.why_not("triton", request)

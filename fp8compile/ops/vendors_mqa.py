@@ -34,7 +34,14 @@ def mqa_logits_deep_gemm(q_fp8, k_fp8, k_scale, weights, ks, ke, clean_logits=Tr
     )
     if clean_logits and max_seqlen_k > 0:
         _minus_inf_past(logits, ke - ks)
-    return logits
+    return _as_the_op_lays_it_out(logits)
+
+
+def _as_the_op_lays_it_out(logits: torch.Tensor) -> torch.Tensor:
+    """DeepGEMM returns its logits as a view of rows padded to its tile of keys (32 keys came back
+    with a row stride of 256: H200, sgl-deep-gemm 0.1.5), where the op (its fake, and Inductor's
+    check of each extern op's output) says contiguous rows: a copy where the rows are padded."""
+    return logits.contiguous()
 
 
 def _minus_inf_past(logits: torch.Tensor, lengths: torch.Tensor) -> None:
@@ -97,7 +104,7 @@ def paged_mqa_logits_deep_gemm(
     )
     if clean_logits:
         _minus_inf_past(logits, lengths)
-    return logits
+    return _as_the_op_lays_it_out(logits)
 
 
 def _check_block(block_size: int) -> None:
