@@ -95,15 +95,15 @@ def _models(args) -> int:
         for row in pool.map(run, archs):
             rows.append(row)
             print(architectures.table([row], modes).splitlines()[-1], flush=True)
+            if args.out:  # after every row: a matrix cut off by a time limit keeps the rows it has
+                out = Path(args.out)
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "models.md").write_text(architectures.table(rows, modes) + "\n")
+                (out / "models.json").write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
     counts = {
         status: sum(r.status == status for r in rows) for status in dict.fromkeys(r.status for r in rows)
     }
     print(f"{len(rows)} architectures: " + ", ".join(f"{n} {status}" for status, n in counts.items()))
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "models.md").write_text(architectures.table(rows) + "\n")
-        (out / "models.json").write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
     return 0 if all(r.status != "failed" and r.status != "over bound" for r in rows) else 1
 
 

@@ -174,14 +174,14 @@ def test_generate_in_the_matrix_tells_a_crash_of_fp8_from_the_models_own(monkeyp
     # transformers' (a note), one on fp8's side fails the row.
     from fp8compile import generate_check
 
-    def fake_generate(model, ids, backend, mode):
+    def fake_generate(model, ids, backend, mode, repeat):
         if mode == "default" and backend != "inductor":
             raise IndexError("tuple index out of range")
         if mode == "reduce-overhead" and backend == "inductor":
             raise ValueError("this model has no static cache")
         return 0.5, 0
 
-    monkeypatch.setattr(generate_check, "_generate_twice", fake_generate)
+    monkeypatch.setattr(generate_check, "_generate_timed", fake_generate)
     model = architectures.build("llama")
     row = architectures.Row("llama", "rewritten", counts={"linear": 14})
     architectures._decode(row, model, "cpu", ("default", "reduce-overhead"))
@@ -196,11 +196,31 @@ def test_generate_in_the_matrix_tells_a_crash_of_fp8_from_the_models_own(monkeyp
 def test_generate_in_the_matrix_gives_tokens_per_second_on_both_sides(monkeypatch):
     from fp8compile import generate_check
 
-    monkeypatch.setattr(
-        generate_check,
-        "_generate_twice",
-        lambda model, ids, backend, mode: (0.25 if backend != "inductor" else 0.5, 0),
-    )
+    sides = []
+
+    def fake_generate(model, ids, backend, mode, repeat):
+        sides.append("bf16" if backend == "inductor" else "fp8")
+        return (0.2 if len(sides) == 2 else 0.3) if backend != "inductor" else 0.5, 0
+
+    monkeypatch.setattr(generate_check, "_generate_timed", fake_generate)
     result = generate_check.decode(architectures.build("llama"), "reduce-overhead", "cpu", timed=True)
-    assert (result.bf16_tokens_per_s, result.fp8_tokens_per_s) == (64.0, 128.0)
+    # bf16, fp8, fp8, bf16: each side's mean position in the process is the same
+    assert sides == ["bf16", "fp8", "fp8", "bf16"]
+    assert (result.bf16_tokens_per_s, result.fp8_tokens_per_s) == (64.0, 128.0)  # fp8: the mean, 0.25 s
     assert result.recompiles == 0 and result.error == ""
+
+
+def test_generate_check_times_the_median_of_its_repeated_calls_after_one_warm_up(monkeypatch):
+    from fp8compile import generate_check
+
+    calls, clock = [], [0.0]
+    durations = iter([9.0, 5.0, 1.0, 3.0])  # the warm-up call, then three timed ones
+
+    class Model:
+        def generate(self, ids, **kwargs):
+            calls.append(kwargs["compile_config"].mode)
+            clock[0] += next(durations)
+
+    monkeypatch.setattr(generate_check, "perf_counter", lambda: clock[0])
+    seconds, recompiles = generate_check._generate_timed(Model(), torch.ones(1, 4), "inductor", "default", 3)
+    assert calls == ["default"] * 4 and seconds == 3.0 and recompiles == 0
