@@ -89,6 +89,31 @@ def test_gelu_gated_mlp_stays_unfused_with_the_reason(captured):
     assert calc_diff(out, eager) < MLP_BOUND
 
 
+class HeadGatedOutput(nn.Module):
+    """OLMo-hybrid's linear-attention output: each head's rows (64 wide) times silu of their own
+    gate, reshaped back to the heads side by side (256) before o_proj."""
+
+    def __init__(self):
+        super().__init__()
+        self.g_proj = nn.Linear(256, 256, bias=False)
+        self.o_proj = nn.Linear(256, 256, bias=False)
+
+    def forward(self, x):
+        batch, seq, _ = x.shape
+        gated = x.reshape(-1, 64) * F.silu(self.g_proj(x).reshape(-1, 64))
+        return self.o_proj(gated.reshape(batch, seq, -1))
+
+
+def test_a_gated_product_over_rows_other_than_the_linears_k_stays_unfused_with_the_reason():
+    # Fused over a and b's own 64-wide rows, the down projection's GEMM read them as rows of K = 256:
+    # an output 4x too large, and Inductor failed OLMo-hybrid's whole graph.
+    out, eager, report = compile_and_run(HeadGatedOutput().to(BF16), randn(2, 37, 256))
+    assert report.counts()["silu_mul"] == 0 and report.counts()["linear"] == 2
+    (skip,) = report.skipped("silu_mul")
+    assert skip.name == "o_proj" and "rows of 64, reshaped into the linear's rows of K = 256" in skip.reason
+    assert calc_diff(out, eager) < MLP_BOUND
+
+
 def test_a_product_whose_factor_comes_from_an_op_of_keyword_arguments_only_is_no_gated_mlp():
     # Gemma-2's graph on a GPU: walking back from a factor of a product met an op with no
     # positional argument, and the whole compile failed with IndexError in silu_mul_pattern.

@@ -155,6 +155,7 @@ def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
     product at all. A product computed in fp32 from the bf16 halves and cast back (Beam's
     act(gate.float()) * up.float()) is one too: the fused op computes it in fp32 and quantizes it
     without the bf16 rounding in between."""
+    k = h.meta["val"].shape[-1]  # the linear's K
     h = _strip(h, (*_VIEWS, *_CASTS))
     if not _is(h, aten.mul.Tensor) or not all(isinstance(a, fx.Node) for a in h.args[:2]):
         return None
@@ -175,6 +176,11 @@ def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
             return (
                 f"act(a, b) over {a_val.dtype}/{b_val.dtype} tensors of shapes {tuple(a_val.shape)}, "
                 f"{tuple(b_val.shape)}"
+            )
+        if a_val.shape[-1] != k:  # OLMo-hybrid's per-head gate: rows of a head, reshaped to the heads'
+            return (
+                f"act(a, b) over rows of {a_val.shape[-1]}, reshaped into the linear's rows of K = {k}: "
+                "the fused op reads K from a and b's own rows"
             )
         return a, b, kwargs
     if all(_chain(p, _PROJECTIONS) for p in h.args[:2]):  # a gated MLP with another activation
