@@ -17,6 +17,7 @@ The architecture matrix runs this per architecture and mode (`python -m fp8compi
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from time import perf_counter
 
 import torch
@@ -76,8 +77,6 @@ def decode(model, mode: str, device: str, timed: bool, batch: int = 1) -> Decode
 def _generate_timed(model, ids, backend, mode: str, repeat: int) -> tuple[float, int]:
     """generate() with a compiled decode step, once to warm up, then `repeat` times: (the median
     timed call's seconds, the graphs Dynamo compiled during the timed calls)."""
-    import statistics
-
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 

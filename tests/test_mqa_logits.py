@@ -436,6 +436,8 @@ def test_gpu_kernels_match_the_reference(backend, compressed):
     ke = (ks + torch.randint(0, 500, (300,), dtype=torch.int32, device="cuda")).clamp(max=1000)
     want = rm.mqa_logits(*args, ks, ke, True, compressed)
     got = MQA(*args, ks, ke, True, compressed, backend)
+    # laid out as the op's fake says (DeepGEMM's own rows are padded to its tile of keys)
+    assert got.shape == want.shape and got.is_contiguous()
     inside = want != INF
     # fp32 sums in another order: measured below 1e-9 on an H100.
     assert calc_diff(got[inside], want[inside]) < 1e-6
@@ -457,6 +459,7 @@ def test_gpu_paged_kernels_match_the_reference(backend, next_n):
     sched = METADATA(lens_t, 64, sms, backend)
     want = rm.paged_mqa_logits(q_fp8, cache, weights, lens_t, tables, None, 4160)
     got = PAGED(q_fp8, cache, weights, lens_t, tables, sched, 4160, True, backend)
+    assert got.shape == want.shape and got.is_contiguous()
     inside = want != INF
     assert calc_diff(got[inside], want[inside]) < 1e-6
     assert (got[~inside] == INF).all()
