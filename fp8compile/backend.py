@@ -227,7 +227,10 @@ def _partition_off(gm: fx.GraphModule) -> bool:
     recorded again for every new value of an int input, and a sliding-window cache passes its
     position as one that moves every decode step (Mistral-7B-v0.1's window: a recording per
     step, 10.6 tokens/s against bf16 Inductor's 331 at 2 layers of NeMo widths on an H200;
-    BENCHMARKS.md, "Sliding windows")."""
+    BENCHMARKS.md, "Sliding windows"). Under CUDA graphs such a graph gets no conds
+    (PassContext.moving_ints), so that it is partitioned too: partitioned around conds, Inductor
+    2.11's CUDA-graph trees failed their memory-pool check ("storage data ptrs are not allocated
+    in pool", H200)."""
     if any(True for _ in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.cond)):
         return True
     values = (node.meta.get("val") for node in gm.graph.find_nodes(op="placeholder"))

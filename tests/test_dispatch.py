@@ -177,6 +177,46 @@ def test_small_m_zero_means_one_large_m_kernel(probe_backend, captured):
     assert probe_backend == []
 
 
+class Shifted(nn.Module):
+    """A linear whose caller passes an int that changes every call, as transformers' sliding-window
+    cache passes its position to a decode step."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(256, 384).to(BF16)
+
+    def forward(self, x, position: int):
+        return self.linear(x) + position
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", None])
+def test_under_cuda_graphs_a_graph_with_a_moving_int_input_gets_one_kernel_for_every_m_and_no_cond(
+    mode, probe_backend, captured
+):
+    # Inductor records a graph with torch.conds as one CUDA graph, again for each value of its int
+    # inputs: a sliding-window decode step was recorded at every step (Mistral-7B-v0.1, batch 16:
+    # 0.05x bf16 Inductor, H200). Without conds Inductor partitions it as it does bf16's graph.
+    model = Shifted()
+    backend = CountingBackend(backends=["probe", "reference"])
+    compiled = torch.compile(model, backend=backend, mode=mode)
+    with torch.no_grad():
+        for m, position in ((3, 5), (40, 6), (7, 7), (60, 8)):
+            x = randn(m, 256)
+            torch._dynamo.mark_dynamic(x, 0)
+            assert fp8compile.calc_diff(compiled(x, position), model(x, position)) < 1e-3
+    assert backend.compiles == 2  # the position specialised, then a SymInt input
+    first, moving = captured
+    assert first.count(torch.ops.higher_order.cond) == 1
+    (_, kernels), (_, moving_kernels) = [(r.graph, r.kernels) for r in backend.report.rewrites]
+    assert kernels == (("M <= 32", "probe"), ("M > 32", "reference"))
+    if mode is None:  # no CUDA graphs, nothing recorded: the dispatch as for any graph
+        assert moving.count(torch.ops.higher_order.cond) == 1
+        assert moving_kernels == kernels
+    else:  # the one kernel the registry gives every M (the probe serves M <= 32 only)
+        assert moving.count(torch.ops.higher_order.cond) == 0
+        assert moving_kernels == (("all M (no cond: an int input moves every call)", "reference"),)
+
+
 def test_batch_invariant_mode_uses_one_kernel_and_rows_do_not_depend_on_the_batch(captured):
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).to(BF16)
     backend = CountingBackend(batch_invariant=True)
@@ -451,13 +491,14 @@ def test_on_a_gpu_without_fp8_kernels_a_linear_stays_bf16_with_why_not_the_float
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(autotune_module, "time_us", lambda *a: pytest.fail("nothing serves: nothing to time"))
-    ctx = SimpleNamespace(config=fp8compile.make_config(autotune=autotune))
+    ctx = SimpleNamespace(config=fp8compile.make_config(autotune=autotune), moving_ints=[])
     with pytest.raises(dispatch.NoDispatch, match="kept bf16") as kept:
         dispatch.plan(ctx, "linear", torch.device("cuda"), 512, 512, 64)
     if not autotune:  # each kernel's own reason, as `backends` prints them
         assert "triton: needs compute capability >= 8.9, device has 8.0" in str(kept.value)
     # named by the user, the reference still runs there
-    ctx = SimpleNamespace(config=fp8compile.make_config(backends=("cublas", "reference"), autotune=autotune))
+    config = fp8compile.make_config(backends=("cublas", "reference"), autotune=autotune)
+    ctx = SimpleNamespace(config=config, moving_ints=[])
     sides = dispatch.plan(ctx, "linear", torch.device("cuda"), 512, 512, 64)
     assert [side.kernel for side in sides] == ["reference"]
 

@@ -137,6 +137,25 @@ class SiteFailure(Exception):
         self.pass_name, self.site, self.error = pass_name, site, error
 
 
+def moving_ints(values: Sequence[Any]) -> list[torch.SymInt]:
+    """The int inputs among a graph's example inputs that size none of its tensor inputs: values
+    the model computes with, such as the position of a sliding-window cache
+    (transformers' StaticSlidingWindowLayer.cumulative_length_int, one more every decode step),
+    rather than a batch or a sequence length. Inductor records a CUDA graph of a whole graph once
+    per value of each of its int inputs."""
+    sized: set = set()
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            for dim in (*value.shape, *value.stride(), value.storage_offset()):
+                if isinstance(dim, torch.SymInt):
+                    sized |= dim.node.expr.free_symbols
+    return [
+        value
+        for value in values
+        if isinstance(value, torch.SymInt) and not value.node.expr.free_symbols <= sized
+    ]
+
+
 class PassContext:
     def __init__(
         self,
@@ -165,6 +184,14 @@ class PassContext:
         # as the config says, else outside CUDA graphs, where every call pays its host cost.
         self.inductor_launch = (
             config.inductor_launch if config.inductor_launch is not None else not cuda_graphs
+        )
+        # Under CUDA graphs, a graph with an int input that moves every call gets no M dispatch
+        # conds (dispatch.plan): Inductor can record a graph with conds only whole, and a whole
+        # graph is recorded again for every value of its int inputs.
+        self.moving_ints = (
+            moving_ints([node.meta.get("val") for node in gm.graph.find_nodes(op="placeholder")])
+            if cuda_graphs
+            else []
         )
         self._index = {
             node: i for i, node in enumerate(inputs)
