@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import ops  # noqa: F401  (registers torch.ops.fp8compile.*)
+from . import ops, registry  # noqa: F401  (the ops, torch.ops.fp8compile.*, and their kernel table)
 from .calibrate import calibrate, load_scales, save_scales
 from .backend import Fp8Backend, fp8_backend, last_report, static_launch_for_user_kernels
 from .config import Fp8Config, make_config

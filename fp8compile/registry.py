@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from .ops import kernels
+
 
 @dataclasses.dataclass(frozen=True)
 class Request:
@@ -436,3 +438,8 @@ def implementation(op: str, backend: str) -> Callable:
     fn = b.implementation(op)
     _IMPLEMENTATIONS[(op, backend)] = (b, fn)
     return fn
+
+
+# The ops look their kernels up through ops/kernels.py: the registry fills that table, so that
+# no op imports it.
+kernels.install(implementation)

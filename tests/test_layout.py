@@ -7,7 +7,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fp8compile"
 RUN_TIME = [
-    *sorted((PACKAGE / "ops").glob("*.py")),
+    *sorted((PACKAGE / "ops").rglob("*.py")),
     PACKAGE / "registry.py",
     PACKAGE / "weights.py",
     PACKAGE / "derived.py",
@@ -38,13 +38,27 @@ def test_run_time_modules_never_import_compile_time_ones():
     assert {name: found for name, found in offenders.items() if found} == {}
 
 
+def test_the_ops_never_import_the_registry_the_config_or_anything_above_them():
+    # The registry chooses among the kernels at compile time and installs its lookup in
+    # ops/kernels.py; the ops read that table and import nothing from the floors above.
+    above = ("registry", "autotune", "config", "passes", "backend", "report", "debug", "bench")
+    offenders = {
+        str(path.relative_to(PACKAGE)): sorted(
+            name for name in _imported(path) if name.split(".")[0] in above
+        )
+        for path in sorted((PACKAGE / "ops").rglob("*.py"))
+    }
+    assert {name: found for name, found in offenders.items() if found} == {}
+
+
 def test_the_layering_check_sees_relative_and_lazy_imports():
     ops = _imported(PACKAGE / "ops" / "custom.py")
     assert {
         "weights",
-        "registry",
+        "ops.kernels",
         "ops.reference",
-    } <= ops  # `from ..weights import`, `from . import reference`
+    } <= ops  # `from ..weights import`, `from . import kernels, reference`
+    assert "ops.vendors" in _imported(PACKAGE / "registry.py")  # `from .ops.vendors import` in a function
 
 
 def _module_name(path: Path) -> str:

@@ -1,15 +1,9 @@
-"""The registered FP8 ops (torch.library), each with its fake (meta) implementation below it.
+"""The registered FP8 ops of linears, gated linears and MoE blocks, and the activation's
+quantization (torch.library, ops/library.py), each with its fake (meta) implementation below it.
 
-Each op is defined from its Python signature and registered with one kernel for every device
-(CompositeExplicitAutograd; the ops serve inference, so there is no autograd formula) through a
-plain `torch.library.Library`, not `torch.library.custom_op`: outside a CUDA graph every call
-pays its host cost, and custom_op's wrappers (autograd dispatch, Dynamo guard, alias check)
-measured 33 us per call on the H200 machine against 6 us for this registration, around a decode
-GEMM of 11 us (scripts/host_probe.py, since replaced by `bench host`; BENCHMARKS.md, "Host cost").
-
-The real implementation of each op is the kernel of the backend the registry names in the
-op's `backend` argument; the pass fixes that choice at compile time, so the graph says which
-kernel runs. Weight quantization runs once, at compile time, and has only the reference.
+The real implementation of each op is the kernel of the backend its `backend` argument names
+(ops/kernels.py); the pass fixes that choice at compile time, so the graph says which kernel
+runs. Weight quantization runs once, at compile time, and has only the reference.
 """
 
 from __future__ import annotations
@@ -17,27 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import registry
 from ..numerics import BLOCK, FP8_DTYPE, ceil_div, whole_blocks
 from ..weights import GATE_UP_LAYOUTS, expert_bias, fp8_experts, fp8_weight, stacked_bias
-from . import reference, reference_scaled
-
-_LIB = torch.library.Library("fp8compile", "DEF")
-
-
-def _op(fn=None, *, schema: str | None = None):
-    """Define fp8compile::<fn's name> with the schema of fn's signature (or `schema`, where
-    infer_schema cannot say it: a defaulted Tensor list); fn is its kernel."""
-    if fn is None:
-        return lambda f: _op(f, schema=schema)
-    _LIB.define(fn.__name__ + (schema or torch.library.infer_schema(fn, mutates_args=())))
-    _LIB.impl(fn.__name__, fn, "CompositeExplicitAutograd")
-    return fn
-
-
-def _fake(fn):
-    """Decorator: the fake (meta) implementation of the op `fn` defines."""
-    return torch.library.register_fake(f"fp8compile::{fn.__name__}", lib=_LIB)
+from . import kernels, reference, reference_scaled
+from .library import fake, op
 
 
 def _check_linear_shapes(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None) -> None:
@@ -51,26 +28,26 @@ def _check_linear_shapes(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor
         torch._check(tuple(bias.shape) == (n,), lambda: f"bias shape {tuple(bias.shape)} is not ({n},)")
 
 
-@_op
+@op
 def quant_act(x: Tensor, e8m0: bool = False, backend: str = "reference") -> tuple[Tensor, Tensor]:
     """x (M, K) -> x_fp8 (M, K) e4m3fn, x_scale (M, K/128) fp32 row-major; 1x128 groups."""
-    return registry.implementation("quant_act", backend)(x, e8m0)
+    return kernels.implementation("quant_act", backend)(x, e8m0)
 
 
-@_fake(quant_act)
+@fake(quant_act)
 def _(x: Tensor, e8m0: bool = False, backend: str = "reference") -> tuple[Tensor, Tensor]:
     m, k = x.shape
     return x.new_empty(m, k, dtype=FP8_DTYPE), x.new_empty(m, k // BLOCK, dtype=torch.float32)
 
 
-@_op
+@op
 def quant_weight(w: Tensor, e8m0: bool = False) -> tuple[Tensor, Tensor]:
     """w (N, K) -> w_fp8 (N, Kp) e4m3fn, w_scale (ceil(N/128), Kp/128) fp32; 128x128 blocks, Kp =
     K in whole 128-wide groups (zero columns past K)."""
     return reference.quant_weight_block(w, e8m0)
 
 
-@_fake(quant_weight)
+@fake(quant_weight)
 def _(w: Tensor, e8m0: bool = False) -> tuple[Tensor, Tensor]:
     n, k = w.shape[0], whole_blocks(w.shape[1])
     return w.new_empty(n, k, dtype=FP8_DTYPE), w.new_empty(
@@ -78,7 +55,7 @@ def _(w: Tensor, e8m0: bool = False) -> tuple[Tensor, Tensor]:
     )
 
 
-@_op
+@op
 def gemm(
     x_fp8: Tensor,
     x_scale: Tensor,
@@ -88,10 +65,10 @@ def gemm(
     backend: str = "reference",
 ) -> Tensor:
     """Block-scaled x_fp8 (M, K) @ w_fp8 (N, K).T (+ bias) -> (M, N) bf16."""
-    return registry.implementation("gemm", backend)(x_fp8, x_scale, w_fp8, w_scale, bias)
+    return kernels.implementation("gemm", backend)(x_fp8, x_scale, w_fp8, w_scale, bias)
 
 
-@_fake(gemm)
+@fake(gemm)
 def _(x_fp8, x_scale, w_fp8, w_scale, bias=None, backend="reference"):
     _check_linear_shapes(x_fp8, w_fp8, w_scale, bias)
     return x_fp8.new_empty(x_fp8.shape[0], w_fp8.shape[0], dtype=torch.bfloat16)
@@ -106,7 +83,7 @@ def _weight_out_features(x: Tensor, w: Tensor, bias: Tensor | None, w_kn: bool) 
     return n
 
 
-@_op(
+@op(
     schema="(Tensor x, Tensor w, Tensor? bias=None, bool e8m0=False, str backend='reference', "
     "bool w_kn=False, "
     "Tensor[]? w_next=None, Tensor[]? bias_next=None) -> Tensor"
@@ -134,7 +111,7 @@ def linear(
     return qlinear(x, w_fp8, w_scale, stacked_bias(bias, bias_next), e8m0, backend)
 
 
-@_fake(linear)
+@fake(linear)
 def _(x, w, bias=None, e8m0=False, backend="reference", w_kn=False, w_next=None, bias_next=None):
     n = sum(_weight_out_features(x, weight, None, w_kn) for weight in (w, *(w_next or ())))
     torch._check(
@@ -147,7 +124,7 @@ def _(x, w, bias=None, e8m0=False, backend="reference", w_kn=False, w_next=None,
     return x.new_empty(*x.shape[:-1], n)
 
 
-@_op
+@op
 def qlinear(
     x: Tensor,
     w_fp8: Tensor,
@@ -162,10 +139,10 @@ def qlinear(
     What the passes emit: the compiled graph takes the FP8 copies as inputs, which the backend
     looks up once per call from the parameters passed (backend.py), so the op itself looks up
     nothing."""
-    return registry.implementation("linear", backend)(x, w_fp8, w_scale, bias, e8m0)
+    return kernels.implementation("linear", backend)(x, w_fp8, w_scale, bias, e8m0)
 
 
-@_fake(qlinear)
+@fake(qlinear)
 def _(x, w_fp8, w_scale, bias=None, e8m0=False, backend="reference"):
     _check_linear_shapes(x, w_fp8, w_scale, bias)
     return x.new_empty(*x.shape[:-1], w_fp8.shape[0])
@@ -201,7 +178,7 @@ def _check_scaled_shapes(x, w_fp8, w_scale, bias, recipe, x_scale) -> None:
         torch._check(tuple(bias.shape) == (n,), lambda: f"bias shape {tuple(bias.shape)} is not ({n},)")
 
 
-@_op
+@op
 def qlinear_scaled(
     x: Tensor,
     w_fp8: Tensor,
@@ -224,12 +201,12 @@ def qlinear_scaled(
     _check_scaled_shapes(
         x, w_fp8, w_scale, bias, recipe, x_scale
     )  # a scale of the other recipe would broadcast
-    return registry.implementation("scaled_linear", backend)(
+    return kernels.implementation("scaled_linear", backend)(
         x, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, fast_accum
     )
 
 
-@_fake(qlinear_scaled)
+@fake(qlinear_scaled)
 def _(
     x,
     w_fp8,
@@ -246,7 +223,7 @@ def _(
     return x.new_empty(*x.shape[:-1], w_fp8.shape[0])
 
 
-@_op
+@op
 def gated_linear(
     a: Tensor,
     b: Tensor,
@@ -271,7 +248,7 @@ def gated_linear(
     return gated_qlinear(a, b, w_fp8, w_scale, bias, e8m0, backend, activation, alpha, limit)
 
 
-@_fake(gated_linear)
+@fake(gated_linear)
 def _(
     a, b, w, bias=None, e8m0=False, backend="reference", w_kn=False, activation="silu", alpha=1.702, limit=7.0
 ):
@@ -279,7 +256,7 @@ def _(
     return a.new_empty(*a.shape[:-1], _weight_out_features(a, w, bias, w_kn))
 
 
-@_op
+@op
 def gated_qlinear(
     a: Tensor,
     b: Tensor,
@@ -293,12 +270,12 @@ def gated_qlinear(
     limit: float = 7.0,
 ) -> Tensor:
     """gated_linear on the weight's FP8 copy, passed in (as qlinear is to linear)."""
-    return registry.implementation("gated_linear", backend)(
+    return kernels.implementation("gated_linear", backend)(
         a, b, w_fp8, w_scale, bias, e8m0, activation, alpha, limit
     )
 
 
-@_fake(gated_qlinear)
+@fake(gated_qlinear)
 def _(
     a,
     b,
@@ -316,7 +293,7 @@ def _(
     return a.new_empty(*a.shape[:-1], w_fp8.shape[0])
 
 
-@_op
+@op
 def gated_qlinear_scaled(
     a: Tensor,
     b: Tensor,
@@ -339,12 +316,12 @@ def gated_qlinear_scaled(
     sizes), never written in bf16 (reference_scaled.gated_linear_scaled)."""
     _check_gated(a, b, activation)
     _check_scaled_shapes(a, w_fp8, w_scale, bias, recipe, x_scale)
-    return registry.implementation("gated_scaled_linear", backend)(
+    return kernels.implementation("gated_scaled_linear", backend)(
         a, b, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, fast_accum, activation, alpha, limit
     )
 
 
-@_fake(gated_qlinear_scaled)
+@fake(gated_qlinear_scaled)
 def _(
     a,
     b,
@@ -405,7 +382,7 @@ def _check_moe_args(x, topk_ids, topk_weights, w13, w2, w3, b13, w_kn, gate_up, 
     )
 
 
-@_op
+@op
 def moe(
     x: Tensor,
     topk_ids: Tensor,
@@ -438,7 +415,7 @@ def moe(
     _check_moe_args(x, topk_ids, topk_weights, w13, w2, w3, b13, w_kn, gate_up, activation)
     w13_fp8, w13_scale = fp8_experts(w13, w_kn, e8m0, gate_up, w3)
     w2_fp8, w2_scale = fp8_experts(w2, w_kn, e8m0)
-    return registry.implementation("moe", backend)(
+    return kernels.implementation("moe", backend)(
         x,
         topk_ids,
         topk_weights,
@@ -456,7 +433,7 @@ def moe(
     )
 
 
-@_fake(moe)
+@fake(moe)
 def _(
     x,
     topk_ids,

@@ -1,5 +1,5 @@
 """The registered FP8 MQA-logits ops of sparse-attention indexers (reference_mqa.py defines them),
-each with its fake implementation below it; registered as custom.py registers the linear ops.
+each with its fake implementation below it; registered as custom.py registers the linear ops (ops/library.py).
 
     torch.ops.fp8compile.mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke,
                                     clean_logits, max_seqlen_k, backend)
@@ -17,20 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import registry
-from . import reference_mqa
-
-_LIB = torch.library.Library("fp8compile", "FRAGMENT")
-
-
-def _op(fn):
-    _LIB.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=()))
-    _LIB.impl(fn.__name__, fn, "CompositeExplicitAutograd")
-    return fn
-
-
-def _fake(fn):
-    return torch.library.register_fake(f"fp8compile::{fn.__name__}", lib=_LIB)
+from . import kernels, reference_mqa
+from .library import LIB, fake, op
 
 
 def _check_mqa(
@@ -52,7 +40,7 @@ def _check_mqa(
     )
 
 
-@_op
+@op
 def mqa_logits(
     q_fp8: Tensor,
     k_fp8: Tensor,
@@ -66,28 +54,28 @@ def mqa_logits(
 ) -> Tensor:
     """(M, N) fp32 logits, or (M, max_seqlen_k) compressed (reference_mqa.mqa_logits)."""
     _check_mqa(q_fp8, k_fp8, k_scale, weights, ks, ke)
-    return registry.implementation("mqa_logits", backend)(
+    return kernels.implementation("mqa_logits", backend)(
         q_fp8, k_fp8, k_scale, weights, ks, ke, clean_logits, max_seqlen_k
     )
 
 
-@_fake(mqa_logits)
+@fake(mqa_logits)
 def _(q_fp8, k_fp8, k_scale, weights, ks, ke, clean_logits=True, max_seqlen_k=0, backend="reference"):
     _check_mqa(q_fp8, k_fp8, k_scale, weights, ks, ke)
     n = max_seqlen_k if max_seqlen_k > 0 else k_fp8.shape[0]
     return q_fp8.new_empty(q_fp8.shape[0], n, dtype=torch.float32)
 
 
-@_op
+@op
 def paged_mqa_logits_metadata(
     context_lens: Tensor, block_size: int, num_sms: int, backend: str = "reference"
 ) -> Tensor:
     """(num_sms + 1, 2) int32: how `backend`'s paged kernel spreads these sequences over num_sms
     programs."""
-    return registry.implementation("paged_mqa_logits_metadata", backend)(context_lens, block_size, num_sms)
+    return kernels.implementation("paged_mqa_logits_metadata", backend)(context_lens, block_size, num_sms)
 
 
-@_fake(paged_mqa_logits_metadata)
+@fake(paged_mqa_logits_metadata)
 def _(context_lens, block_size, num_sms, backend="reference"):
     return context_lens.new_empty(num_sms + 1, 2, dtype=torch.int32)
 
@@ -114,7 +102,7 @@ def _check_paged(
     )
 
 
-@_op
+@op
 def paged_mqa_logits(
     q_fp8: Tensor,
     kv_cache: Tensor,
@@ -128,12 +116,12 @@ def paged_mqa_logits(
 ) -> Tensor:
     """(B * next_n, max_context_len) fp32 logits (reference_mqa.paged_mqa_logits)."""
     _check_paged(q_fp8, kv_cache, weights, context_lens, block_tables)
-    return registry.implementation("paged_mqa_logits", backend)(
+    return kernels.implementation("paged_mqa_logits", backend)(
         q_fp8, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_context_len, clean_logits
     )
 
 
-@_fake(paged_mqa_logits)
+@fake(paged_mqa_logits)
 def _(
     q_fp8,
     kv_cache,
@@ -149,7 +137,7 @@ def _(
     return q_fp8.new_empty(q_fp8.shape[0] * q_fp8.shape[1], max_context_len, dtype=torch.float32)
 
 
-_LIB.define("index_cache_write(Tensor(a!) kv_cache, Tensor k, Tensor slots, bool e8m0=False) -> ()")
+LIB.define("index_cache_write(Tensor(a!) kv_cache, Tensor k, Tensor slots, bool e8m0=False) -> ()")
 
 
 def _index_cache_write(kv_cache: Tensor, k: Tensor, slots: Tensor, e8m0: bool = False) -> None:
@@ -157,9 +145,9 @@ def _index_cache_write(kv_cache: Tensor, k: Tensor, slots: Tensor, e8m0: bool = 
     reference_mqa.write_index_cache(kv_cache, k, slots, e8m0)
 
 
-_LIB.impl("index_cache_write", _index_cache_write, "CompositeExplicitAutograd")
+LIB.impl("index_cache_write", _index_cache_write, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("fp8compile::index_cache_write", lib=_LIB)
+@torch.library.register_fake("fp8compile::index_cache_write", lib=LIB)
 def _(kv_cache, k, slots, e8m0=False):
     return None

@@ -26,6 +26,7 @@ from torch.library import triton_op
 
 from ..numerics import BLOCK
 from . import gluon_gemm, triton_moe
+from .library import fake, op
 from .moe_tiles import gluon_min_tokens as min_tokens
 from .reference import act_operands
 from .traced import launch, quant_act
@@ -64,12 +65,10 @@ def gluon_grouped_gemm(
 # Registered as custom.py registers our ops (a schema and a CompositeExplicitAutograd kernel), not
 # through torch.library.custom_op, whose per-call Python (its autograd layer, the aliasing check
 # of the outputs) sits on the host's critical path of every prefill here.
-_LIB = torch.library.Library("fp8compile", "FRAGMENT")
-_LIB.define("gluon_grouped_gemm" + torch.library.infer_schema(gluon_grouped_gemm, mutates_args=()))
-_LIB.impl("gluon_grouped_gemm", gluon_grouped_gemm, "CompositeExplicitAutograd")
+op(gluon_grouped_gemm)
 
 
-@torch.library.register_fake("fp8compile::gluon_grouped_gemm", lib=_LIB)
+@fake(gluon_grouped_gemm)
 def _(a, a_scale, w_fp8, w_scale, block_expert, bias=None, block_m=64):
     return a.new_empty(a.shape[0], w_fp8.shape[1], dtype=torch.bfloat16)
 
