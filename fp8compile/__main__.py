@@ -57,7 +57,7 @@ def _backends(args) -> int:
         why = registry.why_not(name, request)
         state = "CHOSEN" if name == chosen else "usable" if why is None else "not used: " + why
         if name == "triton" and why is None and device.type == "cuda":
-            from .ops.triton_gemm import large_m_kernel
+            from .ops.linear.triton_gemm import large_m_kernel
 
             state += f" ({large_m_kernel(args.m, args.n, device)})"
         print(f"  {name:<15} {state}")

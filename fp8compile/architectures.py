@@ -222,7 +222,8 @@ def composition(model: torch.nn.Module, recipe: str = "block"):
     """Within the block, `model` runs its unfused block-FP8 composition (module docstring); with
     recipe "rowwise" or "tensor", its linears run that recipe (dynamic scales) and the experts
     stay block-FP8, as the compiled model's do not: bound those models by their dense peers."""
-    from .ops import reference, reference_scaled
+    from .ops import reference
+    from .ops.linear import reference_scaled
 
     def fp8_linear(weight, bias=None):
         if recipe == "block":

@@ -13,7 +13,7 @@ from . import registry
 # "block": DeepSeek-V3 (activations 1x128 per token, weights 128x128); "rowwise": a scale per
 # output channel of the weight and per token of the activation (torchao's PerRow, vLLM's
 # per-channel weights with per-token activations); "tensor": one scale for the weight and one
-# for the activation (ops/reference_scaled.py).
+# for the activation (ops/linear/reference_scaled.py).
 RECIPES = ("block", "rowwise", "tensor")
 # Fusion passes, run in this order before the linear pass.
 FUSIONS = ("gqa_attention", "mqa_logits", "moe", "gate_up", "qkv", "silu_mul")
@@ -114,7 +114,7 @@ class Fp8Config:
                      18944, next to quantization's 7.0e-4 (BENCHMARKS.md, "Forty-second
                      session"). False promotes; True is refused for the block recipe.
     split_kv:        the gqa_attention fusion's decode attention on a GPU runs fp8compile's
-                     split-KV kernel (ops/triton_attention.py: the keys spread over the SMs)
+                     split-KV kernel (ops/attention/triton_attention.py: the keys spread over the SMs)
                      instead of the sdpa kernel torch picks (its work split over sequences and
                      K/V heads only, each block walking the whole cache).
     strict:          an exception inside a pass fails the compile. Off (the default), it leaves

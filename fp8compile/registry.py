@@ -91,7 +91,7 @@ def _triton_small_m_why_not(request: Request) -> str | None:
     why = _triton_device_why_not(request)  # first: the kernel's module imports triton
     if why is not None:
         return why
-    from .ops.triton_gemm import SMALL_M_MAX
+    from .ops.linear.triton_gemm import SMALL_M_MAX
 
     if request.m_max is None or request.m_max > SMALL_M_MAX:
         return f"decode kernel: serves M <= {SMALL_M_MAX} ({request.m_range} asked)"
@@ -168,7 +168,7 @@ def _cublas_why_not(request: Request) -> str | None:
     if request.op in SCALED_OPS:  # tensorwise / rowwise _scaled_mm: no block-scaling limits
         if request.batch_invariant:
             return "picks its kernel by M: not batch-invariant"
-        from .ops.scaled_cublas import why_not as shape_why_not
+        from .ops.linear.scaled_cublas import why_not as shape_why_not
 
         why = shape_why_not(request.n, request.k)
         if why is None and request.op == "gated_scaled_linear":  # act(a, b) quantized by our kernel
@@ -213,13 +213,13 @@ _BACKENDS: dict[str, Backend] = {
     "triton_small_m": Backend(
         "triton_small_m",
         {
-            "linear": ".ops.triton_gemm:linear_small_m",
-            "gated_linear": ".ops.triton_gemm:gated_linear_small_m",
-            "scaled_linear": ".ops.triton_scaled:linear_scaled_small_m",
-            "gated_scaled_linear": ".ops.triton_scaled:gated_linear_scaled_small_m",
+            "linear": ".ops.linear.triton_gemm:linear_small_m",
+            "gated_linear": ".ops.linear.triton_gemm:gated_linear_small_m",
+            "scaled_linear": ".ops.linear.triton_scaled:linear_scaled_small_m",
+            "gated_scaled_linear": ".ops.linear.triton_scaled:gated_linear_scaled_small_m",
         },
         _triton_small_m_why_not,
-        prepare=".ops.triton_gemm:prepare_small_m",
+        prepare=".ops.linear.triton_gemm:prepare_small_m",
     ),
     "deep_gemm": Backend(
         "deep_gemm",
@@ -227,9 +227,9 @@ _BACKENDS: dict[str, Backend] = {
             "linear": ".ops.vendors:linear_deep_gemm",
             "gated_linear": ".ops.vendors:gated_linear_deep_gemm",
             "moe": ".ops.vendors:moe_deep_gemm",
-            "mqa_logits": ".ops.vendors_mqa:mqa_logits_deep_gemm",
-            "paged_mqa_logits": ".ops.vendors_mqa:paged_mqa_logits_deep_gemm",
-            "paged_mqa_logits_metadata": ".ops.vendors_mqa:paged_mqa_logits_metadata_deep_gemm",
+            "mqa_logits": ".ops.mqa_logits.vendors:mqa_logits_deep_gemm",
+            "paged_mqa_logits": ".ops.mqa_logits.vendors:paged_mqa_logits_deep_gemm",
+            "paged_mqa_logits_metadata": ".ops.mqa_logits.vendors:paged_mqa_logits_metadata_deep_gemm",
         },
         _deep_gemm_why_not,
         prepare=".ops.vendors:prepare_deep_gemm",
@@ -243,16 +243,16 @@ _BACKENDS: dict[str, Backend] = {
     "triton": Backend(
         "triton",
         {
-            "linear": ".ops.triton_gemm:linear_large_m",
-            "gated_linear": ".ops.triton_gemm:gated_linear_large_m",
-            "gemm": ".ops.triton_gemm:gemm_large_m",
-            "quant_act": ".ops.triton_quant:quant_act_row",
-            "scaled_linear": ".ops.triton_scaled_gemm:linear_scaled_large_m",
-            "gated_scaled_linear": ".ops.triton_scaled_gemm:gated_linear_scaled_large_m",
-            "moe": ".ops.triton_moe:moe_triton",
-            "mqa_logits": ".ops.triton_mqa:mqa_logits",
-            "paged_mqa_logits": ".ops.triton_mqa:paged_mqa_logits",
-            "paged_mqa_logits_metadata": ".ops.reference_mqa:paged_schedule",
+            "linear": ".ops.linear.triton_gemm:linear_large_m",
+            "gated_linear": ".ops.linear.triton_gemm:gated_linear_large_m",
+            "gemm": ".ops.linear.triton_gemm:gemm_large_m",
+            "quant_act": ".ops.quant.triton_quant:quant_act_row",
+            "scaled_linear": ".ops.linear.triton_scaled_gemm:linear_scaled_large_m",
+            "gated_scaled_linear": ".ops.linear.triton_scaled_gemm:gated_linear_scaled_large_m",
+            "moe": ".ops.moe.triton_moe:moe_triton",
+            "mqa_logits": ".ops.mqa_logits.triton_mqa:mqa_logits",
+            "paged_mqa_logits": ".ops.mqa_logits.triton_mqa:paged_mqa_logits",
+            "paged_mqa_logits_metadata": ".ops.mqa_logits.reference:paged_schedule",
         },
         _triton_why_not,
     ),
@@ -261,8 +261,8 @@ _BACKENDS: dict[str, Backend] = {
         {
             "linear": ".ops.vendors:linear_cublas",
             "gated_linear": ".ops.vendors:gated_linear_cublas",
-            "scaled_linear": ".ops.scaled_cublas:linear_scaled_cublas",
-            "gated_scaled_linear": ".ops.scaled_gated_mm:gated_linear_scaled_cublas",
+            "scaled_linear": ".ops.linear.scaled_cublas:linear_scaled_cublas",
+            "gated_scaled_linear": ".ops.linear.scaled_gated_mm:gated_linear_scaled_cublas",
         },
         _cublas_why_not,
     ),
@@ -275,11 +275,11 @@ _BACKENDS: dict[str, Backend] = {
             "gemm": ".ops.reference:gemm_block",
             "quant_act": ".ops.reference:quant_act_block",
             "moe": ".ops.reference:moe_block",
-            "scaled_linear": ".ops.reference_scaled:linear_scaled",
-            "gated_scaled_linear": ".ops.reference_scaled:gated_linear_scaled",
-            "mqa_logits": ".ops.reference_mqa:mqa_logits",
-            "paged_mqa_logits": ".ops.reference_mqa:paged_mqa_logits",
-            "paged_mqa_logits_metadata": ".ops.reference_mqa:paged_schedule",
+            "scaled_linear": ".ops.linear.reference_scaled:linear_scaled",
+            "gated_scaled_linear": ".ops.linear.reference_scaled:gated_linear_scaled",
+            "mqa_logits": ".ops.mqa_logits.reference:mqa_logits",
+            "paged_mqa_logits": ".ops.mqa_logits.reference:paged_mqa_logits",
+            "paged_mqa_logits_metadata": ".ops.mqa_logits.reference:paged_schedule",
         },
         why_not=_reference_why_not,
     ),

@@ -141,11 +141,11 @@ def fp8_weight_scaled(
     w_next: Sequence[torch.Tensor] | None = None,
     index: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8_weight for the scaled recipes (ops/reference_scaled.py): (w_fp8 (N, K), w_scale () for
+    """fp8_weight for the scaled recipes (ops/linear/reference_scaled.py): (w_fp8 (N, K), w_scale () for
     "tensor", (N,) for "rowwise"). Stacked weights (w_next) are quantized as one: per row, the
     same as each on its own; per tensor, with the largest of their scales (the merged GEMM has
     one), each value rounded once from bf16."""
-    from .ops.reference_scaled import quant_weight_scaled
+    from .ops.linear.reference_scaled import quant_weight_scaled
 
     sources = (w, *(w_next or ()))
 

@@ -9,7 +9,7 @@ import os
 import torch
 
 # Without a GPU, Triton kernels run in Triton's CPU interpreter; it must be chosen before any
-# kernel is defined (at import of fp8compile.ops.triton_*).
+# kernel is defined (at import of fp8compile.ops.*/triton_*).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # Inductor's C++ kernels without the vector ISA: on a 2-core machine its vectorized kernels

@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 import fp8compile  # noqa: E402
 from fp8compile import calc_diff  # noqa: E402
-from fp8compile.ops import attention_op, triton_attention  # noqa: E402
+from fp8compile.ops.attention import op as attention_op, triton_attention  # noqa: E402
 from fp8compile.passes.gqa_attention import grouped_sdpa  # noqa: E402
 from tests.conftest import DEVICE, gpu  # noqa: E402
 

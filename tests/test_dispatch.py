@@ -345,7 +345,7 @@ def test_moe_call_sites_are_cut_after_the_decode_range_so_dynamic_graphs_launch_
     comes earlier; no cut where no launch is wanted (CPU, batch invariance, CUDA graphs)."""
     from types import SimpleNamespace
 
-    from fp8compile.ops.moe_decode_op import decode_fits
+    from fp8compile.ops.moe.decode_op import decode_fits
     from fp8compile.passes.dispatch import Side, split
     from fp8compile.passes.inline import moe_decode_cut
 
@@ -372,7 +372,8 @@ def test_moe_gluon_serves_from_32_slots_per_expert_and_only_where_the_kernel_can
     """moe_gluon_op.min_tokens: the fewest tokens moe_triton runs on the Gluon GEMMs (32 slots per
     expert: 512 tokens for Qwen3-30B-A3B's 128 experts, top-8); fits is False below it, and on a
     device the Gluon kernel cannot run on (here the CPU)."""
-    from fp8compile.ops import gluon_gemm, moe_gluon_op
+    from fp8compile.ops.linear import gluon_gemm
+    from fp8compile.ops.moe import gluon_op as moe_gluon_op
 
     assert moe_gluon_op.min_tokens(128, 8) == 512 and moe_gluon_op.min_tokens(8, 2) == 128
     assert moe_gluon_op.min_tokens(256, 8) == 1024 and moe_gluon_op.min_tokens(32, 3) == 342

@@ -8,7 +8,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from fp8compile.ops import gluon_gemm, reference, triton_gemm, triton_quant  # noqa: E402
+from fp8compile.ops.linear import gluon_gemm, triton_gemm  # noqa: E402
+from fp8compile.ops import reference  # noqa: E402
+from fp8compile.ops.quant import triton_quant  # noqa: E402
 from tests.conftest import DEVICE, randn  # noqa: E402
 from tests.test_triton_kernels import assert_bf16_close, reference_gemm  # noqa: E402
 

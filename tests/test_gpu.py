@@ -282,7 +282,8 @@ def test_moe_gluon_op_gives_the_bits_of_the_op_path():
     with the same choices, bit for bit, at and above its first token count, with and without
     biases, and within 1e-4 of the pure-PyTorch definition (reference.moe_block); a count below
     it is refused; opcheck."""
-    from fp8compile.ops import gluon_gemm, moe_gluon_op, triton_moe
+    from fp8compile.ops.linear import gluon_gemm
+    from fp8compile.ops.moe import gluon_op as moe_gluon_op, triton_moe
     from tests.test_moe_kernels import quant_experts
 
     if gluon_gemm.why_not_shape(256, 512, torch.device("cuda")) is not None:

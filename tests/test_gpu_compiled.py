@@ -77,7 +77,7 @@ def test_reduce_overhead_mode_replays_a_cuda_graph_per_m_with_the_bits_of_the_de
 ):
     from torch._dynamo.utils import counters
 
-    from fp8compile.ops import triton_gemm
+    from fp8compile.ops.linear import triton_gemm
 
     # The decode kernel's split-K counters, as in a fresh process: the compiler allocates them,
     # not the CUDA graphs' warm-up run, whose allocations all land in their memory pool.
@@ -181,7 +181,7 @@ def test_inductor_launches_the_linear_decode_op_from_its_own_wrapper():
     dynamic graph, call after call (each launch leaves the counters as it found them)."""
     from torch._inductor.utils import run_and_get_code
 
-    from fp8compile.ops import decode_op, triton_gemm  # noqa: F401  (registers the op)
+    from fp8compile.ops.linear import decode_op, triton_gemm  # noqa: F401  (registers the op)
 
     w_fp8, w_scale = reference.quant_weight_block(weight(4096, 4096))
 
@@ -245,12 +245,12 @@ def _launched_and_op_path(model, xs):
 
 def test_default_mode_cublas_side_is_launched_by_inductor_with_the_bits_of_the_op():
     """Outside CUDA graphs the cuBLAS side of every (gated) linear is traced too
-    (ops/scaled_mm_op.py): a static M = 300 graph calls no fp8compile op, only our quantization
+    (ops/linear/scaled_mm_op.py): a static M = 300 graph calls no fp8compile op, only our quantization
     kernel and aten._scaled_mm, and a dynamic graph gives the op path's bits through the medium
     range of M, M not a multiple of 4 included (padded rows)."""
     from torch._inductor.utils import run_and_get_code
 
-    from fp8compile.ops import scaled_mm_op  # noqa: F401  (registers the op)
+    from fp8compile.ops.linear import scaled_mm_op  # noqa: F401  (registers the op)
 
     model = GatedMLP(512, 1024).to(BF16).cuda()
     with torch.no_grad():
@@ -281,7 +281,7 @@ def test_linear_scaled_mm_op_is_the_reference_block_linear(m, gated):
     """fp8compile::linear_scaled_mm called as an op (its eager body: our quantization kernel
     writing the padding rows, then cuBLAS) against the pure-PyTorch definition, M not a multiple
     of 4 included, with and without the gated MLP's second operand b and a bias."""
-    from fp8compile.ops import scaled_mm_op  # noqa: F401  (registers the op)
+    from fp8compile.ops.linear import scaled_mm_op  # noqa: F401  (registers the op)
 
     w = weight(384, 512)
     w_fp8, w_scale = reference.quant_weight_block(w)
@@ -405,7 +405,7 @@ def test_default_mode_moe_decode_side_is_launched_by_inductor_with_the_bits_of_t
     (the same kernels with the same choices) through the decode range and the op's above it.
     GPT-OSS: biases and interleaved gate/up rows (its FP8 rows reordered); gpt-fast: separate
     gate and up weights; Nemotron-H: non-gated experts (the up projection alone, relu^2)."""
-    from fp8compile.ops import moe_decode_op
+    from fp8compile.ops.moe import decode_op as moe_decode_op
 
     model = _moe_block(block)
     with torch.no_grad():
@@ -453,7 +453,8 @@ def test_default_mode_moe_gluon_side_is_launched_by_inductor_with_the_numbers_of
     is fused differently by Inductor around the traced launches (at 300 tokens one row of 300
     differed by one ulp on an H100); on the same routing the op is the op path's to the bit
     (test_moe_gluon_op_gives_the_bits_of_the_op_path)."""
-    from fp8compile.ops import gluon_gemm, moe_gluon_op
+    from fp8compile.ops.linear import gluon_gemm
+    from fp8compile.ops.moe import gluon_op as moe_gluon_op
 
     if gluon_gemm.why_not_shape(256, 512, torch.device("cuda")) is not None:
         pytest.skip(gluon_gemm.why_not_shape(256, 512, torch.device("cuda")))

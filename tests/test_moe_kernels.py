@@ -7,7 +7,9 @@ import torch
 pytest.importorskip("triton")
 
 from fp8compile import calc_diff  # noqa: E402
-from fp8compile.ops import reference, triton_moe, triton_quant  # noqa: E402
+from fp8compile.ops import reference  # noqa: E402
+from fp8compile.ops.moe import triton_moe  # noqa: E402
+from fp8compile.ops.quant import triton_quant  # noqa: E402
 from tests.conftest import DEVICE, fp8_exact_activation, randn  # noqa: E402
 from tests.test_triton_kernels import ON_GPU, assert_bf16_close, to_bf16_as_the_device_does  # noqa: E402
 
@@ -211,7 +213,7 @@ def test_moe_decode_op_gives_the_bits_of_moe_triton(tokens, max_tokens, activati
     """fp8compile::moe_decode (the op Inductor launches itself at decode sizes) routes in one
     program sized for max_tokens and runs the Triton kernel's 16-row blocks: moe_triton's own
     choices there, so the same bits for any token count up to max_tokens."""
-    from fp8compile.ops import moe_decode_op
+    from fp8compile.ops.moe import decode_op as moe_decode_op
 
     args = moe_inputs(tokens, bias=bias, activation=activation, top_k=top_k)
     assert moe_decode_op.decode_fits(4, top_k, max_tokens)
@@ -224,7 +226,7 @@ def test_moe_decode_op_gives_the_bits_of_moe_triton(tokens, max_tokens, activati
 
 
 def test_moe_decode_fits_only_where_moe_triton_routes_in_one_program_with_its_smallest_blocks():
-    from fp8compile.ops import moe_decode_op
+    from fp8compile.ops.moe import decode_op as moe_decode_op
 
     # Qwen3-30B-A3B (128 experts, top-8) up to 64 tokens: 512 slots, 4 per expert
     assert moe_decode_op.decode_fits(128, 8, 64)
@@ -243,7 +245,7 @@ def test_moe_triton_takes_the_gluon_gemms_from_64_slots_per_expert_with_the_same
     kernel's on gathered rows (64-row blocks: N = 512 and 256 take 256-column tiles), with the
     numbers of the staged reference and of the Triton kernel's path (the same 128-wide products,
     scaled per group; calc_diff as in the test above)."""
-    from fp8compile.ops import gluon_gemm
+    from fp8compile.ops.linear import gluon_gemm
 
     if gluon_gemm.why_not_grouped(
         torch.empty(0, 256, dtype=torch.float8_e4m3fn, device=DEVICE),

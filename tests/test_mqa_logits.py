@@ -14,7 +14,7 @@ import fp8compile
 from fp8compile import registry
 from fp8compile.config import FUSIONS
 from fp8compile.numerics import calc_diff, is_power_of_two
-from fp8compile.ops import reference_mqa as rm
+from fp8compile.ops.mqa_logits import reference as rm
 from tests.conftest import BF16, DEVICE, ONE_GEMM, gpu
 
 MQA = torch.ops.fp8compile.mqa_logits
@@ -263,7 +263,7 @@ def test_ops_refuse_mismatched_shapes_with_a_clear_error():
 @pytest.mark.parametrize("clean", [True, False])
 @pytest.mark.parametrize("compressed", [0, 64])
 def test_triton_kernel_matches_the_reference_under_the_interpreter(clean, compressed):
-    from fp8compile.ops import triton_mqa
+    from fp8compile.ops.mqa_logits import triton_mqa
 
     (_, _, _), args = fp8_inputs(7, 70, 16, 32)  # N = 70: not a multiple of the key tile
     ks, ke = windows(7, 70)
@@ -284,7 +284,7 @@ def test_triton_kernel_streams_only_the_keys_its_token_block_reaches(tiles, clea
     """Sliding windows: each block of tokens starts past the first key tile and ends before the
     last, so a program skips tiles on both sides (-inf there with clean_logits) and reads the
     rest; a block of tokens that does not divide M, and one tile of keys per token block."""
-    from fp8compile.ops import triton_mqa
+    from fp8compile.ops.mqa_logits import triton_mqa
 
     m, n = 13, 200
     (_, _, _), args = fp8_inputs(m, n, 16, 32, seed=1)
@@ -310,7 +310,7 @@ def test_triton_paged_kernel_matches_the_reference_under_the_interpreter(next_n,
     """Blocks of 16 keys; steps of 16 (the interpreter's default), 32 and 64 keys, so that a step
     spans several blocks, each key found through its own; programs of 64, 32 (one step) and 128
     positions; lengths 40, 0 and 300 against max_context_len 320."""
-    from fp8compile.ops import triton_mqa
+    from fp8compile.ops.mqa_logits import triton_mqa
 
     q_fp8, cache, weights, lens, tables = paged_case(next_n=next_n)
     sched = rm.paged_schedule(lens, 16, 4)
@@ -328,7 +328,7 @@ def test_deep_gemm_paged_adapter_cleans_the_logits_itself_past_each_querys_lengt
     each query's length itself. Checked against a stand-in for DeepGEMM that leaves zeros."""
     from types import SimpleNamespace
 
-    from fp8compile.ops import vendors_mqa
+    from fp8compile.ops.mqa_logits import vendors as vendors_mqa
 
     calls = []
 
@@ -353,7 +353,7 @@ def test_deep_gemm_adapter_cleans_the_compressed_layout_past_each_window_itself(
     DeepGEMM on the CPU that leaves zeros."""
     from types import SimpleNamespace
 
-    from fp8compile.ops import vendors_mqa
+    from fp8compile.ops.mqa_logits import vendors as vendors_mqa
 
     asked = []
 
@@ -376,7 +376,7 @@ def test_deep_gemm_adapters_return_contiguous_logits_where_deep_gemm_pads_its_ro
     that pads as it does."""
     from types import SimpleNamespace
 
-    from fp8compile.ops import vendors_mqa
+    from fp8compile.ops.mqa_logits import vendors as vendors_mqa
 
     def padded(rows, keys):
         return torch.zeros(rows, 256)[:, :keys]
@@ -405,7 +405,7 @@ def test_registry_says_why_a_kernel_cannot_serve_these_heads():
 
 
 def test_deep_gemm_paged_adapter_gives_one_length_per_query_and_refuses_what_its_kernel_cannot_read():
-    from fp8compile.ops import vendors_mqa
+    from fp8compile.ops.mqa_logits import vendors as vendors_mqa
 
     # Query j of a sequence of 5 with next_n = 2 sits at position 3 + j: it sees 4 + j keys.
     lens = torch.tensor([5, 1, 0], dtype=torch.int32)

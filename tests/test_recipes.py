@@ -15,9 +15,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fp8compile
 from fp8compile.numerics import FP8_MAX, calc_diff, is_power_of_two
-from fp8compile.ops import reference_scaled as rs
+from fp8compile.ops.linear import reference_scaled as rs
 from fp8compile.ops.reference import gated
-from fp8compile.ops.scaled_cublas import linear_scaled_cublas
+from fp8compile.ops.linear.scaled_cublas import linear_scaled_cublas
 from tests.conftest import BF16, DEVICE, GATED_MLP, ONE_GEMM, RANGES, CountingBackend, gpu, randn
 from tests.models import Attention, GatedMLP
 from tests.test_triton_kernels import assert_bf16_close, to_bf16_as_the_device_does
@@ -221,7 +221,7 @@ def test_the_triton_decode_kernel_matches_the_reference(recipe, m):
     # the interpreter, 128 on a GPU); split-K 2 under the interpreter (triton_gemm.small_m_split).
     # Exact inputs: see exact_rows. On the CPU Triton's interpreter, on a GPU the kernel.
     pytest.importorskip("triton")
-    from fp8compile.ops.triton_scaled import linear_scaled_small_m
+    from fp8compile.ops.linear.triton_scaled import linear_scaled_small_m
 
     x, w, bias = (
         exact_rows(m, 272).to(DEVICE),
@@ -236,7 +236,7 @@ def test_the_triton_decode_kernel_matches_the_reference(recipe, m):
 
 def test_the_triton_decode_kernel_takes_static_scales_caps_and_strided_rows():
     pytest.importorskip("triton")
-    from fp8compile.ops.triton_scaled import linear_scaled_decode, linear_scaled_small_m
+    from fp8compile.ops.linear.triton_scaled import linear_scaled_decode, linear_scaled_small_m
 
     both = exact_rows(6, 512).to(DEVICE)
     x = both[:, :256]  # row stride 512: one half of a merged output
@@ -324,7 +324,7 @@ def test_the_gated_quantization_kernel_equals_quantizing_the_fp32_product(one_pa
     read in place. Against the same kernel on the fp32 product (the device's float -> e4m3 on
     both sides, the interpreter's included) and the reference's scales."""
     pytest.importorskip("triton")
-    from fp8compile.ops import triton_quant_rows
+    from fp8compile.ops.quant import triton_quant_rows
 
     if not one_pass:  # 128-wide steps over K = 272: a partial last chunk
         monkeypatch.setattr(triton_quant_rows, "ONE_PASS_MAX", 128)
@@ -352,7 +352,7 @@ def test_the_gated_cublas_kernel_gives_the_references_numbers(recipe, static):
     # Our quantization of act(a, b), then torch._scaled_mm (which runs on the CPU too from torch
     # 2.13 on: an fp32 product). The tensor recipe's dynamic scale is a reduction before the launch.
     pytest.importorskip("triton")
-    from fp8compile.ops.scaled_gated_mm import gated_linear_scaled_cublas
+    from fp8compile.ops.linear.scaled_gated_mm import gated_linear_scaled_cublas
 
     a, b = (t.to(DEVICE) for t in exact_products(7, 272))
     w, bias = randn(96, 272, scale=0.02, device=DEVICE), randn(96, device=DEVICE)
@@ -374,8 +374,8 @@ def test_the_triton_decode_kernel_serves_the_gated_product_quantized_first_or_as
     # quantize_first (the default): act(a, b) quantized by the per-token kernel, then the GEMM on
     # FP8 x; else each GEMM program computes act as it loads its tiles.
     pytest.importorskip("triton")
-    from fp8compile.ops import triton_scaled
-    from fp8compile.ops.triton_scaled import (
+    from fp8compile.ops.linear import triton_scaled
+    from fp8compile.ops.linear.triton_scaled import (
         gated_linear_scaled_small_m,
         linear_scaled_decode,
         linear_scaled_small_m,
@@ -404,8 +404,8 @@ def test_the_triton_large_m_kernel_gives_the_references_numbers_plain_and_gated(
     # (triton_quant_rows, held to the reference above): the interpreter's float -> e4m3 is not
     # torch's where rounding carries, and a static scale rounds.
     pytest.importorskip("triton")
-    from fp8compile.ops.triton_quant_rows import quantize
-    from fp8compile.ops.triton_scaled_gemm import gated_linear_scaled_large_m, linear_scaled_large_m
+    from fp8compile.ops.quant.triton_quant_rows import quantize
+    from fp8compile.ops.linear.triton_scaled_gemm import gated_linear_scaled_large_m, linear_scaled_large_m
 
     x, a, b = (
         randn(37, 272, device=DEVICE),
@@ -430,7 +430,7 @@ def test_the_triton_large_m_kernel_gives_a_row_the_same_bits_in_every_batch():
     """What batch_invariant=True relies on in the rowwise recipe: per-token scales, one program per
     row in the quantization, one tiling and one K order in the GEMM whatever M is."""
     pytest.importorskip("triton")
-    from fp8compile.ops.triton_scaled_gemm import gated_linear_scaled_large_m, linear_scaled_large_m
+    from fp8compile.ops.linear.triton_scaled_gemm import gated_linear_scaled_large_m, linear_scaled_large_m
 
     w_fp8, w_scale = rs.quant_weight_scaled(randn(80, 256, scale=0.02, device=DEVICE), "rowwise")
     x, a, b = (randn(40, 256, device=DEVICE) for _ in range(3))
@@ -487,7 +487,7 @@ def test_the_gated_cublas_and_decode_ops_trace_to_our_quantization_launch_and_on
         from torch._inductor.decomposition import select_decomp_table
         from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
         from torch.fx.experimental.proxy_tensor import make_fx
-        from fp8compile.ops import scaled_gated_mm, triton_scaled  # noqa: F401
+        from fp8compile.ops.linear import scaled_gated_mm, triton_scaled  # noqa: F401
         w = torch.empty(256, 512, dtype=torch.float8_e4m3fn)
         cases = (("rowwise", False), ("rowwise", True), ("tensor", False), ("tensor", True))
         for side, m in (("cublas", 300), ("decode", 12)):

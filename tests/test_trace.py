@@ -138,7 +138,8 @@ LINEAR_INPUTS = {"x": (("M", H), torch.bfloat16), "w": ((384, H), FP8), "s": ((3
 def _traced_ops():
     """(name, the op's call, its inputs, the token counts its side of the M dispatch serves)."""
     pytest.importorskip("triton")
-    from fp8compile.ops import decode_op, moe_decode_op, moe_gluon_op, scaled_mm_op  # noqa: F401  (registers them)
+    from fp8compile.ops.linear import decode_op, scaled_mm_op  # noqa: F401  (registers them)
+    from fp8compile.ops.moe import decode_op as moe_decode_op, gluon_op as moe_gluon_op  # noqa: F401  (registers them)
 
     ops = torch.ops.fp8compile
     least = moe_gluon_op.min_tokens(E, TOP_K)
@@ -217,7 +218,7 @@ def test_a_traced_op_adds_no_guard_that_a_token_count_of_its_side_fails():
 def traced_decode_launch(op: str) -> dict:
     """The decode op `op` traced at M = 3 (split-K 2 under the CPU's tile choice): the ops of its
     graph, its launch's split and counters argument, and the addresses of the live counters."""
-    from fp8compile.ops import decode_op, triton_gemm, triton_scaled  # noqa: F401  (registers the ops)
+    from fp8compile.ops.linear import decode_op, triton_gemm, triton_scaled  # noqa: F401  (registers the ops)
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = [

@@ -8,7 +8,8 @@ pytest.importorskip("triton")
 
 from fp8compile import calc_diff  # noqa: E402
 from fp8compile.ops import reference  # noqa: E402
-from fp8compile.ops import triton_gemm, triton_quant  # noqa: E402
+from fp8compile.ops.linear import triton_gemm  # noqa: E402
+from fp8compile.ops.quant import triton_quant  # noqa: E402
 from tests.conftest import DEVICE, fp8_exact_activation, randn  # noqa: E402
 
 ON_GPU = DEVICE == "cuda"
@@ -190,7 +191,7 @@ def test_small_m_kernel_with_fused_quantization_matches_the_reference(m, split_k
 def test_linear_decode_op_is_the_decode_kernel_on_prequantized_weights(m, max_m, e8m0):
     """fp8compile::linear_decode (the op Inductor launches itself) against the reference; its
     tile height comes from max_m, the top of the M range a call site serves."""
-    from fp8compile.ops import decode_op  # noqa: F401  (registers the op)
+    from fp8compile.ops.linear import decode_op  # noqa: F401  (registers the op)
 
     x = activation(m, 256)
     w_fp8, w_scale = reference.quant_weight_block(randn(200, 256, scale=0.02, device=DEVICE), e8m0)
@@ -201,7 +202,7 @@ def test_linear_decode_op_is_the_decode_kernel_on_prequantized_weights(m, max_m,
 
 @pytest.mark.parametrize("activation_name", ["silu", "swigluoai", "silu_limit"])
 def test_linear_decode_op_with_b_is_the_gated_down_projection(activation_name):
-    from fp8compile.ops import decode_op  # noqa: F401  (registers the op)
+    from fp8compile.ops.linear import decode_op  # noqa: F401  (registers the op)
 
     # The same kernel as the eager gated decode path, at the tiles of the same M: the same bits.
     a, b, _ = gated_inputs(16, 256)
@@ -213,7 +214,7 @@ def test_linear_decode_op_with_b_is_the_gated_down_projection(activation_name):
 
 
 def test_linear_decode_op_refuses_more_rows_than_the_decode_kernel_serves():
-    from fp8compile.ops import decode_op  # noqa: F401  (registers the op)
+    from fp8compile.ops.linear import decode_op  # noqa: F401  (registers the op)
 
     x = activation(20, 256)
     w_fp8, w_scale = reference.quant_weight_block(randn(128, 256, scale=0.02, device=DEVICE))
@@ -453,7 +454,7 @@ def test_linear_scaled_mm_traces_to_one_quantization_launch_and_one_scaled_mm():
         from torch._inductor.decomposition import select_decomp_table
         from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
         from torch.fx.experimental.proxy_tensor import make_fx
-        from fp8compile.ops import scaled_mm_op  # noqa: F401
+        from fp8compile.ops.linear import scaled_mm_op  # noqa: F401
         x = torch.empty(300, 512, dtype=torch.bfloat16)
         w, s = torch.empty(256, 512, dtype=torch.float8_e4m3fn), torch.empty(2, 4)
         bias = torch.empty(256, dtype=torch.bfloat16)

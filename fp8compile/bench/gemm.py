@@ -50,7 +50,9 @@ class _Shape:
 
     def variants(self, m: int) -> dict:
         """name -> list of zero-arg callables, one per weight copy."""
-        from fp8compile.ops import triton_gemm, triton_quant, vendors
+        from fp8compile.ops.linear import triton_gemm
+        from fp8compile.ops.quant import triton_quant
+        from fp8compile.ops import vendors
 
         x = torch.randn(m, self.k, device="cuda", dtype=torch.bfloat16)
         x_fp8_row, x_scale_row = triton_quant.quant_act(x)

@@ -12,7 +12,7 @@ the wall time per call (the same with a sync at the end), layer by layer of the 
     fp8compile_op_launch  the same with inductor_launch=False: cond, op, kernel
     fp8compile_inline_conds  fp8compile with Fp8Config(inline_conds=True): the cond's branches
                       inline in Inductor's generated code, not a function per branch
-    fp8_inductor_launch  fp8compile::linear_decode (ops/decode_op.py) compiled by Inductor, the
+    fp8_inductor_launch  fp8compile::linear_decode (ops/linear/decode_op.py) compiled by Inductor, the
                       FP8 weight a module buffer: Inductor launches the decode kernel itself
     fp8_op            torch.ops.fp8compile.linear with the decode backend: dispatcher + op body
     fp8_kernel        the decode kernel's Python entry (ops/triton_gemm.linear_small_m)
@@ -60,7 +60,7 @@ class _DecodeChain(torch.nn.Module):
 
     def __init__(self, linears, max_m: int):
         super().__init__()
-        from fp8compile.ops import decode_op  # noqa: F401  (registers the op)
+        from fp8compile.ops.linear import decode_op  # noqa: F401  (registers the op)
         from fp8compile.weights import fp8_weight
 
         self.max_m = max_m
@@ -87,7 +87,7 @@ def bench_host(
     chain: int = 1,
     rounds: int = 5,
 ) -> list[dict]:
-    from fp8compile.ops import triton_gemm
+    from fp8compile.ops.linear import triton_gemm
     from fp8compile.weights import fp8_weight
 
     if max(ms) > triton_gemm.SMALL_M_MAX:

@@ -64,8 +64,8 @@ def _deep_gemm_experts(block, tokens: int, top_k: int):
     inputs): the anchor for the experts' GEMM time, without routing, activation or top-k sum."""
     import deep_gemm
 
-    from fp8compile.ops.triton_moe import route
-    from fp8compile.ops.triton_quant import quant_act
+    from fp8compile.ops.moe.triton_moe import route
+    from fp8compile.ops.quant.triton_quant import quant_act
     from fp8compile.weights import fp8_experts
 
     experts = block.experts

@@ -46,7 +46,7 @@ class Indexer(torch.nn.Module):
 
 def _fp8_inputs(q, k, w):
     """What the kernels take: q and k quantized per row, q's scales and the constants in the weights."""
-    from fp8compile.ops.reference_mqa import quant_rows
+    from fp8compile.ops.mqa_logits.reference import quant_rows
 
     q_fp8, q_scale = quant_rows(q.flatten(0, 1))
     k_fp8, k_scale = quant_rows(k.flatten(0, 1))
@@ -89,7 +89,7 @@ def _prefill_rows(m: int) -> list[dict]:
 def _decode_case(batch: int, context: int) -> dict:
     """One decode point's inputs: B sequences of `context` keys in blocks of BLOCK, one new token
     each; the FP8 cache and queries, and the same keys contiguous in bf16 for the composition."""
-    from fp8compile.ops.reference_mqa import quant_index_cache
+    from fp8compile.ops.mqa_logits.reference import quant_index_cache
 
     gen = torch.Generator("cuda").manual_seed(0)
     blocks_each = context // BLOCK
@@ -112,7 +112,7 @@ def _decode_case(batch: int, context: int) -> dict:
 
 
 def _decode_rows(batch: int, context: int) -> list[dict]:
-    from fp8compile.ops.triton_mqa import schedule_programs
+    from fp8compile.ops.mqa_logits.triton_mqa import schedule_programs
 
     case = _decode_case(batch, context)
     q, w, k_bf16, q_fp8 = case["q"], case["w"], case["k_bf16"], case["q_fp8"]
@@ -153,7 +153,7 @@ def tune_paged(out: Path, decode=DECODE, tiles=PAGED_TILES) -> list[dict]:
     default choice (triton_mqa._paged_tiles) and DeepGEMM's paged kernel, at bench mqa's decode
     points; a tiling whose logits differ from the default's is reported, not timed. Prints the
     best per point and the best fixed tilings by geometric mean."""
-    from fp8compile.ops import triton_mqa
+    from fp8compile.ops.mqa_logits import triton_mqa
 
     rows = []
     for batch, context in decode:
@@ -217,7 +217,7 @@ def _paged_ranking(rows: list[dict]) -> str:
 
 
 def _deep_gemm_paged(q_fp8, cache, weights, lens, tables, context):
-    """DeepGEMM's fp8_paged_mqa_logits through fp8compile::paged_mqa_logits (vendors_mqa.py's
+    """DeepGEMM's fp8_paged_mqa_logits through fp8compile::paged_mqa_logits (mqa_logits/vendors.py's
     adapter: one length per query, its own schedule), asked for by name: ours is first in the
     paged order (registry.PAGED_MQA_ORDER)."""
     import deep_gemm
@@ -233,7 +233,7 @@ def _deep_gemm_paged_kernel(q_fp8, cache, weights, lens, tables, context):
     anchor the Triton kernel is held to (the op's `deep_gemm` row adds the adapter's own work)."""
     import deep_gemm
 
-    from fp8compile.ops.vendors_mqa import per_query_lengths
+    from fp8compile.ops.mqa_logits.vendors import per_query_lengths
 
     per_query = per_query_lengths(lens, q_fp8.shape[1])
     sched = deep_gemm.get_paged_mqa_logits_metadata(per_query, BLOCK, deep_gemm.get_num_sms())

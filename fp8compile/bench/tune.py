@@ -36,7 +36,7 @@ LARGE_M_SWEEP = [
 ]
 
 
-# Activation quantization (ops/triton_quant.py): rows per program and warps. Each program
+# Activation quantization (ops/quant/triton_quant.py): rows per program and warps. Each program
 # quantizes ROWS x 128 (one group of each row); the kernel's default is 16 rows, 4 warps.
 QUANT_SWEEP = [(rows, warps) for rows in (16, 32, 64) for warps in (4, 8)]
 QUANT_MS = (2048, 4096)
@@ -46,7 +46,7 @@ def quant_launch(x: torch.Tensor, b: torch.Tensor | None, rows: int, num_warps: 
     """(launch, (x_fp8, scale)): one quantization of x (act(x, b) = silu(x) * b with b) into
     buffers of its own, as the cuBLAS side lays them out (scales column-major), with `rows` rows
     per program and `num_warps` warps."""
-    from fp8compile.ops import triton_quant
+    from fp8compile.ops.quant import triton_quant
 
     m, k = x.shape
     x_fp8 = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
@@ -107,7 +107,7 @@ def _quant_sweep(k: int, results: list) -> None:
             )
 
 
-# The scaled recipes' decode kernel (ops/triton_scaled.py): tile width, programs per SM (its split
+# The scaled recipes' decode kernel (ops/linear/triton_scaled.py): tile width, programs per SM (its split
 # of K), pipeline stages; plain and gated (act(gate, up) computed as the tiles load), M <= 16.
 SCALED_SMALL_M_SWEEP = list(itertools.product((64, 128, 256), (1, 2, 4), (3, 4)))
 
@@ -116,7 +116,7 @@ def _scaled_small_m_sweep(n: int, k: int, results: list) -> None:
     """Every SCALED_SMALL_M_SWEEP candidate on a rowwise weight (n, k), dynamic per-token scales
     (the row-amax launch included, as the eager op runs it), M = 1 and 16, plain and gated;
     a candidate whose output is not the default tiles' within 1e-6 calc_diff is not timed."""
-    from fp8compile.ops import reference_scaled, triton_scaled
+    from fp8compile.ops.linear import reference_scaled, triton_scaled
 
     w8 = [
         reference_scaled.quant_weight_scaled(
@@ -180,7 +180,9 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
     M, and whether they give the same bits), "quant" (the activation quantization's rows per
     program and warps, at each K of the shapes) and "scaled_small_m" (the rowwise decode
     kernel's tiles, plain and gated)."""
-    from fp8compile.ops import reference, triton_gemm, triton_quant, vendors
+    from fp8compile.ops import reference, vendors
+    from fp8compile.ops.linear import triton_gemm
+    from fp8compile.ops.quant import triton_quant
 
     from tqdm import tqdm
 

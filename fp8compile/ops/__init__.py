@@ -1,4 +1,13 @@
-"""FP8 ops: pure-PyTorch references (reference*.py) and their torch.library registrations
-(custom.py: linears, gated linears, MoE; custom_mqa.py: indexer logits)."""
+"""FP8 ops, one folder per thing computed: quant/ (the activation's and the weight's
+quantization), linear/ (linears and gated linears, three recipes), moe/ (routed experts),
+mqa_logits/ (sparse-attention indexer logits), attention/ (grouped-query decode attention).
+Each holds its torch.library ops with their fakes (op.py), its kernels and its vendor adapters.
+Shared beside them: the pure-PyTorch block references (reference.py), the torch.library
+namespace (library.py), the kernel table the registry fills (kernels.py), the Triton launcher
+(launch.py), the traced launches (traced.py) and the vendor libraries' checks (vendors.py)."""
 
-from . import custom, custom_mqa, reference  # noqa: F401  (importing them registers torch.ops.fp8compile.*)
+# importing them registers torch.ops.fp8compile.*
+from .linear import op as linear_op  # noqa: F401
+from .moe import op as moe_op  # noqa: F401
+from .mqa_logits import op as mqa_logits_op  # noqa: F401
+from .quant import op as quant_op  # noqa: F401

@@ -1,5 +1,5 @@
 """Kernel launches written for tracing: the bodies of our torch.library.triton_ops
-(moe_decode_op.py, moe_gluon_op.py) launch through these, so AOTAutograd's trace records each
+(moe/decode_op.py, moe/gluon_op.py) launch through these, so AOTAutograd's trace records each
 launch (wrap_triton) and Inductor's generated code makes it, with the buffers Inductor allocates."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from torch.library import wrap_triton
 
 from ..numerics import BLOCK, FP8_DTYPE
-from . import triton_quant
+from .quant import triton_quant
 
 
 def launch(kernel, grid, args, constexprs, options) -> None:

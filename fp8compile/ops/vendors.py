@@ -16,7 +16,7 @@ import torch
 
 from ..numerics import ceil_div
 from .reference import act_operands
-from .triton_quant import TMA_ALIGN, empty_scales, quant_act
+from .quant.triton_quant import TMA_ALIGN, empty_scales, quant_act
 
 INSTALL = {
     "deep_gemm": "pip install 'fp8compile[deep_gemm]' (sgl-deep-gemm; 0.1.5.post1 loads on torch 2.11)",
@@ -144,7 +144,7 @@ def moe_deep_gemm(
     are gathered into the contiguous layout (each expert's rows padded to DeepGEMM's alignment,
     expert id per row, -1 on padding), both expert GEMMs run grouped, and the Triton top-k sum
     reads each slot's row back (fp32, slot order) with the routing weight and the down bias."""
-    from .triton_moe import route, topk_sum
+    from .moe.triton_moe import route, topk_sum
 
     deep_gemm = require("deep_gemm")
     t, k = topk_ids.shape
@@ -227,7 +227,7 @@ def moe_deep_gemm_masked(
     call. The quantized tokens are scattered into the blocks, both expert GEMMs run masked, the
     gated activation is quantized over the blocks, and the Triton top-k sum reads each slot's
     row back through dest."""
-    from .triton_moe import topk_sum
+    from .moe.triton_moe import topk_sum
 
     deep_gemm = require("deep_gemm")
     t, k = topk_ids.shape

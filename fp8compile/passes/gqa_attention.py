@@ -15,7 +15,7 @@ rep x S query rows of that head. q (B, H, S, D) -> (B, KV, rep * S, D); the mask
 before. On the CPU the attention kernel sdpa chooses reads each K/V head once. On a GPU that
 kernel (cuDNN's) splits the work over sequences and K/V heads only, each block walking the whole
 cache: 27 us a layer for Llama-3-8B at batch 1, context 1152, on an H200. There fp8compile's split-KV kernel
-(ops/triton_attention.py, Fp8Config.split_kv) spreads the keys over the SMs instead: 7.5 us
+(ops/attention/triton_attention.py, Fp8Config.split_kv) spreads the keys over the SMs instead: 7.5 us
 (BENCHMARKS.md, "Thirty-eighth session").
 
 Matched: an sdpa op of the ATen graph (cuDNN, efficient, CPU flash) whose key and value are
@@ -131,13 +131,13 @@ def grouped_sdpa(query, key, value, mask, scale, rep, heads_outer, split_keys=Fa
     """sdpa(query, repeat_kv(key), repeat_kv(value), mask) reading each K/V head once: the rep
     query heads of a K/V head are its rows. Returns (B, H, S, D), laid out as (B, H, S, D) if
     heads_outer, else as (B, S, H, D) (the layouts sdpa kernels give). split_keys: through
-    fp8compile::gqa_decode_attention (ops/triton_attention.py, CUDA), the keys split over programs,
+    fp8compile::gqa_decode_attention (ops/attention/triton_attention.py, CUDA), the keys split over programs,
     chunk keys each (0: the op's choice for this batch)."""
     b, h, s, d = query.shape
     kv = key.shape[1]
     q = query.reshape(b, kv, rep * s, d)
     if split_keys:
-        from ..ops import attention_op  # noqa: F401  (registers fp8compile::gqa_decode_attention)
+        from ..ops.attention import op as attention_op  # noqa: F401  (registers fp8compile::gqa_decode_attention)
 
         scale = scale if scale is not None else d**-0.5
         out = torch.ops.fp8compile.gqa_decode_attention(q, key, value, mask, scale, rep, chunk)
@@ -247,7 +247,7 @@ def _split_kv_why_not(vals: list, match: GqaMatch) -> str | None:
     """Why fp8compile's split-KV kernel does not serve this attention (sdpa's kernel does), or None."""
     if vals[0].device.type != "cuda":  # Triton may be absent without a GPU: nothing imported
         return "not on a CUDA device"
-    from ..ops import triton_attention
+    from ..ops.attention import triton_attention
 
     return triton_attention.supports(*vals[:3], vals[3] if match.mask is not None else None, match.rep)
 
@@ -255,7 +255,7 @@ def _split_kv_why_not(vals: list, match: GqaMatch) -> str | None:
 def _batch_invariant_chunk(key: torch.Tensor) -> int:
     """The split-KV kernel's keys per chunk for any batch: the choice for one sequence (the
     default choice follows the batch, and a row's sum order with it)."""
-    from ..ops import triton_attention
+    from ..ops.attention import triton_attention
 
     return triton_attention.chunk_keys(size_hint(key.shape[2]), 1, key.shape[1], key.device)
 

@@ -4,7 +4,7 @@ Outside CUDA graphs a step is host-bound, and an FP8 op in the graph pays a Pyth
 (dispatcher, op body, the kernel's Python entry) around every launch: 80-98 us of host time per
 decode linear where bf16 Inductor's cuBLAS call pays 24-27 (H100, `bench host --chain 8`), 94
 us per cuBLAS-side linear at M = 1024 against bf16's 16. fp8compile::linear_decode
-(ops/decode_op.py) and fp8compile::linear_scaled_mm (ops/scaled_mm_op.py) are
+(ops/linear/decode_op.py) and fp8compile::linear_scaled_mm (ops/linear/scaled_mm_op.py) are
 torch.library.triton_ops: traced the way AOTAutograd traces (functionalized, make_fx over the
 graph's fake tensors), their bodies become the kernel launches themselves
 (triton_kernel_wrapper_functional nodes, and aten._scaled_mm for cuBLAS), which Inductor
@@ -12,8 +12,8 @@ compiles and calls from its generated code like its own.
 
 The routed experts' decode side too: fp8compile::moe paid 190-290 us of host time a call at
 one token on an H100 lease's host (six launches behind its Python), and fp8compile::moe_decode
-(ops/moe_decode_op.py) is the same six kernels as a triton_op. From 32 routed rows per expert
-up, where the op runs the Gluon GEMMs, fp8compile::moe_gluon (ops/moe_gluon_op.py) is its
+(ops/moe/decode_op.py) is the same six kernels as a triton_op. From 32 routed rows per expert
+up, where the op runs the Gluon GEMMs, fp8compile::moe_gluon (ops/moe/gluon_op.py) is its
 routing, quantizations and top-k sum as launches around two calls of the Gluon GEMM: the moe
 pass cuts the triton side of the dispatch at both ends of the op's own range (moe_decode_cut,
 moe_gluon_cut), so a graph of dynamic M takes each launch in its range. Both read the FP8
@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ..ops.moe_tiles import decode_fits, gluon_min_tokens
+from ..ops.moe.tiles import decode_fits, gluon_min_tokens
 from .context import PassContext
 from .trace import TraceCache, inline_traced
 
@@ -116,7 +116,7 @@ def moe_launch_wanted(
     (so its FP8 expert weights must enter the graph: LAUNCH_OPERANDS)."""
     if not _moe_launches(ctx, device):
         return False
-    from ..ops import moe_gluon_op
+    from ..ops.moe import gluon_op as moe_gluon_op
 
     return any(
         side.kernel == MOE_BACKEND
@@ -152,7 +152,9 @@ def moe_gluon_cut(
     where no traced launch is wanted or the Gluon kernel cannot serve these experts."""
     if not _moe_launches(ctx, device):
         return None
-    from ..ops import moe_gluon_op  # the Gluon kernel's limits need Triton, present with a GPU
+    from ..ops.moe import (
+        gluon_op as moe_gluon_op,
+    )  # the Gluon kernel's limits need Triton, present with a GPU
 
     at = gluon_min_tokens(num_experts, top_k)
     return at if moe_gluon_op.fits(num_experts, top_k, at, n13, inter, hidden, device) else None
@@ -168,7 +170,7 @@ def moe_decode_fits(args: tuple, kwargs: dict, m_max: int) -> bool:
 def moe_gluon_fits(args: tuple, kwargs: dict, m_min: int) -> bool:
     """Whether a moe call site (as for moe_decode_fits) can be fp8compile::moe_gluon for m_min
     tokens and more (moe_gluon_op.fits)."""
-    from ..ops import moe_gluon_op
+    from ..ops.moe import gluon_op as moe_gluon_op
 
     num_experts, n13, hidden = kwargs[LAUNCH_OPERANDS][0].meta["val"].shape
     inter = kwargs[LAUNCH_OPERANDS][2].meta["val"].shape[2]  # w2_fp8 (E, H, I)
@@ -196,7 +198,7 @@ def emit_decode_launch(
     graph: fx.Graph, target, args: tuple, kwargs: dict, m_max: int | None, cache: TraceCache | None = None
 ) -> fx.Node:
     """Into `graph`: target(*args, **kwargs) as the traced fp8compile::linear_decode (x 2-D, M <= m_max)."""
-    from ..ops import decode_op  # noqa: F401  (registers fp8compile::linear_decode)
+    from ..ops.linear import decode_op  # noqa: F401  (registers fp8compile::linear_decode)
 
     present, act, e8m0 = _operands(target, args, kwargs)
 
@@ -214,7 +216,7 @@ def emit_scaled_mm_launch(
     graph: fx.Graph, target, args: tuple, kwargs: dict, m_max: int | None, cache: TraceCache | None = None
 ) -> fx.Node:
     """Into `graph`: target(*args, **kwargs) as the traced fp8compile::linear_scaled_mm (x 2-D)."""
-    from ..ops import scaled_mm_op  # noqa: F401  (registers fp8compile::linear_scaled_mm)
+    from ..ops.linear import scaled_mm_op  # noqa: F401  (registers fp8compile::linear_scaled_mm)
 
     present, act, e8m0 = _operands(target, args, kwargs)
 
@@ -239,14 +241,14 @@ def emit_scaled_launch(
 ) -> fx.Node:
     """Into `graph`: the (gated_)qlinear_scaled call target(*args, **kwargs) (x 2-D) traced: as
     fp8compile::linear_scaled_decode (M <= m_max) if decode; else a plain linear as the cuBLAS
-    kernel's own tensor ops and aten._scaled_mm (ops/scaled_cublas.py), whose quantization
-    Inductor fuses, and a gated one as fp8compile::gated_linear_scaled_mm (ops/scaled_gated_mm.py)."""
-    from ..ops import scaled_cublas
+    kernel's own tensor ops and aten._scaled_mm (ops/linear/scaled_cublas.py), whose quantization
+    Inductor fuses, and a gated one as fp8compile::gated_linear_scaled_mm (ops/linear/scaled_gated_mm.py)."""
+    from ..ops.linear import scaled_cublas
 
     if decode:
-        from ..ops import triton_scaled  # noqa: F401  (registers fp8compile::linear_scaled_decode)
+        from ..ops.linear import triton_scaled  # noqa: F401  (registers fp8compile::linear_scaled_decode)
     elif target is _GATED_QLINEAR_SCALED:
-        from ..ops import scaled_gated_mm  # noqa: F401  (registers fp8compile::gated_linear_scaled_mm)
+        from ..ops.linear import scaled_gated_mm  # noqa: F401  (registers fp8compile::gated_linear_scaled_mm)
 
     present, act, e8m0 = _operands(target, args, kwargs)
     if kwargs.get("x_scale") is not None:
@@ -292,7 +294,7 @@ def emit_moe_decode_launch(
 ) -> fx.Node:
     """Into `graph`: the moe call target(*args, **kwargs) as the traced fp8compile::moe_decode
     (up to m_max tokens), on the FP8 expert weights kwargs[LAUNCH_OPERANDS] carries."""
-    from ..ops import moe_decode_op  # noqa: F401  (registers fp8compile::moe_decode)
+    from ..ops.moe import decode_op as moe_decode_op  # noqa: F401  (registers fp8compile::moe_decode)
 
     return _emit_moe(graph, args, kwargs, cache, torch.ops.fp8compile.moe_decode, "max_tokens", m_max)
 
@@ -308,7 +310,7 @@ def emit_moe_gluon_launch(
 ) -> fx.Node:
     """Into `graph`: the moe call target(*args, **kwargs) as the traced fp8compile::moe_gluon
     (tokens_from tokens and more), on the FP8 expert weights kwargs[LAUNCH_OPERANDS] carries."""
-    from ..ops import moe_gluon_op  # noqa: F401  (registers fp8compile::moe_gluon)
+    from ..ops.moe import gluon_op as moe_gluon_op  # noqa: F401  (registers fp8compile::moe_gluon)
 
     return _emit_moe(graph, args, kwargs, cache, torch.ops.fp8compile.moe_gluon, "tokens_from", tokens_from)
 

@@ -31,7 +31,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import registry
 from ..numerics import calc_diff, size_hint
-from ..ops.reference_mqa import quant_rows
+from ..ops.mqa_logits.reference import quant_rows
 from .context import PassContext, qualified_name
 from .replay import ReplayError, concrete, run_subgraph, small_symbols
 from .trace import inline_traced

@@ -1,5 +1,5 @@
-"""The registered FP8 MQA-logits ops of sparse-attention indexers (reference_mqa.py defines them),
-each with its fake implementation below it; registered as custom.py registers the linear ops (ops/library.py).
+"""The registered FP8 MQA-logits ops of sparse-attention indexers (reference.py defines them), each
+with its fake implementation below it, in the torch.library namespace of ops/library.py.
 
     torch.ops.fp8compile.mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke,
                                     clean_logits, max_seqlen_k, backend)
@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import kernels, reference_mqa
-from .library import LIB, fake, op
+from .. import kernels
+from . import reference as reference_mqa
+from ..library import LIB, fake, op
 
 
 def _check_mqa(

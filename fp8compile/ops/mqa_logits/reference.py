@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ..numerics import FP8_DTYPE, FP8_MAX, scale_from_amax
+from ...numerics import FP8_DTYPE, FP8_MAX, scale_from_amax
 
 # Keys scored per chunk in the references: bounds their (H, M, chunk) fp32 temporary.
 _CHUNK_ELEMENTS = 1 << 26

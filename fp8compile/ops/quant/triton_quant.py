@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..numerics import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, ceil_div, next_pow2
-from .launch import Launcher
+from ...numerics import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, ceil_div, next_pow2
+from ..launch import Launcher
 
 TMA_ALIGN = 4  # fp32 elements per 16 bytes: the alignment TMA and cuBLAS want of a scale column
 QUANT_ROWS = 16
@@ -196,7 +196,8 @@ def quant_act_arguments(x, b, x_fp8, scale, e8m0, activation, alpha, limit, rows
     """(grid, args, constexprs) of _quant_act_kernel quantizing x (M, K) (or act(x, b)) into
     x_fp8 (M', K) and scale (M', K/128), M' >= M rows (the rows past M quantized zeros), `rows`
     rows per program. The one place the kernel's arguments are laid out: quant_act launches
-    them through our Launcher (_quant_act_launch), ops/scaled_mm_op.py through wrap_triton for Inductor."""
+    them through our Launcher (_quant_act_launch), ops/linear/scaled_mm_op.py through
+    wrap_triton for Inductor."""
     m, k = x.shape
     m_out = x_fp8.shape[0]
     b_ = x if b is None else b

@@ -3,7 +3,7 @@ op Inductor launches itself (a torch.library.triton_op: traced, its body is the 
 the split kernel and, with more than one chunk, of the combine kernel).
 
 Its definition is sdpa over repeat_kv'd keys and values with the query heads of a K/V head as
-its rows (passes/gqa_attention.grouped_sdpa); the kernel is ops/triton_attention.py. The chunk
+its rows (passes/gqa_attention.grouped_sdpa); the kernel is ops/attention/triton_attention.py. The chunk
 length is fixed when the op is traced, from the batch and key count it sees (their hints when
 symbolic), so one compiled graph computes every batch with one order of summation.
 """
@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from ..numerics import size_hint
+from ...numerics import size_hint
 from . import triton_attention
 
 

@@ -23,12 +23,12 @@ import torch
 from torch import Tensor
 from torch.library import triton_op
 
-from ..numerics import next_pow2
+from ...numerics import next_pow2
 from . import triton_moe
-from .moe_tiles import decode_fits
-from .reference import act_operands
-from .traced import launch, quant_act
-from .triton_quant import QUANT_ROWS
+from .tiles import decode_fits
+from ..reference import act_operands
+from ..traced import launch, quant_act
+from ..quant.triton_quant import QUANT_ROWS
 
 
 @triton_op("fp8compile::moe_decode", mutates_args=())

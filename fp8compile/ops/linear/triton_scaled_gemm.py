@@ -24,10 +24,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch import Launcher
+from ..launch import Launcher
 from .reference_scaled import check_recipe
 from .triton_gemm import _interpreting, _tile_position
-from .triton_quant_rows import quantize
+from ..quant.triton_quant_rows import quantize
 
 # One tiling for every M (batch invariance). The block recipe's large-M kernel's tiles
 # (triton_gemm.SMALL_TILE_CONFIG), not tuned for this kernel; the interpreter's keep tests fast.

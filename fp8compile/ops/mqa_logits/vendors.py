@@ -1,5 +1,5 @@
 """DeepGEMM's FP8 MQA logits kernel behind fp8compile::mqa_logits (the contract is
-reference_mqa.py's; DeepGEMM's layout is the same: q (M, H, D) e4m3fn, keys (N, D) with an fp32
+mqa_logits/reference.py's; DeepGEMM's layout is the same: q (M, H, D) e4m3fn, keys (N, D) with an fp32
 scale each). Imported by the registry only when asked for.
 
 Its paged kernel (fp8_paged_mqa_logits) is behind fp8compile::paged_mqa_logits too, after our
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .vendors import require
+from ..vendors import require
 
 
 def mqa_logits_deep_gemm(q_fp8, k_fp8, k_scale, weights, ks, ke, clean_logits=True, max_seqlen_k=0):

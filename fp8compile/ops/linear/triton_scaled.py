@@ -29,9 +29,9 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from ..numerics import AMAX_EPS, FP8_MAX
-from .launch import Launcher
-from .reference import gated
+from ...numerics import AMAX_EPS, FP8_MAX
+from ..launch import Launcher
+from ..reference import gated
 from .reference_scaled import check_recipe
 from .triton_gemm import (
     SMALL_M_MAX,
@@ -42,8 +42,8 @@ from .triton_gemm import (
     counters_ptr,
     store_split_k,
 )
-from .triton_quant import activation_code, load_activation
-from .triton_quant_rows import act_row_amax, quantize, scale_from
+from ..quant.triton_quant import activation_code, load_activation
+from ..quant.triton_quant_rows import act_row_amax, quantize, scale_from
 
 BLOCK_K = 128
 # How the activation scale is found: from each token's amax, from the amax over x, or given.

@@ -20,7 +20,7 @@ the kernel say which warps do what:
 - The consumers may instead split a tile's columns (64 x 256 tiles, WIDE_CONFIG): one shared
   activation box, a 128-row weight box each.
 
-grouped_gemm() is the routed experts' variant (ops/triton_moe.py, moe_gluon): row block i of the
+grouped_gemm() is the routed experts' variant (ops/moe/triton_moe.py, moe_gluon): row block i of the
 activations (rows gathered into routed order) is multiplied by expert block_expert[i]'s weights,
 scales and bias; blocks of expert -1 are skipped by the producer and the consumers alike.
 
@@ -49,8 +49,8 @@ import functools
 import torch
 import triton
 
-from ..numerics import BLOCK, ceil_div
-from .launch import Launcher, capability, ensure_scratch_allocator, num_sms
+from ...numerics import BLOCK, ceil_div
+from ..launch import Launcher, capability, ensure_scratch_allocator, num_sms
 
 try:
     from triton.experimental import gluon

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..numerics import FP8_DTYPE, FP8_MAX, scale_from_amax
-from .reference import gated
+from ...numerics import FP8_DTYPE, FP8_MAX, scale_from_amax
+from ..reference import gated
 
 SCALED_RECIPES = ("tensor", "rowwise")
 

@@ -4,7 +4,7 @@ Outside CUDA graphs a prefill is host-bound, and fp8compile::moe on its Gluon pa
 (triton_moe.moe_gluon: eight launches, two of them the Gluon GEMM with its TMA descriptors) cost
 418 us of host time a call at 2048 tokens alone, and 660 us a call inside a 4-layer Qwen3-MoE
 prefill, whose host time fell from 5.5 to 2.9 ms with the op stubbed out (H100; BENCHMARKS.md,
-"Twentieth session"). This op is a torch.library.triton_op like moe_decode (moe_decode_op.py):
+"Twentieth session"). This op is a torch.library.triton_op like moe_decode (moe/decode_op.py):
 traced into the graph (passes/inline.py), its routing (count, scan, place), the quantization
 into routed order, the gated activation's quantization and the top-k sum become launches
 Inductor's wrapper makes with the buffers it allocates. The two grouped GEMMs stay calls of
@@ -24,13 +24,14 @@ import torch
 from torch import Tensor
 from torch.library import triton_op
 
-from ..numerics import BLOCK
-from . import gluon_gemm, triton_moe
-from .library import fake, op
-from .moe_tiles import gluon_min_tokens as min_tokens
-from .reference import act_operands
-from .traced import launch, quant_act
-from .triton_quant import QUANT_ROWS
+from ...numerics import BLOCK
+from ..linear import gluon_gemm
+from . import triton_moe
+from ..library import fake, op
+from .tiles import gluon_min_tokens as min_tokens
+from ..reference import act_operands
+from ..traced import launch, quant_act
+from ..quant.triton_quant import QUANT_ROWS
 
 
 def fits(
@@ -62,7 +63,7 @@ def gluon_grouped_gemm(
     )
 
 
-# Registered as custom.py registers our ops (a schema and a CompositeExplicitAutograd kernel), not
+# Registered as ops/library.py registers our ops (a schema and a CompositeExplicitAutograd kernel), not
 # through torch.library.custom_op, whose per-call Python (its autograd layer, the aliasing check
 # of the outputs) sits on the host's critical path of every prefill here.
 op(gluon_grouped_gemm)

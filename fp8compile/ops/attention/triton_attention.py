@@ -35,8 +35,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..numerics import next_pow2
-from .launch import num_sms
+from ...numerics import next_pow2
+from ..launch import num_sms
 
 BLOCK_L = 64  # keys a step
 # Chunks the combine kernel reads a step. Not tuned: chunk_keys makes about 2 x SMs / (B x KV)

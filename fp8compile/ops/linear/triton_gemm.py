@@ -28,9 +28,9 @@ import triton
 import triton.language as tl
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..numerics import AMAX_EPS, BLOCK, FP8_MAX, ceil_div
-from .launch import Launcher, num_sms
-from .triton_quant import activation_code, load_activation, quant_act, quant_group
+from ...numerics import AMAX_EPS, BLOCK, FP8_MAX, ceil_div
+from ..launch import Launcher, num_sms
+from ..quant.triton_quant import activation_code, load_activation, quant_act, quant_group
 
 
 @triton.jit

@@ -21,10 +21,10 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
 
-from ..numerics import AMAX_EPS, FP8_DTYPE, FP8_MAX, next_pow2
-from .launch import Launcher
-from .reference import gated
-from .reference_scaled import act_scale
+from ...numerics import AMAX_EPS, FP8_DTYPE, FP8_MAX, next_pow2
+from ..launch import Launcher
+from ..reference import gated
+from ..linear.reference_scaled import act_scale
 from .triton_quant import activation_code, load_activation, round_up_pow2
 
 # Rows up to this many columns are quantized from registers, in one pass (32 fp32 values per

@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..numerics import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, ceil_div, next_pow2
-from .launch import Launcher
-from .moe_tiles import (  # noqa: F401  (the tile choices, triton-free for the passes; named here too)
+from ...numerics import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, ceil_div, next_pow2
+from ..launch import Launcher
+from .tiles import (  # noqa: F401  (the tile choices, triton-free for the passes; named here too)
     BATCH_INVARIANT_BLOCK_M,
     BLOCK_M_CHOICES,
     GLUON_MIN_SLOTS_PER_EXPERT,
@@ -44,8 +44,8 @@ from .moe_tiles import (  # noqa: F401  (the tile choices, triton-free for the p
     block_m_for,
     route_capacity,
 )
-from .reference import act_operands
-from .triton_quant import quant_act, quant_group
+from ..reference import act_operands
+from ..quant.triton_quant import quant_act, quant_group
 
 
 def route(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -604,7 +604,7 @@ def _gluon_runs(x, w13_fp8, w2_fp8, num_slots: int, batch_invariant: bool) -> bo
     key = (_layout_key(w13_fp8), _layout_key(w2_fp8), x.get_device())
     fits = _GLUON_FITS.get(key)
     if fits is None:
-        from . import gluon_gemm
+        from ..linear import gluon_gemm
 
         fits = _GLUON_FITS[key] = all(
             gluon_gemm.why_not_grouped(torch.empty(0, w.shape[2], dtype=w.dtype, device=x.device), w) is None
@@ -640,7 +640,7 @@ def moe_gluon(
     routed order in one pass (gather_quant), both GEMMs run on row blocks of that order (64 or 128
     rows: gluon_gemm.grouped_config, or config), and the top-k sum reads each slot's row
     through the `rows` map."""
-    from . import gluon_gemm
+    from ..linear import gluon_gemm
 
     t, k = topk_ids.shape
     num_experts, n13, _ = w13_fp8.shape

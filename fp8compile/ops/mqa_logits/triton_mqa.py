@@ -1,4 +1,4 @@
-"""Triton kernels of the FP8 MQA logits (reference_mqa.py has the definitions and layouts).
+"""Triton kernels of the FP8 MQA logits (mqa_logits/reference.py has the definitions and layouts).
 
 Both kernels treat a query token's H heads as H rows of q in one FP8 tensor-core GEMM against a
 tile of keys, in fp32, then relu, times each head's weight, summed over each token's heads,
@@ -33,9 +33,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..numerics import next_pow2
-from .launch import num_sms
-from .reference_mqa import index_cache_views, schedule_split
+from ...numerics import next_pow2
+from ..launch import num_sms
+from .reference import index_cache_views, schedule_split
 
 
 @triton.jit

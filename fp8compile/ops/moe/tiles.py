@@ -1,6 +1,6 @@
 """The routed-experts kernels' tile and routing choices, as arithmetic on sizes.
 
-triton_moe.py, moe_decode_op.py and moe_gluon_op.py run by these numbers; the passes decide
+triton_moe.py, moe/decode_op.py and moe/gluon_op.py run by these numbers; the passes decide
 with them where a call site's M dispatch is cut and which traced launch serves each side. This
 module imports no Triton, so those decisions are made where Triton is absent too (a CPU-only
 torch), on the reference kernels.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..numerics import ceil_div
+from ...numerics import ceil_div
 
 # Routing in one Triton program up to this many slots (T * k), chunked kernels above. One
 # program sorts all slots itself: on an H200 (9d201bf:scripts/decode_probe.py) it took 3.0 us for 8 slots

@@ -22,8 +22,9 @@ import torch
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from ..numerics import AMAX_EPS, BLOCK, FP8_MAX
-from . import triton_gemm, triton_quant
+from ...numerics import AMAX_EPS, BLOCK, FP8_MAX
+from . import triton_gemm
+from ..quant import triton_quant
 
 
 @triton_op("fp8compile::linear_decode", mutates_args=())

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from ..numerics import BLOCK, FP8_DTYPE
-from . import triton_quant
+from ...numerics import BLOCK, FP8_DTYPE
+from ..quant import triton_quant
 
 
 @triton_op("fp8compile::linear_scaled_mm", mutates_args=())

@@ -2,7 +2,7 @@
 sizes: act(a, b) quantized by a kernel of ours, then cuBLAS's tensorwise or rowwise FP8 GEMM
 (torch._scaled_mm), as fp8compile::gated_linear_scaled_mm.
 
-The plain linear on act(gate, up) (ops/scaled_cublas.py, traced) leaves the product, its
+The plain linear on act(gate, up) (ops/linear/scaled_cublas.py, traced) leaves the product, its
 per-token amax and the cast to Inductor's fused reduction; triton_quant_rows.py's kernel does it
 in one read of each row, 1.33x faster at Llama-3-8B's down projection on an H100 (its docstring).
 
@@ -20,7 +20,7 @@ from torch.library import triton_op
 
 from .reference_scaled import check_recipe
 from .scaled_cublas import scaled_mm
-from .triton_quant_rows import quantize
+from ..quant.triton_quant_rows import quantize
 
 
 @triton_op("fp8compile::gated_linear_scaled_mm", mutates_args=())
