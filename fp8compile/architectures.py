@@ -190,7 +190,7 @@ def build(arch: str, seed: int = 0) -> torch.nn.Module:
 
 def _linear_weight(module: torch.nn.Module) -> torch.Tensor | None:
     """The (N, K) weight of a linear the linear pass would take (K and N at least 128, bf16; a K
-    of part of a group is padded, reference.quant_weight_block): an nn.Linear's, or a GPT-2-style
+    of part of a group is padded, quant_reference.quant_weight_block): an nn.Linear's, or a GPT-2-style
     Conv1D's (weight (K, N), x @ w + b), else None."""
     if isinstance(module, torch.nn.Linear):
         w = module.weight
@@ -205,14 +205,15 @@ def _linear_weight(module: torch.nn.Module) -> torch.Tensor | None:
 def _block_fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """transformers' _grouped_mm (x (S, K) sorted by expert, w (E, K, N), offs the experts' ends)
     in unfused block FP8: each expert's rows through the reference block-FP8 linear."""
-    from .ops import reference
+    from .ops.linear import reference as linear_reference
+    from .ops.quant import reference as quant_reference
 
     out = x.new_zeros(x.shape[0], w.shape[-1])
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
-            w_fp8, w_scale = reference.quant_weight_block(w[e].t())
-            out[start:end] = reference.linear_block(x[start:end], w_fp8, w_scale)
+            w_fp8, w_scale = quant_reference.quant_weight_block(w[e].t())
+            out[start:end] = linear_reference.linear_block(x[start:end], w_fp8, w_scale)
         start = end
     return out
 
@@ -222,13 +223,14 @@ def composition(model: torch.nn.Module, recipe: str = "block"):
     """Within the block, `model` runs its unfused block-FP8 composition (module docstring); with
     recipe "rowwise" or "tensor", its linears run that recipe (dynamic scales) and the experts
     stay block-FP8, as the compiled model's do not: bound those models by their dense peers."""
-    from .ops import reference
+    from .ops.linear import reference as linear_reference
+    from .ops.quant import reference as quant_reference
     from .ops.linear import reference_scaled
 
     def fp8_linear(weight, bias=None):
         if recipe == "block":
-            w_fp8, w_scale = reference.quant_weight_block(weight)
-            return lambda x: reference.linear_block(x, w_fp8, w_scale, bias)
+            w_fp8, w_scale = quant_reference.quant_weight_block(weight)
+            return lambda x: linear_reference.linear_block(x, w_fp8, w_scale, bias)
         w_fp8, w_scale = reference_scaled.quant_weight_scaled(weight, recipe)
         return lambda x: reference_scaled.linear_scaled(x, w_fp8, w_scale, bias, recipe)
 
@@ -264,8 +266,8 @@ def composition(model: torch.nn.Module, recipe: str = "block"):
             and b.dtype == torch.bfloat16
             and not kwargs
         ):
-            experts = [reference.quant_weight_block(b[e].detach().t()) for e in range(b.shape[0])]
-            return torch.stack([reference.linear_block(a[e], *w) for e, w in enumerate(experts)])
+            experts = [quant_reference.quant_weight_block(b[e].detach().t()) for e in range(b.shape[0])]
+            return torch.stack([linear_reference.linear_block(a[e], *w) for e, w in enumerate(experts)])
         return plain_bmm(a, b, **kwargs)
 
     torch.bmm = bmm

@@ -146,7 +146,7 @@ def _deep_gemm_why_not(request: Request) -> str | None:
 def _deep_gemm_masked_why_not(request: Request) -> str | None:
     if request.op != "moe":
         return "serves routed experts only (fp8compile::moe)"
-    from .ops.vendors import MASKED_MAX_TOKENS
+    from .ops.moe.vendors import MASKED_MAX_TOKENS
 
     if request.m_max is None or request.m_max > MASKED_MAX_TOKENS:
         return (
@@ -224,9 +224,9 @@ _BACKENDS: dict[str, Backend] = {
     "deep_gemm": Backend(
         "deep_gemm",
         {
-            "linear": ".ops.vendors:linear_deep_gemm",
-            "gated_linear": ".ops.vendors:gated_linear_deep_gemm",
-            "moe": ".ops.vendors:moe_deep_gemm",
+            "linear": ".ops.linear.vendors:linear_deep_gemm",
+            "gated_linear": ".ops.linear.vendors:gated_linear_deep_gemm",
+            "moe": ".ops.moe.vendors:moe_deep_gemm",
             "mqa_logits": ".ops.mqa_logits.vendors:mqa_logits_deep_gemm",
             "paged_mqa_logits": ".ops.mqa_logits.vendors:paged_mqa_logits_deep_gemm",
             "paged_mqa_logits_metadata": ".ops.mqa_logits.vendors:paged_mqa_logits_metadata_deep_gemm",
@@ -236,7 +236,7 @@ _BACKENDS: dict[str, Backend] = {
     ),
     "deep_gemm_masked": Backend(
         "deep_gemm_masked",
-        {"moe": ".ops.vendors:moe_deep_gemm_masked"},
+        {"moe": ".ops.moe.vendors:moe_deep_gemm_masked"},
         _deep_gemm_masked_why_not,
         prepare=".ops.vendors:prepare_deep_gemm",
     ),
@@ -259,22 +259,24 @@ _BACKENDS: dict[str, Backend] = {
     "cublas": Backend(
         "cublas",
         {
-            "linear": ".ops.vendors:linear_cublas",
-            "gated_linear": ".ops.vendors:gated_linear_cublas",
+            "linear": ".ops.linear.vendors:linear_cublas",
+            "gated_linear": ".ops.linear.vendors:gated_linear_cublas",
             "scaled_linear": ".ops.linear.scaled_cublas:linear_scaled_cublas",
             "gated_scaled_linear": ".ops.linear.scaled_gated_mm:gated_linear_scaled_cublas",
         },
         _cublas_why_not,
     ),
-    "flashinfer": Backend("flashinfer", {"linear": ".ops.vendors:linear_flashinfer"}, _flashinfer_why_not),
+    "flashinfer": Backend(
+        "flashinfer", {"linear": ".ops.linear.vendors:linear_flashinfer"}, _flashinfer_why_not
+    ),
     "reference": Backend(
         name="reference",
         ops={
-            "linear": ".ops.reference:linear_block",
-            "gated_linear": ".ops.reference:gated_linear_block",
-            "gemm": ".ops.reference:gemm_block",
-            "quant_act": ".ops.reference:quant_act_block",
-            "moe": ".ops.reference:moe_block",
+            "linear": ".ops.linear.reference:linear_block",
+            "gated_linear": ".ops.linear.reference:gated_linear_block",
+            "gemm": ".ops.linear.reference:gemm_block",
+            "quant_act": ".ops.quant.reference:quant_act_block",
+            "moe": ".ops.moe.reference:moe_block",
             "scaled_linear": ".ops.linear.reference_scaled:linear_scaled",
             "gated_scaled_linear": ".ops.linear.reference_scaled:gated_linear_scaled",
             "mqa_logits": ".ops.mqa_logits.reference:mqa_logits",

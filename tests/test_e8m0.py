@@ -6,7 +6,7 @@ import torch
 import fp8compile
 from fp8compile import calc_diff
 from fp8compile.numerics import is_power_of_two
-from fp8compile.ops import reference
+from fp8compile.ops.quant import reference as quant_reference
 from tests.conftest import BF16, GATED_MLP, randn
 from tests.models import GatedMLP
 
@@ -30,14 +30,14 @@ def weight_scales(monkeypatch):
 @pytest.fixture
 def activation_scales(monkeypatch):
     scales = []
-    real = reference.quant_act_block
+    real = quant_reference.quant_act_block
 
     def recording(x, e8m0=False):
         x_fp8, scale = real(x, e8m0)
         scales.append(scale)
         return x_fp8, scale
 
-    monkeypatch.setattr(reference, "quant_act_block", recording)
+    monkeypatch.setattr(quant_reference, "quant_act_block", recording)
     return scales
 
 

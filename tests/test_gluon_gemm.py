@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from fp8compile.ops.linear import gluon_gemm, triton_gemm  # noqa: E402
-from fp8compile.ops import reference  # noqa: E402
+from fp8compile.ops.quant import reference as quant_reference  # noqa: E402
 from fp8compile.ops.quant import triton_quant  # noqa: E402
 from tests.conftest import DEVICE, randn  # noqa: E402
 from tests.test_triton_kernels import assert_bf16_close, reference_gemm  # noqa: E402
@@ -220,7 +220,7 @@ def test_matches_the_reference_and_the_triton_kernel_bit_for_bit(config, m, n, k
     of 128-wide fp32 products, each scaled and added in K order, so the two large-M kernels are
     interchangeable."""
     x_fp8, x_scale = triton_quant.quant_act(randn(m, k, device=DEVICE))
-    w_fp8, w_scale = reference.quant_weight_block(randn(n, k, scale=0.02, device=DEVICE))
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(n, k, scale=0.02, device=DEVICE))
     b = randn(n, device=DEVICE) if bias else None
     out = gluon_gemm.gemm(x_fp8, x_scale, w_fp8, w_scale, b, config=config)
     assert_bf16_close(out, reference_gemm(x_fp8, x_scale, w_fp8, w_scale, b))
@@ -242,7 +242,7 @@ def test_grouped_gemm_gives_each_row_block_its_experts_gemm_bit_for_bit(config, 
     block_expert = torch.tensor([3, 0, 0, -1, 4, 1, -1, 3], dtype=torch.int32, device=DEVICE)
     m = block_expert.numel() * bm
     x_fp8, x_scale = triton_quant.quant_act(randn(m, k, device=DEVICE))
-    w_fp8, w_scale = reference.quant_weight_block(randn(experts * n, k, scale=0.02, device=DEVICE))
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(experts * n, k, scale=0.02, device=DEVICE))
     w_fp8, w_scale = w_fp8.reshape(experts, n, k), w_scale.reshape(experts, n // 128, k // 128)
     b = randn(experts, n, device=DEVICE) if bias else None
     out = gluon_gemm.grouped_gemm(x_fp8, x_scale, w_fp8, w_scale, block_expert, b, config=config)
@@ -267,7 +267,7 @@ def test_large_m_gemm_hands_large_m_to_gluon_and_replays_in_a_cuda_graph(monkeyp
     monkeypatch.setattr(gluon_gemm, "gemm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     m = triton_gemm.TILE_SWITCH_M + 1
     x_fp8, x_scale = triton_quant.quant_act(randn(m, 512, device=DEVICE))
-    w_fp8, w_scale = reference.quant_weight_block(randn(640, 512, scale=0.02, device=DEVICE))
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(640, 512, scale=0.02, device=DEVICE))
     eager = triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale)
     below = triton_gemm.gemm_large_m(x_fp8[: m - 1], x_scale[: m - 1], w_fp8, w_scale)
     assert calls == [m]

@@ -9,7 +9,9 @@ import torch
 
 import fp8compile
 from fp8compile import calc_diff, registry
-from fp8compile.ops import reference
+from fp8compile.ops import activations
+from fp8compile.ops.moe import reference as moe_reference
+from fp8compile.ops.quant import reference as quant_reference
 from tests.conftest import BF16, GATED_MLP, gpu, randn
 
 pytestmark = [pytest.mark.gpu, gpu]
@@ -30,7 +32,7 @@ def run_backend(backend, x, w, bias=None, e8m0=False):
     why = registry.why_not(backend, registry.Request("linear", x.device, n, k, m, m, e8m0=e8m0))
     if why is not None:
         pytest.skip(f"{backend}: {why}")
-    w_fp8, w_scale = reference.quant_weight_block(w, e8m0)
+    w_fp8, w_scale = quant_reference.quant_weight_block(w, e8m0)
     return registry.implementation("linear", backend)(x, w_fp8, w_scale, bias, e8m0)
 
 
@@ -79,7 +81,7 @@ def test_flashinfer_reads_block_scales_in_our_layout():
     out = run_backend("flashinfer", x, w)
     expected = x.float() @ w.float().T
     assert calc_diff(out, expected) < 1e-3
-    w_fp8, w_scale = reference.quant_weight_block(w)
+    w_fp8, w_scale = quant_reference.quant_weight_block(w)
     scrambled = registry.implementation("linear", "flashinfer")(x, w_fp8, w_scale.flip(0).contiguous())
     assert calc_diff(scrambled, expected) > 0.1  # the check above would have caught a layout mix-up
 
@@ -165,11 +167,11 @@ def test_fused_gated_backend_matches_fp32_product(backend, m, activation):
         pytest.skip(f"{backend}: {why}")
     gate_up = randn(m, 2 * k, scale=4.0, device="cuda")
     a, b, w = gate_up[:, ::2], gate_up[:, 1::2], weight(n, k)  # interleaved halves, as GPT-OSS has them
-    w_fp8, w_scale = reference.quant_weight_block(w)
+    w_fp8, w_scale = quant_reference.quant_weight_block(w)
     out = registry.implementation("gated_linear", backend)(
         a, b, w_fp8, w_scale, None, False, activation, 1.702, 7.0
     )
-    h = reference.gated(a, b, activation, 1.702, 7.0)
+    h = activations.gated(a, b, activation, 1.702, 7.0)
     assert calc_diff(out, h @ w.float().T) < 1e-3
 
 
@@ -231,7 +233,7 @@ def test_moe_backend_matches_the_reference_and_the_unquantized_block(backend, to
     # (9d201bf:scripts/moe_diag.py); a wrong expert, scale or slot costs 1e-1 or more.
     assert calc_diff(out, torch.ops.fp8compile.moe(*case[:5], backend="reference")) < 1e-4
     # Two block-FP8 GEMMs in series, like a gated MLP (conftest.GATED_MLP).
-    assert calc_diff(out, reference.moe_dense(*case)) < GATED_MLP
+    assert calc_diff(out, moe_reference.moe_dense(*case)) < GATED_MLP
 
 
 @pytest.mark.parametrize("backend", MOE_BACKENDS)
@@ -280,7 +282,7 @@ def test_moe_gluon_op_gives_the_bits_of_the_op_path():
     """fp8compile::moe_gluon, eager and compiled with dynamic T, against triton_moe.moe_gluon
     (what fp8compile::moe runs from 32 slots per expert) on the same routing: the same kernels
     with the same choices, bit for bit, at and above its first token count, with and without
-    biases, and within 1e-4 of the pure-PyTorch definition (reference.moe_block); a count below
+    biases, and within 1e-4 of the pure-PyTorch definition (moe_reference.moe_block); a count below
     it is refused; opcheck."""
     from fp8compile.ops.linear import gluon_gemm
     from fp8compile.ops.moe import gluon_op as moe_gluon_op, triton_moe
@@ -301,7 +303,7 @@ def test_moe_gluon_op_gives_the_bits_of_the_op_path():
         want = triton_moe.moe_gluon(x, ids, weights, *w13, *w2, *biases)
         # the definition: the bound of moe_triton's Gluon path against the staged reference
         # (test_moe_kernels.py)
-        assert calc_diff(want, reference.moe_block(x, ids, weights, *w13, *w2, *biases)) < 1e-4, t
+        assert calc_diff(want, moe_reference.moe_block(x, ids, weights, *w13, *w2, *biases)) < 1e-4, t
         assert torch.equal(
             torch.ops.fp8compile.moe_gluon(x, ids, weights, *w13, *w2, *biases, False, 128), want
         ), t

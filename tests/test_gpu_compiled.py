@@ -12,7 +12,9 @@ import torch
 
 import fp8compile
 from fp8compile import calc_diff, registry
-from fp8compile.ops import reference
+from fp8compile.ops import activations
+from fp8compile.ops.linear import reference as linear_reference
+from fp8compile.ops.quant import reference as quant_reference
 from tests.conftest import BF16, GATED_MLP, gpu, randn
 from tests.models import GatedMLP
 from tests.test_gpu import weight
@@ -183,7 +185,7 @@ def test_inductor_launches_the_linear_decode_op_from_its_own_wrapper():
 
     from fp8compile.ops.linear import decode_op, triton_gemm  # noqa: F401  (registers the op)
 
-    w_fp8, w_scale = reference.quant_weight_block(weight(4096, 4096))
+    w_fp8, w_scale = quant_reference.quant_weight_block(weight(4096, 4096))
 
     def two_linears(x):
         h = torch.ops.fp8compile.linear_decode(x, w_fp8, w_scale, max_m=32)
@@ -267,7 +269,7 @@ def test_default_mode_cublas_side_is_launched_by_inductor_with_the_bits_of_the_o
         for x, got, want in _launched_and_op_path(model, xs):
             assert torch.equal(got, want), x.shape  # the same quantization kernel and the same cuBLAS call
             assert calc_diff(got, model(x)) < GATED_MLP
-    w_fp8, w_scale = reference.quant_weight_block(weight(256, 512))
+    w_fp8, w_scale = quant_reference.quant_weight_block(weight(256, 512))
     torch.library.opcheck(
         torch.ops.fp8compile.linear_scaled_mm,
         (randn(13, 512, device="cuda"), w_fp8, w_scale),
@@ -284,20 +286,21 @@ def test_linear_scaled_mm_op_is_the_reference_block_linear(m, gated):
     from fp8compile.ops.linear import scaled_mm_op  # noqa: F401  (registers the op)
 
     w = weight(384, 512)
-    w_fp8, w_scale = reference.quant_weight_block(w)
+    w_fp8, w_scale = quant_reference.quant_weight_block(w)
     x, b = randn(m, 512, device="cuda"), randn(m, 512, device="cuda") if gated else None
     bias = randn(384, device="cuda")
     got = torch.ops.fp8compile.linear_scaled_mm(x, w_fp8, w_scale, bias, False, b)
     want = (
-        reference.gated_linear_block(x, b, w_fp8, w_scale, bias)
+        linear_reference.gated_linear_block(x, b, w_fp8, w_scale, bias)
         if gated
-        else reference.linear_block(x, w_fp8, w_scale, bias)
+        else linear_reference.linear_block(x, w_fp8, w_scale, bias)
     )
     assert got.shape == (m, 384) and got.dtype == BF16
     # The same quantized operands; cuBLAS accumulates in fp32 where the reference sums in fp64.
     assert calc_diff(got, want) < 1e-5
     assert (
-        calc_diff(got, (reference.gated(x, b) if gated else x.float()) @ w.float().t() + bias.float()) < 1e-3
+        calc_diff(got, (activations.gated(x, b) if gated else x.float()) @ w.float().t() + bias.float())
+        < 1e-3
     )
 
 

@@ -11,7 +11,8 @@ from torch import nn
 import fp8compile
 from fp8compile import calc_diff
 from fp8compile.debug import graph_diff, graph_listing
-from fp8compile.ops import reference
+from fp8compile.ops.linear import reference as linear_reference
+from fp8compile.ops.quant import reference as quant_reference
 from tests.conftest import ATTENTION, BF16, RANGES, SIX_IN_SERIES, TWO_GEMMS, randn
 from tests.models import Attention, GatedMLP, LinearForms, OddDims, TinyLM, TwoLayer
 
@@ -108,8 +109,10 @@ def test_odd_dimensions_stay_bf16_with_the_reason_or_pad_k_to_whole_groups(captu
     assert calc_diff(o1, e1) < 2 * PER_LINEAR_BOUND and calc_diff(o2, e2) < PER_LINEAR_BOUND
     assert calc_diff(o3, e3) < 1e-5  # short_k never saw FP8
     # The padded linear is the reference block linear of the zero-padded weight and activation.
-    w_fp8, w_scale = reference.quant_weight_block(torch.nn.functional.pad(model.odd_k.weight, (0, 56)))
-    want = reference.linear_block(torch.nn.functional.pad(y, (0, 56)), w_fp8, w_scale, model.odd_k.bias)
+    w_fp8, w_scale = quant_reference.quant_weight_block(torch.nn.functional.pad(model.odd_k.weight, (0, 56)))
+    want = linear_reference.linear_block(
+        torch.nn.functional.pad(y, (0, 56)), w_fp8, w_scale, model.odd_k.bias
+    )
     assert torch.equal(o2, want)
 
 
@@ -212,12 +215,14 @@ def test_each_expert_of_a_stacked_parameter_becomes_an_fp8_linear_of_its_own(cap
     # Each expert's copy is its own slice, quantized as that weight alone would be (a block never
     # spans two experts), and every expert's rows meet their own expert.
     w_fp8, w_scale = fp8compile.weights.fp8_weight(model.weight, index=2)
-    want_fp8, want_scale = reference.quant_weight_block(model.weight.detach()[2])
+    want_fp8, want_scale = quant_reference.quant_weight_block(model.weight.detach()[2])
     assert torch.equal(w_fp8.float(), want_fp8.float()) and torch.equal(w_scale, want_scale)
     want = torch.cat(
         [
-            reference.linear_block(x[:8], *reference.quant_weight_block(model.weight.detach()[0])),
-            reference.linear_block(x[8:], want_fp8, want_scale),
+            linear_reference.linear_block(
+                x[:8], *quant_reference.quant_weight_block(model.weight.detach()[0])
+            ),
+            linear_reference.linear_block(x[8:], want_fp8, want_scale),
         ]
     )
     assert torch.equal(out, want)

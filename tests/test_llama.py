@@ -9,7 +9,8 @@ import torch
 import fp8compile
 from fp8compile import calc_diff
 from fp8compile.numerics import is_power_of_two
-from fp8compile.ops import reference
+from fp8compile.ops.linear import reference as linear_reference
+from fp8compile.ops.quant import reference as quant_reference
 
 pytest.importorskip("transformers")
 from fp8compile.demo import small_llama  # noqa: E402
@@ -31,8 +32,8 @@ def fp8_simulated(model, e8m0=False):
     sim = copy.deepcopy(model)
     for module in sim.modules():
         if isinstance(module, torch.nn.Linear):
-            w_fp8, w_scale = reference.quant_weight_block(module.weight.detach(), e8m0)
-            module.forward = lambda x, w=w_fp8, s=w_scale, b=module.bias: reference.linear_block(
+            w_fp8, w_scale = quant_reference.quant_weight_block(module.weight.detach(), e8m0)
+            module.forward = lambda x, w=w_fp8, s=w_scale, b=module.bias: linear_reference.linear_block(
                 x, w, s, b, e8m0
             )
     return sim

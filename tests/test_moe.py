@@ -10,7 +10,10 @@ from torch import nn
 
 import fp8compile
 from fp8compile import calc_diff
-from fp8compile.ops import reference
+from fp8compile.ops import activations
+from fp8compile.ops.linear import reference as linear_reference
+from fp8compile.ops.moe import reference as moe_reference
+from fp8compile.ops.quant import reference as quant_reference
 from tests.conftest import BF16, ONE_GEMM, randn
 from tests.models import ClampedBatchedMoE, GptFastMoE, MaskedGroupedMoE
 
@@ -516,9 +519,9 @@ def random_experts(num_experts=4, inter=256, hidden=256, bias=False, seed=0):
 
 
 def slot_by_slot(x, ids, topk_weights, w13, w2, b13=None, b2=None, **act):
-    """The FP8 definition computed one (token, slot) at a time with reference.linear_block."""
-    w13_fp8, s13 = reference.quant_weight_block(w13.reshape(-1, w13.shape[-1]))
-    w2_fp8, s2 = reference.quant_weight_block(w2.reshape(-1, w2.shape[-1]))
+    """The FP8 definition computed one (token, slot) at a time with linear_reference.linear_block."""
+    w13_fp8, s13 = quant_reference.quant_weight_block(w13.reshape(-1, w13.shape[-1]))
+    w2_fp8, s2 = quant_reference.quant_weight_block(w2.reshape(-1, w2.shape[-1]))
     n13, n2 = w13.shape[1], w2.shape[1]
     out = torch.zeros(x.shape, dtype=torch.float32)
     for t in range(x.shape[0]):
@@ -527,7 +530,7 @@ def slot_by_slot(x, ids, topk_weights, w13, w2, b13=None, b2=None, **act):
             if not 0 <= e < w13.shape[0]:
                 continue
             rows13, rows2 = slice(e * n13, (e + 1) * n13), slice(e * n2, (e + 1) * n2)
-            h = reference.linear_block(
+            h = linear_reference.linear_block(
                 x[t : t + 1],
                 w13_fp8[rows13],
                 s13[e * n13 // 128 : (e + 1) * n13 // 128],
@@ -537,8 +540,8 @@ def slot_by_slot(x, ids, topk_weights, w13, w2, b13=None, b2=None, **act):
             if b13 is not None:
                 h = h + b13[e].float()
             act_args = {"activation": "silu", "alpha": 1.702, "limit": 7.0, **act}
-            y = reference.linear_block(
-                reference.expert_activation(h.to(x.dtype), **act_args),
+            y = linear_reference.linear_block(
+                activations.expert_activation(h.to(x.dtype), **act_args),
                 w2_fp8[rows2],
                 s2[e * n2 // 128 : (e + 1) * n2 // 128],
                 None,
@@ -624,7 +627,9 @@ def test_moe_op_on_an_intermediate_size_of_part_of_a_block_is_the_op_on_the_zero
         x, ids, tw, padded[0], padded[1], padded[2], b2, activation=act.get("activation", "silu")
     )
     assert torch.equal(out, definition)
-    unquantized = reference.moe_dense(x, ids, tw, w13, w2, b13, b2, activation=act.get("activation", "silu"))
+    unquantized = moe_reference.moe_dense(
+        x, ids, tw, w13, w2, b13, b2, activation=act.get("activation", "silu")
+    )
     assert calc_diff(out, unquantized) < MOE_BLOCK
 
 
@@ -638,7 +643,7 @@ def test_fp8_expert_copies_hold_the_last_rows_of_each_half_in_a_partial_block():
     assert w_fp8.shape == (2, 512, 256) and w_scale.shape == (2, 4, 2)
     for e in range(2):
         for half, rows in ((0, slice(0, 192)), (1, slice(256, 448))):
-            q, scale = reference.quant_weight_block(w13[e, half * 192 : (half + 1) * 192])
+            q, scale = quant_reference.quant_weight_block(w13[e, half * 192 : (half + 1) * 192])
             assert torch.equal(w_fp8[e, rows].view(torch.uint8), q.view(torch.uint8))
             assert torch.equal(w_scale[e, 2 * half : 2 * half + 2], scale)
         assert not w_fp8[e, 192:256].float().any() and not w_fp8[e, 448:].float().any()
@@ -676,7 +681,7 @@ def test_moe_op_is_within_two_gemms_of_fp8_error_of_the_unquantized_block():
     ids, x, tw = torch.randint(0, 4, (64, 2)), randn(64, 256), torch.rand(64, 2).to(BF16)
     w13, w2, _, _ = random_experts()
     out = torch.ops.fp8compile.moe(x, ids, tw, w13, w2)
-    assert calc_diff(out, reference.moe_dense(x, ids, tw, w13, w2)) < MOE_BLOCK
+    assert calc_diff(out, moe_reference.moe_dense(x, ids, tw, w13, w2)) < MOE_BLOCK
 
 
 def test_moe_op_passes_opcheck():
@@ -706,7 +711,7 @@ def test_expert_weights_quantized_a_few_experts_at_a_time_are_those_of_all_at_on
     from fp8compile import weights
 
     w = randn(5, 256, 384)
-    whole_fp8, whole_scale = reference.quant_weight_block(w.reshape(5 * 256, 384))
+    whole_fp8, whole_scale = quant_reference.quant_weight_block(w.reshape(5 * 256, 384))
     monkeypatch.setattr(weights, "QUANT_CHUNK_ELEMENTS", 2 * 256 * 384)  # 2, 2, then 1 expert
     quantized, quantize = [], weights._quantize
     monkeypatch.setattr(

@@ -7,7 +7,10 @@ import torch
 pytest.importorskip("triton")
 
 from fp8compile import calc_diff  # noqa: E402
-from fp8compile.ops import reference  # noqa: E402
+from fp8compile.ops import activations  # noqa: E402
+from fp8compile.ops.linear import reference as linear_reference  # noqa: E402
+from fp8compile.ops.moe import reference as moe_reference  # noqa: E402
+from fp8compile.ops.quant import reference as quant_reference  # noqa: E402
 from fp8compile.ops.moe import triton_moe  # noqa: E402
 from fp8compile.ops.quant import triton_quant  # noqa: E402
 from tests.conftest import DEVICE, fp8_exact_activation, randn  # noqa: E402
@@ -68,7 +71,7 @@ def test_route_kernel_refuses_more_slots_than_one_program_sorts():
 def quant_experts(w):
     """(E, N, K) bf16 -> (E, N, K) e4m3, (E, N/128, K/128): 128x128 blocks per expert."""
     e, n, k = w.shape
-    w_fp8, scale = reference.quant_weight_block(w.reshape(e * n, k))
+    w_fp8, scale = quant_reference.quant_weight_block(w.reshape(e * n, k))
     return w_fp8.reshape(e, n, k), scale.reshape(e, n // 128, k // 128)
 
 
@@ -78,9 +81,9 @@ ACTIVATIONS = [("silu", False), ("swigluoai", True), ("silu_limit", False), ("re
 
 def moe_inputs(tokens, num_experts=4, hidden=256, inter=256, top_k=2, bias=False, seed=0, activation="silu"):
     """The moe kernels' operands: w13 gate rows then up rows, or up rows alone for a non-gated
-    activation (reference.UNARY_ACTIVATIONS)."""
+    activation (activations.UNARY_ACTIVATIONS)."""
     g = torch.Generator().manual_seed(seed)
-    n13 = inter if activation in reference.UNARY_ACTIVATIONS else 2 * inter
+    n13 = inter if activation in activations.UNARY_ACTIVATIONS else 2 * inter
     w13 = (torch.randn(num_experts, n13, hidden, generator=g) * 0.05).bfloat16()
     w2 = (torch.randn(num_experts, hidden, inter, generator=g) * 0.05).bfloat16()
     (w13_fp8, s13), (w2_fp8, s2) = quant_experts(w13), quant_experts(w2)
@@ -97,7 +100,7 @@ def moe_inputs(tokens, num_experts=4, hidden=256, inter=256, top_k=2, bias=False
 @pytest.mark.parametrize("bias", [False, True])
 def test_grouped_gemm_writes_each_slot_the_block_gemm_of_its_token_and_expert(tokens, block_m, bias):
     x, ids, _, w13_fp8, s13, _, _, b13, _ = moe_inputs(tokens, bias=bias)
-    x_fp8, x_scale = reference.quant_act_block(x)
+    x_fp8, x_scale = quant_reference.quant_act_block(x)
     slots, block_expert = triton_moe.route(ids, w13_fp8.shape[0], block_m)
     out = triton_moe.grouped_gemm(
         x_fp8, x_scale, w13_fp8, s13, b13, slots, block_expert, ids.numel(), ids.shape[1], block_m
@@ -106,7 +109,7 @@ def test_grouped_gemm_writes_each_slot_the_block_gemm_of_its_token_and_expert(to
     token = torch.arange(ids.numel(), device=ids.device) // ids.shape[1]
     for e in flat.unique().tolist():
         rows = (flat == e).nonzero().squeeze(1)
-        exact = reference.gemm_block(
+        exact = linear_reference.gemm_block(
             x_fp8[token[rows]], x_scale[token[rows]], w13_fp8[e], s13[e], None, torch.float64
         )
         if bias:
@@ -163,17 +166,17 @@ def staged_reference(x, ids, weights, w13_fp8, s13, w2_fp8, s2, b13, b2, activat
     c1 = torch.zeros(t * k, w13_fp8.shape[1], dtype=torch.bfloat16, device=x.device)
     for e in flat.unique().tolist():
         rows = (flat == e).nonzero().squeeze(1)
-        exact = reference.gemm_block(
+        exact = linear_reference.gemm_block(
             x_fp8[token[rows]], x_scale[token[rows]], w13_fp8[e], s13[e], None, torch.float64
         )
         c1[rows] = to_bf16_as_the_device_does(exact + (b13[e].double() if b13 is not None else 0))
-    gate, up = reference.act_operands(c1, activation)
+    gate, up = activations.act_operands(c1, activation)
     h_fp8, h_scale = triton_quant.quant_act(gate, b=up, activation=activation)
     out = torch.zeros(t * k, w2_fp8.shape[1], dtype=torch.float64, device=x.device)
     for e in flat.unique().tolist():
         rows = (flat == e).nonzero().squeeze(1)
         c2 = to_bf16_as_the_device_does(
-            reference.gemm_block(h_fp8[rows], h_scale[rows], w2_fp8[e], s2[e], None, torch.float64)
+            linear_reference.gemm_block(h_fp8[rows], h_scale[rows], w2_fp8[e], s2[e], None, torch.float64)
         )
         out[rows] = (c2.double() + (b2[e].double() if b2 is not None else 0)) * weights.reshape(-1)[
             rows, None
@@ -196,7 +199,7 @@ def test_moe_triton_equals_its_stages_composed_from_the_reference_gemm(tokens, a
     else:
         assert_bf16_close(out, staged_reference(*args, activation))
     if ON_GPU:  # (the interpreter's float -> e4m3 error on the intermediate would dominate here)
-        ref = reference.moe_block(
+        ref = moe_reference.moe_block(
             *[a.cpu() if a is not None else None for a in args], False, activation=activation
         )
         # The kernel equals the staged composition bit for bit (calc_diff 0.0 on an H100); against
@@ -277,7 +280,7 @@ def test_masked_layout_gives_each_routed_slot_its_own_row_of_its_experts_block_i
     """DeepGEMM's masked layout (vendors.masked_layout): expert e's slots on rows e * max_m,
     e * max_m + 1, ... in slot order, masked_m[e] of them; a slot routed outside [0, E) on the one
     row past every block."""
-    from fp8compile.ops.vendors import masked_layout
+    from fp8compile.ops.moe.vendors import masked_layout
 
     num_experts, top_k = 8, 4
     ids = ROUTINGS[routing](tokens, num_experts, top_k).to(DEVICE)
@@ -304,7 +307,7 @@ class _MaskedGemmOfTheReference:
         assert a_fp8.shape[:2] == d.shape[:2] and expected_m >= 1 and disable_ue8m0_cast
         for e, m in enumerate(masked_m.tolist()):
             if m:
-                exact = reference.gemm_block(
+                exact = linear_reference.gemm_block(
                     a_fp8[e, :m], a_scale[e, :m], w_fp8[e], w_scale[e], None, torch.float64
                 )
                 d[e, :m] = to_bf16_as_the_device_does(exact)
@@ -321,6 +324,7 @@ def test_masked_deep_gemm_moe_scatters_and_gathers_every_slot_like_the_staged_re
     import sys
 
     from fp8compile.ops import vendors
+    from fp8compile.ops.moe import vendors as moe_vendors
 
     if ON_GPU:
         if vendors.import_error("deep_gemm") is not None:
@@ -329,7 +333,7 @@ def test_masked_deep_gemm_moe_scatters_and_gathers_every_slot_like_the_staged_re
         monkeypatch.setitem(sys.modules, "deep_gemm", _MaskedGemmOfTheReference)
         monkeypatch.setattr(vendors, "import_error", lambda module: None)
     args = moe_inputs(tokens, bias=bias, activation=activation)
-    out = vendors.moe_deep_gemm_masked(*args, False, activation=activation)
+    out = moe_vendors.moe_deep_gemm_masked(*args, False, activation=activation)
     want = staged_reference(*args, activation)
     if ON_GPU or bias:
         # DeepGEMM writes gate|up in bf16 and the bias is added after, so they round twice (the

@@ -7,7 +7,8 @@ import torch
 
 from fp8compile import calc_diff
 from fp8compile.numerics import AMAX_EPS, FP8_MAX, is_power_of_two, round_scale_e8m0
-from fp8compile.ops import reference as ref
+from fp8compile.ops.linear import reference as linear_reference
+from fp8compile.ops.quant import reference as quant_reference
 from tests.conftest import randn
 
 fp8 = torch.ops.fp8compile
@@ -28,7 +29,7 @@ def test_activation_quant_scales_each_token_group_of_128(m, e8m0):
         torch.testing.assert_close(scale, amax / FP8_MAX, rtol=0, atol=0)
         # the largest element of each group lands exactly on the top of the FP8 range
         assert (x_fp8.float().reshape(m, 3, 128).abs().amax(-1) == FP8_MAX).all()
-    assert calc_diff(ref.dequant_act_block(x_fp8, scale), x) < 1e-3
+    assert calc_diff(quant_reference.dequant_act_block(x_fp8, scale), x) < 1e-3
 
 
 def test_all_zero_group_quantizes_to_zeros_with_a_finite_scale():
@@ -53,7 +54,7 @@ def test_weight_quant_uses_128x128_blocks_and_pads_a_partial_last_block(n):
         for j in range(2):
             block = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].float()
             assert scale[i, j] == block.abs().amax() / FP8_MAX
-    assert calc_diff(ref.dequant_weight_block(w_fp8, scale), w) < 1e-3
+    assert calc_diff(quant_reference.dequant_weight_block(w_fp8, scale), w) < 1e-3
 
 
 def test_e8m0_rounding_is_exact_and_upward():
@@ -67,7 +68,8 @@ def test_gemm_is_the_block_scaled_product_of_the_dequantized_operands():
     bias = randn(384)
     out = fp8.gemm(x_fp8, x_scale, w_fp8, w_scale, bias)
     expected = (
-        ref.dequant_act_block(x_fp8, x_scale).double() @ ref.dequant_weight_block(w_fp8, w_scale).double().T
+        quant_reference.dequant_act_block(x_fp8, x_scale).double()
+        @ quant_reference.dequant_weight_block(w_fp8, w_scale).double().T
         + bias.double()
     )
     assert out.dtype == torch.bfloat16
@@ -139,7 +141,9 @@ def test_a_weight_with_a_k_of_part_of_a_group_gets_zero_columns_up_to_whole_grou
     assert torch.equal(w_scale[0, 1], amax / FP8_MAX)
     x = randn(5, 200)
     out = fp8.linear(x, w)  # the bf16-weight op pads x to the copy's K
-    assert torch.equal(out, ref.linear_block(torch.nn.functional.pad(x, (0, 56)), w_fp8, w_scale))
+    assert torch.equal(
+        out, linear_reference.linear_block(torch.nn.functional.pad(x, (0, 56)), w_fp8, w_scale)
+    )
     assert calc_diff(out, x @ w.t()) < 1e-3
 
 

@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fp8compile
 from fp8compile.numerics import FP8_MAX, calc_diff, is_power_of_two
 from fp8compile.ops.linear import reference_scaled as rs
-from fp8compile.ops.reference import gated
+from fp8compile.ops.activations import gated
 from fp8compile.ops.linear.scaled_cublas import linear_scaled_cublas
 from tests.conftest import BF16, DEVICE, GATED_MLP, ONE_GEMM, RANGES, CountingBackend, gpu, randn
 from tests.models import Attention, GatedMLP

@@ -9,7 +9,9 @@ from torch.nn import functional as F
 import fp8compile
 from fp8compile import calc_diff
 from fp8compile.numerics import is_power_of_two
-from fp8compile.ops import reference
+from fp8compile.ops import activations
+from fp8compile.ops.linear import reference as linear_reference
+from fp8compile.ops.quant import reference as quant_reference
 from fp8compile.passes import PASSES, linear_pass
 from tests.conftest import BF16, GATED_MLP, randn
 from tests.models import (
@@ -160,9 +162,9 @@ def test_down_projection_of_a_k_of_part_of_a_group_is_fused_with_zero_columns():
 
 def test_e8m0_scales_of_the_fused_activation_are_powers_of_two(monkeypatch):
     scales = []
-    real = reference.quant_act_block
+    real = quant_reference.quant_act_block
     monkeypatch.setattr(
-        reference,
+        quant_reference,
         "quant_act_block",
         lambda x, e8m0=False: (lambda q: scales.append(q[1]) or q)(real(x, e8m0)),
     )
@@ -180,9 +182,9 @@ def test_reference_op_is_the_fp8_linear_of_the_fp32_product(m):
     out = torch.ops.fp8compile.gated_linear(a, b, w)
     h = torch.nn.functional.silu(a.float()) * b.float()
     assert calc_diff(out, h @ w.float().T) < 1e-3
-    h_fp8, h_scale = reference.quant_act_block(h)
-    w_fp8, w_scale = reference.quant_weight_block(w)
-    assert torch.equal(out, reference.gemm_block(h_fp8, h_scale, w_fp8, w_scale))
+    h_fp8, h_scale = quant_reference.quant_act_block(h)
+    w_fp8, w_scale = quant_reference.quant_weight_block(w)
+    assert torch.equal(out, linear_reference.gemm_block(h_fp8, h_scale, w_fp8, w_scale))
 
 
 def test_opcheck_gated_linear():
@@ -198,7 +200,7 @@ def test_opcheck_the_ops_the_passes_emit_on_fp8_weights():
     """qlinear and gated_qlinear: the same ops on the weight's FP8 copy, passed in as a tensor.
     (opcheck's schema test compares inputs with arithmetic the CPU has no float8 kernels for.)"""
     utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-    w_fp8, w_scale = reference.quant_weight_block(randn(384, 256, scale=0.05))
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(384, 256, scale=0.05))
     torch.library.opcheck(LINEAR, (randn(2, 3, 256), w_fp8, w_scale, randn(384), False), test_utils=utils)
     torch.library.opcheck(
         FUSED,
@@ -206,7 +208,7 @@ def test_opcheck_the_ops_the_passes_emit_on_fp8_weights():
         test_utils=utils,
     )
     out = torch.ops.fp8compile.gated_qlinear(*(a := randn(5, 256), b := randn(5, 256)), w_fp8, w_scale)
-    assert torch.equal(out, reference.gated_linear_block(a, b, w_fp8, w_scale))
+    assert torch.equal(out, linear_reference.gated_linear_block(a, b, w_fp8, w_scale))
 
 
 def test_passes_run_fusion_before_the_plain_linear_pass():
@@ -277,7 +279,7 @@ def test_silu_limit_reference_is_deepseek_v4_apply_gate():
     gate, up = gate_up.chunk(2, dim=-1)
     # transformers' DeepseekV4Experts._apply_gate, in arithmetic
     expected = F.silu(gate.clamp(max=4.0)) * up.clamp(min=-4.0, max=4.0)
-    got = reference.gated(gate, up, "silu_limit", limit=4.0)
+    got = activations.gated(gate, up, "silu_limit", limit=4.0)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
@@ -288,9 +290,9 @@ def test_swigluoai_reference_is_gpt_oss_apply_gate():
     expected = (up.clamp(min=-7.0, max=7.0) + 1) * (
         gate.clamp(max=7.0) * torch.sigmoid(gate.clamp(max=7.0) * 1.702)
     )
-    torch.testing.assert_close(reference.gated(gate, up, "swigluoai", 1.702, 7.0), expected, rtol=0, atol=0)
+    torch.testing.assert_close(activations.gated(gate, up, "swigluoai", 1.702, 7.0), expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match="valid gated activations are silu, swigluoai"):
-        reference.gated(gate, up, "gelu")
+        activations.gated(gate, up, "gelu")
 
 
 def test_opcheck_gated_linear_swigluoai():

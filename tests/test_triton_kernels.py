@@ -7,7 +7,9 @@ import torch
 pytest.importorskip("triton")
 
 from fp8compile import calc_diff  # noqa: E402
-from fp8compile.ops import reference  # noqa: E402
+from fp8compile.ops import activations  # noqa: E402
+from fp8compile.ops.linear import reference as linear_reference  # noqa: E402
+from fp8compile.ops.quant import reference as quant_reference  # noqa: E402
 from fp8compile.ops.linear import triton_gemm  # noqa: E402
 from fp8compile.ops.quant import triton_quant  # noqa: E402
 from tests.conftest import DEVICE, fp8_exact_activation, randn  # noqa: E402
@@ -29,12 +31,12 @@ def to_bf16_as_the_device_does(ref: torch.Tensor) -> torch.Tensor:
 
 
 def reference_linear(x, w_fp8, w_scale, bias, e8m0=False):
-    x_fp8, x_scale = reference.quant_act_block(x, e8m0)
+    x_fp8, x_scale = quant_reference.quant_act_block(x, e8m0)
     return reference_gemm(x_fp8, x_scale, w_fp8, w_scale, bias)
 
 
 def reference_gemm(x_fp8, x_scale, w_fp8, w_scale, bias):
-    exact = reference.gemm_block(x_fp8, x_scale, w_fp8, w_scale, None, torch.float64)
+    exact = linear_reference.gemm_block(x_fp8, x_scale, w_fp8, w_scale, None, torch.float64)
     return to_bf16_as_the_device_does(exact + bias.double() if bias is not None else exact)
 
 
@@ -57,7 +59,7 @@ def assert_bf16_close(out, ref):
 def test_quant_act_is_bit_exact_with_the_reference(m, layout, e8m0):
     x = activation(m, 384)
     x_fp8, scale = triton_quant.quant_act(x, e8m0, layout)
-    ref_fp8, ref_scale = reference.quant_act_block(x, e8m0)
+    ref_fp8, ref_scale = quant_reference.quant_act_block(x, e8m0)
     assert torch.equal(x_fp8.view(torch.uint8), ref_fp8.view(torch.uint8))
     assert torch.equal(scale, ref_scale)
     if layout == "mn_major":  # column-major, columns padded to 16 bytes, as DeepGEMM reads it
@@ -75,7 +77,7 @@ def test_quant_act_pads_rows_to_a_multiple_with_quantized_zeros_in_column_major_
     x = activation(m, 256)
     x_fp8, scale = triton_quant.quant_act(x, False, "col", rows_multiple=4)
     padded = (m + 3) // 4 * 4
-    ref_fp8, ref_scale = reference.quant_act_block(torch.nn.functional.pad(x, (0, 0, 0, padded - m)))
+    ref_fp8, ref_scale = quant_reference.quant_act_block(torch.nn.functional.pad(x, (0, 0, 0, padded - m)))
     assert x_fp8.shape == (padded, 256) and scale.stride() == (1, padded)
     assert torch.equal(x_fp8.view(torch.uint8), ref_fp8.view(torch.uint8)) and torch.equal(scale, ref_scale)
     assert not x_fp8[m:].view(torch.uint8).any() and torch.all(scale[m:] == AMAX_EPS / FP8_MAX)
@@ -91,7 +93,7 @@ def test_the_quantization_tuned_by_rows_per_program_keeps_the_references_bits(ro
     x = activation(70, 384)
     launch, (x_fp8, scale) = quant_launch(x, None, rows, num_warps)
     launch()
-    ref_fp8, ref_scale = reference.quant_act_block(x)
+    ref_fp8, ref_scale = quant_reference.quant_act_block(x)
     assert torch.equal(x_fp8.view(torch.uint8), ref_fp8.view(torch.uint8)) and torch.equal(scale, ref_scale)
     assert scale.stride() == (1, 70)  # the cuBLAS side's column-major scales
 
@@ -108,8 +110,8 @@ LARGE_M_LOADS = {
 @pytest.mark.parametrize("loads", LARGE_M_LOADS)
 def test_large_m_gemm_matches_the_reference(m, n, bias, loads):
     """N = 200: TMA must fill the rows past N with zeros, M = 20 and 70 the rows past M."""
-    x_fp8, x_scale = reference.quant_act_block(activation(m, 256))
-    w_fp8, w_scale = reference.quant_weight_block(randn(n, 256, scale=0.02, device=DEVICE))
+    x_fp8, x_scale = quant_reference.quant_act_block(activation(m, 256))
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(n, 256, scale=0.02, device=DEVICE))
     b = randn(n, device=DEVICE) if bias else None
     tile = triton_gemm.INTERPRETER_CONFIG if DEVICE == "cpu" else triton_gemm.LARGE_M_CONFIG
     config = {**tile, **LARGE_M_LOADS[loads]}
@@ -126,7 +128,7 @@ def test_tma_loads_only_while_capturing_a_cuda_graph_with_the_same_bits_as_eager
     x_fp8, x_scale = triton_quant.quant_act(
         randn(600, 256, device=DEVICE)
     )  # past TILE_SWITCH_M: 128-row tiles
-    w_fp8, w_scale = reference.quant_weight_block(randn(384, 256, scale=0.02, device=DEVICE))
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(384, 256, scale=0.02, device=DEVICE))
 
     def kernels():
         return (
@@ -158,15 +160,15 @@ def test_large_m_gemm_rows_keep_their_bits_across_the_tile_switch(monkeypatch):
     monkeypatch.setattr(triton_gemm, "USE_GLUON", False)
     m = triton_gemm.TILE_SWITCH_M
     x_fp8, x_scale = triton_quant.quant_act(randn(m + 1, 1024, device=DEVICE))
-    w_fp8, w_scale = reference.quant_weight_block(randn(640, 1024, scale=0.02, device=DEVICE))
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(640, 1024, scale=0.02, device=DEVICE))
     below = triton_gemm.gemm_large_m(x_fp8[:m], x_scale[:m], w_fp8, w_scale)
     above = triton_gemm.gemm_large_m(x_fp8, x_scale, w_fp8, w_scale)
     assert torch.equal(below, above[:m])
 
 
 def test_large_m_gemm_refuses_a_tile_that_spans_two_weight_scale_blocks():
-    x_fp8, x_scale = reference.quant_act_block(activation(4, 256))
-    w_fp8, w_scale = reference.quant_weight_block(randn(256, 256, scale=0.02, device=DEVICE))
+    x_fp8, x_scale = quant_reference.quant_act_block(activation(4, 256))
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(256, 256, scale=0.02, device=DEVICE))
     with pytest.raises(ValueError, match="must divide the 128-row weight scale block"):
         triton_gemm.gemm_large_m(
             x_fp8, x_scale, w_fp8, w_scale, config=dict(BLOCK_M=16, BLOCK_N=256, GROUP_M=1)
@@ -180,7 +182,7 @@ def test_large_m_gemm_refuses_a_tile_that_spans_two_weight_scale_blocks():
 def test_small_m_kernel_with_fused_quantization_matches_the_reference(m, split_k, e8m0, tma):
     """N = 200 is not a multiple of the weight tile: TMA must fill the rows past N with zeros."""
     x = activation(m, 256)
-    w_fp8, w_scale = reference.quant_weight_block(randn(200, 256, scale=0.02, device=DEVICE), e8m0)
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(200, 256, scale=0.02, device=DEVICE), e8m0)
     b = randn(200, device=DEVICE)
     out = triton_gemm.linear_small_m(x, w_fp8, w_scale, b, e8m0, split_k=split_k, tma=tma)
     assert_bf16_close(out, reference_linear(x, w_fp8, w_scale, b, e8m0))
@@ -194,7 +196,7 @@ def test_linear_decode_op_is_the_decode_kernel_on_prequantized_weights(m, max_m,
     from fp8compile.ops.linear import decode_op  # noqa: F401  (registers the op)
 
     x = activation(m, 256)
-    w_fp8, w_scale = reference.quant_weight_block(randn(200, 256, scale=0.02, device=DEVICE), e8m0)
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(200, 256, scale=0.02, device=DEVICE), e8m0)
     b = randn(200, device=DEVICE)
     out = torch.ops.fp8compile.linear_decode(x, w_fp8, w_scale, b, e8m0, max_m)
     assert_bf16_close(out, reference_linear(x, w_fp8, w_scale, b, e8m0))
@@ -206,7 +208,7 @@ def test_linear_decode_op_with_b_is_the_gated_down_projection(activation_name):
 
     # The same kernel as the eager gated decode path, at the tiles of the same M: the same bits.
     a, b, _ = gated_inputs(16, 256)
-    w_fp8, w_scale = reference.quant_weight_block(randn(384, 256, scale=0.02, device=DEVICE))
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(384, 256, scale=0.02, device=DEVICE))
     out = torch.ops.fp8compile.linear_decode(a, w_fp8, w_scale, None, False, 16, b, activation_name)
     assert torch.equal(
         out, triton_gemm.gated_linear_small_m(a, b, w_fp8, w_scale, activation=activation_name)
@@ -217,7 +219,7 @@ def test_linear_decode_op_refuses_more_rows_than_the_decode_kernel_serves():
     from fp8compile.ops.linear import decode_op  # noqa: F401  (registers the op)
 
     x = activation(20, 256)
-    w_fp8, w_scale = reference.quant_weight_block(randn(128, 256, scale=0.02, device=DEVICE))
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(128, 256, scale=0.02, device=DEVICE))
     with pytest.raises(ValueError, match="M <= 64"):
         torch.ops.fp8compile.linear_decode(x, w_fp8, w_scale, max_m=65)
     with pytest.raises(ValueError, match="built for M <= 16"):
@@ -254,7 +256,7 @@ def test_interpreter_rounding():
 
 def test_split_k_reduction_is_deterministic_and_leaves_its_counters_at_zero():
     x = activation(9, 512)
-    w_fp8, w_scale = reference.quant_weight_block(randn(256, 512, scale=0.02, device=DEVICE))
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(256, 512, scale=0.02, device=DEVICE))
     runs = [triton_gemm.linear_small_m(x, w_fp8, w_scale, split_k=4) for _ in range(3)]
     assert all(torch.equal(r, runs[0]) for r in runs)
     assert_bf16_close(runs[0], reference_linear(x, w_fp8, w_scale, None))
@@ -268,7 +270,7 @@ def test_split_k_with_a_short_and_an_empty_split_matches_the_reference(m):
     assert_bf16_close's: with one row of 200 outputs, a single bf16 rounding flip (the tensor
     cores' short FP8 accumulators against an exact fp64 sum) weighs 1e-6 (measured 1.4e-6)."""
     x = activation(m, 512)
-    w_fp8, w_scale = reference.quant_weight_block(randn(200, 512, scale=0.02, device=DEVICE))
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(200, 512, scale=0.02, device=DEVICE))
     out = triton_gemm.linear_small_m(x, w_fp8, w_scale, split_k=3)
     assert calc_diff(out, reference_linear(x, w_fp8, w_scale, None)) < 1e-5
 
@@ -284,8 +286,8 @@ def test_dependent_launches_see_their_predecessors_output(m, monkeypatch):
     monkeypatch.setattr(triton_gemm, "USE_PDL", True)  # the default; a test must not depend on it
     layers = [
         (
-            reference.quant_weight_block(randn(2 * 1536, 512, scale=0.02, device=DEVICE)),
-            reference.quant_weight_block(randn(512, 1536, scale=0.02, device=DEVICE)),
+            quant_reference.quant_weight_block(randn(2 * 1536, 512, scale=0.02, device=DEVICE)),
+            quant_reference.quant_weight_block(randn(512, 1536, scale=0.02, device=DEVICE)),
         )
         for _ in range(6)
     ]
@@ -315,20 +317,20 @@ def test_dependent_launches_see_their_predecessors_output(m, monkeypatch):
 def test_dependent_launch_is_refused_where_there_is_no_grid_dependency_control():
     if triton_gemm.pdl_supported(torch.device(DEVICE)):
         pytest.skip("this device has griddepcontrol")
-    w_fp8, w_scale = reference.quant_weight_block(randn(128, 128, device=DEVICE))
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(128, 128, device=DEVICE))
     assert not triton_gemm.pdl_supported(torch.device("cpu"))
     with pytest.raises(ValueError, match="compute capability 9.0"):
         triton_gemm.linear_small_m(randn(1, 128, device=DEVICE), w_fp8, w_scale, pdl=True)
 
 
 def test_dependent_launch_refuses_a_prefetch_depth_that_is_not_a_power_of_two():
-    w_fp8, w_scale = reference.quant_weight_block(randn(128, 128, device=DEVICE))
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(128, 128, device=DEVICE))
     with pytest.raises(ValueError, match="power of two"):
         triton_gemm.linear_small_m(randn(1, 128, device=DEVICE), w_fp8, w_scale, pdl=True, prefetch=3)
 
 
 def test_small_m_kernel_refuses_large_m():
-    w_fp8, w_scale = reference.quant_weight_block(randn(128, 128, device=DEVICE))
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(128, 128, device=DEVICE))
     with pytest.raises(ValueError, match="serves M <= 64"):
         triton_gemm.linear_small_m(randn(65, 128, device=DEVICE), w_fp8, w_scale)
 
@@ -352,7 +354,7 @@ def test_compiled_model_can_run_on_triton_kernels_when_asked():
 
 def gated_inputs(m, k):
     a, b = randn(m, k, scale=2.0, device=DEVICE), randn(m, k, device=DEVICE)
-    return a, b, reference.gated(a, b)  # the fp32 product the fused kernels must quantize
+    return a, b, activations.gated(a, b)  # the fp32 product the fused kernels must quantize
 
 
 @pytest.mark.parametrize("m", [1, 7, 33])
@@ -366,8 +368,8 @@ def test_fused_silu_mul_quantization_equals_quantizing_the_fp32_product(m, e8m0)
     torch.testing.assert_close(fused_scale, plain_scale, rtol=1e-6, atol=0)
     assert (
         calc_diff(
-            reference.dequant_act_block(fused_fp8, fused_scale),
-            reference.dequant_act_block(plain_fp8, plain_scale),
+            quant_reference.dequant_act_block(fused_fp8, fused_scale),
+            quant_reference.dequant_act_block(plain_fp8, plain_scale),
         )
         < 1e-6
     )
@@ -377,17 +379,19 @@ def test_fused_silu_mul_quantization_equals_quantizing_the_fp32_product(m, e8m0)
 @pytest.mark.parametrize("split_k", [1, 2])
 def test_fused_silu_mul_decode_kernel_equals_the_plain_kernel_on_the_fp32_product(m, split_k):
     a, b, h = gated_inputs(m, 256)
-    w_fp8, w_scale = reference.quant_weight_block(randn(200, 256, scale=0.02, device=DEVICE))
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(200, 256, scale=0.02, device=DEVICE))
     bias = randn(200, device=DEVICE)
     fused = triton_gemm.linear_small_m(a, w_fp8, w_scale, bias, split_k=split_k, b=b)
     plain = triton_gemm.linear_small_m(h, w_fp8, w_scale, bias, split_k=split_k)  # fp32 in, fp32 out
     assert_bf16_close(fused, to_bf16_as_the_device_does(plain))
-    assert calc_diff(fused, (h @ reference.dequant_weight_block(w_fp8, w_scale).T + bias.float())) < 1e-3
+    assert (
+        calc_diff(fused, (h @ quant_reference.dequant_weight_block(w_fp8, w_scale).T + bias.float())) < 1e-3
+    )
 
 
 def test_fused_silu_mul_large_m_path_equals_the_plain_gemm_on_the_fp32_product():
     a, b, h = gated_inputs(70, 256)
-    w_fp8, w_scale = reference.quant_weight_block(randn(384, 256, scale=0.02, device=DEVICE))
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(384, 256, scale=0.02, device=DEVICE))
     fused = triton_gemm.gated_linear_large_m(a, b, w_fp8, w_scale)
     h_fp8, h_scale = triton_quant.quant_act(h)
     plain = triton_gemm.gemm_large_m(h_fp8, h_scale, w_fp8, w_scale, out_dtype=torch.float32)
@@ -399,18 +403,18 @@ def test_fused_silu_mul_large_m_path_equals_the_plain_gemm_on_the_fp32_product()
 def test_clamped_activation_on_interleaved_halves_equals_the_plain_kernels_on_the_fp32_product(m, activation):
     gate_up = randn(m, 512, scale=5.0, device=DEVICE)  # clamps at +-7 engage
     a, b = gate_up[:, ::2], gate_up[:, 1::2]  # strided views: no copy on the way into the kernels
-    h = reference.gated(a, b, activation, 1.702, 7.0)
+    h = activations.gated(a, b, activation, 1.702, 7.0)
     fused_fp8, fused_scale = triton_quant.quant_act(a, b=b, activation=activation)
     plain_fp8, plain_scale = triton_quant.quant_act(h)
     torch.testing.assert_close(fused_scale, plain_scale, rtol=1e-6, atol=0)
     assert (
         calc_diff(
-            reference.dequant_act_block(fused_fp8, fused_scale),
-            reference.dequant_act_block(plain_fp8, plain_scale),
+            quant_reference.dequant_act_block(fused_fp8, fused_scale),
+            quant_reference.dequant_act_block(plain_fp8, plain_scale),
         )
         < 1e-6
     )
-    w_fp8, w_scale = reference.quant_weight_block(randn(128, 256, scale=0.02, device=DEVICE))
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(128, 256, scale=0.02, device=DEVICE))
     fused = triton_gemm.gated_linear_small_m(a, b, w_fp8, w_scale, activation=activation)
     plain = triton_gemm.linear_small_m(h, w_fp8, w_scale)
     assert_bf16_close(fused, to_bf16_as_the_device_does(plain))
@@ -420,19 +424,19 @@ def test_clamped_activation_on_interleaved_halves_equals_the_plain_kernels_on_th
 def test_non_gated_relu2_quantization_equals_quantizing_the_fp32_activation(m):
     """Non-gated experts' activation (Nemotron-H's relu(up)^2) fused into the quantization, read
     from a strided view as the MoE kernels pass it: the scales and values of quantizing
-    reference.unary's fp32 result, which is never rounded to bf16 on the way."""
+    activations.unary's fp32 result, which is never rounded to bf16 on the way."""
     up = randn(m, 512, scale=3.0, device=DEVICE)[:, ::2]  # negatives (zeroed) and squares past bf16's ulps
     fused_fp8, fused_scale = triton_quant.quant_act(up, activation="relu2")
-    h = reference.unary(up, "relu2")
-    torch.testing.assert_close(fused_scale, reference.quant_act_block(h)[1], rtol=1e-6, atol=0)
+    h = activations.unary(up, "relu2")
+    torch.testing.assert_close(fused_scale, quant_reference.quant_act_block(h)[1], rtol=1e-6, atol=0)
     # values against the same kernel on the fp32 product (the interpreter's float -> e4m3 is not torch's)
     got, want = (
-        reference.dequant_act_block(*q) for q in ((fused_fp8, fused_scale), triton_quant.quant_act(h))
+        quant_reference.dequant_act_block(*q) for q in ((fused_fp8, fused_scale), triton_quant.quant_act(h))
     )
     assert calc_diff(got, want) < 1e-6 and torch.equal(got == 0, want == 0)
     # Without b and without a non-gated activation, x itself is quantized (a block's own input).
     plain_fp8, plain_scale = triton_quant.quant_act(up, activation="silu")
-    torch.testing.assert_close(plain_scale, reference.quant_act_block(up)[1], rtol=1e-6, atol=0)
+    torch.testing.assert_close(plain_scale, quant_reference.quant_act_block(up)[1], rtol=1e-6, atol=0)
 
 
 def test_linear_scaled_mm_traces_to_one_quantization_launch_and_one_scaled_mm():

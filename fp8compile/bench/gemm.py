@@ -28,7 +28,7 @@ class _Shape:
     (same class, same shapes) and every M >= 2; Dynamo specializes M = 1 into a second graph."""
 
     def __init__(self, n: int, k: int):
-        from fp8compile.ops import reference
+        from fp8compile.ops.quant import reference as quant_reference
 
         torch._dynamo.reset()
         self.n, self.k = n, k
@@ -37,7 +37,7 @@ class _Shape:
             torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(max(r8, r16))
         ]
         self.r16 = r16
-        self.w8 = [reference.quant_weight_block(w) for w in self.w16[:r8]]
+        self.w8 = [quant_reference.quant_weight_block(w) for w in self.w16[:r8]]
         self.linears, self.tuned = [], []
         self.read_tiling = None  # read.fastest_tiling, at the first decode size
         fp8 = fp8compile.backend()  # the object, not the entry point: runs from a source tree too

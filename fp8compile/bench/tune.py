@@ -180,7 +180,8 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
     M, and whether they give the same bits), "quant" (the activation quantization's rows per
     program and warps, at each K of the shapes) and "scaled_small_m" (the rowwise decode
     kernel's tiles, plain and gated)."""
-    from fp8compile.ops import reference, vendors
+    from fp8compile.ops import vendors
+    from fp8compile.ops.quant import reference as quant_reference
     from fp8compile.ops.linear import triton_gemm
     from fp8compile.ops.quant import triton_quant
 
@@ -196,7 +197,9 @@ def tune(out_dir: Path, shapes=SHAPES, kernels=("small_m", "large_m")) -> dict:
         for n, k in tqdm(shapes if gemms else (), desc="tune"):
             r8 = harness.copies(n * k)
             w8 = [
-                reference.quant_weight_block(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+                quant_reference.quant_weight_block(
+                    torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                )
                 for _ in range(r8)
             ]
             for m in (1, 16, 32) if "small_m" in kernels else ():

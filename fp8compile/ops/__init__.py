@@ -1,10 +1,11 @@
 """FP8 ops, one folder per thing computed: quant/ (the activation's and the weight's
 quantization), linear/ (linears and gated linears, three recipes), moe/ (routed experts),
 mqa_logits/ (sparse-attention indexer logits), attention/ (grouped-query decode attention).
-Each holds its torch.library ops with their fakes (op.py), its kernels and its vendor adapters.
-Shared beside them: the pure-PyTorch block references (reference.py), the torch.library
-namespace (library.py), the kernel table the registry fills (kernels.py), the Triton launcher
-(launch.py), the traced launches (traced.py) and the vendor libraries' checks (vendors.py)."""
+Each holds its torch.library ops with their fakes (op.py), its pure-PyTorch reference, its
+kernels and its vendor adapters. Shared beside them: the MLP activations (activations.py), the
+torch.library namespace (library.py), the kernel table the registry fills (kernels.py), the
+Triton launcher (launch.py), the traced launches (traced.py) and the vendor libraries' checks
+(vendors.py)."""
 
 # importing them registers torch.ops.fp8compile.*
 from .linear import op as linear_op  # noqa: F401

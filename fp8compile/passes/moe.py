@@ -21,7 +21,7 @@ which runs after this pass and uses its matchers.
 
 Structure alone can misread a block (a gate/up order, a transposed weight whose shape does not
 tell), so every match is checked by running it: the matched subgraph, with the real expert
-weights, on a few random tokens and routes, against reference.moe_dense (the unquantized
+weights, on a few random tokens and routes, against moe_reference.moe_dense (the unquantized
 definition of the op). Only a block that agrees (calc_diff < VERIFY_BOUND) is rewritten; any
 other stays bf16 with the reason in the report.
 """
@@ -37,7 +37,8 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..numerics import BLOCK, calc_diff, whole_blocks
-from ..ops import reference
+from ..ops import activations
+from ..ops.moe import reference as moe_reference
 from . import dispatch, inline
 from .context import PassContext
 from .replay import ReplayError, concrete, run_subgraph, small_symbols
@@ -74,7 +75,7 @@ _ROUTING = (
     aten.bincount.default,
 )
 
-# A correct match differs from reference.moe_dense only by bf16 rounding (measured 1e-5..2e-5);
+# A correct match differs from moe_reference.moe_dense only by bf16 rounding (measured 1e-5..2e-5);
 # a misread one (gate/up swapped, a weight transposed) by far more than FP8's own 2e-3.
 VERIFY_BOUND = 3e-4
 VERIFY_TOKENS = 3  # each dynamic size is set to at most this while checking a match
@@ -344,7 +345,7 @@ def _unary_activation(ops: list[fx.Node]) -> str:
     found = names[0] if names else " -> ".join(getattr(op.target, "__name__", str(op.target)) for op in ops)
     raise NoMatch(
         f"non-gated experts with the activation {found or 'identity'}: the non-gated activations with "
-        f"a kernel are {', '.join(reference.UNARY_ACTIVATIONS)} (relu(x)^2)"
+        f"a kernel are {', '.join(activations.UNARY_ACTIVATIONS)} (relu(x)^2)"
     )
 
 
@@ -487,7 +488,7 @@ def weight_orientations(m: MoeMatch, e: int, inter: int, h: int) -> list[bool]:
 
 def verify(ctx: PassContext, m: MoeMatch, w_kn: bool) -> float:
     """calc_diff between the matched subgraph, run on random tokens and routes with the real
-    weights, and reference.moe_dense read with this interpretation."""
+    weights, and moe_reference.moe_dense read with this interpretation."""
     symbols = small_symbols(ctx, VERIFY_TOKENS)
     param = {n: ctx.parameter(n)[0] for n in (m.w13, m.w3, m.w2, m.b13, m.b2) if n is not None}
     device = param[m.w13].device
@@ -508,7 +509,7 @@ def verify(ctx: PassContext, m: MoeMatch, w_kn: bool) -> float:
         w13 = canonical_experts(param[m.w13], w_kn, layout, param.get(m.w3))
         w2 = canonical_experts(param[m.w2], w_kn)
         b13 = canonical_expert_bias(param.get(m.b13), layout)
-        want = reference.moe_dense(x, ids, weights, w13, w2, b13, param.get(m.b2), **m.act)
+        want = moe_reference.moe_dense(x, ids, weights, w13, w2, b13, param.get(m.b2), **m.act)
         return calc_diff(got, want)
 
 
@@ -718,7 +719,7 @@ def verified_orientation(m: MoeMatch, orientations: list[bool], verify_one) -> b
     if min(diffs) >= VERIFY_BOUND:
         raise NoMatch(
             f"run on random tokens, the matched block does not compute routed experts with "
-            f"{m.gate_up} gate/up (calc_diff {min(diffs):.2g} against reference.moe_dense)"
+            f"{m.gate_up} gate/up (calc_diff {min(diffs):.2g} against moe_reference.moe_dense)"
         )
     return orientations[diffs.index(min(diffs))]
 

@@ -15,7 +15,7 @@ E/k times more of the dense bmm's. The scores the top-k reads are the ones the m
 and k is the router's own (the top-k upstream of the scores).
 
 Like every moe match, the block is run on random tokens and scores with the real weights before
-it is rewritten, against reference.moe_dense over the slots; and the router, from random logits
+it is rewritten, against moe_reference.moe_dense over the slots; and the router, from random logits
 to scores, must give zero off its top-k (a router whose scores only pass through a top-k, every
 expert still counting, keeps the block bf16 with that reason).
 """
@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..numerics import calc_diff
-from ..ops import reference
+from ..ops.moe import reference as moe_reference
 from ..weights import canonical_experts
 from .context import PassContext
 from .moe import (
@@ -277,7 +277,7 @@ def slot_rows(
 
 def verify(ctx: PassContext, m: MoeMatch, slots: DenseSlots, w_kn: bool) -> float:
     """calc_diff between the matched dense block, run on random tokens and top-k scores with the
-    real weights, and reference.moe_dense over their slots read with this interpretation."""
+    real weights, and moe_reference.moe_dense over their slots read with this interpretation."""
     symbols = small_symbols(ctx, VERIFY_TOKENS)
     param = {n: ctx.parameter(n)[0] for n in (m.w13, m.w3, m.w2) if n is not None}
     device = param[m.w13].device
@@ -305,7 +305,7 @@ def verify(ctx: PassContext, m: MoeMatch, slots: DenseSlots, w_kn: bool) -> floa
         rows, ids, ones = slot_rows(x, scores, k)
         w13 = canonical_experts(param[m.w13], w_kn, m.gate_up, param.get(m.w3))
         w2 = canonical_experts(param[m.w2], w_kn)
-        want = reference.moe_dense(rows, ids, ones, w13, w2, **m.act)
+        want = moe_reference.moe_dense(rows, ids, ones, w13, w2, **m.act)
         return calc_diff(got, want.view(t, k, -1).sum(1))
 
 

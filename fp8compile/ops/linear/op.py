@@ -13,7 +13,9 @@ from torch import Tensor
 
 from ...numerics import BLOCK, ceil_div
 from ...weights import fp8_weight, stacked_bias
-from .. import kernels, reference
+from .. import kernels
+from .. import activations
+from ..quant import reference as quant_reference
 from . import reference_scaled
 from ..library import fake, op
 
@@ -81,7 +83,7 @@ def linear(
     bias_next then holds their biases (given exactly when bias is).
     """
     w_fp8, w_scale = fp8_weight(w, w_kn, e8m0, w_next)
-    x = reference.pad_k(x, w_fp8.shape[1])  # a K of part of a group: zero columns, as in the copy
+    x = quant_reference.pad_k(x, w_fp8.shape[1])  # a K of part of a group: zero columns, as in the copy
     return qlinear(x, w_fp8, w_scale, stacked_bias(bias, bias_next), e8m0, backend)
 
 
@@ -127,8 +129,8 @@ def _check_gated(a: Tensor, b: Tensor, activation: str) -> None:
         a.shape == b.shape, lambda: f"act(a, b) needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}"
     )
     torch._check(
-        activation in reference.GATED_ACTIVATIONS,
-        lambda: f"activation {activation!r}: valid gated activations are {reference.GATED_ACTIVATIONS}",
+        activation in activations.GATED_ACTIVATIONS,
+        lambda: f"activation {activation!r}: valid gated activations are {activations.GATED_ACTIVATIONS}",
     )
 
 
@@ -213,12 +215,12 @@ def gated_linear(
     """Gated-MLP down projection: linear(act(a, b), w, bias) in FP8, a (gate) and b (up) bf16 (..., K).
 
     act is "silu" (silu(a) * b), "swigluoai" (GPT-OSS: clamped, alpha, (b + 1)) or "silu_limit"
-    (DeepSeek-V4: silu(a) * b with a and b clamped); see reference.gated. It is computed in fp32
+    (DeepSeek-V4: silu(a) * b with a and b clamped); see activations.gated. It is computed in fp32
     and quantized 1x128 in the same pass (inside the GEMM for the decode kernel): the bf16
     product is never written, never quantized twice.
     """
     w_fp8, w_scale = fp8_weight(w, w_kn, e8m0)
-    a, b = (reference.pad_k(t, w_fp8.shape[1]) for t in (a, b))  # act(0, 0) = 0 in every activation
+    a, b = (quant_reference.pad_k(t, w_fp8.shape[1]) for t in (a, b))  # act(0, 0) = 0 in every activation
     return gated_qlinear(a, b, w_fp8, w_scale, bias, e8m0, backend, activation, alpha, limit)
 
 
@@ -285,7 +287,7 @@ def gated_qlinear_scaled(
     limit: float = 7.0,
 ) -> Tensor:
     """A gated MLP's down projection in the "tensor" or "rowwise" recipe: qlinear_scaled of
-    act(a, b) (reference.gated), a (gate) and b (up) bf16 (..., K). The product is computed in
+    act(a, b) (activations.gated), a (gate) and b (up) bf16 (..., K). The product is computed in
     fp32 and quantized with the recipe's scale in the same pass (inside the GEMM at decode
     sizes), never written in bf16 (reference_scaled.gated_linear_scaled)."""
     _check_gated(a, b, activation)

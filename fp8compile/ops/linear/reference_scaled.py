@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ...numerics import FP8_DTYPE, FP8_MAX, scale_from_amax
-from ..reference import gated
+from ..activations import gated
 
 SCALED_RECIPES = ("tensor", "rowwise")
 

@@ -8,7 +8,7 @@ torch.library.triton_op: traced by AOTAutograd (passes/inline.py), its body beco
 of the quantization kernel (wrap_triton) and an aten._scaled_mm node, which Inductor's
 generated code calls directly, with no Python of ours at run time.
 
-The same numbers as the cuBLAS op (vendors.linear_cublas): the same kernel quantizes x (or a
+The same numbers as the cuBLAS op (linear/vendors.linear_cublas): the same kernel quantizes x (or a
 gated MLP's act(x, b)) 1x128 into column-major scales, M padded to a multiple of 4 with
 quantized zeros (cuBLAS wants 16-byte aligned scale columns), then cuBLAS's 1x128 / 128x128
 block-scaled GEMM. It serves M >= 8 (cuBLAS refuses fewer rows; the dispatch gives it none).

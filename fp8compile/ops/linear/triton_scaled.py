@@ -31,7 +31,7 @@ from torch.library import triton_op, wrap_triton
 
 from ...numerics import AMAX_EPS, FP8_MAX
 from ..launch import Launcher
-from ..reference import gated
+from ..activations import gated
 from .reference_scaled import check_recipe
 from .triton_gemm import (
     SMALL_M_MAX,

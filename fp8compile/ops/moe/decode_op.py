@@ -26,7 +26,7 @@ from torch.library import triton_op
 from ...numerics import next_pow2
 from . import triton_moe
 from .tiles import decode_fits
-from ..reference import act_operands
+from ..activations import act_operands
 from ..traced import launch, quant_act
 from ..quant.triton_quant import QUANT_ROWS
 

@@ -29,7 +29,7 @@ from ..linear import gluon_gemm
 from . import triton_moe
 from ..library import fake, op
 from .tiles import gluon_min_tokens as min_tokens
-from ..reference import act_operands
+from ..activations import act_operands
 from ..traced import launch, quant_act
 from ..quant.triton_quant import QUANT_ROWS
 

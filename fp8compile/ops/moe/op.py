@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from ...weights import GATE_UP_LAYOUTS, expert_bias, fp8_experts
-from .. import kernels, reference
+from .. import kernels
+from .. import activations
 from ..library import fake, op
 
 
@@ -30,7 +31,7 @@ def _check_moe_args(x, topk_ids, topk_weights, w13, w2, w3, b13, w_kn, gate_up, 
         (w3 is not None) == (gate_up == "separate") and not (w3 is not None and b13 is not None),
         lambda: "w3 (the up projection) is given exactly when gate_up is 'separate', and then without b13",
     )
-    valid = reference.UNARY_ACTIVATIONS if gate_up == "none" else reference.GATED_ACTIVATIONS
+    valid = activations.UNARY_ACTIVATIONS if gate_up == "none" else activations.GATED_ACTIVATIONS
     torch._check(
         activation in valid,
         lambda: (

@@ -44,7 +44,7 @@ from .tiles import (  # noqa: F401  (the tile choices, triton-free for the passe
     block_m_for,
     route_capacity,
 )
-from ..reference import act_operands
+from ..activations import act_operands
 from ..quant.triton_quant import quant_act, quant_group
 
 

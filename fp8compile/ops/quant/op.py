@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 
 from ...numerics import BLOCK, FP8_DTYPE, ceil_div, whole_blocks
-from .. import kernels, reference
+from .. import kernels
+from . import reference as quant_reference
 from ..library import fake, op
 
 
@@ -29,7 +30,7 @@ def _(x: Tensor, e8m0: bool = False, backend: str = "reference") -> tuple[Tensor
 def quant_weight(w: Tensor, e8m0: bool = False) -> tuple[Tensor, Tensor]:
     """w (N, K) -> w_fp8 (N, Kp) e4m3fn, w_scale (ceil(N/128), Kp/128) fp32; 128x128 blocks, Kp =
     K in whole 128-wide groups (zero columns past K)."""
-    return reference.quant_weight_block(w, e8m0)
+    return quant_reference.quant_weight_block(w, e8m0)
 
 
 @fake(quant_weight)

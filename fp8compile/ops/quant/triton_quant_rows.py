@@ -23,7 +23,7 @@ from torch.library import wrap_triton
 
 from ...numerics import AMAX_EPS, FP8_DTYPE, FP8_MAX, next_pow2
 from ..launch import Launcher
-from ..reference import gated
+from ..activations import gated
 from ..linear.reference_scaled import act_scale
 from .triton_quant import activation_code, load_activation, round_up_pow2
 
