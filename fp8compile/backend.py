@@ -337,7 +337,7 @@ def static_launch_for_user_kernels() -> bool:
     Importing fp8compile calls this, before a compile starts the workers: workers already
     running (started by an earlier compile, say a bf16 model's) are shut down, and the next
     compile starts them again, which cost a Qwen3-MoE's first fp8 call 10 s (26.3 against
-    16.3 s at 4 layers, H100; BENCHMARKS.md, "Twenty-third session")."""
+    16.3 s at 4 layers, H100; BENCHMARKS.md, "2026-11-25 (710a17a)")."""
     if STATIC_LAUNCH_ENV not in os.environ:
         os.environ[STATIC_LAUNCH_ENV] = "1"  # an Inductor without the static launcher ignores it
         # Not imported yet: no compile has started workers (and importing it here would cost

@@ -26,11 +26,11 @@ SMALL_M = 32
 # (BENCHMARKS.md): DeepGEMM is 8-14% faster than cuBLAS at M = 4096 on all five shapes and at
 # M = 2048 on four of five, but 2.5x slower at M = 1024 for N = 4096 (and 1.15x at M = 2560:
 # no threshold avoids every cliff; autotune does). So 2048 rows belong to DeepGEMM: on a whole
-# Llama-3-8B (H100, forty-first session) a 2048-token prefill took 36.3 ms with 1536 here against
+# Llama-3-8B (H100, 2026-11-26 (a315e94)) a 2048-token prefill took 36.3 ms with 1536 here against
 # 39.2 ms with 2048 (bf16 Inductor 54.4 ms). Narrow outputs are the exception: for Qwen3-30B-A3B's
 # o projection (N = 2048, K = 4096) DeepGEMM took 91-99 us against cuBLAS's 33-37 from 1536 to
 # 2048 rows, where it took 0.84-1.16x cuBLAS's time on every output of 3584 or more (H100,
-# benchmarks/large_m_probe_h100_33rd.json), so outputs narrower than WIDE_N keep cuBLAS up
+# benchmarks/large_m_probe_h100_2026-11-25_8e56bd4.json), so outputs narrower than WIDE_N keep cuBLAS up
 # to NARROW_LARGE_M rows. For MoE blocks our grouped kernels stay first in every range
 # (registry.ORDER_EXCEPTIONS).
 LARGE_M = 1536
@@ -93,7 +93,7 @@ class Fp8Config:
                      instead of as a function per branch (size_conds.py): less host time per
                      call site outside CUDA graphs. Experimental and off: the same bits as the
                      functions on the GPU, but no whole-model gain measured (BENCHMARKS.md,
-                     thirty-second session).
+                     2026-11-25 (8aa4d6d)).
     release_bf16_weights: give back the device memory of the bf16 weights no compiled graph reads
                      (those with an FP8 copy): their values move to host memory (release.py)
                      and the eager modules holding them refuse to run until
@@ -111,8 +111,8 @@ class Fp8Config:
                      tensor, as torchao's float8 configs run them. Measured on an H100: the
                      GEMM 1.07-1.20x faster at M = 4096, its calc_diff against the exact
                      product of the same FP8 operands 2e-6..7e-6 instead of 1.4e-6 for K 4096-
-                     18944, next to quantization's 7.0e-4 (BENCHMARKS.md, "Forty-second
-                     session"). False promotes; True is refused for the block recipe.
+                     18944, next to quantization's 7.0e-4 (BENCHMARKS.md, "2026-11-26
+                     (82a2db6)"). False promotes; True is refused for the block recipe.
     split_kv:        the gqa_attention fusion's decode attention on a GPU runs fp8compile's
                      split-KV kernel (ops/attention/triton_attention.py: the keys spread over the SMs)
                      instead of the sdpa kernel torch picks (its work split over sequences and

@@ -10,7 +10,7 @@ generate_ttir makes of the arguments: a symbolic size becomes 2, a fake tensor (
 buffer) an empty tensor of its dtype, a TMA descriptor its block shape, anything else goes in as
 it is. Our traced launches (passes/inline.py) put one decode kernel per linear into a graph of
 static M: 129 in a 32-layer Llama, where Inductor's lowering took 13.8 s against bf16
-Inductor's 3.0 s for the same model (H200, BENCHMARKS.md, thirty-seventh session).
+Inductor's 3.0 s for the same model (H200, BENCHMARKS.md, 2026-11-26 (18e8dc2)).
 
 memoized() answers a repeated question from a table keyed on exactly those inputs, and asks
 Inductor where the key cannot be formed (a real tensor, whose address Triton would specialize

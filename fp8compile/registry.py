@@ -334,7 +334,7 @@ DEFAULT_ORDERS = {
 # MoE above large_m: our grouped Gluon GEMMs (the triton backend from 32 slots per expert) give
 # DeepGEMM's numbers (calc_diff 0.0) faster, with 64-row expert blocks where DeepGEMM pads to
 # 128: on an H100, 431 against 565 us at 2048 tokens, 642 / 758 at 4096 and 1136 / 1195 at 8192
-# (Qwen3-30B-A3B), 5893 / 7924 at 4096 (DeepSeek-V3) (BENCHMARKS.md, "Eighteenth session").
+# (Qwen3-30B-A3B), 5893 / 7924 at 4096 (DeepSeek-V3) (BENCHMARKS.md, "2026-11-24 (c8e9c49)").
 ORDER_EXCEPTIONS = {("moe", "large"): ("deep_gemm", "triton")}
 
 
@@ -343,7 +343,7 @@ ORDER_EXCEPTIONS = {("moe", "large"): ("deep_gemm", "triton")}
 # our Triton kernel's 155.2 and 586.1 (bench mqa, BENCHMARKS.md, "Indexer logits"): a tie, and
 # DeepGEMM's side of it is the shorter prefill.
 MQA_ORDER = ("deep_gemm", "triton", "reference")
-# The paged form: ours first, DeepGEMM next. In bench mqa (H100, thirty-sixth session; blocks of
+# The paged form: ours first, DeepGEMM next. In bench mqa (H100, 2026-11-25 (833267e); blocks of
 # 64, next_n 1, both through the op) ours took 0.76-1.16x DeepGEMM's time over batch 1-64 and
 # context 4k-64k (geometric mean 1.00x): a tie, and ours serves every block size and next_n where
 # DeepGEMM's sm_90 kernel takes blocks of 64 and next_n 1 or 2. DeepGEMM's adapter passes its GPU

@@ -195,7 +195,7 @@ def test_on_the_gpu_split_kv_is_as_accurate_as_cudnn_at_llama_sizes(length, batc
     cudnn_mask = mask if mask_kind == "additive" else torch.where(mask, 0.0, float("-inf")).bfloat16()
     cudnn = grouped_sdpa(q, k, v, cudnn_mask, None, 4, True)
     got = grouped(q, k, v, mask, 128**-0.5, 4)
-    # Measured on an H200 at these sizes (BENCHMARKS.md, thirty-eighth session): relative error
+    # Measured on an H200 at these sizes (BENCHMARKS.md, 2026-11-26 (01816bf)): relative error
     # 0.0022-0.0025 against cuDNN's 0.0024-0.0025, so at most cuDNN's; 1.5x leaves room for seeds.
     assert calc_diff(got, want) <= 1.5 * calc_diff(cudnn, want) + 1e-7
 
@@ -204,7 +204,7 @@ def test_on_the_gpu_split_kv_is_as_accurate_as_cudnn_at_llama_sizes(length, batc
 def test_on_the_gpu_inductor_launches_the_combine_kernel_and_generates_none_for_it():
     """The chunks are combined by a fixed Triton kernel. As ATen ops the combine was a reduction
     that Inductor lowered and generated a kernel for at every layer: 6.7 s of a 32-layer Llama's
-    first call on an H200 (BENCHMARKS.md, thirty-ninth session)."""
+    first call on an H200 (BENCHMARKS.md, 2026-11-26 (9414b3b))."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._inductor.utils import run_and_get_code

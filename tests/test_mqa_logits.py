@@ -324,7 +324,7 @@ def test_triton_paged_kernel_matches_the_reference_under_the_interpreter(next_n,
 
 def test_deep_gemm_paged_adapter_cleans_the_logits_itself_past_each_querys_length(monkeypatch):
     """sgl-deep-gemm 0.1.5's sm_90 kernel asserts `not is_context_lens_2d` when asked to clean with
-    one length per query (H100, thirty-sixth session): the adapter never asks, and writes -inf past
+    one length per query (H100, 2026-11-25 (833267e)): the adapter never asks, and writes -inf past
     each query's length itself. Checked against a stand-in for DeepGEMM that leaves zeros."""
     from types import SimpleNamespace
 

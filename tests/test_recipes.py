@@ -757,7 +757,7 @@ def test_gpu_kernels_give_the_references_numbers(recipe, m, kernel, static):
         pytest.skip("the decode kernel serves M <= 64")
     # cuBLAS in fast accumulation (the scaled recipes' default, Fp8Config.fast_accum): its GEMM
     # error at K = 4096 measured 2.3e-6 against the exact product of the same FP8 operands (H100,
-    # BENCHMARKS.md "Forty-second session"), inside SCALED_KERNEL_BOUND too.
+    # BENCHMARKS.md "2026-11-26 (82a2db6)"), inside SCALED_KERNEL_BOUND too.
     kernel, fast_accum = ("cublas", True) if kernel == "cublas_fast_accum" else (kernel, False)
     x, w, bias = (
         randn(m, 4096, device="cuda"),
@@ -791,7 +791,7 @@ def test_gpu_kernels_give_the_references_numbers(recipe, m, kernel, static):
 def test_gpu_gated_kernels_give_the_references_numbers(recipe, m, k, kernel, static):
     # K = 33024: past ONE_PASS_MAX, the quantization's two passes over chunks. cuBLAS in fast
     # accumulation (the default) up to K = 18944, where its GEMM error was measured (2.3e-6..7.2e-6,
-    # SCALED_KERNEL_BOUND); at K = 33024 it measured 1.7e-5 (H100, forty-third session), past the
+    # SCALED_KERNEL_BOUND); at K = 33024 it measured 1.7e-5 (H100, 2026-11-26 (acad3b3)), past the
     # bound by the accumulation alone, so that K runs promoting: what is tested there is our kernel.
     if kernel == "triton_small_m" and m > 64:
         pytest.skip("the decode kernel serves M <= 64")

@@ -1,10 +1,10 @@
 """A plain read of an FP8 weight: what streaming its bytes costs on this GPU with nothing else to do,
 the reference a decode GEMM (which must read every weight byte once) is measured against in `bench
 gemm` (the `read` column). A reference, not a bound: DeepGEMM's GEMM took less than it on the two
-tallest weights there (BENCHMARKS.md, Linear, "Forty-sixth session"). Each program XORs its
+tallest weights there (BENCHMARKS.md, Linear, "2026-11-26 (c3bf7be)"). Each program XORs its
 [BLOCK_N, BLOCK_K] tiles over its part of K, split over K as the decode kernels are. READ_TILINGS
 were the fastest of 30 tilings on Llama-3-8B's four decode weights (H100; BENCHMARKS.md, W8A8
-recipes, "Forty-sixth session": 2.14-2.89 TB/s, 64-86% of the HBM peak); `bench gemm` times each on
+recipes, "2026-11-26 (c3bf7be)": 2.14-2.89 TB/s, 64-86% of the HBM peak); `bench gemm` times each on
 every shape and keeps the fastest (fastest_tiling)."""
 
 from __future__ import annotations

@@ -328,7 +328,7 @@ class PassContext:
         own), and a miss pays for an entry while a hit still builds the output (with symbolic
         sizes, 4.6 ms a call on average on an H200's host, most of them views): without it, 38%
         less time in this function for a 32-layer Llama at dynamic M (on a CPU; BENCHMARKS.md,
-        thirty-seventh session). The mode keeps its cache for everything else."""
+        2026-11-26 (18e8dc2)). The mode keeps its cache for everything else."""
         args, kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
         cached = getattr(self.fake_mode, "cache_enabled", None)
         if cached:

@@ -6,7 +6,7 @@ copied once per query head that reads it (in ATen, unsqueeze -> expand -> clone 
 the attention then reads the copy. At decode that is the most expensive part of a step at
 larger batches: on an H100, Llama-3-8B widths, 32 layers, prompt 1024, batch 16, the copy takes
 3.9 ms and the attention 3.5 ms of an 18.6 ms bf16 step (14.2 ms in FP8), where reading the cache
-once would take 0.7 ms at 3.35 TB/s (BENCHMARKS.md, "Sixteenth session"). The same kernels run
+once would take 0.7 ms at 3.35 TB/s (BENCHMARKS.md, "2026-11-24 (25f23a7)"). The same kernels run
 in bf16 and FP8, so this caps what FP8 linears can give a whole model there.
 
 For a few query tokens the copy is not needed: the rep query heads that share a K/V head become
@@ -16,7 +16,7 @@ before. On the CPU the attention kernel sdpa chooses reads each K/V head once. O
 kernel (cuDNN's) splits the work over sequences and K/V heads only, each block walking the whole
 cache: 27 us a layer for Llama-3-8B at batch 1, context 1152, on an H200. There fp8compile's split-KV kernel
 (ops/attention/triton_attention.py, Fp8Config.split_kv) spreads the keys over the SMs instead: 7.5 us
-(BENCHMARKS.md, "Thirty-eighth session").
+(BENCHMARKS.md, "2026-11-26 (01816bf)").
 
 Matched: an sdpa op of the ATen graph (cuDNN, efficient, CPU flash) whose key and value are
 repeat_kv copies of the same group layout, no dropout, not is_causal, a static query length of

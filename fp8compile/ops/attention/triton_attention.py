@@ -4,7 +4,7 @@ At decode a sequence has one query token; with the query heads of a K/V head as 
 (passes/gqa_attention.py) sdpa's kernels split the work over sequences and K/V heads only: 8
 row blocks for Llama-3-8B at batch 1, each walking the whole cache. On an H200 at context 1152
 cuDNN's kernel takes 27 us a layer for 4.7 MB of keys and values (0.17 TB/s), 0.86 ms of a
-5 ms FP8 step over 32 layers (BENCHMARKS.md, "Thirty-eighth session").
+5 ms FP8 step over 32 layers (BENCHMARKS.md, "2026-11-26 (01816bf)").
 
 Here the keys are cut into chunks as well. A work item is (sequence, K/V head, chunk): it holds
 that head's R = rep x S query rows, walks its chunk BLOCK_L keys a step with the online
@@ -19,7 +19,7 @@ that came before the combine kernel).
 The combine was ATen ops at first, which Inductor lowered and generated a kernel for at every
 layer. In a 32-layer Llama that cost the first call 6.7 s of its 33.8 on an H200, 4.1 s of it in
 code generation. With the fixed kernel the first call took 27.1 s, with sdpa's kernel 27.8
-(BENCHMARKS.md, "Thirty-ninth session").
+(BENCHMARKS.md, "2026-11-26 (9414b3b)").
 
 The mask is sdpa's: additive (float, -inf for a masked key) or boolean (True = attend), any
 shape that broadcasts to (B, H, S, L), read through its strides (0 where it broadcasts). Shape

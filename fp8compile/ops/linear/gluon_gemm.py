@@ -87,7 +87,7 @@ CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, STAGE_GROUPS=2, GROUP_M=16, OV
 TALL_CONFIG = dict(BLOCK_M=192, BLOCK_N=128, STAGES=2, STAGE_GROUPS=2, GROUP_M=16, OVERLAP=False)
 # - WIDE_CONFIG: 64 x 256 tiles, the two consumers splitting the columns (one shared activation
 #   box, a weight box each). For the routed experts' grouped GEMM, whose 64-row blocks pad each
-#   expert's rows half as much as 128-row ones. (BENCHMARKS.md, "Eighteenth session")
+#   expert's rows half as much as 128-row ones. (BENCHMARKS.md, "2026-11-24 (c8e9c49)")
 WIDE_CONFIG = dict(BLOCK_M=64, BLOCK_N=256, STAGES=2, STAGE_GROUPS=2, GROUP_M=16, OVERLAP=False)
 # A 192-row tile takes this many times a 128-row tile's time (same probe, shapes whose waves are
 # full either way: 1.41 and 1.42, and 1.43 with two groups per buffer); pick_config compares whole
@@ -713,7 +713,7 @@ def launch_args(
     (False). Default: on the device except while a CUDA graph is captured, where the host
     encodes them once for every replay and the kernel does not pay the ~2 us of building them
     (H100: 0.5-3% of the GPU time at a 2048-token prefill's shapes, for about 20-30 us less host time
-    a call outside graphs; BENCHMARKS.md, "Twenty-second session").
+    a call outside graphs; BENCHMARKS.md, "2026-11-24 (be32267)").
 
     Grouped (block_expert given): w_fp8 (E, N, K), w_scale (E, N/128, G), bias (E, N); row block
     i of x_fp8 (BLOCK_M rows) is multiplied by expert block_expert[i]'s weights, or skipped where

@@ -3,7 +3,7 @@
 Outside CUDA graphs a prefill is host-bound at the widths where FP8 pays: our cuBLAS op costs
 the host 94 us per linear at M = 1024 (N = K = 4096; dispatcher, op body, the quantization's
 Python launch, then torch._scaled_mm) where bf16's F.linear costs 16 (H100; BENCHMARKS.md,
-"Fifteenth session"). Like fp8compile::linear_decode (decode_op.py), this op is a
+"2026-11-24 (1022e31)"). Like fp8compile::linear_decode (decode_op.py), this op is a
 torch.library.triton_op: traced by AOTAutograd (passes/inline.py), its body becomes the launch
 of the quantization kernel (wrap_triton) and an aten._scaled_mm node, which Inductor's
 generated code calls directly, with no Python of ours at run time.

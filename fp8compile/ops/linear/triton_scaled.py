@@ -216,7 +216,7 @@ def _act_mode(recipe: str, x_scale: Tensor | None) -> int:
 # quantization kernel (triton_quant_rows), and the GEMM streams FP8 x; False: every GEMM program
 # computes act over its part of K as it loads it (the block recipe's way), after an amax launch:
 # act is then computed once per N tile. The compiled rowwise MLP on an H100 (BENCHMARKS.md, W8A8
-# recipes, "Forty-fourth session"): Llama-3-8B 75.3 / 80.4 us at M = 1 / 16 against 77.5 / 83.9,
+# recipes, "2026-11-26 (c669568)"): Llama-3-8B 75.3 / 80.4 us at M = 1 / 16 against 77.5 / 83.9,
 # Qwen2.5-7B 93.4 against 97.7 at M = 16. The launch count is the same either way.
 QUANTIZE_GATED_FIRST = True
 
@@ -353,7 +353,7 @@ def linear_scaled_small_m(
     """bf16 x (..., K), at most 64 rows, times w_fp8 (N, K) with w_scale () or (N,) (+ bias) ->
     bf16 (..., N): quantization and GEMM in one launch. fast_accum is cuBLAS's option
     (Fp8Config.fast_accum), not this kernel's: Triton already keeps all of K in the tensor cores'
-    FP8 accumulator here (BENCHMARKS.md, twenty-sixth session). block_n, split_k, num_stages:
+    FP8 accumulator here (BENCHMARKS.md, 2026-11-25 (395d9b7)). block_n, split_k, num_stages:
     tiles for a sweep (default: the kernel's own)."""
     tiles = dict(block_n=block_n, split_k=split_k, num_stages=num_stages)
     return _small_m(x, None, NO_ACT, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, **tiles)

@@ -9,7 +9,7 @@ do not depend on the others), then each program computes one BLOCK_M x BLOCK_N t
 in BLOCK_K steps in a fixed order, and scales the fp32 accumulator once in the epilogue: one
 scale spans all of K, so there is no per-group promotion as in the block recipe's kernel. Tiles
 and order are fixed whatever M is, so row i of the output is the same for every batch.
-On an H100 (forty-third session, BENCHMARKS.md "W8A8 recipes") it gives the reference's numbers
+On an H100 (2026-11-26 (acad3b3), BENCHMARKS.md "W8A8 recipes") it gives the reference's numbers
 (the GPU tests; calc_diff 2.1e-7..2.5e-7 against the reference at K = 4096 and 14336), and at
 M = 4096 it took 612 / 648 us with the quantization for N x K = 14336 x 4096 / 4096 x 14336,
 where cuBLAS's GEMM alone took 357 / 366 us: about 0.6x cuBLAS, as expected of plain pointer

@@ -4,7 +4,7 @@ Outside CUDA graphs a decode step is host-bound, and fp8compile::moe pays a Pyth
 its six launches (routing, quantization, two grouped GEMMs, the gated activation's
 quantization, the top-k sum): 190-290 us of host time a call at one token on H100 leases' hosts,
 where Inductor's wrapper launched each of them in 24-35 us under the profiler (BENCHMARKS.md,
-"Nineteenth session"). Like fp8compile::linear_decode (decode_op.py), this op is a torch.library.triton_op:
+"2026-11-24 (7810cf9)"). Like fp8compile::linear_decode (decode_op.py), this op is a torch.library.triton_op:
 traced as AOTAutograd traces it (passes/inline.py), its body becomes the six launches, which
 Inductor's wrapper calls with the buffers it allocates, and no Python of ours runs per call.
 

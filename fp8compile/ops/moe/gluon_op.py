@@ -4,7 +4,7 @@ Outside CUDA graphs a prefill is host-bound, and fp8compile::moe on its Gluon pa
 (triton_moe.moe_gluon: eight launches, two of them the Gluon GEMM with its TMA descriptors) cost
 418 us of host time a call at 2048 tokens alone, and 660 us a call inside a 4-layer Qwen3-MoE
 prefill, whose host time fell from 5.5 to 2.9 ms with the op stubbed out (H100; BENCHMARKS.md,
-"Twentieth session"). This op is a torch.library.triton_op like moe_decode (moe/decode_op.py):
+"2026-11-24 (3997817)"). This op is a torch.library.triton_op like moe_decode (moe/decode_op.py):
 traced into the graph (passes/inline.py), its routing (count, scan, place), the quantization
 into routed order, the gated activation's quantization and the top-k sum become launches
 Inductor's wrapper makes with the buffers it allocates. The two grouped GEMMs stay calls of

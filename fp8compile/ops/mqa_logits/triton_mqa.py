@@ -180,7 +180,7 @@ def mqa_logits(
 def _paged_tiles(batch: int, max_context_len: int, device: torch.device) -> tuple[int, int, int, int]:
     """(keys a step, keys a program, warps, stages) of the paged kernel: 128 keys a step, two
     stages, and enough positions a program (128 to 1024) for about four programs an SM. Measured
-    (`bench tune --kernels mqa_paged`, H100, thirty-sixth session): 128 keys a step and two stages
+    (`bench tune --kernels mqa_paged`, H100, 2026-11-25 (833267e)): 128 keys a step and two stages
     were the best at all six of bench mqa's decode points, and this split the best or within 5% of
     it at each: 0.68-0.96x the time of the 64-key, three-stage tiling before."""
     if device.type == "cpu":  # the interpreter: small steps, so that blocks and lengths cross them

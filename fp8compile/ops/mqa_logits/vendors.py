@@ -5,7 +5,7 @@ scale each). Imported by the registry only when asked for.
 Its paged kernel (fp8_paged_mqa_logits) is behind fp8compile::paged_mqa_logits too, after our
 Triton kernel in the order (registry.PAGED_MQA_ORDER: a tie on an H100). sgl-deep-gemm 0.1.5's
 sm_90 path takes (B, next_n) lengths, one per query (per_query_lengths), but asserts
-`not is_context_lens_2d` when asked to clean the logits (the thirty-sixth session's GPU test), so
+`not is_context_lens_2d` when asked to clean the logits (the 2026-11-25 (833267e) GPU test), so
 the adapter sets -inf past each query's length itself. Its kernel reads blocks of 64 tokens and
 next_n 1 or 2 only (refused otherwise, with the reason). `bench mqa` times it through the op
 (bench/mqa.py, _deep_gemm_paged) and alone (_deep_gemm_paged_kernel); its logits are ours to

@@ -8,7 +8,7 @@ Rows up to ONE_PASS_MAX columns are held in registers: one read, the amax, the q
 written. On an H100 at M = 4096, K = 14336 (Llama-3-8B's down projection input) that took 107.8
 us (2.72 TB/s of the bytes that must move: gate and up read, the FP8 product written) against
 143.6 us for Inductor's fused act / amax / cast (2.04 TB/s); 72.3 against 76.9 at M = 2048, 200
-against 217 at K = 18944 (Qwen2.5-7B) (BENCHMARKS.md, W8A8 recipes, "Forty-third session"; the
+against 217 at K = 18944 (Qwen2.5-7B) (BENCHMARKS.md, W8A8 recipes, "2026-11-26 (acad3b3)"; the
 probe is in git at 246828c). Wider rows take two passes over chunks, the second reading the row
 back (mostly from L2); a given scale needs one pass over chunks.
 """
