@@ -64,3 +64,57 @@ with inductor_config.patch(coordinate_descent_tuning=True):
         "line 5",
     ]
     assert config_monkeypatches(good) == []
+
+
+# The project speaks of itself by dates and commits, not by the work periods it was written in:
+# the word is spelled in two parts here so that this file passes its own check.
+_DIARY_WORD = re.compile("ses" + "sion", re.IGNORECASE)
+
+
+def _tracked_files() -> list[Path]:
+    """The project's files: what git tracks, or, outside a git checkout, every file but caches."""
+    import subprocess
+
+    root = TESTS.parent
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, text=True)
+    if listed.returncode == 0 and listed.stdout:
+        return [root / name for name in listed.stdout.split("\0") if name]
+    skip = {".git", "__pycache__", ".pytest_cache", ".whl", ".ruff_cache"}
+    return [p for p in root.rglob("*") if p.is_file() and not skip & set(p.relative_to(root).parts)]
+
+
+def diary_words(files: list[Path]) -> list[str]:
+    """Where the word appears in a file's name or text (binary files by name only)."""
+    found = []
+    root = TESTS.parent
+    for path in files:
+        name = str(path.relative_to(root))
+        if _DIARY_WORD.search(name):
+            found.append(name)
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, FileNotFoundError):
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            if _DIARY_WORD.search(line):
+                found.append(f"{name}:{number}: {line.strip()[:120]}")
+    return found
+
+
+def test_no_file_of_the_project_names_or_mentions_a_work_period_by_the_diary_word():
+    files = _tracked_files()
+    assert len(files) > 100
+    assert diary_words(files) == []
+
+
+def test_the_diary_word_check_finds_it_in_names_and_text_in_any_case(tmp_path, monkeypatch):
+    monkeypatch.setattr(f"{__name__}.TESTS", tmp_path / "tests")
+    (tmp_path / "tests").mkdir()
+    named = tmp_path / ("bench_" + "Ses" + "sion" + "_3.json")
+    named.write_text("{}")
+    mentioned = tmp_path / "notes.md"
+    mentioned.write_text("fine\nin the last " + "SES" + "SION" + " we\n")
+    clean = tmp_path / "clean.py"
+    clean.write_text("x = 1\n")
+    found = diary_words([named, mentioned, clean])
+    assert [f.split(":")[0] for f in found] == [named.name, mentioned.name]
