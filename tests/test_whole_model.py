@@ -278,23 +278,28 @@ def test_bench_model_with_no_decode_steps_measures_accuracy_and_prefill_only(tmp
         bench_model(tmp_path, **dict(TINY_BENCH, steps=-1), variants=["bf16"])
 
 
-def test_bench_model_inline_conds_variant_is_default_mode_fp8_with_the_branches_inline():
-    from fp8compile.bench.model import _variant
+def test_bench_model_one_off_ab_switches_are_fp8_variants_with_one_option_not_variants_of_their_own():
+    from fp8compile.bench.model import VARIANTS, _variant
 
-    inline, plain = _variant("fp8_inline_conds", "rowwise"), _variant("fp8", "rowwise")
-    assert inline.mode is None and inline.backend.config.inline_conds
-    assert not plain.backend.config.inline_conds
-    assert dataclasses.replace(inline.backend.config, inline_conds=False) == plain.backend.config
-
-
-def test_bench_model_sdpa_variants_are_fp8_with_the_decode_attention_on_sdpas_kernel():
-    from fp8compile.bench.model import _variant
-
-    for name, plain, mode in (("fp8_sdpa", "fp8", None), ("fp8_ro_sdpa", "fp8_ro", "reduce-overhead")):
-        sdpa, split = _variant(name, "rowwise"), _variant(plain, "rowwise")
-        assert sdpa.mode == split.mode == mode
-        assert not sdpa.backend.config.split_kv and split.backend.config.split_kv
-        assert dataclasses.replace(sdpa.backend.config, split_kv=True) == split.backend.config
+    for gone in ("fp8_inline_conds", "fp8_sdpa", "fp8_ro_sdpa", "fp8_op_launch", "fp8_ro_repeat_kv"):
+        assert gone not in VARIANTS
+        with pytest.raises(ValueError, match="unknown variant"):
+            _variant(gone)
+    for name, plain, mode, option in (
+        ("fp8+inline_conds=true", "fp8", None, dict(inline_conds=True)),
+        ("fp8_ro+split_kv=false", "fp8_ro", "reduce-overhead", dict(split_kv=False)),
+        ("fp8+inductor_launch=false", "fp8", None, dict(inductor_launch=False)),
+        (
+            "fp8_ro+fusions=moe,gate_up,qkv,silu_mul",
+            "fp8_ro",
+            "reduce-overhead",
+            dict(fusions=("moe", "gate_up", "qkv", "silu_mul")),
+        ),
+    ):
+        ab, base = _variant(name, "rowwise"), _variant(plain, "rowwise")
+        assert ab.mode == base.mode == mode and ab.name == name
+        assert ab.backend.config == dataclasses.replace(base.backend.config, **option)
+        assert ab.backend.config != base.backend.config
 
 
 def test_bench_model_variant_options_run_the_named_variant_with_those_config_options():

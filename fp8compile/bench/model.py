@@ -6,8 +6,8 @@ said in the output). Variants, in this order (torchao last: it quantizes the mod
     bf16                  eager
     bf16_inductor[_ro]    torch.compile, default mode / mode="reduce-overhead"
     fp8[_ro]              torch.compile(backend=fp8compile.backend()), the same two modes
-    fp8_inline_conds      fp8 with Fp8Config(inline_conds=True): the M dispatch's cond branches
-                          emitted inline in Inductor's code (size_conds.py), default mode
+    fp8[_ro]+KEY=VALUE    fp8[_ro] with that Fp8Config option on top (repeatable): an option's A/B
+                          in one run, e.g. fp8+inline_conds=true, fp8_ro+split_kv=false
     *_own                 (bf16_inductor[_ro]_own, fp8[_ro]_own) decode with the user's own compile:
                           model.forward = torch.compile(model.forward, ...), generate() with
                           compiling off, so the prompt runs through compiled graphs too; the
@@ -211,12 +211,13 @@ MODELS = {
         ),
     ),
 }
-# fp8_op_launch: fp8 with Fp8Config(inductor_launch=False), the decode kernel behind our op (for an A/B).
 # bf16_gqa(_ro): bf16 Inductor plus our gqa_attention pass alone (every linear left bf16), the
-# anchor that tells FP8's share of a speedup from the attention rewrite's; fp8_ro_repeat_kv: fp8
-# without that pass. fp8_rowwise(_ro): the rowwise recipe whatever --recipe says, so that one run
-# puts it beside the block recipe's fp8(_ro) on the same host. fp8_sdpa(_ro): fp8 with
-# Fp8Config(split_kv=False), the decode attention on sdpa's kernel (for an A/B of the split-KV one).
+# anchor that tells FP8's share of a speedup from the attention rewrite's. fp8_rowwise(_ro): the
+# rowwise recipe whatever --recipe says, so that one run puts it beside the block recipe's
+# fp8(_ro) on the same host. An A/B of one option is an fp8 variant with +KEY=VALUE
+# (split_variant): fp8+inductor_launch=false (the decode kernel behind our op),
+# fp8+inline_conds=true, fp8_ro+split_kv=false (decode attention on sdpa's kernel),
+# fp8_ro+fusions=moe,gate_up,qkv,silu_mul (without gqa_attention).
 VARIANTS = (
     "bf16",
     "bf16_inductor",
@@ -225,9 +226,6 @@ VARIANTS = (
     "bf16_gqa_ro",
     "fp8",
     "fp8_ro",
-    "fp8_op_launch",
-    "fp8_inline_conds",
-    "fp8_ro_repeat_kv",
     "bf16_inductor_own",
     "fp8_own",
     "bf16_inductor_ro_own",
@@ -235,8 +233,6 @@ VARIANTS = (
     "fp8_ro_release",
     "fp8_rowwise",
     "fp8_rowwise_ro",
-    "fp8_sdpa",
-    "fp8_ro_sdpa",
     "torchao_rowwise_ro",
 )
 BATCHES = (1, 4, 16, 64)
@@ -366,17 +362,8 @@ def _variant(name: str, recipe: str = "block"):
         return Variant(name, "inductor", mode, own)
     if name.startswith("bf16_gqa"):
         return Variant(name, fp8compile.backend(fusions=("gqa_attention",), skip=("*",)), mode)
-    if name == "fp8_op_launch":
-        return Variant(name, fp8compile.backend(inductor_launch=False, recipe=recipe), mode)
-    if name == "fp8_inline_conds":
-        return Variant(name, fp8compile.backend(inline_conds=True, recipe=recipe), mode)
-    if name == "fp8_ro_repeat_kv":
-        fusions = tuple(f for f in fp8compile.Fp8Config().fusions if f != "gqa_attention")
-        return Variant(name, fp8compile.backend(fusions=fusions, recipe=recipe), mode)
     if name.startswith("fp8_rowwise"):
         return Variant(name, fp8compile.backend(recipe="rowwise"), mode)
-    if name.endswith("_sdpa"):
-        return Variant(name, fp8compile.backend(split_kv=False, recipe=recipe), mode)
     if name.startswith("fp8"):
         release = name.endswith("_release")
         return Variant(name, fp8compile.backend(release_bf16_weights=release, recipe=recipe), mode, own)
@@ -868,9 +855,6 @@ def model_table(rows: list[dict]) -> str:
             ("fp8_rowwise", "fp8"),
             ("fp8_rowwise_ro", "fp8_ro"),
             ("fp8_ro", "bf16_gqa_ro"),
-            ("fp8", "fp8_sdpa"),
-            ("fp8_ro", "fp8_ro_sdpa"),
-            ("fp8_ro_repeat_kv", "bf16_inductor_ro"),
             ("bf16_gqa_ro", "bf16_inductor_ro"),
             # a variant run with options: beside bf16 Inductor in its mode, and the variant it changes
             *(
