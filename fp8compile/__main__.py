@@ -28,7 +28,7 @@ def _shape(text: str) -> tuple[int, int]:
 
 
 def _variant_name(text: str) -> str:
-    from .bench.model import split_variant
+    from .bench.variants import split_variant
 
     try:
         split_variant(text)
@@ -205,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         help="which Triton kernels `tune` sweeps (quant: the activation quantization; mqa_paged: the "
         "paged indexer-logits kernel, bench/mqa.py; scaled_small_m: the rowwise decode kernel)",
     )
-    from .bench.model import BATCHES, MODELS, PREFILL_BATCHES, VARIANTS
+    from .bench.model import BATCHES, PREFILL_BATCHES
+    from .bench.presets import MODELS
+    from .bench.variants import VARIANTS
 
     bench.add_argument(
         "--model",

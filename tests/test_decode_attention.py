@@ -227,7 +227,7 @@ def test_on_the_gpu_inductor_launches_the_combine_kernel_and_generates_none_for_
 @gpu
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_on_the_gpu_a_static_cache_decode_runs_split_kv_with_the_tokens_of_sdpa(mode):
-    from fp8compile.bench.model import static_cache
+    from fp8compile.bench.decode import static_cache
     from fp8compile.demo import small_llama
 
     def _generate(model, ids, backend, mode, steps=6):

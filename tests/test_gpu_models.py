@@ -133,7 +133,7 @@ def test_generate_with_a_static_cache_in_cuda_graphs_does_not_recompile_after_wa
     from torch._dynamo.utils import counters
     from transformers.generation.configuration_utils import CompileConfig
 
-    from fp8compile.bench.model import static_cache
+    from fp8compile.bench.decode import static_cache
 
     model = make()
     model.generation_config.eos_token_id = None

@@ -14,7 +14,7 @@ from fp8compile import calc_diff
 from fp8compile.passes.gqa_attention import MAX_QUERY_ROWS, SDPA_OPS, grouped_sdpa, repeated_kv
 
 pytest.importorskip("transformers")
-from fp8compile.bench.model import static_cache  # noqa: E402
+from fp8compile.bench.decode import static_cache  # noqa: E402
 from fp8compile.demo import small_llama  # noqa: E402
 
 

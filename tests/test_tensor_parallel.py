@@ -313,7 +313,10 @@ def test_a_qwen3_moe_sharded_by_transformers_tp_plan_has_its_experts_rewritten_p
 
 
 def test_bench_model_tp_plumbing_shards_decodes_and_writes_rank_zeros_rows(tmp_path):
-    from fp8compile.bench.model import bench_model, model_table
+    from fp8compile.bench.model import bench_model
+
+    # one timed call, one prefill batch, and of the fp8 variants the one a TP user runs (their own
+    from fp8compile.bench.table import model_table
 
     # one timed call, one prefill batch, and of the fp8 variants the one a TP user runs (their own
     # compile in reduce-overhead): test_whole_model's plumbing test covers the others

@@ -205,7 +205,8 @@ def test_reduce_overhead_specializes_python_float_inputs_and_recompiles_when_one
 
 
 def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path, capsys):
-    from fp8compile.bench.model import bench_model, model_table
+    from fp8compile.bench.model import bench_model
+    from fp8compile.bench.table import model_table
 
     rows = bench_model(
         tmp_path,
@@ -242,7 +243,8 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path, capsys):
 
 def test_bench_model_repeats_each_point_profiles_it_and_prefills_each_batch(tmp_path):
     # The measurement options on one variant (every variant runs them the same way).
-    from fp8compile.bench.model import bench_model, model_table
+    from fp8compile.bench.model import bench_model
+    from fp8compile.bench.table import model_table
 
     rows = bench_model(
         tmp_path, **TINY_BENCH, variants=["fp8"], profile=True, repeat=2, prefill_batches=[1, 2]
@@ -262,7 +264,8 @@ def test_bench_model_repeats_each_point_profiles_it_and_prefills_each_batch(tmp_
 
 
 def test_bench_model_with_no_decode_steps_measures_accuracy_and_prefill_only(tmp_path):
-    from fp8compile.bench.model import bench_model, model_table
+    from fp8compile.bench.model import bench_model
+    from fp8compile.bench.table import model_table
 
     options = dict(TINY_BENCH, steps=0)
     rows = bench_model(tmp_path, **options, variants=["bf16_inductor", "fp8"], repeat=1, prefill_batches=[1])
@@ -279,12 +282,12 @@ def test_bench_model_with_no_decode_steps_measures_accuracy_and_prefill_only(tmp
 
 
 def test_bench_model_one_off_ab_switches_are_fp8_variants_with_one_option_not_variants_of_their_own():
-    from fp8compile.bench.model import VARIANTS, _variant
+    from fp8compile.bench.variants import VARIANTS, make_variant
 
     for gone in ("fp8_inline_conds", "fp8_sdpa", "fp8_ro_sdpa", "fp8_op_launch", "fp8_ro_repeat_kv"):
         assert gone not in VARIANTS
         with pytest.raises(ValueError, match="unknown variant"):
-            _variant(gone)
+            make_variant(gone)
     for name, plain, mode, option in (
         ("fp8+inline_conds=true", "fp8", None, dict(inline_conds=True)),
         ("fp8_ro+split_kv=false", "fp8_ro", "reduce-overhead", dict(split_kv=False)),
@@ -296,17 +299,17 @@ def test_bench_model_one_off_ab_switches_are_fp8_variants_with_one_option_not_va
             dict(fusions=("moe", "gate_up", "qkv", "silu_mul")),
         ),
     ):
-        ab, base = _variant(name, "rowwise"), _variant(plain, "rowwise")
+        ab, base = make_variant(name, "rowwise"), make_variant(plain, "rowwise")
         assert ab.mode == base.mode == mode and ab.name == name
         assert ab.backend.config == dataclasses.replace(base.backend.config, **option)
         assert ab.backend.config != base.backend.config
 
 
 def test_bench_model_variant_options_run_the_named_variant_with_those_config_options():
-    from fp8compile.bench.model import _variant
+    from fp8compile.bench.variants import make_variant
 
-    tuned = _variant("fp8_ro+large_m=1536+backends=cublas,deep_gemm,triton_small_m", "rowwise")
-    plain = _variant("fp8_ro", "rowwise")
+    tuned = make_variant("fp8_ro+large_m=1536+backends=cublas,deep_gemm,triton_small_m", "rowwise")
+    plain = make_variant("fp8_ro", "rowwise")
     assert tuned.name == "fp8_ro+large_m=1536+backends=cublas,deep_gemm,triton_small_m"
     assert tuned.mode == plain.mode == "reduce-overhead"
     assert tuned.backend.config == plain.backend.config.replace(
@@ -331,7 +334,7 @@ def test_the_command_line_refuses_a_variant_option_it_cannot_apply_in_words(name
 
 
 def test_bench_model_table_puts_a_variant_with_options_beside_the_variant_it_changes():
-    from fp8compile.bench.model import model_table
+    from fp8compile.bench.table import model_table
 
     base = dict(model="llama", layers=2, device="H200", tp=1)
     rows = [
@@ -352,7 +355,7 @@ def test_bench_model_table_puts_a_variant_with_options_beside_the_variant_it_cha
     ],
 )
 def test_bench_model_bounds_each_recipe_it_runs_by_that_recipes_composition(names, recipe, recipes):
-    from fp8compile.bench.model import composition_recipes
+    from fp8compile.bench.variants import composition_recipes
 
     assert composition_recipes(names, recipe) == recipes
 
@@ -360,7 +363,7 @@ def test_bench_model_bounds_each_recipe_it_runs_by_that_recipes_composition(name
 def test_bench_model_table_shows_no_warm_peak_where_no_decode_ran():
     """`--steps 0` measures accuracy and prefill only: its memory row has no decode peak, and the
     table says so with a dash, not a 0.0 GB that reads as a measurement."""
-    from fp8compile.bench.model import model_table
+    from fp8compile.bench.table import model_table
 
     base = dict(model="llama", layers=2, device="H100", tp=1, variant="fp8_ro")
     rows = [
@@ -372,9 +375,13 @@ def test_bench_model_table_shows_no_warm_peak_where_no_decode_ran():
 
 
 def test_bench_model_rowwise_variants_run_the_rowwise_recipe_beside_the_block_one_in_one_run():
-    from fp8compile.bench.model import _variant
+    from fp8compile.bench.variants import make_variant
 
-    block, rowwise, rowwise_ro = _variant("fp8", "block"), _variant("fp8_rowwise"), _variant("fp8_rowwise_ro")
+    block, rowwise, rowwise_ro = (
+        make_variant("fp8", "block"),
+        make_variant("fp8_rowwise"),
+        make_variant("fp8_rowwise_ro"),
+    )
     assert block.backend.config.recipe == "block"
     assert rowwise.backend.config.recipe == rowwise_ro.backend.config.recipe == "rowwise"
     assert rowwise.mode is None and rowwise_ro.mode == "reduce-overhead"
@@ -382,7 +389,7 @@ def test_bench_model_rowwise_variants_run_the_rowwise_recipe_beside_the_block_on
 
 
 def test_bench_model_counts_gpu_idle_time_between_the_kernels_it_falls_between():
-    from fp8compile.bench.model import idle_between
+    from fp8compile.bench.decode import idle_between
 
     spans = [  # us; the third overlaps the second, so the GPU is busy from 10 to 40
         (0.0, 10.0, "a"),
@@ -398,7 +405,7 @@ def test_bench_model_counts_gpu_idle_time_between_the_kernels_it_falls_between()
 
 
 def test_bench_model_splits_gpu_time_by_kernel_kind_attention_and_experts_before_gemm_names():
-    from fp8compile.bench.model import kernel_kind
+    from fp8compile.bench.decode import kernel_kind
 
     kinds = {
         name: kernel_kind(name)
@@ -469,7 +476,8 @@ def test_the_report_says_how_to_keep_transformers_static_cache_counter_off_the_c
 
 
 def test_bench_model_static_cache_is_made_before_the_first_call_and_marked_static():
-    from fp8compile.bench.model import build, static_cache
+    from fp8compile.bench.presets import build
+    from fp8compile.bench.decode import static_cache
 
     model = build("tiny-llama", 1, "cpu")
     cache = static_cache(model, 3, 20, "cpu")
@@ -490,7 +498,7 @@ def test_generate_with_a_cache_made_before_the_call_builds_the_m_dispatch_when_d
     # symbol twice, once for the token ids and once for the cache tensors marked as static
     # addresses, and the branches of the M dispatch must get the one the graph reads (the other
     # fails in Inductor's codegen, "expected [s16] to have been codegen-ed", here as on the GPU).
-    from fp8compile.bench.model import static_cache
+    from fp8compile.bench.decode import static_cache
 
     model = small_llama(layers=1)
     model.generation_config.eos_token_id = None
@@ -531,7 +539,7 @@ def test_generate_with_a_cache_made_before_the_call_builds_the_m_dispatch_when_d
 )
 def test_bench_model_builds_each_family_at_its_real_widths(name, feature):
     # On the meta device: the real widths, the family's own attention or layout, no memory.
-    from fp8compile.bench.model import MODELS, build
+    from fp8compile.bench.presets import MODELS, build
 
     model = build(name, layers=6, device="meta")  # Gemma-3: the sixth layer is its first global one
     config = model.config

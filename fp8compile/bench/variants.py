@@ -1,0 +1,122 @@
+"""What `bench model` compares: each variant a backend and a compile mode (bf16 eager, bf16
+Inductor, fp8 in both modes, rowwise, torchao, the user's own compile), and the generic
+fp8[_ro]+KEY=VALUE form for an option's A/B."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import fp8compile
+
+from ..config import parse_option
+
+
+# bf16_gqa(_ro): bf16 Inductor plus our gqa_attention pass alone (every linear left bf16), the
+# anchor that tells FP8's share of a speedup from the attention rewrite's. fp8_rowwise(_ro): the
+# rowwise recipe whatever --recipe says, so that one run puts it beside the block recipe's
+# fp8(_ro) on the same host. An A/B of one option is an fp8 variant with +KEY=VALUE
+# (split_variant): fp8+inductor_launch=false (the decode kernel behind our op),
+# fp8+inline_conds=true, fp8_ro+split_kv=false (decode attention on sdpa's kernel),
+# fp8_ro+fusions=moe,gate_up,qkv,silu_mul (without gqa_attention).
+VARIANTS = (
+    "bf16",
+    "bf16_inductor",
+    "bf16_inductor_ro",
+    "bf16_gqa",
+    "bf16_gqa_ro",
+    "fp8",
+    "fp8_ro",
+    "bf16_inductor_own",
+    "fp8_own",
+    "bf16_inductor_ro_own",
+    "fp8_ro_own",
+    "fp8_ro_release",
+    "fp8_rowwise",
+    "fp8_rowwise_ro",
+    "torchao_rowwise_ro",
+)
+
+
+@dataclasses.dataclass
+class Variant:
+    name: str
+    backend: object  # None = eager
+    mode: str | None = None
+    own: bool = False  # decode through the user's own torch.compile of model.forward, not a CompileConfig
+    # torch.compile's dynamic; False when sharded (tp.py: DTensor under automatic dynamic shapes fails)
+    dynamic: bool | None = None
+
+    def compile_config(self, device):
+        from transformers.generation.configuration_utils import CompileConfig
+
+        if self.backend is None or self.own:
+            return None
+        config = CompileConfig(backend=self.backend, mode=self.mode or "default", dynamic=self.dynamic)
+        config._compile_all_devices = (
+            device.type != "cuda"
+        )  # transformers compiles generate() on GPUs only otherwise
+        return config
+
+
+def split_variant(name: str) -> tuple[str, dict]:
+    """ "fp8_ro+large_m=1536+autotune=true" -> ("fp8_ro", {"large_m": 1536, "autotune": True}):
+    a named variant and the Fp8Config options it runs with on top of its own (an A/B of an
+    option in one run, on one host). Raises ValueError on an unknown variant or option."""
+    base, *options = name.split("+")
+    if base not in VARIANTS:
+        raise ValueError(f"unknown variant {base!r}; valid: {', '.join(VARIANTS)}")
+    if options and not base.startswith("fp8"):
+        raise ValueError(
+            f"{name!r}: +KEY=VALUE options set fp8compile's config; {base!r} is not an fp8 variant"
+        )
+    return base, dict(parse_option(option) for option in options)
+
+
+def composition_recipes(names, recipe: str) -> list[str]:
+    """The recipes whose unfused composition bounds these variants' calc_diff: `recipe` (the
+    run's --recipe), then any other an fp8 variant runs (fp8_rowwise*, +recipe=...)."""
+    found = [recipe]
+    for name in names:
+        base, options = split_variant(name)
+        if base.startswith("fp8"):
+            found.append(options.get("recipe") or ("rowwise" if base.startswith("fp8_rowwise") else recipe))
+    return list(dict.fromkeys(found))
+
+
+def make_variant(name: str, recipe: str = "block"):
+    """The Variant for a name (a named variant, with +KEY=VALUE options if an fp8 one), or None
+    where it cannot run here (with the reason printed); the fp8 variants in `recipe`."""
+    base, options = split_variant(name)
+    if options:
+        variant = make_variant(base, recipe)
+        if variant is None:
+            return None
+        config = variant.backend.config.replace(**options)
+        return dataclasses.replace(variant, name=name, backend=fp8compile.backend(config))
+    mode = "reduce-overhead" if "ro" in name.split("_") else None
+    own = name.endswith(("_own", "_release"))
+    if name == "bf16":
+        return Variant(name, None)
+    if name.startswith("bf16_inductor"):
+        return Variant(name, "inductor", mode, own)
+    if name.startswith("bf16_gqa"):
+        return Variant(name, fp8compile.backend(fusions=("gqa_attention",), skip=("*",)), mode)
+    if name.startswith("fp8_rowwise"):
+        return Variant(name, fp8compile.backend(recipe="rowwise"), mode)
+    if name.startswith("fp8"):
+        release = name.endswith("_release")
+        return Variant(name, fp8compile.backend(release_bf16_weights=release, recipe=recipe), mode, own)
+    if name.startswith("torchao"):
+        try:
+            import torchao  # noqa: F401
+        except ImportError:
+            print(f"{name}: torchao is not importable, skipped")
+            return None
+        return Variant(name, "inductor", mode)
+    raise ValueError(f"unknown variant {name!r}; valid: {', '.join(VARIANTS)}")
+
+
+def torchao_rowwise(model) -> None:
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
