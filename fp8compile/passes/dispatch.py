@@ -108,7 +108,8 @@ def _one_side(ctx: PassContext, base: registry.Request, m: torch.SymInt) -> list
     range of M the graph was compiled at. With conds, Inductor records the whole graph as one
     CUDA graph, again for each value of the moving int: at every decode step of a sliding-window
     cache (Mistral-7B-v0.1, 8 layers, batch 16 after batch 1: 0.05x bf16 Inductor, H200). Without
-    them, Inductor partitions the graph as it does bf16's, and records it once per M."""
+    them, Inductor partitions the graph as it does bf16's, and records it once per M. Autotune,
+    which splits M by measurement into ranges, has nothing to split here."""
     hint = m.node.hint  # None for an unbacked size: the order for large M then
     tier = "large" if hint is None else ranges(ctx.config, int(hint), base.n)[0][0]
     try:
