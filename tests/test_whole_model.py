@@ -546,3 +546,39 @@ def test_bench_model_builds_each_family_at_its_real_widths(name, feature):
     assert config.hidden_size == MODELS[name][2]["hidden_size"] and config.num_hidden_layers == 6
     assert feature(config)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_a_sliding_window_decode_at_a_second_batch_size_gets_one_kernel_for_every_m_and_no_cond(captured):
+    # transformers' sliding-window static cache passes its position to the decode step as an int
+    # that moves every step; under CUDA graphs, a graph with torch.conds would be recorded again
+    # at every step (tests/test_gpu_models.py counts the recordings on a GPU). Here, on the CPU:
+    # the int still reaches the graph, and that graph's call sites get no cond.
+    import transformers
+    from transformers.generation.configuration_utils import CompileConfig
+
+    config = transformers.MistralConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        sliding_window=4096,
+    )
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).to(torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    backend = CountingBackend()
+    compile_config = CompileConfig(backend=backend, mode="reduce-overhead")
+    compile_config._compile_all_devices = True  # transformers compiles generate() on GPUs only otherwise
+    with torch.no_grad():
+        for batch in (2, 3):  # the second batch size makes the batch dynamic
+            ids = torch.randint(0, 1024, (batch, 8))
+            tokens, _ = _generate(model, ids, 4, compile_config=compile_config)
+            assert tokens.shape == (batch, 12)
+    moving = [r for r in backend.report.rewrites if r.m == "dynamic"]
+    assert moving and all(
+        r.kernels == (("all M (no cond: an int input moves every call)", "reference"),) for r in moving
+    )
+    assert all(graph.count(torch.ops.higher_order.cond) == 0 for graph in captured)
