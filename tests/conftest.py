@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -89,6 +90,21 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if any(mark.kwargs.get("reason") == GPU_REASON for mark in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.gpu)
+
+
+@contextlib.contextmanager
+def op_body_runs():
+    """Records the Python runs of our ops' bodies: each looks its kernel up in the table of
+    fp8compile/ops/kernels.py, so a call replayed from a CUDA graph records none."""
+    from fp8compile.ops import kernels
+
+    runs = []
+    implementation = kernels.implementation
+    kernels.implementation = lambda *a: runs.append(a) or implementation(*a)
+    try:
+        yield runs
+    finally:
+        kernels.implementation = implementation
 
 
 def randn(*shape, scale: float = 1.0, dtype=BF16, device="cpu") -> torch.Tensor:

@@ -5,8 +5,6 @@ the M dispatch that Inductor launches itself in default mode (decode, cuBLAS, th
 Gluon sides), and the inline emission of the dispatch's branches. Kernel against reference,
 op by op, is tests/test_gpu.py. Run with `pytest -m gpu` on the device (skipped without CUDA)."""
 
-import contextlib
-
 import pytest
 import torch
 
@@ -15,7 +13,7 @@ from fp8compile import calc_diff, registry
 from fp8compile.ops import activations
 from fp8compile.ops.linear import reference as linear_reference
 from fp8compile.ops.quant import reference as quant_reference
-from tests.conftest import BF16, GATED_MLP, gpu, randn
+from tests.conftest import BF16, GATED_MLP, gpu, op_body_runs, randn
 from tests.models import GatedMLP
 from tests.test_gpu import weight
 
@@ -44,19 +42,6 @@ def test_autotuned_linear_serves_every_m_in_one_graph_with_kernels_that_serve_th
 
 
 # --- mode="reduce-overhead": Inductor's CUDA graphs across the M dispatch ---------------------
-@contextlib.contextmanager
-def _op_body_runs():
-    """Records the Python runs of our ops' bodies (each asks the registry for its kernel); a call
-    replayed from a CUDA graph runs none."""
-    runs = []
-    implementation = registry.implementation
-    registry.implementation = lambda *a: runs.append(a) or implementation(*a)
-    try:
-        yield runs
-    finally:
-        registry.implementation = implementation
-
-
 @pytest.mark.parametrize("recipe", ["block", "rowwise"])
 def test_a_gated_mlp_at_one_row_is_rewritten_under_torchaos_inductor_config(recipe):
     # torchao's quantize_ turns coordinate_descent_tuning on for the process; Inductor then
@@ -102,12 +87,12 @@ def test_reduce_overhead_mode_replays_a_cuda_graph_per_m_with_the_bits_of_the_de
     with torch.no_grad():
         for m in (16, 300, 3000, 1):  # every range of the dispatch, and M = 1's own graph
             x = randn(*shape(m), device="cuda")
-            with _op_body_runs() as graphed_runs:
+            with op_body_runs() as graphed_runs:
                 got = [
                     graphed(x).clone() for _ in range(4)
                 ]  # Inductor's: a warm-up run, a recording, replays
                 held = graphed(x)
-            with _op_body_runs() as plain_runs:
+            with op_body_runs() as plain_runs:
                 want = plain(x)
             assert all(torch.equal(g, want) for g in got), f"M={m}"
             assert plain_runs and len(graphed_runs) <= 2 * len(plain_runs), (

@@ -9,7 +9,7 @@ from fp8compile import calc_diff
 from fp8compile.numerics import AMAX_EPS, FP8_MAX, is_power_of_two, round_scale_e8m0
 from fp8compile.ops.linear import reference as linear_reference
 from fp8compile.ops.quant import reference as quant_reference
-from tests.conftest import randn
+from tests.conftest import op_body_runs, randn
 
 fp8 = torch.ops.fp8compile
 
@@ -30,6 +30,15 @@ def test_activation_quant_scales_each_token_group_of_128(m, e8m0):
         # the largest element of each group lands exactly on the top of the FP8 range
         assert (x_fp8.float().reshape(m, 3, 128).abs().amax(-1) == FP8_MAX).all()
     assert calc_diff(quant_reference.dequant_act_block(x_fp8, scale), x) < 1e-3
+
+
+def test_an_op_body_is_seen_by_the_run_counter_that_the_cuda_graph_tests_use():
+    # tests/test_gpu_compiled.py counts op bodies to show that replays of a CUDA graph run none:
+    # that count must see an op's body when one runs, or its check could not fail.
+    with op_body_runs() as runs:
+        x_fp8, x_scale = fp8.quant_act(randn(2, 128))
+        fp8.gemm(x_fp8, x_scale, *quant_reference.quant_weight_block(randn(256, 128)))
+    assert [op for op, _ in runs] == ["quant_act", "gemm"], runs
 
 
 def test_all_zero_group_quantizes_to_zeros_with_a_finite_scale():
