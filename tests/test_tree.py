@@ -118,3 +118,40 @@ def test_the_diary_word_check_finds_it_in_names_and_text_in_any_case(tmp_path, m
     clean.write_text("x = 1\n")
     found = diary_words([named, mentioned, clean])
     assert [f.split(":")[0] for f in found] == [named.name, mentioned.name]
+
+
+# benchmarks/ holds the raw rows behind the numbers the docs and the code's comments state, one
+# file per run cited, named exactly (no globs): a run nobody cites any more leaves the tree.
+_DATA_CITATION = re.compile(r"benchmarks/([\w.-]*\w)")
+
+
+def benchmark_data_mismatches(files: list[Path]) -> tuple[list[str], list[str]]:
+    """(files under benchmarks/ that no other file names, names cited that are not there)."""
+    root = TESTS.parent
+    data = {p.name for p in files if p.relative_to(root).parts[0] == "benchmarks"}
+    cited = set()
+    for path in files:
+        if path.relative_to(root).parts[0] == "benchmarks" or path == Path(__file__).resolve():
+            continue  # this file's own examples cite nothing
+        try:
+            cited.update(_DATA_CITATION.findall(path.read_text()))
+        except (UnicodeDecodeError, FileNotFoundError):
+            continue
+    return sorted(data - cited), sorted(cited - data)
+
+
+def test_benchmarks_holds_exactly_the_data_that_the_docs_and_comments_cite():
+    uncited, missing = benchmark_data_mismatches(_tracked_files())
+    assert uncited == [], "benchmarks/ files no doc or comment names: cite them or remove them"
+    assert missing == [], "cited in benchmarks/ but not in the tree"
+
+
+def test_the_benchmark_data_check_finds_uncited_files_and_missing_ones(tmp_path, monkeypatch):
+    monkeypatch.setattr(f"{__name__}.TESTS", tmp_path / "tests")
+    (tmp_path / "benchmarks").mkdir()
+    cited, uncited = tmp_path / "benchmarks" / "run_h200.json", tmp_path / "benchmarks" / "old.json"
+    cited.write_text("[]")
+    uncited.write_text("[]")
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text("rows: `benchmarks/run_h200.json`. Gone: benchmarks/lost_h100.json.\n")
+    assert benchmark_data_mismatches([cited, uncited, doc]) == (["old.json"], ["lost_h100.json"])

@@ -268,7 +268,8 @@ def store_split_k(
 
 
 # Large-M tile config. BLOCK_K is the 128-wide scale group. `bench tune --kernels large_m` on an
-# H200 (BENCHMARKS.md, benchmarks/tune_large_m_h200*.json), 13 candidates x 5 shapes x M = 1024,
+# H200 (BENCHMARKS.md; benchmarks/tune_large_m_h200.json, benchmarks/tune_large_m_h200_variants.json,
+# benchmarks/tune_large_m_tiles_h200.json), 13 candidates x 5 shapes x M = 1024,
 # 4096, DeepGEMM timed in the same run: 128x128 tiles, 8 warps, 3 stages, TMA loads, one
 # persistent program per SM is the best by geometric mean in both runs (0.66-0.70x DeepGEMM at
 # M = 4096). Before (64x128, 4 warps, pointer loads, a weight scale per column): 0.54-0.59x.
