@@ -264,10 +264,14 @@ def test_bench_model_repeats_each_point_profiles_it_and_prefills_each_batch(tmp_
 
 
 def test_bench_model_with_no_decode_steps_measures_accuracy_and_prefill_only(tmp_path):
+    # On a MoE model, which is read against its own unfused composition (its experts in FP8 too)
+    # by the median token, as the architecture matrix reads it: its routing turns small
+    # differences into other experts' outputs for a few tokens, which dominate the pooled number.
+    from fp8compile import architectures
     from fp8compile.bench.model import bench_model
     from fp8compile.bench.table import model_table
 
-    options = dict(TINY_BENCH, steps=0)
+    options = dict(TINY_BENCH, models=["tiny-mixtral"], steps=0)
     rows = bench_model(tmp_path, **options, variants=["bf16_inductor", "fp8"], repeat=1, prefill_batches=[1])
     assert {(r["variant"], r["kind"]) for r in rows} == {
         ("fp8_unfused_eager", "accuracy"),
@@ -276,6 +280,11 @@ def test_bench_model_with_no_decode_steps_measures_accuracy_and_prefill_only(tmp
         ("fp8", "accuracy"),
         ("fp8", "prefill"),
     }
+    fp8, unfused = (
+        {r["variant"]: r for r in rows if r["kind"] == "accuracy"}[v] for v in ("fp8", "fp8_unfused_eager")
+    )
+    assert 0 < fp8["median_calc_diff"] <= architectures.BOUND_FACTOR * unfused["median_calc_diff"]
+    assert fp8["calc_diff"] <= architectures.POOLED_FACTOR * unfused["calc_diff"]
     assert "fp8/bf16_inductor" in model_table(rows)
     with pytest.raises(ValueError, match="steps is a number of decode steps, 0 for none"):
         bench_model(tmp_path, **dict(TINY_BENCH, steps=-1), variants=["bf16"])

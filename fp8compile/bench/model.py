@@ -28,9 +28,9 @@ Prefill: torch.compile(model) on one sequence of `prefill` tokens (logits of the
 median of CUDA-event-timed calls. First calls are cold: the compiler's process-wide start-up is
 paid before the first variant, and Inductor's FX graph and AOTAutograd caches are off, so no
 variant reuses what an earlier one compiled. Accuracy: logits of a 64-token forward against
-bf16 eager, in calc_diff; for dense models beside the unfused FP8 composition
-(architectures.composition: every linear the pass would take run by the reference block-FP8
-linear, eagerly), which is the bound the compiled FP8 model answers to.
+bf16 eager, in calc_diff, beside the unfused FP8 composition (architectures.composition: every
+linear and expert the passes would take run by the reference block-FP8 linear, eagerly), which
+is the bound the compiled FP8 model answers to.
 """
 
 from __future__ import annotations
@@ -117,17 +117,24 @@ def bench_model(
             ids_acc = torch.randint(0, model.config.vocab_size, (1, 64), device=device)
             eager_logits = model(ids_acc, use_cache=False).logits.float()
             base = dict(device=device_name, model=model_name, layers=n_layers, recipe=recipe, tp=tp)
-            # The composition swaps nn.Linear forwards for the reference FP8 linear on whole weights:
-            # one per recipe the fp8 variants run, each variant's calc_diff bound.
-            if not getattr(model.config, "num_experts", None) and tp == 1:
+            # The composition swaps nn.Linear forwards (and the experts' F.linear and grouped
+            # matmuls) for the reference FP8 linear on whole weights: one per recipe the fp8
+            # variants run, each variant's calc_diff bound. A MoE model's routing turns small
+            # differences into other experts' outputs, so its bound is its own composition's.
+            if tp == 1:
                 for r in composition_recipes(names, recipe):
                     with architectures.composition(model, r):
-                        unfused = fp8compile.calc_diff(
-                            model(ids_acc, use_cache=False).logits.float(), eager_logits
-                        )
+                        logits = model(ids_acc, use_cache=False).logits.float()
                     unfused_name = "fp8_unfused_eager" if r == recipe else f"fp8_{r}_unfused_eager"
                     rows.append(
-                        dict(base, recipe=r, variant=unfused_name, kind="accuracy", calc_diff=unfused)
+                        dict(
+                            base,
+                            recipe=r,
+                            variant=unfused_name,
+                            kind="accuracy",
+                            calc_diff=fp8compile.calc_diff(logits, eager_logits),
+                            median_calc_diff=architectures.median_token_diff(logits, eager_logits),
+                        )
                     )
             ordered = sorted(names, key=lambda n: n.startswith("torchao"))  # torchao changes the model: last
             # and Inductor's config for the process (coordinate_descent_tuning): put back before each variant

@@ -1,4 +1,5 @@
-"""A compiled forward's logits against bf16 eager (calc_diff) and the timed prefill."""
+"""A compiled forward's logits against bf16 eager (calc_diff pooled over the tokens, and the
+median token's, the bound of a MoE model: architectures.py says why) and the timed prefill."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 import fp8compile
 
+from ..architectures import median_token_diff
 from .decode import gpu_profile, kernel_split, sync
 from .output import profiled
 from .variants import Variant
@@ -56,6 +58,7 @@ def prefill_and_accuracy(
     acc = dict(
         kind="accuracy",
         calc_diff=fp8compile.calc_diff(logits, eager_logits),
+        median_calc_diff=median_token_diff(logits, eager_logits),
         first_call_s=time.perf_counter() - start,
     )
     rows = [acc]

@@ -149,7 +149,22 @@ MODELS = {
             max_position_embeddings=40960,
         ),
     ),
-    # the CPU plumbing test's model
+    # the CPU plumbing tests' models
+    "tiny-mixtral": (
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        dict(
+            hidden_size=256,
+            intermediate_size=256,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1024,
+            num_hidden_layers=2,
+            max_position_embeddings=512,
+        ),
+    ),
     "tiny-llama": (
         "LlamaForCausalLM",
         "LlamaConfig",
