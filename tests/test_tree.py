@@ -143,7 +143,7 @@ def benchmark_data_mismatches(files: list[Path]) -> tuple[list[str], list[str]]:
 def test_benchmarks_holds_exactly_the_data_that_the_docs_and_comments_cite():
     uncited, missing = benchmark_data_mismatches(_tracked_files())
     assert uncited == [], "benchmarks/ files no doc or comment names: cite them or remove them"
-    assert missing == [], "cited in benchmarks/ but not in the tree"
+    assert missing == [], "named as data under benchmarks/ but not in the tree"
 
 
 def test_the_benchmark_data_check_finds_uncited_files_and_missing_ones(tmp_path, monkeypatch):

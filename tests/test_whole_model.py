@@ -263,7 +263,9 @@ def test_bench_model_repeats_each_point_profiles_it_and_prefills_each_batch(tmp_
     assert "step" in (tmp_path / "profile_tiny-llama_fp8_prefill.txt").read_text()  # and of one prefill
 
 
-def test_bench_model_with_no_decode_steps_measures_accuracy_and_prefill_only(tmp_path):
+def test_bench_model_with_no_decode_steps_bounds_a_moe_model_by_its_composition_and_prefills(
+    tmp_path,
+):
     # On a MoE model, which is read against its own unfused composition (its experts in FP8 too)
     # by the median token, as the architecture matrix reads it: its routing turns small
     # differences into other experts' outputs for a few tokens, which dominate the pooled number.
