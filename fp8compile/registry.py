@@ -430,7 +430,56 @@ def prepare(backend: str, request: Request) -> None:
 _IMPLEMENTATIONS: dict[tuple[str, str], tuple[Backend, Callable]] = {}
 
 
+# A call site that gets no M dispatch cond (passes/dispatch.py: a graph whose int input moves
+# every call, under CUDA graphs) still runs each range of M on its own kernel: its backend names
+# them all, "triton_small_m if M <= 32 else deep_gemm", and the op picks one by the rows of its
+# first operand (..., K) at every call. Under CUDA graphs each M is recorded once, with the
+# kernel its range gets.
+_IF_M = " if M <= "
+
+
+def by_rows(pieces: list[tuple[int | None, str]]) -> str:
+    """The backend name of `pieces`, (m_max, backend) in increasing m_max, the last unbounded:
+    [(32, "triton_small_m"), (None, "deep_gemm")] -> "triton_small_m if M <= 32 else deep_gemm"."""
+    *bounded, (last_max, last) = pieces
+    if not bounded:
+        return last
+    if last_max is not None or any(m_max is None for m_max, _ in bounded):
+        raise ValueError(f"by_rows needs bounded pieces then one unbounded, got {pieces}")
+    return " else ".join([f"{name}{_IF_M}{m_max}" for m_max, name in bounded] + [last])
+
+
+def rows_pieces(backend: str) -> list[tuple[int | None, str]]:
+    """by_rows inverted; a plain backend name is one unbounded piece."""
+    *bounded, last = backend.split(" else ")
+    pieces = []
+    for part in bounded:
+        name, _, m_max = part.partition(_IF_M)
+        pieces.append((int(m_max), name))
+    return pieces + [(None, last)]
+
+
+def _by_rows_kernel(op: str, backend: str) -> Callable:
+    table = rows_pieces(backend)
+
+    def run(x, *args, **kwargs):
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        name = next(name for m_max, name in table if m_max is None or rows <= m_max)
+        return implementation(op, name)(x, *args, **kwargs)
+
+    return run
+
+
+# backend names of by_rows -> their kernel, parsed once
+_BY_ROWS: dict[tuple[str, str], Callable] = {}
+
+
 def implementation(op: str, backend: str) -> Callable:
+    if _IF_M in backend:
+        fn = _BY_ROWS.get((op, backend))
+        if fn is None:
+            fn = _BY_ROWS[(op, backend)] = _by_rows_kernel(op, backend)
+        return fn
     b = _BACKENDS.get(backend)
     cached = _IMPLEMENTATIONS.get((op, backend))
     if cached is not None and cached[0] is b:  # the same Backend object as when resolved

@@ -190,12 +190,13 @@ class Shifted(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["reduce-overhead", None])
-def test_under_cuda_graphs_a_graph_with_a_moving_int_input_gets_one_kernel_for_every_m_and_no_cond(
+def test_under_cuda_graphs_a_graph_with_a_moving_int_input_gets_no_cond_and_picks_each_ms_kernel_per_call(
     mode, probe_backend, captured
 ):
     # Inductor records a graph with torch.conds as one CUDA graph, again for each value of its int
     # inputs: a sliding-window decode step was recorded at every step (Mistral-7B-v0.1, batch 16:
-    # 0.05x bf16 Inductor, H200). Without conds Inductor partitions it as it does bf16's graph.
+    # 0.05x bf16 Inductor, H200). Without conds Inductor partitions it as it does bf16's graph;
+    # the op then picks its range's kernel by M at every call, so that decode keeps its kernel.
     model = Shifted()
     backend = CountingBackend(backends=["probe", "reference"])
     compiled = torch.compile(model, backend=backend, mode=mode)
@@ -212,9 +213,11 @@ def test_under_cuda_graphs_a_graph_with_a_moving_int_input_gets_one_kernel_for_e
     if mode is None:  # no CUDA graphs, nothing recorded: the dispatch as for any graph
         assert moving.count(torch.ops.higher_order.cond) == 1
         assert moving_kernels == kernels
-    else:  # the one kernel the registry gives every M (the probe serves M <= 32 only)
+    else:  # one call whose backend names each range's kernel (the probe serves M <= 32 only)
         assert moving.count(torch.ops.higher_order.cond) == 0
-        assert moving_kernels == (("all M (no cond: an int input moves every call)", "reference"),)
+        label = "all M (no cond: an int input moves every call)"
+        assert moving_kernels == ((label, "probe if M <= 32 else reference"),)
+    assert probe_backend == [("linear", 3), ("linear", 7)]  # M = 40 and 60 ran on the reference
 
 
 def test_batch_invariant_mode_uses_one_kernel_and_rows_do_not_depend_on_the_batch(captured):
@@ -522,3 +525,13 @@ def test_gpu_why_not_tells_a_gpu_without_fp8_kernels_before_any_weight_is_quanti
     )  # the reference is the CPU's product
     named = SimpleNamespace(config=fp8compile.make_config(backends=("reference",)))
     assert dispatch.gpu_why_not(named, "linear", torch.device("cuda")) is None  # asked for by name
+
+
+def test_a_backend_by_rows_reads_as_the_ranges_it_serves_and_runs_each_ms_kernel():
+    pieces = [(32, "probe"), (1536, "mid"), (None, "reference")]
+    name = registry.by_rows(pieces)
+    assert name == "probe if M <= 32 else mid if M <= 1536 else reference"
+    assert registry.rows_pieces(name) == pieces
+    assert registry.by_rows([(None, "reference")]) == "reference"
+    with pytest.raises(ValueError, match="one unbounded"):
+        registry.by_rows([(32, "probe"), (64, "mid")])

@@ -77,8 +77,6 @@ def plan(ctx: PassContext, op: str, device: torch.device, n: int, k: int, m: Any
     reference would serve a range on a GPU (registry.NoGpuKernel)."""
     cfg = ctx.config
     base = registry.Request(op, device, n, k, batch_invariant=cfg.batch_invariant, e8m0=cfg.e8m0)
-    if ctx.moving_ints and not isinstance(m, int):
-        return _one_side(ctx, base, m)
     try:
         if (
             cfg.autotune
@@ -99,25 +97,21 @@ def plan(ctx: PassContext, op: str, device: torch.device, n: int, k: int, m: Any
         raise NoDispatch(str(e)) from None
     for lo, hi, kernel in chosen:
         registry.prepare(kernel, dataclasses.replace(base, m_min=lo, m_max=hi))
+    if ctx.moving_ints and not isinstance(m, int):
+        return [_by_rows(chosen)]
     return [Side(_label(lo, hi), kernel, hi, lo) for lo, hi, kernel in chosen]
 
 
-def _one_side(ctx: PassContext, base: registry.Request, m: torch.SymInt) -> list[Side]:
+def _by_rows(chosen: list[tuple[int, int | None, str]]) -> Side:
     """The dispatch of a dynamic M in a graph with a moving int input (PassContext.moving_ints),
-    under CUDA graphs: no cond, one kernel for every M, the one the registry's order gives the
-    range of M the graph was compiled at. With conds, Inductor records the whole graph as one
+    under CUDA graphs: no cond, one call whose backend names each range's kernel and picks one
+    by M at every call (registry.by_rows). With conds, Inductor records the whole graph as one
     CUDA graph, again for each value of the moving int: at every decode step of a sliding-window
-    cache (Mistral-7B-v0.1, 8 layers, batch 16 after batch 1: 0.05x bf16 Inductor, H200). Without
-    them, Inductor partitions the graph as it does bf16's, and records it once per M. Autotune,
-    which splits M by measurement into ranges, has nothing to split here."""
-    hint = m.node.hint  # None for an unbacked size: the order for large M then
-    tier = "large" if hint is None else ranges(ctx.config, int(hint), base.n)[0][0]
-    try:
-        kernel = registry.choose(dataclasses.replace(base, m_min=1, m_max=None), ctx.config.backends, tier)
-    except registry.NoGpuKernel as e:
-        raise NoDispatch(str(e)) from None
-    registry.prepare(kernel, dataclasses.replace(base, m_min=1, m_max=None))
-    return [Side("all M (no cond: an int input moves every call)", kernel)]
+    cache (Mistral-7B-v0.1, 8 layers, batch 16 after batch 1: 0.05x bf16 Inductor, H200).
+    Without them, Inductor partitions the graph as it does bf16's, and records it once per M,
+    each with its range's kernel."""
+    backend = registry.by_rows([(hi, kernel) for _, hi, kernel in chosen])
+    return Side("all M (no cond: an int input moves every call)", backend)
 
 
 # A weight shape every FP8 kernel takes (multiples of 128 and 512): what gpu_why_not asks about.

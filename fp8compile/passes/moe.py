@@ -559,7 +559,7 @@ def moe_replacement(
         inline.moe_decode_cut(ctx, e, top_k, device),
         inline.moe_gluon_cut(ctx, e, top_k, n13, inter, h, device),
     ):
-        if cut is not None and not ctx.moving_ints:  # a cut is a cond (dispatch._one_side says why not)
+        if cut is not None and not ctx.moving_ints:  # a cut is a cond (dispatch._by_rows says why not)
             sides = dispatch.split(sides, cut, inline.MOE_BACKEND)
     kwargs = {
         "e8m0": ctx.config.e8m0,
