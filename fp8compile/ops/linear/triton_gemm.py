@@ -306,13 +306,15 @@ SMALL_M_GATED_PROGRAMS_PER_SM = 1
 SMALL_M_NUM_STAGES = 3
 SMALL_M_MAX = 64  # the kernel pads M to 16, 32 or 64 rows
 # Programmatic dependent launch (PDL, Hopper and newer). Every decode kernel lets the next kernel
-# launch as soon as it starts (after its own wait), and the gated kernel (the MLP's down
-# projection after the gate|up GEMM) is launched as a dependent: it starts while its predecessor
-# drains, pulls its first SMALL_M_PDL_PREFETCH weight groups into L2, then waits.
-# 9d201bf:scripts/decode_options_probe.py on an H200 (BENCHMARKS.md), two runs: the MLP's gate|up + down
-# pair 1.01-1.02x at M <= 16 (1.00x at 32), gated kernels back to back 0.98-1.10x; prefetching
-# 4 groups gains less on the pair (0.98-1.01x). Plain kernels stay plain launches: launched as
-# dependents they measured 0.78-1.02x. USE_PDL = False turns all of it off.
+# launch as soon as it starts (after its own wait); a kernel launched as a dependent (pdl=True)
+# starts while its predecessor drains, pulls its first SMALL_M_PDL_PREFETCH weight groups into L2,
+# then waits. No kernel is launched as a dependent by default. The gated kernel (the MLP's down
+# projection after the gate|up GEMM) was, on 9d201bf:scripts/decode_options_probe.py's isolated
+# pair (1.01-1.02x at M <= 16, H200); in whole models under CUDA graphs it cost 31 us a layer:
+# Mistral-7B-v0.1 widths, 8 layers, reduce-overhead, batch 1, the linears' GPU time per decode
+# step 0.86 ms launched as a dependent, 0.61 ms plain (`bench model --profile`, H200, 2026-11-27;
+# BENCHMARKS.md, "Decode kernels in whole models"). Plain kernels measured 0.78-1.02x as
+# dependents in the probe. USE_PDL = False turns the trigger off too.
 USE_PDL = True
 SMALL_M_PDL_PREFETCH = 1
 # With TMA weight loads (in a CUDA graph), a plain kernel's activation tiles come through TMA
@@ -511,7 +513,8 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 def pdl_available(device: torch.device) -> bool:
-    """Whether the decode kernels use programmatic dependent launch by default: USE_PDL, where supported."""
+    """Whether the decode kernels let a dependent launch start early (gdc_launch_dependents): USE_PDL,
+    where supported."""
     return USE_PDL and pdl_supported(device)
 
 
@@ -562,14 +565,14 @@ def linear_small_m(
     alpha=1.702,
     limit=7.0,
     tma=None,
-    pdl=None,
+    pdl=False,
     prefetch=SMALL_M_PDL_PREFETCH,
 ):
     """Fused 1x128 activation quantization + block-scaled GEMM for M <= 64, in one launch:
     bf16 x (..., K) -> bf16 (..., N). With b (same shape as x) the activation is act(x, b).
-    tma, pdl: force TMA weight loads / a dependent launch on or off (default: tma_pays_off(),
-    and a dependent launch for gated kernels where pdl_available()); prefetch: weight groups
-    a dependent launch pulls into L2 before it waits."""
+    tma: force TMA weight loads on or off (default: tma_pays_off()); pdl: launch as a dependent of
+    the kernel before (default: a plain launch; USE_PDL says why); prefetch: weight groups a
+    dependent launch pulls into L2 before it waits."""
     x2 = x.reshape(-1, x.shape[-1])
     m, k = x2.shape
     n = w_fp8.shape[0]
@@ -586,7 +589,6 @@ def linear_small_m(
     launch = {} if _interpreting(x2) else dict(num_warps=4, num_stages=num_stages or SMALL_M_NUM_STAGES)
     tma = tma_pays_off(x.device) and use_tma(w_fp8) if tma is None else tma
     trigger = pdl_available(x.device)
-    pdl = trigger and gated if pdl is None else pdl
     if pdl:
         if prefetch < 1 or prefetch & (prefetch - 1):
             raise ValueError(
