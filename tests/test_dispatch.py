@@ -527,7 +527,7 @@ def test_gpu_why_not_tells_a_gpu_without_fp8_kernels_before_any_weight_is_quanti
     assert dispatch.gpu_why_not(named, "linear", torch.device("cuda")) is None  # asked for by name
 
 
-def test_a_backend_by_rows_reads_as_the_ranges_it_serves_and_runs_each_ms_kernel():
+def test_a_backend_by_rows_names_each_range_of_m_and_its_kernel_and_reads_back():
     pieces = [(32, "probe"), (1536, "mid"), (None, "reference")]
     name = registry.by_rows(pieces)
     assert name == "probe if M <= 32 else mid if M <= 1536 else reference"
