@@ -114,6 +114,10 @@ def compile_graph(
     cuda_graphs = bool(patches.get("triton.cudagraphs"))
 
     def inductor_compile(aten_gm: fx.GraphModule, aten_inputs: Sequence[Any], **kwargs: Any):
+        if not config.inductor:
+            from .eager_graph import eager_graph
+
+            return eager_graph(aten_gm)
         inner = dict(coordinate_descent_tuning=tuning)
         if cuda_graphs and hasattr(torch._inductor.config, "graph_partition") and _partition_off(aten_gm):
             inner["graph_partition"] = False

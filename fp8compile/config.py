@@ -38,6 +38,7 @@ WIDE_N = 4096
 NARROW_LARGE_M = 2048
 
 DEBUG_DIR_ENV = "FP8COMPILE_DEBUG_DIR"
+INDUCTOR_ENV = "FP8COMPILE_INDUCTOR"  # "0": Fp8Config.inductor defaults to False
 # The options that are True or False.
 SWITCHES = (
     "e8m0",
@@ -46,6 +47,7 @@ SWITCHES = (
     "inline_conds",
     "release_bf16_weights",
     "split_kv",
+    "inductor",
     "strict",
 )
 # The switches that may also be None: the default picked for the recipe or the mode.
@@ -54,6 +56,10 @@ AUTO_SWITCHES = ("inductor_launch", "fast_accum")
 
 def _debug_dir_from_env() -> str | None:
     return os.environ.get(DEBUG_DIR_ENV) or None
+
+
+def _inductor_from_env() -> bool:
+    return os.environ.get(INDUCTOR_ENV, "1") != "0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +123,11 @@ class Fp8Config:
                      split-KV kernel (ops/attention/triton_attention.py: the keys spread over the SMs)
                      instead of the sdpa kernel torch picks (its work split over sequences and
                      K/V heads only, each block walking the whole cache).
+    inductor:        hand the rewritten graph to Inductor (the default). False runs it as the
+                     ops it holds (ours and ATen's), with no code generated or compiled: a check
+                     of what the passes rewrote at a fraction of the compile time (the CPU
+                     tests: tests/conftest.py), slow to run, no CUDA graphs. The default comes
+                     from $FP8COMPILE_INDUCTOR ("0": False).
     strict:          an exception inside a pass fails the compile. Off (the default), it leaves
                      the site it was raised at as the model wrote it, the rest of the graph is
                      still rewritten, the report names the site, the pass and the exception,
@@ -140,6 +151,7 @@ class Fp8Config:
     act_amax_ub: float = 0.0
     fast_accum: bool | None = None
     split_kv: bool = True
+    inductor: bool = dataclasses.field(default_factory=_inductor_from_env)
     strict: bool = False
 
     def __post_init__(self) -> None:

@@ -19,6 +19,13 @@ if not torch.cuda.is_available():
     # reference ops, not from Inductor's SIMD code. Read when torch._inductor.config is first
     # imported (below, through fp8compile), and inherited by the processes the tests start.
     os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+    # The rewritten graphs run as the ops they hold, not through Inductor's C++ code generation
+    # (Fp8Config.inductor): on the CPU the tests check our passes and the reference ops, and
+    # Inductor's C++ kernels (hundreds of compiles, each a g++ run) were most of a cold run's
+    # time: the suite at -n 2, 959 s with Inductor, 637 s without (2026-11-27, 2 cores). Tests
+    # of what Inductor makes of our graphs carry @pytest.mark.inductor (inductor_where_marked);
+    # the GPU runs everything through Inductor. Inherited by the processes the tests start.
+    os.environ.setdefault("FP8COMPILE_INDUCTOR", "0")
 
 import pytest
 
@@ -28,6 +35,13 @@ from fp8compile import registry
 from fp8compile.debug import graph_diff, graph_listing
 
 BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def inductor_where_marked(request, monkeypatch):
+    """A test marked `inductor` compiles through Inductor even where the others do not."""
+    if request.node.get_closest_marker("inductor"):
+        monkeypatch.setenv("FP8COMPILE_INDUCTOR", "1")
 
 
 @pytest.fixture(autouse=True)

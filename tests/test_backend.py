@@ -400,6 +400,7 @@ def test_inference_mode_works_like_no_grad():
     assert fp8.report.counts() == {"linear": 2, "silu_mul": 1, "moe": 0, "attention": 0, "mqa_logits": 0}
 
 
+@pytest.mark.inductor
 @pytest.mark.parametrize("asked_by", ["inductor_config", "max_autotune_mode"])
 def test_a_one_row_linear_is_rewritten_when_coordinate_descent_tuning_is_on(asked_by, monkeypatch):
     # With coordinate_descent_tuning on (mode="max-autotune", or torchao's quantize_, which
@@ -529,6 +530,7 @@ def test_no_benchmark_variant_runs_under_the_inductor_config_a_variant_before_it
     assert seen == {"like_torchao": False, "next": False}
 
 
+@pytest.mark.inductor
 def test_report_says_per_graph_whether_calls_replay_cuda_graphs():
     # On the GPU, mode="reduce-overhead" gives "on: ..." (tests/test_gpu_compiled.py checks the replays).
     lines = {}
@@ -664,3 +666,29 @@ def test_dynamic_true_makes_a_modules_float_constants_constants_and_leaves_the_c
         assert fp8compile.calc_diff(clamped, out) > 0.1  # the clamp bites (0.42 in eager bf16)
         eager = model(x)[0] * 0.5
         assert fp8compile.calc_diff(clamped, eager) < MOE_BLOCK
+
+
+def test_without_inductor_the_rewritten_graph_runs_as_its_ops_with_the_same_rewrites_and_numbers():
+    from torch._inductor.utils import run_and_get_code
+
+    model = GatedMLP(256, 512).to(BF16)
+    x = randn(8, 256)
+    runs = {}
+    for inductor in (True, False):
+        backend = fp8compile.backend(inductor=inductor)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            out, code = run_and_get_code(torch.compile(model, backend=backend), x)
+        runs[inductor] = (out, code, backend.report.counts())
+    (with_out, with_code, with_counts), (eager_out, eager_code, eager_counts) = runs[True], runs[False]
+    assert with_code and not eager_code  # no code generated without Inductor
+    assert eager_counts == with_counts and eager_counts["silu_mul"] == 1
+    assert fp8compile.calc_diff(eager_out, with_out) < 1e-5
+
+
+def test_the_inductor_default_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("FP8COMPILE_INDUCTOR", "0")
+    assert fp8compile.make_config().inductor is False
+    monkeypatch.setenv("FP8COMPILE_INDUCTOR", "1")
+    assert fp8compile.make_config().inductor is True
+    assert fp8compile.make_config(inductor=False).inductor is False

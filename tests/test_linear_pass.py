@@ -313,6 +313,7 @@ def report_counts_zero(report) -> bool:
 GOLDEN = Path(__file__).parent / "golden" / "two_layer_linear.diff"
 
 
+@pytest.mark.inductor
 def test_golden_graph_diff_of_a_two_layer_model(captured, probe_backend):
     """The whole rewrite of linear(+bias) -> relu -> linear with dynamic M, as a reader sees it:
     three ranges of M with three kernels (as on a GPU), so two nested conds per linear.

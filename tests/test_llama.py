@@ -15,6 +15,10 @@ from fp8compile.ops.quant import reference as quant_reference
 pytest.importorskip("transformers")
 from fp8compile.demo import small_llama  # noqa: E402
 
+# The one transformers model the CPU tests compile through Inductor (conftest.py says why the
+# others do not): what Inductor makes of a whole rewritten model, on every machine.
+pytestmark = pytest.mark.inductor
+
 PROJECTIONS = (
     "self_attn.q_proj",
     "self_attn.k_proj",

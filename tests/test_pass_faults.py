@@ -170,6 +170,7 @@ def test_an_error_outside_any_site_leaves_that_pass_out_of_the_graph(monkeypatch
         assert calc_diff(out, model(x)) < 3 * 7.2e-4
 
 
+@pytest.mark.inductor
 def test_a_graph_inductor_cannot_compile_as_rewritten_is_compiled_as_dynamo_gave_it(monkeypatch):
     from torch._inductor import compile_fx
 

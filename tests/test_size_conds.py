@@ -16,6 +16,8 @@ import fp8compile
 from fp8compile import size_conds
 from tests.conftest import BF16, GATED_MLP, RANGES, randn
 
+pytestmark = pytest.mark.inductor  # what Inductor emits for the M dispatch
+
 BRANCH_FUNCTION = re.compile(r"^def (\w+)\(args\):", re.M)
 
 

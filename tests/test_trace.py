@@ -13,6 +13,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from fp8compile.passes import trace
 from fp8compile.passes.trace import TraceCache, inline_traced
 
+pytestmark = pytest.mark.inductor  # launches Inductor makes itself
+
 
 def _graph_over_a_dynamic_m(rows=5, cols=8):
     """A graph with x (M, cols) and x * 2 as inputs to inline into, M symbolic."""
