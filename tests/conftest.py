@@ -23,9 +23,9 @@ if not torch.cuda.is_available():
     # (Fp8Config.inductor): on the CPU the tests check our passes and the reference ops, and
     # Inductor's C++ kernels (hundreds of compiles, each a g++ run) were most of a cold run's
     # time: .ci/run's tests on 2 cores, 817 s through Inductor (082cccc), 535 s without (14b30d7,
-    # 2026-11-27). Tests
-    # of what Inductor makes of our graphs carry @pytest.mark.inductor (inductor_where_marked);
-    # the GPU runs everything through Inductor. Inherited by the processes the tests start.
+    # 2026-11-27). Tests of what Inductor makes of our graphs carry @pytest.mark.inductor
+    # (inductor_where_marked); the GPU runs everything through Inductor. Inherited by the
+    # processes the tests start.
     os.environ.setdefault("FP8COMPILE_INDUCTOR", "0")
 
 import pytest
