@@ -197,8 +197,10 @@ def compile_graph(
         if config.release_bf16_weights:
             _release_weights(ctx, dropped)
         names = {node.name: name for node, (_, name) in bound.items() if name}
-        report.cuda_graphs[graph_index] = _cuda_graph_state(
-            asked, bool(getattr(box, "value", False)), compiled, mode, names
+        report.cuda_graphs[graph_index] = (
+            _cuda_graph_state(asked, bool(getattr(box, "value", False)), compiled, mode, names)
+            if config.inductor or not asked
+            else "off: Fp8Config(inductor=False) runs the rewritten graph as its ops, without Inductor"
         )
         if ctx.derived or len(keep) < len(bound):
             return CallWithDerivedInputs(compiled, ctx.derived, keep if len(keep) < len(bound) else None)

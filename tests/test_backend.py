@@ -684,6 +684,13 @@ def test_without_inductor_the_rewritten_graph_runs_as_its_ops_with_the_same_rewr
     assert with_code and not eager_code  # no code generated without Inductor
     assert eager_counts == with_counts and eager_counts["silu_mul"] == 1
     assert fp8compile.calc_diff(eager_out, with_out) < 1e-5
+    # nothing records CUDA graphs of it either, and the report says so where a mode asked for them
+    backend = fp8compile.backend(inductor=False)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend, mode="reduce-overhead")(x)
+    (state,) = backend.report.cuda_graphs.values()
+    assert state.startswith("off: Fp8Config(inductor=False)")
 
 
 def test_the_inductor_default_comes_from_the_environment(monkeypatch):
