@@ -22,7 +22,7 @@ class Rewrite:
         tuple[str, str], ...
     ]  # (("M <= 32", "triton"), ("M > 32", "deep_gemm")) or (("all M", ...),)
     graph: int
-    detail: str = ""  # e.g. the gated activation of a silu_mul rewrite: "silu", "swigluoai", "silu_limit"
+    detail: str = ""  # e.g. the gated activation of a silu_mul rewrite: "silu", "gelu_tanh", ...
     recipe: str = "block"  # its scaling: "block", or "rowwise" / "tensor" with "static" / "dynamic" scales
     shard: str = (
         ""  # tensor parallel: this rank's weight in its whole, "Shard(dim=0) over 2 ranks of 512x512"

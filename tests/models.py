@@ -1,5 +1,7 @@
 """Toy models for the pass tests, each written the way real model code writes it."""
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -134,10 +136,27 @@ class FusedGateUpMLP(nn.Module):
 
 
 class GeluGatedMLP(GatedMLP):
-    """A gated MLP with GELU: not fused (only silu is), and the report says so."""
+    """A gated MLP with GELU (erf): not fused (silu and gelu's tanh form are), and the report says so."""
 
     def forward(self, x):
         return self.down_proj(F.gelu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GeluTanhGatedMLP(GatedMLP):
+    """Gemma's gated MLP, gelu(gate, approximate="tanh") * up: through F.gelu (transformers'
+    gelu_pytorch_tanh) or written out as transformers' gelu_new writes it (pow(x, 3.0))."""
+
+    def __init__(self, written_out: bool = False):
+        super().__init__()
+        self.written_out = written_out
+
+    def forward(self, x):
+        g = self.gate_proj(x)
+        if self.written_out:
+            act = 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * torch.pow(g, 3.0))))
+        else:
+            act = F.gelu(g, approximate="tanh")
+        return self.down_proj(act * self.up_proj(x))
 
 
 class GptOssStyleMLP(nn.Module):

@@ -157,7 +157,7 @@ def test_deep_gemm_missing_is_a_clear_error(monkeypatch):
         vendors.import_error.cache_clear()
 
 
-@pytest.mark.parametrize("activation", ["silu", "swigluoai", "silu_limit"])
+@pytest.mark.parametrize("activation", activations.GATED_ACTIVATIONS)
 @pytest.mark.parametrize("m", [1, 16, 33, 1000])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fused_gated_backend_matches_fp32_product(backend, m, activation):
@@ -237,7 +237,7 @@ def test_moe_backend_matches_the_reference_and_the_unquantized_block(backend, to
 
 
 @pytest.mark.parametrize("backend", MOE_BACKENDS)
-@pytest.mark.parametrize("activation", ["silu", "swigluoai", "silu_limit"])
+@pytest.mark.parametrize("activation", activations.GATED_ACTIVATIONS)
 def test_moe_backend_with_biases_and_both_activations(backend, activation):
     case = moe_case(64 if backend == "deep_gemm_masked" else 300, bias=True)  # (masked: decode sizes)
     out = run_moe(backend, *case, activation=activation)

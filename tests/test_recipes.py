@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fp8compile
 from fp8compile.numerics import FP8_MAX, calc_diff, is_power_of_two
 from fp8compile.ops.linear import reference_scaled as rs
-from fp8compile.ops.activations import gated
+from fp8compile.ops.activations import GATED_ACTIVATIONS, gated
 from fp8compile.ops.linear.scaled_cublas import linear_scaled_cublas
 from tests.conftest import BF16, DEVICE, GATED_MLP, ONE_GEMM, RANGES, CountingBackend, gpu, randn
 from tests.models import Attention, GatedMLP
@@ -317,7 +317,7 @@ def dequantized(x_fp8, scale):
 
 
 @pytest.mark.parametrize("one_pass", [True, False])
-@pytest.mark.parametrize("activation", ["silu", "swigluoai", "silu_limit"])
+@pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
 def test_the_gated_quantization_kernel_equals_quantizing_the_fp32_product(one_pass, activation, monkeypatch):
     """triton_quant_rows's kernel: each token's scale from its amax (capped, E8M0) or one given
     scale, in one pass over a register-held row or two over chunks; interleaved gate/up halves

@@ -202,7 +202,7 @@ def test_linear_decode_op_is_the_decode_kernel_on_prequantized_weights(m, max_m,
     assert_bf16_close(out, reference_linear(x, w_fp8, w_scale, b, e8m0))
 
 
-@pytest.mark.parametrize("activation_name", ["silu", "swigluoai", "silu_limit"])
+@pytest.mark.parametrize("activation_name", activations.GATED_ACTIVATIONS)
 def test_linear_decode_op_with_b_is_the_gated_down_projection(activation_name):
     from fp8compile.ops.linear import decode_op  # noqa: F401  (registers the op)
 
@@ -395,9 +395,9 @@ def test_fused_silu_mul_large_m_path_equals_the_plain_gemm_on_the_fp32_product()
     assert_bf16_close(fused, to_bf16_as_the_device_does(plain))
 
 
-@pytest.mark.parametrize("activation", ["swigluoai", "silu_limit"])
+@pytest.mark.parametrize("activation", ["swigluoai", "silu_limit", "gelu_tanh"])
 @pytest.mark.parametrize("m", [1, 20])
-def test_clamped_activation_on_interleaved_halves_equals_the_plain_kernels_on_the_fp32_product(m, activation):
+def test_each_activation_on_interleaved_halves_equals_the_plain_kernels_on_the_fp32_product(m, activation):
     gate_up = randn(m, 512, scale=5.0, device=DEVICE)  # clamps at +-7 engage
     a, b = gate_up[:, ::2], gate_up[:, 1::2]  # strided views: no copy on the way into the kernels
     h = activations.gated(a, b, activation, 1.702, 7.0)

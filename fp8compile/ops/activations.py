@@ -11,7 +11,8 @@ import torch
 #   swigluoai  a' * sigmoid(alpha * a') * (b' + 1), a' = min(a, limit), b' = clamp(b, -limit, limit)
 #              GPT-OSS (alpha 1.702, limit 7.0 there)
 #   silu_limit silu(a') * b', the same clamps                        DeepSeek-V4 (its swiglu_limit)
-GATED_ACTIVATIONS = ("silu", "swigluoai", "silu_limit")
+#   gelu_tanh  gelu(a, approximate="tanh") * b                      Gemma, Gemma-2, Gemma-3
+GATED_ACTIVATIONS = ("silu", "swigluoai", "silu_limit", "gelu_tanh")
 # Activations of a non-gated MLP, act(a) of the up projection alone:
 #   relu2      relu(a)^2                                            Nemotron-H's routed experts
 UNARY_ACTIVATIONS = ("relu2",)
@@ -54,4 +55,6 @@ def gated(
     if activation == "silu_limit":
         a, b = a.clamp(max=limit), b.clamp(-limit, limit)
         return a * torch.sigmoid(a) * b
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(a, approximate="tanh") * b
     raise ValueError(f"activation {activation!r}: valid gated activations are {', '.join(GATED_ACTIVATIONS)}")

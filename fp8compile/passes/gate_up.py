@@ -6,8 +6,8 @@ in the weight memo) it is one GEMM: x quantized once, one launch, twice the N to
 SMs (passes/merge.py). Its (M, 2I) output is sliced back into gate and up, which the silu_mul
 pass then reads as the strided halves it already takes from a fused gate_up linear.
 
-Merged: two bf16 linears over the same x whose outputs are the a and b of a silu, swigluoai or
-silu_limit product (silu_mul_pattern), with parameter weights stored the same way, both with a
+Merged: two bf16 linears over the same x whose outputs are the a and b of a silu, swigluoai,
+silu_limit or gelu_tanh product (silu_mul_pattern), with parameter weights stored the same way, both with a
 bias or neither (the biases are stacked like the weights), each of which the linear pass would
 rewrite. Runs before silu_mul, which then fuses the down projection.
 """

@@ -4,7 +4,7 @@ A block is found from its expert GEMMs: a batched matmul whose weight operand is
 (E, N, K) parameter, either whole (aten._grouped_mm with expert offsets: transformers'
 "grouped_mm" experts) or gathered per token-slot (index(W, [ids]) into bmm: transformers'
 "batched_mm" experts, gpt-fast's einsum over w1[ids]). The down projection is the expert GEMM
-whose input is act(gate, up) (silu, swigluoai or silu_limit, the silu_mul pass's matcher); gate
+whose input is act(gate, up) (silu, swigluoai, silu_limit or gelu_tanh, the silu_mul pass's matcher); gate
 and up are the two halves of one expert GEMM (split: concatenated, stride-2 slices: interleaved)
 or two expert GEMMs (w1 and w3). Non-gated experts (Nemotron-H's down(relu(up(x))^2)) have a
 down projection whose input is an activation of one expert GEMM alone (gate_up "none"). From

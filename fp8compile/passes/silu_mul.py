@@ -1,5 +1,6 @@
 """silu_mul pass: down(act(a, b)) -> fp8compile::gated_qlinear(a, b, w_down's FP8 copy), act silu,
-swigluoai or silu_limit; gated_qlinear_scaled in the rowwise and tensor recipes (linear.scaled_call).
+swigluoai, silu_limit or gelu_tanh; gated_qlinear_scaled in the rowwise and tensor recipes
+(linear.scaled_call).
 
 A gated MLP writes the bf16 product silu(gate(x)) * up(x) to memory only to read it back and
 quantize it for the down projection. The fused op computes the product in fp32 and quantizes
@@ -14,11 +15,16 @@ silu as it reaches the ATen graph (after Inductor's decompositions):
     aten.silu(x)            where it is not decomposed
 and GPT-OSS's swigluoai, (clamp(up, -l, l) + 1) * (g * sigmoid(alpha * g)), g = clamp(gate, max=l),
 over interleaved (gate_up[..., ::2], [..., 1::2]) or concatenated halves; and DeepSeek-V4's
-silu_limit, silu(clamp(gate, max=l)) * clamp(up, -l, l).
+silu_limit, silu(clamp(gate, max=l)) * clamp(up, -l, l); and Gemma's gelu_tanh(gate) * up, gelu's
+tanh form as its decomposition writes it,
+    0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))      (x^3 as x * x * x or pow(x, 3))
+or aten.gelu(x, approximate="tanh") where it is not decomposed.
 This pass must run before linear_pass: it claims the down projection's matmul.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.fx as fx
@@ -79,6 +85,51 @@ def silu_input(node) -> fx.Node | None:
     if _is(node, aten.mul.Tensor):
         for x, s in (node.args[:2], reversed(node.args[:2])):
             if isinstance(x, fx.Node) and _is_sigmoid_of(s, x):
+                return _strip(x, _CASTS)
+    return None
+
+
+def _scaled_by(node, value: float, target=aten.mul.Tensor) -> fx.Node | None:
+    """y if node = target(y, value) in either operand order (value a number, to 1e-6), else None."""
+    node = _strip(node, _CASTS)
+    if not _is(node, target):
+        return None
+    for y, c in (node.args[:2], reversed(node.args[:2])):
+        if isinstance(y, fx.Node) and isinstance(c, (int, float)) and math.isclose(c, value, rel_tol=1e-6):
+            return y
+    return None
+
+
+def _is_power_of(node, x, n: int) -> bool:
+    """node = x^n, for n 2 or 3, as pow(x, n) or a product of x's."""
+    node = _strip(node, _CASTS)
+    if _is(node, aten.pow.Tensor_Scalar, x, n):
+        return True
+    if not _is(node, aten.mul.Tensor):
+        return False
+    p, q = node.args[:2]
+    if n == 2:
+        return _same(p, x) and _same(q, x)
+    return (_same(p, x) and _is_power_of(q, x, 2)) or (_same(q, x) and _is_power_of(p, x, 2))
+
+
+def gelu_tanh_input(node) -> fx.Node | None:
+    """x (before any dtype round trip) if node computes gelu(x, approximate="tanh"), else None."""
+    node = _strip(node, _CASTS)
+    if _is(node, aten.gelu.default):
+        approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+        return _strip(node.args[0], _CASTS) if approximate == "tanh" else None
+    if not _is(node, aten.mul.Tensor):
+        return None
+    for half, one in (node.args[:2], reversed(node.args[:2])):
+        x, t = _scaled_by(half, 0.5), _strip(_scaled_by(one, 1, aten.add.Tensor), _CASTS)
+        if x is None or not _is(t, aten.tanh.default):
+            continue
+        inner = _strip(_scaled_by(t.args[0], math.sqrt(2 / math.pi)), _CASTS)
+        if not _is(inner, aten.add.Tensor):
+            continue
+        for y, cubic in (inner.args[:2], reversed(inner.args[:2])):
+            if _same(y, x) and _is_power_of(_scaled_by(cubic, 0.044715), x, 3):
                 return _strip(x, _CASTS)
     return None
 
@@ -150,8 +201,8 @@ def silu_limit_inputs(gate_c: fx.Node, up_c: fx.Node) -> tuple[fx.Node, fx.Node,
 
 
 def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
-    """(a, b, op kwargs) if h is a view of act(a, b) (silu, swigluoai, silu_limit) over two bf16 tensors
-    of one shape; a reason if h is a gated product with another activation; None if h is no
+    """(a, b, op kwargs) if h is a view of act(a, b) (silu, swigluoai, silu_limit, gelu_tanh) over
+    two bf16 tensors of one shape; a reason if h is a gated product with another activation; None if h is no
     product at all. A product computed in fp32 from the bf16 halves and cast back (Beam's
     act(gate.float()) * up.float()) is one too: the fused op computes it in fp32 and quantizes it
     without the bf16 rounding in between."""
@@ -161,6 +212,10 @@ def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
         return None
     candidates = [(silu_input(p), _exact_upcast_source(q), {}) for p, q in (h.args[:2], reversed(h.args[:2]))]
     candidates.append(swigluoai_inputs(h) or (None, None, {}))
+    gelu = {"activation": "gelu_tanh"}
+    candidates += [
+        (gelu_tanh_input(p), _exact_upcast_source(q), gelu) for p, q in (h.args[:2], reversed(h.args[:2]))
+    ]
     for a, b, kwargs in candidates:
         if a is None:
             continue
@@ -185,10 +240,11 @@ def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
         return a, b, kwargs
     if all(_chain(p, _PROJECTIONS) for p in h.args[:2]):  # a gated MLP with another activation
         found = [name for p in h.args[:2] for target, name in _ACTIVATIONS if _reaches(p, target)]
-        return f"gated product with activation {found[0] if found else 'unknown'}: only silu(a) * b is fused"
+        return f"gated product with activation {found[0] if found else 'unknown'}: {FUSED_ACTIVATIONS}"
     return None  # e.g. RMSNorm's x * rsqrt(...): not a gated MLP
 
 
+FUSED_ACTIVATIONS = "only silu, gelu_tanh and their clamped forms are fused"
 # where a gated MLP's gate and up come from: bf16 matmuls, or the FP8 GEMM that gate_up or qkv made of them
 _PROJECTIONS = (*MATMULS, torch.ops.fp8compile.qlinear.default, torch.ops.fp8compile.qlinear_scaled.default)
 _ACTIVATIONS = (

@@ -214,8 +214,9 @@ def gated_linear(
 ) -> Tensor:
     """Gated-MLP down projection: linear(act(a, b), w, bias) in FP8, a (gate) and b (up) bf16 (..., K).
 
-    act is "silu" (silu(a) * b), "swigluoai" (GPT-OSS: clamped, alpha, (b + 1)) or "silu_limit"
-    (DeepSeek-V4: silu(a) * b with a and b clamped); see activations.gated. It is computed in fp32
+    act is "silu" (silu(a) * b), "swigluoai" (GPT-OSS: clamped, alpha, (b + 1)), "silu_limit"
+    (DeepSeek-V4: silu(a) * b with a and b clamped) or "gelu_tanh" (Gemma: gelu(a, approximate=
+    "tanh") * b); see activations.gated. It is computed in fp32
     and quantized 1x128 in the same pass (inside the GEMM for the decode kernel): the bf16
     product is never written, never quantized twice.
     """

@@ -44,7 +44,7 @@ def quant_group(x, eps, fp8_max, E8M0: tl.constexpr):
 
 # Prologue of the quantization: 0 = x itself, else a gated MLP's act(x, b) (reference.gated) or
 # a non-gated one's act(x) (reference.unary).
-ACT_CODES = {"silu": 1, "swigluoai": 2, "silu_limit": 3}  # reference.gated's activations
+ACT_CODES = {"silu": 1, "swigluoai": 2, "silu_limit": 3, "gelu_tanh": 5}  # reference.gated's activations
 UNARY_CODES = {"relu2": 4}  # reference.unary's
 
 
@@ -81,6 +81,11 @@ def load_activation(
         elif ACT == 2:
             x = tl.minimum(x, limit)
             x = x * tl.sigmoid(x * alpha) * (tl.clamp(b, -limit, limit) + 1.0)
+        elif ACT == 5:
+            # gelu's tanh form, 0.5 x (1 + tanh(z)) with z = sqrt(2 / pi) (x + 0.044715 x^3), is
+            # x sigmoid(2 z): the same function, one sigmoid instead of a tanh
+            z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+            x = x * tl.sigmoid(2.0 * z) * b
         else:
             x = tl.minimum(x, limit)
             x = x * tl.sigmoid(x) * tl.clamp(b, -limit, limit)
