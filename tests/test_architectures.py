@@ -23,7 +23,7 @@ MATRIX = {
     "llama": ("linear", "silu_mul"),  # GQA, the baseline
     "qwen2": ("linear", "silu_mul"),  # q/k/v biases
     "phi3": ("linear", "silu_mul"),  # fused qkv_proj and gate_up_proj
-    "gemma2": ("linear",),  # GELU-tanh gate (not fused, with the reason), softcapping, sliding window
+    "gemma2": ("linear", "silu_mul"),  # gelu_tanh gate (fused), softcapping, sliding window
     "starcoder2": ("linear",),  # plain GELU MLP with biases
     "deepseek_v3": ("linear", "silu_mul", "moe"),  # MLA, sigmoid router with grouped top-k, shared experts
     "qwen3_moe": ("linear", "moe"),  # softmax router, norm_topk_prob

@@ -110,6 +110,24 @@ def test_gemma_gelu_tanh_gated_mlp_fuses_into_one_op(written_out, captured):
     assert calc_diff(out, eager) < 1.02 * calc_diff(unfused, eager)
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_a_non_gated_gelu_mlp_is_no_gated_product_and_records_no_skip(approximate):
+    """GPT-2's, Phi's or BLOOM's MLP, down(gelu(up(x))): gelu is 0.5 x (1 + f(x)), a product of
+    two factors of one projection, which is not a gated MLP; both linears stay plain FP8 linears."""
+
+    class PlainGeluMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up_proj, self.down_proj = nn.Linear(256, 512, bias=False), nn.Linear(512, 256, bias=False)
+
+        def forward(self, x):
+            return self.down_proj(F.gelu(self.up_proj(x), approximate=approximate))
+
+    out, eager, report = compile_and_run(PlainGeluMLP().to(BF16), randn(2, 37, 256))
+    assert report.counts()["linear"] == 2 and not report.skips
+    assert calc_diff(out, eager) < MLP_BOUND
+
+
 def test_gelu_tanh_reference_is_torchs_tanh_gelu_times_up():
     gate, up = randn(6, 256, scale=4.0).float(), randn(6, 256).float()
     expected = F.gelu(gate, approximate="tanh") * up

@@ -134,6 +134,23 @@ def gelu_tanh_input(node) -> fx.Node | None:
     return None
 
 
+def _is_plain_gelu(node) -> bool:
+    """Whether node is gelu(x) of one tensor, erf or tanh form, 0.5 x (1 + f(... x ...)): GPT-2's,
+    Phi's or BLOOM's MLP activation, a product of two factors of x but no gated product."""
+    node = _strip(node, _CASTS)
+    if not _is(node, aten.mul.Tensor):
+        return False
+    for half, one in (node.args[:2], node.args[1::-1]):
+        x, f = _scaled_by(half, 0.5), _strip(_scaled_by(one, 1, aten.add.Tensor), _CASTS)
+        if x is not None and isinstance(f, fx.Node) and f.target in (aten.tanh.default, aten.erf.default):
+            frontier = f.all_input_nodes
+            for _ in range(6):  # f's argument is x scaled (erf) or x + 0.044715 x^3 scaled (tanh)
+                if any(_same(n, x) for n in frontier):
+                    return True
+                frontier = [i for n in frontier for i in n.all_input_nodes]
+    return False
+
+
 def _exact_upcast_source(node):
     """The bf16 tensor node casts to fp32 (exactly: an up projection read as up.float(), as
     Beam's experts multiply it with act(gate.float())), else node itself."""
@@ -238,6 +255,8 @@ def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
                 "the fused op reads K from a and b's own rows"
             )
         return a, b, kwargs
+    if _is_plain_gelu(h):
+        return None  # a non-gated MLP: its down projection is a plain linear
     if all(_chain(p, _PROJECTIONS) for p in h.args[:2]):  # a gated MLP with another activation
         found = [name for p in h.args[:2] for target, name in _ACTIVATIONS if _reaches(p, target)]
         return f"gated product with activation {found[0] if found else 'unknown'}: {FUSED_ACTIVATIONS}"
