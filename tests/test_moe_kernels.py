@@ -76,7 +76,14 @@ def quant_experts(w):
 
 
 # Gated (gate and up halves) and non-gated (Nemotron-H's relu(up)^2) experts, with and without biases.
-ACTIVATIONS = [("silu", False), ("swigluoai", True), ("silu_limit", False), ("relu2", False), ("relu2", True)]
+ACTIVATIONS = [
+    ("silu", False),
+    ("swigluoai", True),
+    ("silu_limit", False),
+    ("gelu_tanh", False),
+    ("relu2", False),
+    ("relu2", True),
+]
 
 
 def moe_inputs(tokens, num_experts=4, hidden=256, inter=256, top_k=2, bias=False, seed=0, activation="silu"):
@@ -205,13 +212,24 @@ def test_moe_triton_equals_its_stages_composed_from_the_reference_gemm(tokens, a
         # The kernel equals the staged composition bit for bit (calc_diff 0.0 on an H100); against
         # the exact definition the tensor cores' fp32 sums in GEMM 1 flip a few FP8 roundings of
         # the activation: 3.1e-6..1.1e-4 on an H100 over 1, 5 and 40 tokens, silu and silu_limit
-        # (git show 636e3e4:scripts/moe_act_probe.py), 3.3e-6..1.5e-5 on an H200. 2x the worst.
-        assert calc_diff(out.cpu(), ref) < 2.3e-4
+        # (git show 636e3e4:scripts/moe_act_probe.py), 3.3e-6..1.5e-5 on an H200; at top-1 over 5
+        # tokens 2.60e-4 on an H200 (2026-11-27, 3024af3: five slots, half of top-2's ten, to
+        # average a flipped rounding over). 2x the worst.
+        assert calc_diff(out.cpu(), ref) < 5.2e-4
 
 
-@pytest.mark.parametrize("tokens, max_tokens", [(1, 1), (3, 16), (16, 16), (32, 32)])
-@pytest.mark.parametrize("activation, bias", ACTIVATIONS)
-@pytest.mark.parametrize("top_k", [1, 2])
+# Each token count against each program size, top-1 and top-2, with silu; then each other
+# activation at one of them: the decode op's own work is the routing (tokens, max_tokens, top_k);
+# the activation passes through to the quantization kernel that moe_triton launches too, and
+# test_moe_triton_equals_its_stages_composed_from_the_reference_gemm crosses it with the sizes.
+DECODE_CASES = [
+    (tokens, max_tokens, "silu", False, top_k)
+    for tokens, max_tokens in [(1, 1), (3, 16), (16, 16), (32, 32)]
+    for top_k in (1, 2)
+] + [(3, 16, activation, bias, 2) for activation, bias in ACTIVATIONS if activation != "silu"]
+
+
+@pytest.mark.parametrize("tokens, max_tokens, activation, bias, top_k", DECODE_CASES)
 def test_moe_decode_op_gives_the_bits_of_moe_triton(tokens, max_tokens, activation, bias, top_k):
     """fp8compile::moe_decode (the op Inductor launches itself at decode sizes) routes in one
     program sized for max_tokens and runs the Triton kernel's 16-row blocks: moe_triton's own
