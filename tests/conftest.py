@@ -99,12 +99,29 @@ GPU_REASON = "needs a CUDA GPU"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason=GPU_REASON)
 
 
+# The files whose tests take longest on a 2-core CPU machine, longest first (--durations=0 of
+# README's test command, 2026-11-27): they run first, so that the two xdist workers share them and
+# finish together, not one idle while the other runs a long test handed out last.
+LONGEST_FIRST = (
+    "test_tensor_parallel.py",  # one group on one worker (its spawn is shared: xdist_group)
+    "test_whole_model.py",
+    "test_architectures.py",
+    "test_trace.py",
+    "test_mqa_logits.py",
+    "test_recipes.py",
+    "test_moe.py",
+)
+
+
 def pytest_collection_modifyitems(items):
     """A test skipped without CUDA (`gpu`) also carries the `gpu` marker, so that `pytest -m gpu`
-    selects every GPU test, in whichever file."""
+    selects every GPU test, in whichever file. The LONGEST_FIRST files' tests go first, each
+    file's in its own order."""
     for item in items:
         if any(mark.kwargs.get("reason") == GPU_REASON for mark in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.gpu)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort
 
 
 @contextlib.contextmanager

@@ -30,6 +30,9 @@ from fp8compile.demo import GatedMLP, small_llama  # noqa: E402
 from tests.conftest import TINY_BENCH  # noqa: E402
 from tests.test_llama import fp8_simulated  # noqa: E402
 
+# Its tests share one spawn of WORLD processes (scenario_ranks): on one xdist worker (--dist
+# loadgroup), so that the spawn runs once.
+pytestmark = pytest.mark.xdist_group("tensor_parallel")
 WORLD = 2
 SEQ_LENS = (1, 3, 17, 40)  # M = 2 * S rows: across the small-M threshold and back
 
@@ -129,9 +132,27 @@ def _llama_worker(rank: int) -> dict:
     }
 
 
+def _scenarios(rank: int, qwen3_moe_path: str | None) -> dict:
+    """Every scenario of this file on one gloo group: each spawn costs two fresh processes'
+    imports, so the scenarios share one. The Llama first, then the Qwen3-MoE, then the odd MLP,
+    which releases its bf16 shards (and restores them)."""
+    results = {"llama": _llama_worker(rank)}
+    torch._dynamo.reset()
+    results["qwen3_moe"] = _qwen3_moe_worker(rank, qwen3_moe_path) if qwen3_moe_path else None
+    torch._dynamo.reset()
+    results["odd"] = _odd_worker(rank)
+    return results
+
+
 @pytest.fixture(scope="module")
-def llama_ranks(tmp_path_factory):
-    return run_ranks(_llama_worker, tmp_path_factory.mktemp("tp_llama"))
+def scenario_ranks(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp")
+    return run_ranks(_scenarios, path, _save_qwen3_moe(path / "qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def llama_ranks(scenario_ranks):
+    return [rank["llama"] for rank in scenario_ranks]
 
 
 def test_every_sharded_linear_of_a_tp_llama_is_rewritten_on_its_local_shard(llama_ranks):
@@ -220,8 +241,8 @@ def _odd_worker(rank: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def odd_ranks(tmp_path_factory):
-    return run_ranks(_odd_worker, tmp_path_factory.mktemp("tp_odd"))
+def odd_ranks(scenario_ranks):
+    return [rank["odd"] for rank in scenario_ranks]
 
 
 def test_a_shard_that_splits_an_activation_group_is_padded_to_whole_groups_on_its_rank(odd_ranks):
@@ -274,14 +295,18 @@ def _qwen3_moe_worker(rank: int, path: str) -> dict:
     }
 
 
-def test_a_qwen3_moe_sharded_by_transformers_tp_plan_has_its_experts_rewritten_per_shard(tmp_path):
-    pytest.importorskip("accelerate")  # transformers' TP plan loads through it
+def _save_qwen3_moe(path) -> str | None:
+    """test_moe's Qwen3-MoE at widths whose shards over 2 ranks are whole 128-blocks, saved as a
+    checkpoint for transformers' TP plan to load; None without accelerate (the plan loads through it)."""
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        return None
     from transformers import Qwen3MoeForCausalLM
 
     from tests.test_moe import qwen3_moe_config
 
     torch.manual_seed(0)
-    # test_moe's Qwen3-MoE at widths whose shards over 2 ranks are whole 128-blocks
     config = qwen3_moe_config(
         "grouped_mm",
         vocab_size=1024,
@@ -290,8 +315,14 @@ def test_a_qwen3_moe_sharded_by_transformers_tp_plan_has_its_experts_rewritten_p
         num_attention_heads=8,
         num_key_value_heads=4,
     )
-    Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "model")
-    ranks = run_ranks(_qwen3_moe_worker, tmp_path, str(tmp_path / "model"))
+    Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return str(path)
+
+
+def test_a_qwen3_moe_sharded_by_transformers_tp_plan_has_its_experts_rewritten_per_shard(scenario_ranks):
+    if scenario_ranks[0]["qwen3_moe"] is None:
+        pytest.skip("accelerate is not installed: transformers' TP plan loads through it")
+    ranks = [rank["qwen3_moe"] for rank in scenario_ranks]
     for result in ranks:
         # One graph on transformers 5.24; on 5.17 its TP hooks break the graph, and the frame of a
         # layer compiled once serves both (names relative to it: "mlp.experts"): so no counts here.
