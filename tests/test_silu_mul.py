@@ -88,7 +88,7 @@ def test_gelu_gated_mlp_stays_unfused_with_the_reason(captured):
     assert (
         skip.name == "down_proj"
         and skip.reason
-        == "gated product with activation gelu: only silu, gelu_tanh and their clamped forms are fused"
+        == "gated product with activation gelu: only silu (and its clamped forms) and gelu_tanh are fused"
     )
     assert calc_diff(out, eager) < MLP_BOUND
 

@@ -263,7 +263,7 @@ def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
     return None  # e.g. RMSNorm's x * rsqrt(...): not a gated MLP
 
 
-FUSED_ACTIVATIONS = "only silu, gelu_tanh and their clamped forms are fused"
+FUSED_ACTIVATIONS = "only silu (and its clamped forms) and gelu_tanh are fused"
 # where a gated MLP's gate and up come from: bf16 matmuls, or the FP8 GEMM that gate_up or qkv made of them
 _PROJECTIONS = (*MATMULS, torch.ops.fp8compile.qlinear.default, torch.ops.fp8compile.qlinear_scaled.default)
 _ACTIVATIONS = (
