@@ -238,7 +238,7 @@ def test_moe_backend_matches_the_reference_and_the_unquantized_block(backend, to
 
 @pytest.mark.parametrize("backend", MOE_BACKENDS)
 @pytest.mark.parametrize("activation", activations.GATED_ACTIVATIONS)
-def test_moe_backend_with_biases_and_both_activations(backend, activation):
+def test_moe_backend_with_biases_and_every_gated_activation(backend, activation):
     case = moe_case(64 if backend == "deep_gemm_masked" else 300, bias=True)  # (masked: decode sizes)
     out = run_moe(backend, *case, activation=activation)
     ref = torch.ops.fp8compile.moe(*case[:5], None, *case[5:], backend="reference", activation=activation)

@@ -25,6 +25,7 @@ This pass must run before linear_pass: it claims the down projection's matmul.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.fx as fx
@@ -113,36 +114,41 @@ def _is_power_of(node, x, n: int) -> bool:
     return (_same(p, x) and _is_power_of(q, x, 2)) or (_same(q, x) and _is_power_of(p, x, 2))
 
 
+def _half_x_one_plus(node) -> Iterator[tuple[fx.Node, fx.Node]]:
+    """(x, f) for each way node reads as 0.5 x * (1 + f), gelu's form (f = erf(x / sqrt 2) or
+    tanh(sqrt(2 / pi) (x + 0.044715 x^3))), in either operand order."""
+    node = _strip(node, _CASTS)
+    if not _is(node, aten.mul.Tensor):
+        return
+    for half, one in (node.args[:2], node.args[1::-1]):
+        x, f = _scaled_by(half, 0.5), _strip(_scaled_by(one, 1, aten.add.Tensor), _CASTS)
+        if x is not None and isinstance(f, fx.Node):
+            yield x, f
+
+
 def gelu_tanh_input(node) -> fx.Node | None:
     """x (before any dtype round trip) if node computes gelu(x, approximate="tanh"), else None."""
     node = _strip(node, _CASTS)
     if _is(node, aten.gelu.default):
         approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
         return _strip(node.args[0], _CASTS) if approximate == "tanh" else None
-    if not _is(node, aten.mul.Tensor):
-        return None
-    for half, one in (node.args[:2], reversed(node.args[:2])):
-        x, t = _scaled_by(half, 0.5), _strip(_scaled_by(one, 1, aten.add.Tensor), _CASTS)
-        if x is None or not _is(t, aten.tanh.default):
+    for x, t in _half_x_one_plus(node):
+        if not _is(t, aten.tanh.default):
             continue
         inner = _strip(_scaled_by(t.args[0], math.sqrt(2 / math.pi)), _CASTS)
         if not _is(inner, aten.add.Tensor):
             continue
-        for y, cubic in (inner.args[:2], reversed(inner.args[:2])):
+        for y, cubic in (inner.args[:2], inner.args[1::-1]):
             if _same(y, x) and _is_power_of(_scaled_by(cubic, 0.044715), x, 3):
                 return _strip(x, _CASTS)
     return None
 
 
 def _is_plain_gelu(node) -> bool:
-    """Whether node is gelu(x) of one tensor, erf or tanh form, 0.5 x (1 + f(... x ...)): GPT-2's,
-    Phi's or BLOOM's MLP activation, a product of two factors of x but no gated product."""
-    node = _strip(node, _CASTS)
-    if not _is(node, aten.mul.Tensor):
-        return False
-    for half, one in (node.args[:2], node.args[1::-1]):
-        x, f = _scaled_by(half, 0.5), _strip(_scaled_by(one, 1, aten.add.Tensor), _CASTS)
-        if x is not None and isinstance(f, fx.Node) and f.target in (aten.tanh.default, aten.erf.default):
+    """Whether node is gelu(x) of one tensor, erf or tanh form: GPT-2's, Phi's or BLOOM's MLP
+    activation, a product of two factors of x but no gated product."""
+    for x, f in _half_x_one_plus(node):
+        if f.target in (aten.tanh.default, aten.erf.default):
             frontier = f.all_input_nodes
             for _ in range(6):  # f's argument is x scaled (erf) or x + 0.044715 x^3 scaled (tanh)
                 if any(_same(n, x) for n in frontier):
