@@ -37,6 +37,13 @@ from fp8compile.debug import graph_diff, graph_listing
 
 BF16 = torch.bfloat16
 
+# Each xdist worker takes its share of the cores for torch's intra-op threads: two workers of two
+# threads each on a 2-core machine spent more CPU time on the same tests (test_recipes.py and
+# test_moe.py: 229 s against 212 s, 2026-11-27).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 
 @pytest.fixture(autouse=True)
 def inductor_where_marked(request, monkeypatch):
@@ -103,7 +110,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason=GPU_REASON)
 # README's test command, 2026-11-27): they run first, so that the two xdist workers share them and
 # finish together, not one idle while the other runs a long test handed out last.
 LONGEST_FIRST = (
-    "test_tensor_parallel.py",  # one group on one worker (its spawn is shared: xdist_group)
+    "test_tensor_parallel.py",  # its tests share one spawn (a module fixture)
     "test_whole_model.py",
     "test_architectures.py",
     "test_trace.py",

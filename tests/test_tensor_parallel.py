@@ -30,9 +30,8 @@ from fp8compile.demo import GatedMLP, small_llama  # noqa: E402
 from tests.conftest import TINY_BENCH  # noqa: E402
 from tests.test_llama import fp8_simulated  # noqa: E402
 
-# Its tests share one spawn of WORLD processes (scenario_ranks): on one xdist worker (--dist
-# loadgroup), so that the spawn runs once.
-pytestmark = pytest.mark.xdist_group("tensor_parallel")
+# Its tests share one spawn of WORLD processes (scenario_ranks, a module fixture): README's test
+# command runs each file on one xdist worker (--dist loadfile), so that the spawn runs once.
 WORLD = 2
 SEQ_LENS = (1, 3, 17, 40)  # M = 2 * S rows: across the small-M threshold and back
 
@@ -44,6 +43,7 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, fn, port: int, out_dir: str, args: tuple) -> None:
+    torch.set_num_threads(1)  # two ranks beside the other test worker, on two cores
     # What torchrun sets (transformers' TP plan reads the world from it)
     world = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=WORLD, LOCAL_WORLD_SIZE=WORLD)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{k: str(v) for k, v in world.items()})
@@ -345,8 +345,6 @@ def test_a_qwen3_moe_sharded_by_transformers_tp_plan_has_its_experts_rewritten_p
 
 def test_bench_model_tp_plumbing_shards_decodes_and_writes_rank_zeros_rows(tmp_path):
     from fp8compile.bench.model import bench_model
-
-    # one timed call, one prefill batch, and of the fp8 variants the one a TP user runs (their own
     from fp8compile.bench.table import model_table
 
     # one timed call, one prefill batch, and of the fp8 variants the one a TP user runs (their own
