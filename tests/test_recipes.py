@@ -217,7 +217,7 @@ def test_fast_accum_is_the_traced_cublas_sides_scaled_mm_mode(fast_accum):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("m", [1, 3, 20])
 def test_the_triton_decode_kernel_matches_the_reference(recipe, m):
-    # K = 272: not a multiple of the kernel's 128-wide steps; N = 80: a partial tile (32 rows under
+    # K = 272: not a multiple of the kernel's 128-wide steps; N = 80: a partial tile (64 rows under
     # the interpreter, 128 on a GPU); split-K 2 under the interpreter (triton_gemm.small_m_split).
     # Exact inputs: see exact_rows. On the CPU Triton's interpreter, on a GPU the kernel.
     pytest.importorskip("triton")

@@ -178,10 +178,21 @@ def failing_guards() -> dict[str, list[str]]:
         for hint in (3, served.start, served.stop - 1, 4 * served.stop):
             guards, symbols = _traced_op_guards(call, hint, inputs)
             for guard in guards:
-                first = next((v for v in served if not guard.subs({m: v for m in symbols})), None)
+                holds = _as_function_of_m(guard, symbols)
+                first = next((v for v in served if not holds(v)), None)
                 if first is not None:
                     failing[name].append(f"traced at M={hint}: {guard} fails at M={first}")
     return failing
+
+
+def _as_function_of_m(guard, symbols):
+    """The guard as Python code of M (every symbol in `symbols` is M), as Dynamo runs its guards:
+    thousands of token counts checked in microseconds each, where sympy's subs took milliseconds."""
+    from torch.utils._sympy.printers import PythonPrinter
+
+    names = sorted(str(symbol) for symbol in symbols)
+    check = eval(f"lambda {', '.join(names)}: {PythonPrinter().doprint(guard)}")  # noqa: S307
+    return lambda m: bool(check(*[m] * len(names)))
 
 
 def _in_a_process_without_the_interpreter(call: str):

@@ -276,7 +276,9 @@ def store_split_k(
 # Half-width double accumulators, 128x256 and 256x128 tiles, and Triton's warp_specialize were
 # slower or no faster (second run). Overlapping the next group's dot with the scaling of the
 # previous one (two accumulators) measured 4-10x slower with Triton 3.6, so the loop stays plain.
-# Under the CPU interpreter a small tile keeps tests fast.
+# Under the CPU interpreter every op of every program is a Python call on NumPy arrays, so fewer,
+# larger programs run faster: 32x64 tiles, small enough that a test's small shapes still span
+# several in M and N (16x32 took twice the time: triton_scaled_gemm.INTERPRETER_CONFIG).
 LARGE_M_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3, persistent=1)
 # Up to TILE_SWITCH_M rows the 64-row tiles of the earlier config: 128-row tiles leave SMs
 # idle there (M = 128, N = 4096, K = 7168: 32 tiles for 132 SMs, 37.4 us against 24.6 us with
@@ -286,7 +288,7 @@ LARGE_M_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stag
 # `bench tune --kernels tiles` chose the threshold.
 SMALL_TILE_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
 TILE_SWITCH_M = 512
-INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=4)
+INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=4)
 
 # Small-M: rows of the weight per program, and the number of programs the launcher aims for
 # (split-K fills in when N / BLOCK_N alone gives fewer). `bench tune` on an H200 (BENCHMARKS.md):
@@ -544,7 +546,9 @@ def _small_m_tiles(
     """(block_m, block_n, split, n_tiles) of the decode kernel for one call signature (cached:
     outside a CUDA graph the launcher's host work is on the critical path)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = block_n or (32 if device.type == "cpu" else SMALL_M_GATED_BLOCK_N if gated else SMALL_M_BLOCK_N)
+    # the interpreter: 64-row tiles, for the reason INTERPRETER_CONFIG gives (32 took a test of
+    # tests/test_linear_pass.py at M = 40 from 5 s to 11 s)
+    block_n = block_n or (64 if device.type == "cpu" else SMALL_M_GATED_BLOCK_N if gated else SMALL_M_BLOCK_N)
     split = split_k or small_m_split(
         n, k, device, block_n, SMALL_M_GATED_PROGRAMS_PER_SM if gated else SMALL_M_PROGRAMS_PER_SM
     )

@@ -30,9 +30,11 @@ from .triton_gemm import _interpreting, _tile_position
 from ..quant.triton_quant_rows import quantize
 
 # One tiling for every M (batch invariance). The block recipe's large-M kernel's tiles
-# (triton_gemm.SMALL_TILE_CONFIG), not tuned for this kernel; the interpreter's keep tests fast.
+# (triton_gemm.SMALL_TILE_CONFIG), not tuned for this kernel. The interpreter's 32x64x64: with
+# 16x32x32 tests/test_recipes.py's batch-invariance test took 20 s, with these 11 s (2026-11-27;
+# triton_gemm.INTERPRETER_CONFIG says why).
 CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
-INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
+INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=4)
 
 
 @triton.jit
