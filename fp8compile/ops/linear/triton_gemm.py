@@ -546,8 +546,8 @@ def _small_m_tiles(
     """(block_m, block_n, split, n_tiles) of the decode kernel for one call signature (cached:
     outside a CUDA graph the launcher's host work is on the critical path)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    # the interpreter: 64-row tiles, for the reason INTERPRETER_CONFIG gives (32 took a test of
-    # tests/test_linear_pass.py at M = 40 from 5 s to 11 s)
+    # the interpreter: 64-row tiles, for the reason INTERPRETER_CONFIG gives (a test of
+    # tests/test_linear_pass.py at M = 40 took 11 s with 32-row tiles, 5 s with these)
     block_n = block_n or (64 if device.type == "cpu" else SMALL_M_GATED_BLOCK_N if gated else SMALL_M_BLOCK_N)
     split = split_k or small_m_split(
         n, k, device, block_n, SMALL_M_GATED_PROGRAMS_PER_SM if gated else SMALL_M_PROGRAMS_PER_SM
