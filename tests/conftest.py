@@ -39,7 +39,7 @@ BF16 = torch.bfloat16
 
 # Each xdist worker takes its share of the cores for torch's intra-op threads: two workers of two
 # threads each on a 2-core machine spent more CPU time on the same tests (test_recipes.py and
-# test_moe.py: 229 s against 212 s, 2026-11-27).
+# test_moe.py: 229 s against 212 s, 2026-11-27, one run each, the second on warm caches).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
@@ -106,11 +106,11 @@ GPU_REASON = "needs a CUDA GPU"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason=GPU_REASON)
 
 
-# The files whose tests take longest on a 2-core CPU machine, longest first (--durations=0 of
-# README's test command, 2026-11-27): they run first, so that the two xdist workers share them and
-# finish together, not one idle while the other runs a long file handed out last. README's
-# command keeps this order (--no-loadscope-reorder: xdist would otherwise hand out the files with
-# the most tests first).
+# The files whose tests take longest on a 2-core CPU machine, longest first (--durations of
+# README's test command, summed by file, 2026-11-27): they run first, so that the two xdist
+# workers share them and finish together, not one idle while the other runs a long file handed
+# out last. README's command keeps this order (--no-loadscope-reorder: xdist would otherwise hand
+# out the files with the most tests first).
 LONGEST_FIRST = (
     "test_whole_model.py",
     "test_architectures.py",
