@@ -132,22 +132,24 @@ def _llama_worker(rank: int) -> dict:
     }
 
 
-def _scenarios(rank: int, qwen3_moe_path: str | None) -> dict:
+def _scenarios(rank: int, qwen3_moe_path: str | None, bench_dir: str) -> dict:
     """Every scenario of this file on one gloo group: each spawn costs two fresh processes'
     imports, so the scenarios share one. The Llama first, then the Qwen3-MoE, then the odd MLP,
-    which releases its bf16 shards (and restores them)."""
+    which releases its bf16 shards (and restores them), then `bench model --tp 2`."""
     results = {"llama": _llama_worker(rank)}
     torch._dynamo.reset()
     results["qwen3_moe"] = _qwen3_moe_worker(rank, qwen3_moe_path) if qwen3_moe_path else None
     torch._dynamo.reset()
     results["odd"] = _odd_worker(rank)
+    torch._dynamo.reset()
+    results["bench"] = _bench_worker(bench_dir)
     return results
 
 
 @pytest.fixture(scope="module")
 def scenario_ranks(tmp_path_factory):
     path = tmp_path_factory.mktemp("tp")
-    return run_ranks(_scenarios, path, _save_qwen3_moe(path / "qwen3_moe"))
+    return run_ranks(_scenarios, path, _save_qwen3_moe(path / "qwen3_moe"), str(path / "bench"))
 
 
 @pytest.fixture(scope="module")
@@ -343,14 +345,27 @@ def test_a_qwen3_moe_sharded_by_transformers_tp_plan_has_its_experts_rewritten_p
     assert ranks[0]["rewrites"] == ranks[1]["rewrites"] and ranks[0]["digests"] == ranks[1]["digests"]
 
 
-def test_bench_model_tp_plumbing_shards_decodes_and_writes_rank_zeros_rows(tmp_path):
+def _bench_worker(out_dir: str) -> dict:
+    """`bench model --tp 2` on this rank of the group the other scenarios ran in (bench_model
+    spawns its own ranks only where there is no group): one timed call, one prefill batch, and
+    of the fp8 variants the one a TP user runs (their own compile in reduce-overhead);
+    test_whole_model's plumbing test covers the others."""
+    from pathlib import Path
+
     from fp8compile.bench.model import bench_model
+
+    rows = bench_model(
+        Path(out_dir), **TINY_BENCH, variants=["bf16", "fp8_ro_own"], tp=2, repeat=1, prefill_batches=[1]
+    )
+    return {"rows": rows, "written": (Path(out_dir) / "bench_model.json").exists()}
+
+
+def test_bench_model_tp_plumbing_shards_decodes_and_writes_rank_zeros_rows(scenario_ranks):
     from fp8compile.bench.table import model_table
 
-    # one timed call, one prefill batch, and of the fp8 variants the one a TP user runs (their own
-    # compile in reduce-overhead): test_whole_model's plumbing test covers the others
-    variants = ["bf16", "fp8_ro_own"]
-    rows = bench_model(tmp_path, **TINY_BENCH, variants=variants, tp=2, repeat=1, prefill_batches=[1])
+    leader, other = (rank["bench"] for rank in scenario_ranks)
+    assert leader["written"]  # rank 0 writes; both ranks ran every variant in step
+    rows = leader["rows"]
     decode = {r["variant"]: r for r in rows if r["kind"] == "decode"}
     assert set(decode) == {"bf16", "fp8_ro_own"} and all(r["tp"] == 2 for r in rows)
     assert all(r["recompiles"] == 0 and r["tokens_per_s"] > 0 for r in decode.values())
@@ -358,3 +373,4 @@ def test_bench_model_tp_plumbing_shards_decodes_and_writes_rank_zeros_rows(tmp_p
     # against the sharded model's bf16 eager
     assert accuracy["bf16"] == 0 and 0 < accuracy["fp8_ro_own"] < 2e-2
     assert "x 2 (tensor parallel)" in model_table(rows)
+    assert [(r["variant"], r["kind"]) for r in other["rows"]] == [(r["variant"], r["kind"]) for r in rows]
