@@ -321,5 +321,7 @@ def register_ranged_references() -> tuple[str, ...]:
 
 RANGES = dict(small_m=32, large_m=64)  # the ranges ranged_references serves
 # bench model's plumbing on the CPU: the tiny Llama cut to one layer (every layer compiles the
-# same way; a second doubled each compile), one decode batch of a few steps, a short prefill
-TINY_BENCH = dict(models=["tiny-llama"], layers=1, batches=[2], context=4, steps=2, prefill=8, device="cpu")
+# same way; a second doubled each compile), one decode batch of a few steps, and a prefill of the
+# accuracy call's 64 tokens: a prefill of another length recompiles every variant at dynamic
+# shapes (the two bench_model tests of test_whole_model.py: 128 s, 92 s at 64 tokens, 2026-11-28)
+TINY_BENCH = dict(models=["tiny-llama"], layers=1, batches=[2], context=4, steps=2, prefill=64, device="cpu")
