@@ -1,4 +1,4 @@
-"""fp8compile: a torch.compile backend that runs bf16 models in FP8.
+"""fp8compile: a torch.compile backend that runs bfloat16 and float16 models in FP8.
 
     model = torch.compile(model, backend="fp8")
     model = torch.compile(model, backend=fp8compile.backend(e8m0=True, batch_invariant=True))
@@ -42,7 +42,7 @@ def explain(
 ) -> Report:
     """Compile `model` with the fp8 backend, run it once on example_args (under no_grad), and
     return the report: what was rewritten (kind, module, shape, kernel per M range) and what
-    was left in bf16 and why. The model itself is not modified."""
+    was left unchanged and why. The model itself is not modified."""
     fp8 = Fp8Backend(config, **options)
     with torch.no_grad():
         torch.compile(model, backend=fp8)(*example_args)

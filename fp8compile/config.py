@@ -83,7 +83,7 @@ class Fp8Config:
                      split M where another kernel is faster (autotune.py), instead of the
                      small_m / large_m ranges and the default order; linears and gated linears.
     backends:        kernel backends in preference order; None = the measured default order.
-    skip:            module-name globs left in bf16, e.g. ("lm_head", "*.mlp.down_proj").
+    skip:            module-name globs left unchanged, e.g. ("lm_head", "*.mlp.down_proj").
     fusions:         fusion passes to run (default: all); () runs the plain linear pass only.
                      "gqa_attention" is not FP8: grouped-query attention over a KV cache without
                      repeat_kv's copy (passes/gqa_attention.py).

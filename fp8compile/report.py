@@ -1,5 +1,5 @@
 """What the backend did: every rewrite (with the kernel chosen for each side of the M dispatch)
-and every candidate left in bf16, with the reason."""
+and every candidate left unchanged, with the reason and the dtype it stays in."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ class Skip:
     reason: str
     graph: int
     shape: str = ""
+    dtype: str = ""  # the dtype the site stays in (the model's), where the pass knows it
 
 
 class Report:
@@ -68,7 +69,7 @@ class Report:
 
     def __str__(self) -> str:
         head = (
-            f"fp8compile report: {len(self.rewrites)} rewritten, {len(self.skips)} left in bf16, "
+            f"fp8compile report: {len(self.rewrites)} rewritten, {len(self.skips)} left unchanged, "
             f"{self.graphs} graph(s)"
         )
         if self.config is not None:
@@ -107,8 +108,17 @@ class Report:
             )
             lines += ["", "rewritten:", *_table(header, rows)]
         if self.skips:
-            rows = [(s.kind, s.name, s.shape, s.reason) for s in self.skips]
-            lines += ["", "left in bf16:", *_table(("kind", "module", "shape", "reason"), rows)]
+            # the dtype they stay in: in the heading where it is one, else a column of its own
+            # (a whole graph's skip has none)
+            stay = {s.dtype for s in self.skips if s.dtype}
+            if len(stay) <= 1:
+                rows = [(s.kind, s.name, s.shape, s.reason) for s in self.skips]
+                heading = f"left unchanged, in {stay.pop()}:" if stay else "left unchanged:"
+                lines += ["", heading, *_table(("kind", "module", "shape", "reason"), rows)]
+            else:
+                rows = [(s.kind, s.name, s.shape, s.dtype or "-", s.reason) for s in self.skips]
+                header = ("kind", "module", "shape", "dtype", "reason")
+                lines += ["", "left unchanged:", *_table(header, rows)]
         if self.cuda_graphs:
             lines += [
                 "",

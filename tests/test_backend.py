@@ -182,7 +182,7 @@ def test_explain_reports_rewrites_and_skips_with_reasons():
     )
     assert report.counts() == {"linear": 2, "silu_mul": 0, "moe": 0, "attention": 0, "mqa_logits": 0}
     text = str(report)
-    assert "2 rewritten, 2 left in bf16" in text
+    assert "2 rewritten, 2 left unchanged" in text
     assert "fits" in text and "M = 8: reference" in text
     assert "linear[K=200 padded to 256]  odd_k" in text
     assert "odd_n" in text and "N=100 is less than one 128-row weight block" in text

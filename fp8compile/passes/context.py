@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -174,6 +175,13 @@ class PassContext:
         # The placeholders that are model parameters (or their local shards): weights the passes
         # may quantize at compile time (GraphInputs.parameter_nodes).
         self.parameters = parameters
+        # What a site left unchanged stays in (the report says): the parameters' commonest dtype
+        found = Counter(
+            node.meta["val"].dtype
+            for node in parameters
+            if isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].is_floating_point()
+        )
+        self.model_dtype = str(found.most_common(1)[0][0]).replace("torch.", "") if found else ""
         self.shards = shards  # placeholder -> how its shard lies in its parameter (shards.py)
         self._shard_by_name = {inputs[node][1]: note for node, note in self.shards.items() if inputs[node][1]}
         self.config = config
@@ -407,7 +415,7 @@ class PassContext:
     def skipped(self, kind: str, name: str, reason: str, shape: str = "") -> None:
         if shard := self.shard_of(name):  # the shape in the reason is this rank's shard's
             reason += f" (this rank's shard: {shard})"
-        self.report.skips.append(Skip(kind, name, reason, self.graph_index, shape))
+        self.report.skips.append(Skip(kind, name, reason, self.graph_index, shape, self.model_dtype))
 
 
 def _unbacked(val: Any) -> bool:

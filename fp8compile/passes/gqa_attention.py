@@ -165,7 +165,8 @@ def gqa_attention_pass(ctx: PassContext) -> None:
             continue
         name = _module_name(node)
         if isinstance(match, str):
-            ctx.report.skips.append(Skip("attention", name, match, ctx.graph_index, _shape(node)))
+            skip = Skip("attention", name, match, ctx.graph_index, _shape(node), ctx.model_dtype)
+            ctx.report.skips.append(skip)
             continue
         ctx.at_site(name, lambda node=node, match=match, name=name: gqa_replacement(ctx, node, match, name))
 
@@ -196,6 +197,7 @@ def gqa_replacement(ctx: PassContext, node: fx.Node, match: GqaMatch, name: str)
                 "its output is laid out neither as (B, H, S, D) nor as (B, S, H, D)",
                 ctx.graph_index,
                 _shape(node),
+                ctx.model_dtype,
             )
         )
         return
