@@ -37,6 +37,7 @@ import time
 import torch
 
 from .numerics import BLOCK, calc_diff
+from .passes import dtypes
 
 # Sizes set on a config where it has the attribute (its constructor sees them, so values it
 # derives from them follow).
@@ -189,7 +190,7 @@ def build(arch: str, seed: int = 0) -> torch.nn.Module:
 
 
 def _linear_weight(module: torch.nn.Module) -> torch.Tensor | None:
-    """The (N, K) weight of a linear the linear pass would take (K and N at least 128, bf16; a K
+    """The (N, K) weight of a linear the linear pass would take (K and N at least 128, bf16 or fp16; a K
     of part of a group is padded, quant_reference.quant_weight_block): an nn.Linear's, or a GPT-2-style
     Conv1D's (weight (K, N), x @ w + b), else None."""
     if isinstance(module, torch.nn.Linear):
@@ -199,7 +200,7 @@ def _linear_weight(module: torch.nn.Module) -> torch.Tensor | None:
     else:
         return None
     n, k = w.shape
-    return w.detach() if w.dtype == torch.bfloat16 and k >= BLOCK and n >= BLOCK else None
+    return w.detach() if w.dtype in dtypes.SERVED and k >= BLOCK and n >= BLOCK else None
 
 
 def _block_fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ class Request:
     m_max: int | None = None
     batch_invariant: bool = False
     e8m0: bool = False
+    dtype: torch.dtype = torch.bfloat16  # the activation's and the output's: the model's
 
     @property
     def m_range(self) -> str:
@@ -98,9 +99,18 @@ def _triton_small_m_why_not(request: Request) -> str | None:
     return None
 
 
+def _bf16_only(library: str, request: Request) -> str | None:
+    """Why a library that writes bfloat16 outputs only cannot serve the request's dtype."""
+    if request.dtype != torch.bfloat16 and request.op not in MQA_OPS:  # MQA logits are fp32
+        return f"{library} writes bfloat16 only ({str(request.dtype).replace('torch.', '')} model)"
+    return None
+
+
 def _vendor_why_not(module: str, request: Request, min_capability, exact_major=None) -> str | None:
     if request.batch_invariant:
         return "picks its kernel by M: not batch-invariant"
+    if (why := _bf16_only(module, request)) is not None:
+        return why
     why = _cuda_why_not(request, min_capability, exact_major)
     if why is None:
         from .ops.vendors import import_error
@@ -165,6 +175,8 @@ def _flashinfer_why_not(request: Request) -> str | None:
 
 
 def _cublas_why_not(request: Request) -> str | None:
+    if (why := _bf16_only("cuBLAS (torch._scaled_mm)", request)) is not None:
+        return why
     if request.op in SCALED_OPS:  # tensorwise / rowwise _scaled_mm: no block-scaling limits
         if request.batch_invariant:
             return "picks its kernel by M: not batch-invariant"

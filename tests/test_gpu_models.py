@@ -1,5 +1,6 @@
 """Whole transformers models on the GPU, in both compile modes, with the default kernels: a dense
-Llama, a Qwen3-MoE and a Llama 4 (dense experts) at small widths (multiples of 128). Run with
+Llama (in bfloat16 and in float16), a Qwen3-MoE and a Llama 4 (dense experts) at small widths
+(multiples of 128). Run with
 `pytest -m gpu`."""
 
 import pytest
@@ -32,6 +33,11 @@ def llama():
     config = transformers.LlamaConfig(**SMALL, intermediate_size=1024)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
+
+
+def llama_float16():
+    """The Llama in float16: rewritten as the bfloat16 one, its outputs float16 (tests/test_dtypes.py)."""
+    return llama().half()
 
 
 def qwen3_moe():
@@ -92,7 +98,7 @@ def dynamo_graphs(model) -> int:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("make", [llama, qwen3_moe, llama4])
+@pytest.mark.parametrize("make", [llama, llama_float16, qwen3_moe, llama4])
 def test_transformers_model_runs_every_range_of_m_in_both_modes_within_its_fp8_bound(make, mode):
     from torch._dynamo.utils import counters
 
@@ -116,7 +122,9 @@ def test_transformers_model_runs_every_range_of_m_in_both_modes_within_its_fp8_b
             compiled(ids_for(m), use_cache=False)
     assert backend.compiles == compiles
     counts = backend.report.counts()
-    assert counts["linear"] > 0 and (counts["moe"] > 0) == (make is not llama)
+    assert counts["linear"] > 0 and (counts["moe"] > 0) == (make in (qwen3_moe, llama4))
+    if make in (llama, llama_float16):  # every linear and gated MLP of a dense Llama, in either dtype
+        assert not backend.report.skipped("linear") and not backend.report.skipped("silu_mul")
     if mode:
         assert counters["inductor"]["cudagraph_skips"] == 0
         assert all(state.startswith("on:") for state in backend.report.cuda_graphs.values()), (
@@ -128,7 +136,7 @@ def test_transformers_model_runs_every_range_of_m_in_both_modes_within_its_fp8_b
 
 
 @pytest.mark.parametrize("path", ["compile_config", "user_compile", "user_compile_lazy_cache"])
-@pytest.mark.parametrize("make", [llama, qwen3_moe])
+@pytest.mark.parametrize("make", [llama, llama_float16, qwen3_moe])
 def test_generate_with_a_static_cache_in_cuda_graphs_does_not_recompile_after_warm_up(make, path):
     from torch._dynamo.utils import counters
     from transformers.generation.configuration_utils import CompileConfig

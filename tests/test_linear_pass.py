@@ -279,20 +279,6 @@ def test_activation_by_activation_matmul_is_not_a_candidate():
     assert report.rewrites == [] and report.skips == []
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_non_bf16_models_compile_unchanged_with_a_reason(dtype, captured):
-    model = GatedMLP().to(dtype)
-    x = randn(16, 256, dtype=dtype)
-    out, eager, report = compile_and_run(model, x)
-    assert report_counts_zero(report)
-    assert len(report.skipped("linear")) == 3
-    assert all(
-        s.reason == f"dtype {str(dtype)[6:]}: only bfloat16 linears are rewritten" for s in report.skips
-    )
-    assert bf16_matmuls(captured[0].after) == 3
-    torch.testing.assert_close(out, eager, rtol=2e-2 if dtype == torch.float16 else 1e-4, atol=1e-3)
-
-
 def test_training_graph_is_left_alone_and_still_trains():
     model = GatedMLP().to(BF16)
     fp8 = fp8compile.backend()

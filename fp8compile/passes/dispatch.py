@@ -71,12 +71,21 @@ def ranges(config, m: Any, n: int) -> list[tuple[str, int, int | None]]:
     return out
 
 
-def plan(ctx: PassContext, op: str, device: torch.device, n: int, k: int, m: Any) -> list[Side]:
-    """Kernel per range of M, adjacent ranges with the same kernel merged. Raises (naming every
-    reason) if a range has no kernel; NoDispatch (the call site stays bf16) where only the float64
-    reference would serve a range on a GPU (registry.NoGpuKernel)."""
+def plan(
+    ctx: PassContext,
+    op: str,
+    device: torch.device,
+    n: int,
+    k: int,
+    m: Any,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[Side]:
+    """Kernel per range of M, adjacent ranges with the same kernel merged (dtype: the model's,
+    which the kernel's activation and output have). Raises (naming every reason) if a range has
+    no kernel; NoDispatch (the call site stays as it is) where only the float64 reference would
+    serve a range on a GPU (registry.NoGpuKernel)."""
     cfg = ctx.config
-    base = registry.Request(op, device, n, k, batch_invariant=cfg.batch_invariant, e8m0=cfg.e8m0)
+    base = registry.Request(op, device, n, k, batch_invariant=cfg.batch_invariant, e8m0=cfg.e8m0, dtype=dtype)
     try:
         if (
             cfg.autotune

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from ..numerics import BLOCK, scale_from_amax
-from . import dispatch
+from . import dispatch, dtypes
 from .context import PassContext
 from ..weights import fp8_weight, fp8_weight_scaled
 
@@ -129,17 +129,15 @@ def _skip_pattern(name: str, patterns: tuple[str, ...]) -> str | None:
 
 
 def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str | None:
-    """Why this linear must stay bf16, or None. Dtype: FP8 replaces bf16 math only (an fp32 or
-    fp16 model asked for its precision); shape: the block recipe needs at least one 128-wide
+    """Why this linear must stay as it is, or None. Dtype: a 16-bit model's linears (dtypes.py);
+    shape: the block recipe needs at least one 128-wide
     group along K (a K of part of a group past it is padded with zeros, in the weight's copy and
     in the activation: emit_fp8), and along N at least one 128-row weight block (the last may be
     partial, as in DeepSeek's own FP8 checkpoints for an MLA kv_a_proj_with_mqa of N = 576; the
     registry says which kernels serve it); skip: the user asked for bf16."""
     x_val, w_val, out_val = match.x.meta["val"], match.weight_val, match.node.meta["val"]
-    dtypes = {x_val.dtype, w_val.dtype, out_val.dtype}
-    if dtypes != {torch.bfloat16}:
-        names = "/".join(sorted(str(d).replace("torch.", "") for d in dtypes))
-        return f"dtype {names}: only bfloat16 linears are rewritten"
+    if (why := dtypes.why_not({x_val.dtype, w_val.dtype, out_val.dtype}, "linears")) is not None:
+        return why
     if (pattern := _skip_pattern(name, ctx.config.skip)) is not None:
         return f"matches skip pattern {pattern!r}"
     if match.node in ctx.keep_bf16:
@@ -164,8 +162,12 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
         alpha, beta = match.node.kwargs.get("alpha", 1), match.node.kwargs.get("beta", 1)
         if alpha != 1 or beta != 1:
             return f"addmm with alpha={alpha}, beta={beta}"
-        if tuple(match.bias.meta["val"].shape) != (n,) or match.bias.meta["val"].dtype != torch.bfloat16:
-            return f"addmm adds a {tuple(match.bias.meta['val'].shape)} tensor, not a ({n},) bf16 bias"
+        bias = match.bias.meta["val"]
+        if tuple(bias.shape) != (n,) or bias.dtype != x_val.dtype:
+            return (
+                f"addmm adds a {tuple(bias.shape)} {dtypes.name(bias.dtype)} tensor, not a ({n},) "
+                f"{dtypes.name(x_val.dtype)} bias"
+            )
     return None
 
 
@@ -264,7 +266,8 @@ def emit_fp8(
         target, op_kwargs = scaled_call(ctx, target, names or [name], match.weight, op_kwargs)
         n, k = w_fp8.meta["val"].shape
         try:
-            sides = dispatch.plan(ctx, REGISTRY_OPS[target], match.weight.meta["val"].device, n, k, m)
+            device, dtype = match.weight.meta["val"].device, activations[0].meta["val"].dtype
+            sides = dispatch.plan(ctx, REGISTRY_OPS[target], device, n, k, m, dtype)
             # unused if NoDispatch: removed as dead code. A K of part of a group: zero columns up
             # to the copy's (the block recipe's weights.fp8_weight pads the weight alike).
             flat = [dispatch.pad_k(ctx, dispatch.flatten(ctx, a), k) for a in activations]
@@ -365,10 +368,9 @@ def _linear_site(ctx: PassContext, node: fx.Node, found, name: str, param, value
 
 def _unsupported_weight_reason(node: fx.Node, placeholder: fx.Node) -> str:
     path, dtype = _path(node, placeholder), node.meta["val"].dtype
-    if dtype != torch.bfloat16 and "convert_element_type" in path:
-        name = str(dtype).replace("torch.", "")
-        cast = f"its weight cast to {name}: a router's scores"
-        return f"dtype {name}: only bfloat16 linears are rewritten ({cast})"
+    if dtype not in dtypes.SERVED and "convert_element_type" in path:
+        name = dtypes.name(dtype)
+        return f"dtype {name}: its weight cast to {name} (a router's scores), a precision the model asked for"
     return f"weight reaches the matmul through {path}; only a plain transpose is supported"
 
 

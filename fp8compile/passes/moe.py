@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from ..numerics import BLOCK, calc_diff, whole_blocks
 from ..ops import activations
 from ..ops.moe import reference as moe_reference
-from . import dispatch, inline
+from . import dispatch, dtypes, inline
 from .context import PassContext
 from .replay import ReplayError, concrete, run_subgraph, small_symbols
 from .silu_mul import silu_mul_pattern
@@ -449,10 +449,9 @@ def _ids(ctx: PassContext, gate_up: ExpertGemm, down: ExpertGemm) -> fx.Node:
 def check_block(m: MoeMatch) -> tuple[int, int, int]:
     """(E, I, H) of a matched block, or NoMatch saying why it stays bf16."""
     x, w13, w2 = meta_val(m.hidden), meta_val(m.w13), meta_val(m.w2)
-    dtypes = {x.dtype, w13.dtype, w2.dtype}
-    if dtypes != {torch.bfloat16}:
-        names = "/".join(sorted(str(d).replace("torch.", "") for d in dtypes))
-        raise NoMatch(f"dtype {names}: only bfloat16 experts are rewritten")
+    # bfloat16 only: the MoE kernels (ours and DeepGEMM's) write bfloat16 outputs
+    if (why := dtypes.why_not({x.dtype, w13.dtype, w2.dtype}, "experts", (torch.bfloat16,))) is not None:
+        raise NoMatch(why)
     # Routing weights come as the router made them (fp32 from a softmax in many models); their
     # product with the experts' output, and so the block's output, is then fp32 too, cast back
     # to bf16 after the sum over the k slots. The op takes the weights as they are and sums in fp32.
@@ -693,9 +692,9 @@ def rewrite_block(ctx: PassContext, down: ExpertGemm, rewrite, report: bool = Tr
                 raise NoMatch(
                     f"routed experts have FP8 kernels in the block recipe only (recipe={ctx.config.recipe!r})"
                 )
-            if meta_val(down.weight).dtype != torch.bfloat16:
-                dtype = str(meta_val(down.weight).dtype).replace("torch.", "")
-                raise NoMatch(f"dtype {dtype}: only bfloat16 experts are rewritten")
+            why = dtypes.why_not({meta_val(down.weight).dtype}, "experts", (torch.bfloat16,))
+            if why is not None:
+                raise NoMatch(why)
             rewrite()
             return None
         except NoMatch as error:

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 import torch
 import torch.fx as fx
 
+from . import dtypes
 from .context import PassContext
 from .linear import MATMULS, LinearMatch, linear_extra_check, linear_pattern, module_name, replace_with_fp8
 
@@ -158,14 +159,14 @@ def _is_plain_gelu(node) -> bool:
 
 
 def _exact_upcast_source(node):
-    """The bf16 tensor node casts to fp32 (exactly: an up projection read as up.float(), as
+    """The 16-bit tensor node casts to fp32 (exactly: an up projection read as up.float(), as
     Beam's experts multiply it with act(gate.float())), else node itself."""
     if (
         isinstance(node, fx.Node)
         and node.target in _CASTS
         and node.meta["val"].dtype == torch.float32
         and isinstance(node.args[0], fx.Node)
-        and node.args[0].meta["val"].dtype == torch.bfloat16
+        and node.args[0].meta["val"].dtype in dtypes.SERVED
     ):
         return node.args[0]
     return node
@@ -246,11 +247,11 @@ def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
             limited = silu_limit_inputs(a, b)
             if limited is not None:
                 a, b, kwargs = limited
-            elif {a.meta["val"].dtype, b.meta["val"].dtype} != {torch.bfloat16}:
+            elif dtypes.why_not({a.meta["val"].dtype, b.meta["val"].dtype}, "") is not None:
                 # (a bf16 clamp is just how a was made: silu(a) * b is fused over it below)
                 return "silu(clamp(a)) * b with clamps other than DeepSeek-V4's (a <= l, -l <= b <= l)"
         a_val, b_val = a.meta["val"], b.meta["val"]
-        if a_val.shape != b_val.shape or {a_val.dtype, b_val.dtype} != {torch.bfloat16}:
+        if a_val.shape != b_val.shape or dtypes.why_not({a_val.dtype, b_val.dtype}, "") is not None:
             return (
                 f"act(a, b) over {a_val.dtype}/{b_val.dtype} tensors of shapes {tuple(a_val.shape)}, "
                 f"{tuple(b_val.shape)}"

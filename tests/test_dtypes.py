@@ -1,0 +1,93 @@
+"""The model dtypes FP8 serves (passes/dtypes.py): a float16 model is rewritten like a bfloat16
+one, its outputs float16, within the bound of its own float16 unfused FP8 composition; a float32
+model stays float32, each site saying so and how to get FP8; the report says what stays unchanged
+and in which dtype; kernels that write bfloat16 only decline a float16 request by name."""
+
+import pytest
+import torch
+
+import fp8compile
+from fp8compile import calc_diff, registry
+from tests.conftest import randn
+from tests.models import GatedMLP
+from tests.test_llama import fp8_simulated
+
+F16 = torch.float16
+
+
+def _compile(model, x):
+    fp8 = fp8compile.backend()
+    with torch.no_grad():
+        return torch.compile(model, backend=fp8)(x), fp8.report
+
+
+def _sites(report) -> list[tuple[str, str]]:
+    return sorted((r.kind, r.name) for r in report.rewrites)
+
+
+def test_a_float16_gated_mlp_is_rewritten_as_the_bfloat16_one_and_answers_in_float16():
+    torch.manual_seed(0)
+    model, x = GatedMLP().to(F16), randn(3, 40, 256, dtype=F16)
+    out, report = _compile(model, x)
+    torch._dynamo.reset()
+    _, bf16_report = _compile(GatedMLP().to(torch.bfloat16), x.bfloat16())
+    # the same sites, kinds and fusions: gate and up as one GEMM, down fused with silu(gate) * up
+    assert _sites(report) == _sites(bf16_report) and report.counts()["silu_mul"] == 1
+    assert report.skips == [] and out.dtype == F16
+    with torch.no_grad():
+        eager = model(x)
+        bound = calc_diff(fp8_simulated(model)(x), eager)  # the float16 unfused FP8 composition
+    assert 0 < calc_diff(out, eager) <= 1.15 * bound
+
+
+def test_a_float16_transformers_llama_is_rewritten_within_its_float16_compositions_bound():
+    pytest.importorskip("transformers")
+    from fp8compile.demo import small_llama
+
+    model = small_llama(layers=1).to(F16)
+    ids = torch.randint(0, 32000, (2, 24))
+    out, report = _compile(model, ids)
+    counts = report.counts()
+    assert (counts["linear"], counts["silu_mul"]) == (6 + 1, 1)  # q, k, v, o, gate, up; lm_head
+    assert not [s for s in report.skips if s.kind in ("linear", "silu_mul")]
+    with torch.no_grad():
+        eager = model(ids).logits
+        bound = calc_diff(fp8_simulated(model)(ids).logits, eager)
+    assert out.logits.dtype == F16 and torch.isfinite(out.logits).all()
+    assert 0 < calc_diff(out.logits, eager) <= 1.15 * bound
+
+
+def test_a_float32_model_stays_float32_and_each_site_says_how_to_get_fp8(captured):
+    model, x = GatedMLP().to(torch.float32), randn(16, 256, dtype=torch.float32)
+    out, report = _compile(model, x)
+    assert report.rewrites == [] and len(report.skipped("linear")) == 3
+    assert all(
+        s.reason.startswith("dtype float32: linears are rewritten in bfloat16 or float16 models")
+        and "model.to(torch.bfloat16)" in s.reason
+        for s in report.skips
+    )
+    assert "left unchanged, in float32:" in str(report) and "3 left unchanged" in str(report)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x))
+
+
+def test_float16_experts_stay_float16_with_the_reason_the_moe_kernels_write_bfloat16_only():
+    from tests.models import GptFastMoE
+    from tests.test_moe import compile_block
+
+    torch.manual_seed(0)
+    out, eager, report = compile_block(GptFastMoE().to(F16), randn(9, 256, dtype=F16))
+    (skip,) = report.skipped("moe")
+    assert skip.reason == (
+        "dtype float16: experts are rewritten where all their tensors are bfloat16, one dtype"
+    )
+    assert skip.dtype == "float16" and "left unchanged, in float16:" in str(report)
+    assert out.dtype == F16 and torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("backend", ["deep_gemm", "flashinfer", "cublas"])
+def test_a_library_that_writes_bfloat16_only_declines_a_float16_model_by_name(backend):
+    request = registry.Request("linear", torch.device("cpu"), 4096, 4096, 1, 16, dtype=F16)
+    assert "writes bfloat16 only (float16 model)" in registry.why_not(backend, request)
+    assert registry.why_not("reference", request) is None  # ours write the model's dtype
+
