@@ -228,6 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         "--layers", type=int, default=None, help="`bench model`: cut every model to this many layers"
     )
     bench.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16"],
+        help="`bench model`: the models' dtype (default bfloat16); the bf16_* anchors then run the "
+        "float16 model without FP8",
+    )
+    bench.add_argument(
         "--batch",
         type=int,
         action="extend",

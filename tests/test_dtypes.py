@@ -91,3 +91,16 @@ def test_a_library_that_writes_bfloat16_only_declines_a_float16_model_by_name(ba
     assert "writes bfloat16 only (float16 model)" in registry.why_not(backend, request)
     assert registry.why_not("reference", request) is None  # ours write the model's dtype
 
+
+def test_bench_model_runs_a_float16_model_against_its_float16_composition(tmp_path):
+    pytest.importorskip("transformers")
+    from fp8compile.bench.model import bench_model
+    from fp8compile.bench.table import model_table
+    from tests.conftest import TINY_BENCH
+
+    options = dict(TINY_BENCH, steps=0, variants=["fp8"], repeat=1, prefill_batches=[1])
+    rows = bench_model(tmp_path, **options, dtype="float16")
+    assert {r["dtype"] for r in rows} == {"float16"}
+    accuracy = {r["variant"]: r["calc_diff"] for r in rows if r["kind"] == "accuracy"}
+    assert 0 < accuracy["fp8"] <= 1.15 * accuracy["fp8_unfused_eager"]
+    assert "tiny-llama, 1 layers, cpu, float16:" in model_table(rows)

@@ -74,17 +74,18 @@ def bench_model(
     tp: int = 1,
     repeat: int = 3,
     prefill_batches=None,
+    dtype: str = "bfloat16",
 ) -> list[dict]:
     """steps: decode steps timed per point, 0 for none (accuracy and prefill only);
     recipe: the fp8 variants' Fp8Config.recipe (and the unfused composition's); tp: shard the
     model over this many ranks of the host (tp.py), one process each; repeat: timed generate()
     calls per decode point (their median is reported); prefill_batches: the prefills' batch
-    sizes (default PREFILL_BATCHES)."""
+    sizes (default PREFILL_BATCHES); dtype: the models' (bfloat16 or float16), every variant's."""
     from tqdm import tqdm
 
     options = dict(models=models, layers=layers, batches=batches, context=context, steps=steps)
     options.update(prefill=prefill, variants=variants, profile=profile, recipe=recipe, repeat=repeat)
-    options.update(prefill_batches=prefill_batches)
+    options.update(prefill_batches=prefill_batches, dtype=dtype)
     if tp > 1 and tp_bench.world() == 1:
         return tp_bench.spawn(bench_model, tp, out_dir, device, **options)
     leader = tp_bench.is_main()
@@ -104,7 +105,7 @@ def bench_model(
     bar = tqdm(total=total, desc="bench model", disable=not leader)
     with torch.no_grad(), _cold_compiles(), bar as progress:
         for model_name in models:
-            model = build(model_name, layers, device)
+            model = build(model_name, layers, device, getattr(torch, dtype))
             n_layers = model.config.num_hidden_layers
             released = MODELS[model_name][2]["num_hidden_layers"]
             say(
@@ -117,6 +118,7 @@ def bench_model(
             ids_acc = torch.randint(0, model.config.vocab_size, (1, 64), device=device)
             eager_logits = model(ids_acc, use_cache=False).logits.float()
             base = dict(device=device_name, model=model_name, layers=n_layers, recipe=recipe, tp=tp)
+            base["dtype"] = dtype
             # The composition swaps nn.Linear forwards (and the experts' F.linear and grouped
             # matmuls) for the reference FP8 linear on whole weights: one per recipe the fp8
             # variants run, each variant's calc_diff bound. A MoE model's routing turns small

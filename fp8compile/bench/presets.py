@@ -181,8 +181,9 @@ MODELS = {
 }
 
 
-def build(name: str, layers: int | None, device: str):
-    """The model `name` with random weights, bf16, in eval mode, made on `device`."""
+def build(name: str, layers: int | None, device: str, dtype: torch.dtype = torch.bfloat16):
+    """The model `name` with random weights, in `dtype` (bf16 by default), in eval mode, made on
+    `device`."""
     import transformers
 
     model_cls, config_cls, fields = MODELS[name]
@@ -191,13 +192,13 @@ def build(name: str, layers: int | None, device: str):
     )
     torch.manual_seed(0)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             model = getattr(transformers, model_cls)(config)
     finally:
         torch.set_default_dtype(default)
-    model = model.to(torch.bfloat16).eval()
+    model = model.to(dtype).eval()
     model.generation_config.eos_token_id = None  # random weights: generate every step asked for
     model.generation_config.pad_token_id = 0
     return model

@@ -21,8 +21,9 @@ def model_table(rows: list[dict]) -> str:
         lines += [
             f"\n{model}, {mine[0]['layers']} layers, {mine[0]['device']}"
             + (f" x {mine[0]['tp']} (tensor parallel)" if mine[0].get("tp", 1) > 1 else "")
+            + (f", {mine[0]['dtype']}" if mine[0].get("dtype", "bfloat16") != "bfloat16" else "")
             + ": decode tokens/s (ms/step), "
-            "prefill tokens/s, logits calc_diff vs bf16 eager",
+            f"prefill tokens/s, logits calc_diff vs {mine[0].get('dtype', 'bfloat16')} eager",
             f"{'variant':<20}"
             + "".join(f"{'B=' + str(b):>18}" for b in batches)
             + "".join(f"{name:>11}" for name in prefill_names)
