@@ -101,7 +101,7 @@ def _triton_small_m_why_not(request: Request) -> str | None:
 
 def _bf16_only(library: str, request: Request) -> str | None:
     """Why a library that writes bfloat16 outputs only cannot serve the request's dtype."""
-    if request.dtype != torch.bfloat16 and request.op not in MQA_OPS:  # MQA logits are fp32
+    if request.dtype != torch.bfloat16:
         return f"{library} writes bfloat16 only ({str(request.dtype).replace('torch.', '')} model)"
     return None
 

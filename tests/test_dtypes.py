@@ -85,6 +85,19 @@ def test_float16_experts_stay_float16_with_the_reason_the_moe_kernels_write_bflo
     assert out.dtype == F16 and torch.equal(out, eager)
 
 
+def test_the_report_gives_each_left_site_its_dtype_where_they_stay_in_more_than_one():
+    from fp8compile.report import Report, Skip
+
+    report = Report()
+    report.skips += [
+        Skip("linear", "gate", "N=8 is less than one 128-row weight block", 0, "8x256", "bfloat16"),
+        Skip("moe", "experts", "dtype float32: experts stay", 0, "8x256x256", "float32"),
+    ]
+    lines = str(report).splitlines()
+    assert "left unchanged:" in lines and lines[lines.index("left unchanged:") + 1].split()[3] == "dtype"
+    assert any(line.split()[:4] == ["moe", "experts", "8x256x256", "float32"] for line in lines)
+
+
 @pytest.mark.parametrize("backend", ["deep_gemm", "flashinfer", "cublas"])
 def test_a_library_that_writes_bfloat16_only_declines_a_float16_model_by_name(backend):
     request = registry.Request("linear", torch.device("cpu"), 4096, 4096, 1, 16, dtype=F16)

@@ -15,16 +15,21 @@ def name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def why_not(dtypes: set[torch.dtype], what: str, served: tuple[torch.dtype, ...] = SERVED) -> str | None:
+def served(dtypes: set[torch.dtype], kinds: tuple[torch.dtype, ...] = SERVED) -> bool:
+    """Whether a site's tensors are of one dtype, one of `kinds`."""
+    return len(dtypes) == 1 and next(iter(dtypes)) in kinds
+
+
+def why_not(dtypes: set[torch.dtype], what: str, kinds: tuple[torch.dtype, ...] = SERVED) -> str | None:
     """Why a site whose tensors (activation, weights, output) have these dtypes stays as it is,
-    or None. what: the sites, plural ("linears", "experts")."""
-    if len(dtypes) == 1 and next(iter(dtypes)) in served:
+    or None. what: the sites, plural ("linears", "experts"); kinds: the dtypes its kernels serve."""
+    if served(dtypes, kinds):
         return None
     names = "/".join(sorted(map(name, dtypes)))
-    kinds = " or ".join(map(name, served))
+    named = " or ".join(map(name, kinds))
     if dtypes == {torch.float32}:
         return (
-            f"dtype float32: {what} are rewritten in {kinds} models; "
+            f"dtype float32: {what} are rewritten in {named} models; "
             "model.to(torch.bfloat16) before compiling gives them FP8"
         )
-    return f"dtype {names}: {what} are rewritten where all their tensors are {kinds}, one dtype"
+    return f"dtype {names}: {what} are rewritten where all their tensors are {named}, one dtype"

@@ -130,11 +130,11 @@ def _skip_pattern(name: str, patterns: tuple[str, ...]) -> str | None:
 
 def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str | None:
     """Why this linear must stay as it is, or None. Dtype: a 16-bit model's linears (dtypes.py);
-    shape: the block recipe needs at least one 128-wide
-    group along K (a K of part of a group past it is padded with zeros, in the weight's copy and
-    in the activation: emit_fp8), and along N at least one 128-row weight block (the last may be
-    partial, as in DeepSeek's own FP8 checkpoints for an MLA kv_a_proj_with_mqa of N = 576; the
-    registry says which kernels serve it); skip: the user asked for bf16."""
+    shape: the block recipe needs at least one 128-wide group along K (a K of part of a group
+    past it is padded with zeros, in the weight's copy and in the activation: emit_fp8), and
+    along N at least one 128-row weight block (the last may be partial, as in DeepSeek's own FP8
+    checkpoints for an MLA kv_a_proj_with_mqa of N = 576; the registry says which kernels serve
+    it); skip: the user asked to leave it."""
     x_val, w_val, out_val = match.x.meta["val"], match.weight_val, match.node.meta["val"]
     if (why := dtypes.why_not({x_val.dtype, w_val.dtype, out_val.dtype}, "linears")) is not None:
         return why

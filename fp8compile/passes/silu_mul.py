@@ -247,11 +247,11 @@ def silu_mul_pattern(h: fx.Node) -> tuple[fx.Node, fx.Node, dict] | str | None:
             limited = silu_limit_inputs(a, b)
             if limited is not None:
                 a, b, kwargs = limited
-            elif dtypes.why_not({a.meta["val"].dtype, b.meta["val"].dtype}, "") is not None:
+            elif not dtypes.served({a.meta["val"].dtype, b.meta["val"].dtype}):
                 # (a bf16 clamp is just how a was made: silu(a) * b is fused over it below)
                 return "silu(clamp(a)) * b with clamps other than DeepSeek-V4's (a <= l, -l <= b <= l)"
         a_val, b_val = a.meta["val"], b.meta["val"]
-        if a_val.shape != b_val.shape or dtypes.why_not({a_val.dtype, b_val.dtype}, "") is not None:
+        if a_val.shape != b_val.shape or not dtypes.served({a_val.dtype, b_val.dtype}):
             return (
                 f"act(a, b) over {a_val.dtype}/{b_val.dtype} tensors of shapes {tuple(a_val.shape)}, "
                 f"{tuple(b_val.shape)}"
