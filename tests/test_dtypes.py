@@ -15,8 +15,8 @@ from tests.test_llama import fp8_simulated
 F16 = torch.float16
 
 
-def _compile(model, x):
-    fp8 = fp8compile.backend()
+def _compile(model, x, **options):
+    fp8 = fp8compile.backend(**options)
     with torch.no_grad():
         return torch.compile(model, backend=fp8)(x), fp8.report
 
@@ -25,18 +25,22 @@ def _sites(report) -> list[tuple[str, str]]:
     return sorted((r.kind, r.name) for r in report.rewrites)
 
 
-def test_a_float16_gated_mlp_is_rewritten_as_the_bfloat16_one_and_answers_in_float16():
+@pytest.mark.parametrize("recipe", ["block", "rowwise", "tensor"])
+def test_a_float16_gated_mlp_is_rewritten_as_the_bfloat16_one_and_answers_in_float16(recipe):
+    from fp8compile.architectures import composition
+
     torch.manual_seed(0)
     model, x = GatedMLP().to(F16), randn(3, 40, 256, dtype=F16)
-    out, report = _compile(model, x)
+    out, report = _compile(model, x, recipe=recipe)
     torch._dynamo.reset()
-    _, bf16_report = _compile(GatedMLP().to(torch.bfloat16), x.bfloat16())
+    _, bf16_report = _compile(GatedMLP().to(torch.bfloat16), x.bfloat16(), recipe=recipe)
     # the same sites, kinds and fusions: gate and up as one GEMM, down fused with silu(gate) * up
     assert _sites(report) == _sites(bf16_report) and report.counts()["silu_mul"] == 1
     assert report.skips == [] and out.dtype == F16
     with torch.no_grad():
         eager = model(x)
-        bound = calc_diff(fp8_simulated(model)(x), eager)  # the float16 unfused FP8 composition
+        with composition(model, recipe):  # the recipe's unfused FP8 composition, in float16
+            bound = calc_diff(model(x), eager)
     assert 0 < calc_diff(out, eager) <= 1.15 * bound
 
 
