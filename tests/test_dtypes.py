@@ -75,12 +75,26 @@ def test_a_float32_model_stays_float32_and_each_site_says_how_to_get_fp8(capture
         torch.testing.assert_close(out, model(x))
 
 
-def test_float16_experts_stay_float16_with_the_reason_the_moe_kernels_write_bfloat16_only():
+def _plain_moe():
     from tests.models import GptFastMoE
+
+    return GptFastMoE().to(F16), randn(9, 256, dtype=F16)
+
+
+def _transformers_grouped_mm_moe():
+    # transformers runs a float16 model's "grouped_mm" experts through its own grouped GEMM op
+    pytest.importorskip("transformers")
+    from tests.test_moe import qwen3_moe_block
+
+    return qwen3_moe_block("grouped_mm").to(F16), randn(1, 9, 256, dtype=F16)
+
+
+@pytest.mark.parametrize("make", [_plain_moe, _transformers_grouped_mm_moe])
+def test_float16_experts_stay_float16_with_the_reason_the_moe_kernels_write_bfloat16_only(make):
     from tests.test_moe import compile_block
 
     torch.manual_seed(0)
-    out, eager, report = compile_block(GptFastMoE().to(F16), randn(9, 256, dtype=F16))
+    out, eager, report = compile_block(*make())
     (skip,) = report.skipped("moe")
     assert skip.reason == (
         "dtype float16: experts are rewritten where all their tensors are bfloat16, one dtype"

@@ -48,6 +48,18 @@ from ..weights import canonical_expert_bias, canonical_experts, expert_bias, fp8
 log = logging.getLogger("fp8compile")
 aten, prims = torch.ops.aten, torch.ops.prims
 EXPERT_MATMULS = (aten._grouped_mm.default, aten.bmm.default)
+# transformers' own grouped GEMM, of _grouped_mm's contract (x (S, K), w (E, K, N), offsets), which
+# it runs where _grouped_mm cannot: a float16 or float32 model's "grouped_mm" experts
+# (transformers/integrations/moe.py). Known by name: transformers registers it when imported.
+GROUPED_MM_FALLBACK = "transformers::grouped_mm_fallback"
+
+
+def _grouped(node: fx.Node) -> bool:
+    """Whether node is a grouped GEMM over expert offsets (aten._grouped_mm or transformers' own)."""
+    schema = getattr(node.target, "_schema", None)
+    return node.target == aten._grouped_mm.default or getattr(schema, "name", None) == GROUPED_MM_FALLBACK
+
+
 LAYOUT = (
     aten.view.default,
     aten.reshape.default,
@@ -172,7 +184,7 @@ def expert_gemm(ctx: PassContext, node: fx.Node) -> ExpertGemm | None:
     """node as an expert GEMM: one operand a stacked (E, ., .) parameter, whole or gathered."""
     for w, x in (node.args[:2], reversed(node.args[:2])):
         whole = walk(w, LAYOUT, lambda n: stacked_param(ctx, n, 3) is not None)
-        if whole is not None and node.target == aten._grouped_mm.default:
+        if whole is not None and _grouped(node):
             return ExpertGemm(node, whole, x)
         found = _gathered(ctx, w, 3)
         if found is not None:
@@ -435,7 +447,7 @@ def _unclamped(index, experts: int):
 def _ids(ctx: PassContext, gate_up: ExpertGemm, down: ExpertGemm) -> fx.Node:
     """topk_ids (T, k): the index of a weight gather, or what the grouped GEMM's offsets count."""
     for g in (gate_up, down):
-        if g.node.target == aten._grouped_mm.default:
+        if _grouped(g.node):
             offsets = g.node.args[2] if len(g.node.args) > 2 else g.node.kwargs.get("offs")
             ids = _two_d(offsets, (*LAYOUT, *_ROUTING))
         else:
@@ -671,7 +683,11 @@ def moe_pass(ctx: PassContext) -> None:
         ctx.skipped("moe", f"graph {ctx.graph_index}", EXPERT_LOOP)
     gemms = {}
     for node in ctx.gm.graph.nodes:
-        if node.op == "call_function" and node.target in EXPERT_MATMULS and (g := expert_gemm(ctx, node)):
+        if (
+            node.op == "call_function"
+            and (node.target in EXPERT_MATMULS or _grouped(node))
+            and (g := expert_gemm(ctx, node))
+        ):
             gemms[node] = g
     # Each block is taken from its down projection: the expert GEMM that reads the activation.
     for down in [g for g in gemms.values() if _is_down_projection(g, gemms)]:
