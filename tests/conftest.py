@@ -121,6 +121,7 @@ LONGEST_FIRST = (
     "test_moe.py",
     "test_mqa_logits.py",
     "test_trace.py",
+    "test_dtypes.py",
     "test_llama.py",
 )
 
