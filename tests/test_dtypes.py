@@ -10,6 +10,7 @@ import fp8compile
 from fp8compile import calc_diff, registry
 from tests.conftest import randn
 from tests.models import GatedMLP
+from tests.test_linear_pass import bf16_matmuls
 from tests.test_llama import fp8_simulated
 
 F16 = torch.float16
@@ -71,6 +72,7 @@ def test_a_float32_model_stays_float32_and_each_site_says_how_to_get_fp8(capture
         for s in report.skips
     )
     assert "left unchanged, in float32:" in str(report) and "3 left unchanged" in str(report)
+    assert bf16_matmuls(captured[0].after) == 3  # its three mm's as written (counted whatever their dtype)
     with torch.no_grad():
         torch.testing.assert_close(out, model(x))
 

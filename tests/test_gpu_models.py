@@ -1,7 +1,6 @@
 """Whole transformers models on the GPU, in both compile modes, with the default kernels: a dense
 Llama (in bfloat16 and in float16), a Qwen3-MoE and a Llama 4 (dense experts) at small widths
-(multiples of 128). Run with
-`pytest -m gpu`."""
+(multiples of 128). Run with `pytest -m gpu`."""
 
 import pytest
 import torch
