@@ -459,7 +459,7 @@ def _ids(ctx: PassContext, gate_up: ExpertGemm, down: ExpertGemm) -> fx.Node:
 
 
 def check_block(m: MoeMatch) -> tuple[int, int, int]:
-    """(E, I, H) of a matched block, or NoMatch saying why it stays bf16."""
+    """(E, I, H) of a matched block, or NoMatch saying why it stays as it is."""
     x, w13, w2 = meta_val(m.hidden), meta_val(m.w13), meta_val(m.w2)
     # bfloat16 only: the MoE kernels (ours and DeepGEMM's) write bfloat16 outputs
     if (why := dtypes.why_not({x.dtype, w13.dtype, w2.dtype}, "experts", (torch.bfloat16,))) is not None:
