@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .. import shards
+from . import dtypes
 from ..config import Fp8Config
 from ..derived import DerivedInput
 from ..report import Report, Rewrite, Skip
@@ -181,7 +182,7 @@ class PassContext:
             for node in parameters
             if isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].is_floating_point()
         )
-        self.model_dtype = str(found.most_common(1)[0][0]).replace("torch.", "") if found else ""
+        self.model_dtype = dtypes.name(found.most_common(1)[0][0]) if found else ""
         self.shards = shards  # placeholder -> how its shard lies in its parameter (shards.py)
         self._shard_by_name = {inputs[node][1]: note for node, note in self.shards.items() if inputs[node][1]}
         self.config = config

@@ -470,7 +470,7 @@ def check_block(m: MoeMatch) -> tuple[int, int, int]:
     for what, node in (("routing weights", m.topk_weights), ("output", m.output)):
         if meta_val(node).dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise NoMatch(
-                f"{what} of dtype {str(meta_val(node).dtype).replace('torch.', '')}: bfloat16, float16 or "
+                f"{what} of dtype {dtypes.name(meta_val(node).dtype)}: bfloat16, float16 or "
                 "float32 are rewritten"
             )
     e, h = w13.shape[0], x.shape[1]

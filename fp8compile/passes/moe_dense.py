@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from ..numerics import calc_diff
 from ..ops.moe import reference as moe_reference
 from ..weights import canonical_experts
+from . import dtypes
 from .context import PassContext
 from .moe import (
     LAYOUT,
@@ -248,10 +249,10 @@ def _slots(gate_up_input: fx.Node, experts: int) -> DenseSlots:
             "the dense experts' input is not the tokens repeated once per expert times the router's "
             "(T, E) scores"
         )
-    dtypes = [str(meta_val(n).dtype).replace("torch.", "") for n in (scores, tokens)]
-    if dtypes[0] != dtypes[1]:
+    names = [dtypes.name(meta_val(n).dtype) for n in (scores, tokens)]
+    if names[0] != names[1]:
         raise NoMatch(
-            f"router scores of dtype {dtypes[0]} scale tokens of dtype {dtypes[1]}: the slot rows are "
+            f"router scores of dtype {names[0]} scale tokens of dtype {names[1]}: the slot rows are "
             "taken in the tokens' dtype"
         )
     frontier, seen = [scores], set()
