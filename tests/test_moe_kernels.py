@@ -359,3 +359,42 @@ def test_masked_deep_gemm_moe_scatters_and_gathers_every_slot_like_the_staged_re
         assert calc_diff(out, want) < 3e-4
     else:
         assert_bf16_close(out, want)
+
+
+def _float16_kernels():
+    from fp8compile.ops.moe import decode_op  # noqa: F401  registers fp8compile::moe_decode
+    from fp8compile.ops.moe import vendors as moe_vendors
+
+    kernels = {
+        "moe_triton": triton_moe.moe_triton,
+        "moe_decode": lambda *args: torch.ops.fp8compile.moe_decode(*args, 32),  # built for 32 tokens
+    }
+    if ON_GPU:
+        kernels["moe_deep_gemm"] = moe_vendors.moe_deep_gemm
+        kernels["moe_deep_gemm_masked"] = moe_vendors.moe_deep_gemm_masked
+    return kernels
+
+
+@pytest.mark.parametrize("kernel", ["moe_triton", "moe_decode", "moe_deep_gemm", "moe_deep_gemm_masked"])
+@pytest.mark.parametrize("tokens", [1, 5, 40, 300])
+def test_every_moe_kernel_answers_float16_tokens_in_float16_from_the_same_fp8_products(kernel, tokens):
+    """A float16 model's experts run the bfloat16 model's kernels (passes/moe.py). Tokens held
+    exactly in both dtypes quantize to the same FP8 values, every product is the same bfloat16
+    value, and only the fp32 top-k sum is written in float16: within a bfloat16 ulp (half of one
+    on the GPU; the interpreter truncates fp32 to bfloat16, conftest) plus half a float16 ulp of
+    the bfloat16 answer. 300 tokens x top-2 over 4 experts take the Gluon GEMMs on an sm_90 GPU;
+    DeepGEMM's kernels run where it is installed."""
+    from fp8compile.ops import vendors
+
+    if kernel.startswith("moe_deep_gemm") and (not ON_GPU or vendors.import_error("deep_gemm")):
+        pytest.skip("DeepGEMM's MoE GEMMs: a GPU with deep_gemm")
+    if kernel == "moe_decode" and tokens > 32 or not ON_GPU and tokens > 40:
+        pytest.skip("past the decode op's 32 tokens / the interpreter's time")
+    run = _float16_kernels()[kernel]
+    args = moe_inputs(tokens)
+    if not ON_GPU:  # the interpreter's tokens, exact in FP8, scaled into float16's range: every
+        args[0] = fp8_exact_activation(tokens, 256).to(DEVICE) * 2**-6  # value a multiple of 2^-24
+    bf16 = run(*args, False)
+    f16 = run(args[0].half(), *args[1:], False)
+    assert f16.dtype == torch.float16 and bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(f16.float(), bf16.float(), rtol=2**-7 + 2**-11, atol=1e-6)

@@ -461,8 +461,8 @@ def _ids(ctx: PassContext, gate_up: ExpertGemm, down: ExpertGemm) -> fx.Node:
 def check_block(m: MoeMatch) -> tuple[int, int, int]:
     """(E, I, H) of a matched block, or NoMatch saying why it stays as it is."""
     x, w13, w2 = meta_val(m.hidden), meta_val(m.w13), meta_val(m.w2)
-    # bfloat16 only: the MoE kernels (ours and DeepGEMM's) write bfloat16 outputs
-    if (why := dtypes.why_not({x.dtype, w13.dtype, w2.dtype}, "experts", (torch.bfloat16,))) is not None:
+    # bfloat16 or float16: the op writes x.dtype (ops/moe/reference.py says how it rounds)
+    if (why := dtypes.why_not({x.dtype, w13.dtype, w2.dtype}, "experts")) is not None:
         raise NoMatch(why)
     # Routing weights come as the router made them (fp32 from a softmax in many models); their
     # product with the experts' output, and so the block's output, is then fp32 too, cast back
@@ -559,8 +559,11 @@ def moe_replacement(
     top_k = meta_val(m.topk_ids).shape[1]
     inter_bf16, inter = inter, whole_blocks(inter)  # the kernels' sizes are the FP8 copies'
     n13 = _n13(m, inter)
+    # Every MoE kernel writes its expert GEMMs' products in bfloat16, whatever the model's dtype
+    # (DeepGEMM's only output dtype; ops/moe/reference.py), and the op its output in x.dtype from
+    # its own fp32 sum: the kernels' request is a bfloat16 one for a float16 model's experts too.
     try:  # before the copies are made: no FP8 copies where no kernel would read them
-        sides = dispatch.plan(ctx, "moe", device, n13, h, meta_val(m.hidden).shape[0])
+        sides = dispatch.plan(ctx, "moe", device, n13, h, meta_val(m.hidden).shape[0], torch.bfloat16)
     except dispatch.NoDispatch as reason:
         raise NoMatch(str(reason)) from None
     fp8_experts(param[m.w13], w_kn, ctx.config.e8m0, m.gate_up, param.get(m.w3))
@@ -708,7 +711,7 @@ def rewrite_block(ctx: PassContext, down: ExpertGemm, rewrite, report: bool = Tr
                 raise NoMatch(
                     f"routed experts have FP8 kernels in the block recipe only (recipe={ctx.config.recipe!r})"
                 )
-            why = dtypes.why_not({meta_val(down.weight).dtype}, "experts", (torch.bfloat16,))
+            why = dtypes.why_not({meta_val(down.weight).dtype}, "experts")
             if why is not None:
                 raise NoMatch(why)
             rewrite()

@@ -54,16 +54,18 @@ def moe_block(
     (E, I, H), up rows alone, for a non-gated activation), w2_fp8 (E, H, I), scales (E, N/128,
     K/128); biases (E, 2I), (E, H). An expert is down(act(gate(x), up(x))), or down(act(up(x))):
     each GEMM quantizes its input 1x128 per token; gate|up (+ bias) is
-    written in x.dtype, as the grouped GEMMs write it and as the bf16 model does, and the
-    activation runs in fp32 from there. Every slot is computed on its own, so the result for a
-    token never depends on the others (batch-invariant whatever the flag says).
+    written in bfloat16, as every grouped GEMM writes it (ours, and DeepGEMM's, whose only output
+    dtype it is), whatever x.dtype: a float16 model's experts round there to bfloat16, 8 bits
+    of mantissa before the activation's FP8 quantization keeps 3 (and bfloat16's range, not
+    float16's 65504). The activation runs in fp32 from there. Every slot is computed on its own,
+    so the result for a token never depends on the others (batch-invariant whatever the flag says).
     """
 
     def expert(e, xs):
         h = linear_block(xs, w13_fp8[e], w13_scale[e], None, e8m0, torch.float32)
         if b13 is not None:
             h = h + b13[e].float()
-        h = h.to(x.dtype)
+        h = h.to(torch.bfloat16)
         y = linear_block(
             expert_activation(h, activation, alpha, limit),
             w2_fp8[e],
