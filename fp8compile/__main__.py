@@ -75,13 +75,16 @@ def _models(args) -> int:
     import warnings
     from pathlib import Path
 
+    import torch
+
     from . import architectures
 
     warnings.filterwarnings("ignore")  # per-architecture deprecation chatter; the matrix says what matters
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    dtype = getattr(torch, args.dtype)
     if args.in_process:  # one architecture, its row as JSON on the last line
         (arch,) = args.arch
-        row = architectures.run(arch, device=args.device, modes=tuple(args.generate))
+        row = architectures.run(arch, device=args.device, modes=tuple(args.generate), dtype=dtype)
         print(json.dumps(dataclasses.asdict(row)))
         return 0
     archs = args.arch or architectures.causal_lm_architectures()
@@ -90,7 +93,7 @@ def _models(args) -> int:
     print(architectures.table([], modes))
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # each its own process
         run = functools.partial(
-            architectures.run_isolated, timeout=args.timeout, device=args.device, modes=modes
+            architectures.run_isolated, timeout=args.timeout, device=args.device, modes=modes, dtype=dtype
         )
         for row in pool.map(run, archs):
             rows.append(row)
@@ -146,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["default", "reduce-overhead"],
         help="also run generate() with a static cache compiled in this mode, bf16 Inductor beside fp8 "
         "(tokens/s on a GPU, recompiles, CUDA graphs); may be given twice",
+    )
+    models.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16"],
+        default="bfloat16",
+        help="the models' dtype (float16: each bound by its own float16 composition)",
     )
     models.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # one arch, JSON out
     bench = sub.add_parser(

@@ -110,6 +110,7 @@ class Row:
     kept: dict = dataclasses.field(default_factory=dict)  # reason -> how many candidates
     note: str = ""
     seconds: float = 0.0
+    dtype: str = "bfloat16"  # the model's
     decode: list = dataclasses.field(default_factory=list)  # generate_check.Decode per mode, as dicts
 
     @property
@@ -165,10 +166,11 @@ def _small_sizes(default) -> dict:
     return sizes
 
 
-def build(arch: str, seed: int = 0) -> torch.nn.Module:
-    """The small model in bf16, eval mode, weights N(0, 0.02) (transformers' own init, reseeded).
-    Built on the meta device first: a config whose sizes SMALL does not reach (other names) is
-    refused with its parameter count instead of exhausting the machine's memory."""
+def build(arch: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """The small model in `dtype` (bfloat16 or float16), eval mode, weights N(0, 0.02)
+    (transformers' own init, reseeded). Built on the meta device first: a config whose sizes
+    SMALL does not reach (other names) is refused with its parameter count instead of
+    exhausting the machine's memory."""
     from transformers import AutoModelForCausalLM
 
     config = small_config(arch)
@@ -181,7 +183,7 @@ def build(arch: str, seed: int = 0) -> torch.nn.Module:
         )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    model = model.to(torch.bfloat16).eval()
+    model = model.to(dtype).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
@@ -248,7 +250,7 @@ def composition(model: torch.nn.Module, recipe: str = "block"):
         # as the linear pass takes it (selected_linear).
         base = weight._base
         n, k = weight.shape if weight.dim() == 2 else (0, 0)
-        if base is not None and base.dim() == 3 and weight.dtype == torch.bfloat16 and min(n, k) >= BLOCK:
+        if base is not None and base.dim() == 3 and weight.dtype in dtypes.SERVED and min(n, k) >= BLOCK:
             return fp8_linear(weight.detach(), bias)(x)
         return plain_linear(x, weight, bias)
 
@@ -261,12 +263,7 @@ def composition(model: torch.nn.Module, recipe: str = "block"):
         # slots (a token's rows off its top-k are zeros either way) and splits other such bmm's
         # into one FP8 linear per expert (moe_dense.py).
         param = b if isinstance(b, torch.nn.Parameter) else b._base
-        if (
-            isinstance(param, torch.nn.Parameter)
-            and b.dim() == 3
-            and b.dtype == torch.bfloat16
-            and not kwargs
-        ):
+        if isinstance(param, torch.nn.Parameter) and b.dim() == 3 and b.dtype in dtypes.SERVED and not kwargs:
             experts = [quant_reference.quant_weight_block(b[e].detach().t()) for e in range(b.shape[0])]
             return torch.stack([linear_reference.linear_block(a[e], *w) for e, w in enumerate(experts)])
         return plain_bmm(a, b, **kwargs)
@@ -301,17 +298,24 @@ def median_token_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(per_token.median())
 
 
-def run(arch: str, seed: int = 0, device: str = "cpu", modes: tuple[str, ...] = ()) -> Row:
-    """One architecture through the matrix (module docstring). On "cuda" the compiled model runs
-    the GPU kernels the registry picks, and eager bf16 and the composition run there too.
+def run(
+    arch: str,
+    seed: int = 0,
+    device: str = "cpu",
+    modes: tuple[str, ...] = (),
+    dtype: torch.dtype = torch.bfloat16,
+) -> Row:
+    """One architecture through the matrix (module docstring), its model in `dtype` (float16: the
+    bound is its own float16 composition's). On "cuda" the compiled model runs the GPU kernels the
+    registry picks, and eager and the composition run there too.
     modes: also generate() in these compile modes, bf16 Inductor beside fp8 (generate_check;
     timed on a GPU): an exception of fp8's side there makes the row "failed"."""
     import fp8compile
 
     begin = time.perf_counter()
-    row = Row(arch, "failed")
+    row = Row(arch, "failed", dtype=dtypes.name(dtype))
     try:
-        model = build(arch, seed).to(device)
+        model = build(arch, seed, dtype).to(device)
         torch.manual_seed(seed + 1)
         ids = torch.randint(0, model.config.vocab_size, (BATCH, TOKENS), device=device)
         with torch.no_grad():
@@ -363,7 +367,13 @@ def _decode(row: Row, model, device: str, modes: tuple[str, ...]) -> None:
             row.status, row.note = "failed", f"generate() in {mode}: {result.error}"
 
 
-def run_isolated(arch: str, timeout: float = 600, device: str = "cpu", modes: tuple[str, ...] = ()) -> Row:
+def run_isolated(
+    arch: str,
+    timeout: float = 600,
+    device: str = "cpu",
+    modes: tuple[str, ...] = (),
+    dtype: torch.dtype = torch.bfloat16,
+) -> Row:
     """run(arch) in a fresh Python process: an architecture that exhausts memory, hangs or kills
     its process becomes a "failed" row instead of ending the matrix (and compiled graphs do not
     pile up over hundreds of models in one process)."""
@@ -373,12 +383,17 @@ def run_isolated(arch: str, timeout: float = 600, device: str = "cpu", modes: tu
 
     begin = time.perf_counter()
     command = [sys.executable, "-m", "fp8compile", "models", "--in-process", "--device", device, arch]
+    command += ["--dtype", dtypes.name(dtype)]
     command += [f"--generate={mode}" for mode in modes]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return Row(
-            arch, "failed", note=f"no result within {timeout:.0f} s", seconds=time.perf_counter() - begin
+            arch,
+            "failed",
+            note=f"no result within {timeout:.0f} s",
+            seconds=time.perf_counter() - begin,
+            dtype=dtypes.name(dtype),
         )
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
@@ -388,6 +403,7 @@ def run_isolated(arch: str, timeout: float = 600, device: str = "cpu", modes: tu
             "failed",
             note=f"process exit {done.returncode}: {last}",
             seconds=time.perf_counter() - begin,
+            dtype=dtypes.name(dtype),
         )
     return Row(**json.loads(lines[-1]))
 

@@ -132,7 +132,7 @@ def test_composition_quantizes_the_expert_gemms_and_the_linears_and_restores_the
 
 
 def test_an_architecture_that_cannot_be_built_small_is_listed_as_such_not_as_a_failure(monkeypatch):
-    def refuse(arch, seed=0):
+    def refuse(arch, seed=0, dtype=None):
         raise ValueError("this config needs a vision tower")
 
     monkeypatch.setattr(architectures, "build", refuse)

@@ -106,6 +106,19 @@ def test_float16_experts_are_rewritten_and_answer_in_float16_within_the_bf16_blo
     assert out.dtype == F16 and calc_diff(out, eager) < MOE_BLOCK
 
 
+def test_a_float16_qwen3_moe_model_is_within_its_float16_compositions_bound():
+    """The architecture matrix's small Qwen3-MoE in float16: both blocks' experts and every
+    linear rewritten, its median token within 1.15x of the float16 model's own unfused FP8
+    composition (its experts' GEMMs one by one, their products in float16)."""
+    pytest.importorskip("transformers")
+    from fp8compile import architectures
+
+    row = architectures.run("qwen3_moe", dtype=F16)
+    assert row.dtype == "float16" and row.status == "rewritten", architectures.table([row])
+    assert row.counts["moe"] == 2 and row.counts["linear"] > 0
+    assert row.median <= architectures.BOUND_FACTOR * row.median_composition
+
+
 def test_a_float16_deepseek_v32_indexer_is_rewritten_within_its_float16_bound():
     """Its bound as test_mqa_logits measures bfloat16's: the same model compiled with the FP8
     linears but without this pass (1.97e-2 against 1.93e-2: 1.02x, 2026-11-28)."""

@@ -530,9 +530,9 @@ def block_name(ctx: PassContext, down_weight: fx.Node) -> str:
     return name.rsplit(".", 1)[0] if "." in name else "(top level)"
 
 
-ROUTER_STAYS_BF16 = (
-    "router of a rewritten MoE block: kept bf16, as DeepSeek-V3 keeps its gate, since FP8 error "
-    "would change which experts tokens go to"
+ROUTER_UNQUANTIZED = (
+    "router of a rewritten MoE block: kept in the model's dtype, as DeepSeek-V3 keeps its gate, "
+    "since FP8 error would change which experts tokens go to"
 )
 
 
@@ -611,7 +611,7 @@ def moe_replacement(
     ctx.replace_uses(m.output, out)
     router = _router(m.topk_ids)
     if router is not None:
-        ctx.keep_bf16[router] = ROUTER_STAYS_BF16
+        ctx.keep_bf16[router] = ROUTER_UNQUANTIZED
     bias = ", bias" if m.b13 is not None or m.b2 is not None else ""
     detail = f"{e} experts, top-{dense_k or top_k}, {m.gate_up}{bias}"
     detail += f", {m.act.get('activation', 'silu')}"
