@@ -107,13 +107,14 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason=GPU_REASON)
 
 
 # The files whose tests take longest on a 2-core CPU machine, longest first (--durations of
-# README's test command, summed by file, 2026-11-27): they run first, so that the two xdist
+# README's test command, summed by file, 2026-11-27; test_architectures.py's every-architecture
+# matrix, about 10 minutes alone, 2026-11-28): they run first, so that the two xdist
 # workers share them and finish together, not one idle while the other runs a long file handed
 # out last. README's command keeps this order (--no-loadscope-reorder: xdist would otherwise hand
 # out the files with the most tests first).
 LONGEST_FIRST = (
-    "test_whole_model.py",
     "test_architectures.py",
+    "test_whole_model.py",
     "test_tensor_parallel.py",  # its tests share one spawn (a module fixture)
     "test_recipes.py",
     "test_backend.py",
