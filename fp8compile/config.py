@@ -70,7 +70,7 @@ class Fp8Config:
                      "rowwise" (weights per output channel, activations per token) or "tensor"
                      (one scale each). rowwise and tensor serve linears (gate/up and q/k/v
                      still merged into one GEMM) and a gated MLP's down projection with its
-                     activation fused (gated_qlinear_scaled); routed experts stay bf16.
+                     activation fused (gated_qlinear_scaled); routed experts stay unquantized.
     e8m0:            round every scale up to a power of two (UE8M0 checkpoints, Blackwell).
     batch_invariant: one kernel and one reduction order for every M, so row i of the output
                      does not depend on the other rows of the batch. In rowwise and tensor
