@@ -9,7 +9,9 @@ biases, fused qkv and gate_up projections, softcapping, softmax and sigmoid rout
 top-k, shared experts, dense first layers, fp32 routing weights, clamped, biased and interleaved
 experts, Llama 4's dense experts, stacked shared experts."""
 
+import contextlib
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +59,31 @@ def _installed(arch: str) -> bool:
     return arch in CONFIG_MAPPING
 
 
+# The slowest architecture took 21 s here (rwkv, 2026-11-28): one that hangs in a future
+# transformers fails its test after this long instead of holding CI until its own time limit.
+ARCH_SECONDS = 300
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int, what: str):
+    """A TimeoutError after `seconds` (SIGALRM: the main thread of a Unix process, where pytest and
+    its xdist workers run tests); elsewhere no limit."""
+    if not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"{what} took more than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def every_causal_lm() -> list[str]:
     """Every causal-LM model type of the installed transformers, and the recorded ones it lacks
     (skipped: a newer transformers may drop one)."""
@@ -72,7 +99,8 @@ def test_every_causal_lm_compiles_within_its_bound_and_is_rewritten_as_recorded(
     config now builds small) is recorded again in tests/golden/architectures.json."""
     if not _installed(arch):
         pytest.skip(f"{arch} is not in this transformers")
-    row = architectures.run(arch)
+    with time_limit(ARCH_SECONDS, arch):
+        row = architectures.run(arch)
     assert row.status not in ("failed", "over bound"), architectures.table([row])
     if arch in MATRIX:
         assert row.status == "rewritten", architectures.table([row])
@@ -85,6 +113,18 @@ def test_every_causal_lm_compiles_within_its_bound_and_is_rewritten_as_recorded(
         assert now == GOLDEN[arch], (
             f"{arch}: {now} now, {GOLDEN[arch]} recorded with {RECORDED_WITH}\n" + architectures.table([row])
         )
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="SIGALRM: Unix")
+def test_an_architecture_that_hangs_is_stopped_by_the_time_limit():
+    import time
+
+    handler, begin = signal.getsignal(signal.SIGALRM), time.perf_counter()
+    with pytest.raises(TimeoutError, match="hanging_model took more than 1 s"):
+        with time_limit(1, "hanging_model"):
+            time.sleep(30)
+    assert time.perf_counter() - begin < 10
+    assert signal.getsignal(signal.SIGALRM) is handler and signal.alarm(0) == 0  # put back, none pending
 
 
 def test_moe_architectures_are_found_as_moe_and_their_routers_stay_bf16():
