@@ -20,6 +20,7 @@ from . import ops, registry  # noqa: F401  (the ops, torch.ops.fp8compile.*, and
 from .calibrate import calibrate, load_scales, save_scales
 from .backend import Fp8Backend, fp8_backend, last_report, static_launch_for_user_kernels
 from .config import Fp8Config, make_config
+from .lean_decode import LeanDecoder
 from .numerics import calc_diff
 from .release import restore as restore_bf16_weights
 from .report import Report
@@ -52,6 +53,7 @@ def explain(
 __all__ = [
     "Fp8Backend",
     "Fp8Config",
+    "LeanDecoder",
     "Report",
     "backend",
     "calc_diff",

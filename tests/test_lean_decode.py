@@ -1,0 +1,163 @@
+"""LeanDecoder: transformers models decoded by one compiled call a step with no host sync between
+steps, giving generate()'s tokens (fp8compile/lean_decode.py)."""
+
+import pytest
+import torch
+
+import fp8compile
+from fp8compile import architectures
+from fp8compile.lean_decode import LeanDecoder, Sampling, choose
+
+pytest.importorskip("transformers")
+from torch._dynamo.utils import counters  # noqa: E402
+from transformers.generation.configuration_utils import CompileConfig  # noqa: E402
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def _prompt(model, batch=2, length=10):
+    ids = torch.randint(3, model.config.vocab_size, (batch, length))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # the second prompt left-padded by three tokens
+    return ids, mask
+
+
+def _generate(model, ids, backend, **options):
+    """model.generate() as a user runs it: static cache, its decode step compiled with backend."""
+    config = CompileConfig(backend=backend, mode="default", dynamic=None)
+    config._compile_all_devices = True  # transformers compiles the step on GPUs only otherwise
+    return model.generate(
+        ids, do_sample=False, cache_implementation="static", pad_token_id=0, compile_config=config, **options
+    )
+
+
+@pytest.mark.parametrize(
+    "arch, fp8",
+    [
+        ("llama", True),
+        ("mistral", True),  # every layer a sliding window, shorter than prompt + new tokens
+        ("gemma2", False),  # sliding and global layers, softcapped logits
+    ],
+)
+def test_greedy_lean_decode_gives_generates_tokens_with_left_padding_and_an_end_token(arch, fp8):
+    model = architectures.build(arch).eval()
+    ids, mask = _prompt(model)
+    backend = fp8compile.backend() if fp8 else "eager"
+    with torch.no_grad():
+        expected = _generate(model, ids, backend, attention_mask=mask, max_new_tokens=20)
+        eos = int(expected[0, 10 + 3])  # the first sequence's fourth new token ends it
+        expected_eos = _generate(
+            model, ids, backend, attention_mask=mask, max_new_tokens=20, eos_token_id=eos
+        )
+        torch._dynamo.reset()
+        decoder = LeanDecoder(model, backend=backend, mode=None)
+        assert torch.equal(decoder.generate(ids, 20, attention_mask=mask), expected)
+        ended = decoder.generate(ids, 20, attention_mask=mask, eos_token_id=eos, pad_token_id=0, stop_every=2)
+    assert torch.equal(ended, expected_eos)
+    assert (ended[0, 10 + 4 :] == 0).all()  # padding after the end token
+
+
+def test_a_second_call_of_the_same_shape_compiles_nothing_and_the_step_is_one_graph():
+    model = architectures.build("llama").eval()
+    ids, _ = _prompt(model)
+    decoder = LeanDecoder(model, backend=fp8compile.backend(), mode=None)
+    with torch.no_grad():
+        before = _graphs()
+        first = decoder.generate(ids, 8)
+        compiled = _graphs() - before
+        second = decoder.generate(ids, 8)
+        shorter = decoder.generate(ids, 5, cache_length=ids.shape[1] + 8)  # the same cache
+    assert compiled == 1  # forward and argmax in one graph: no graph break
+    assert _graphs() - before == compiled
+    assert torch.equal(first, second)
+    assert torch.equal(shorter, first[:, : ids.shape[1] + 5])
+
+
+def test_every_sequence_ended_stops_the_loop_at_the_next_check():
+    model = architectures.build("llama").eval()
+    ids = torch.randint(3, model.config.vocab_size, (1, 6))
+    decoder = LeanDecoder(model, backend="eager", mode=None)
+    with torch.no_grad():
+        free = decoder.generate(ids, 40)
+        eos = int(free[0, 6 + 2])  # the third new token
+        calls = []
+        ended = decoder.generate(ids, 40, eos_token_id=eos, stop_every=4, on_step=lambda: calls.append(1))
+    assert torch.equal(ended, free[:, : 6 + 3])  # up to and with the end token, as generate() returns it
+    assert len(calls) == 3  # steps 2, 3, 4 after the prompt's token; checked at 4 of 40
+
+
+def test_sampling_with_top_k_one_or_a_tiny_top_p_is_greedy():
+    logits = torch.randn(4, 50)
+    greedy = logits.argmax(-1)
+    assert torch.equal(choose(logits, Sampling(do_sample=True, top_k=1)), greedy)
+    assert torch.equal(choose(logits, Sampling(do_sample=True, top_p=1e-6)), greedy)
+
+
+def test_top_k_and_top_p_keep_the_tokens_transformers_keeps():
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = torch.randn(8, 64) * 3
+    for temperature, top_k, top_p in [(0.7, 10, None), (1.0, None, 0.8), (1.3, 20, 0.5)]:
+        theirs = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        if top_k:
+            theirs = TopKLogitsWarper(top_k)(None, theirs)
+        if top_p:
+            theirs = TopPLogitsWarper(top_p)(None, theirs)
+        kept = torch.isfinite(theirs)
+        torch.manual_seed(0)
+        draws = torch.stack(
+            [choose(logits, Sampling(True, temperature, top_k, top_p)) for _ in range(400)], dim=1
+        )
+        drawn = torch.zeros_like(kept).scatter_(1, draws, True)
+        assert not (drawn & ~kept).any()  # nothing outside transformers' set is ever drawn
+        # and its most likely kept tokens are drawn (each has probability >= 1/64 here)
+        assert drawn[torch.arange(8), theirs.argmax(-1)].all()
+
+
+def test_a_draw_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(20000, 4)
+    torch.manual_seed(0)
+    counts = torch.bincount(choose(logits, Sampling(do_sample=True)), minlength=4) / 20000
+    # 20000 draws: each frequency within 4 standard deviations (at most 0.0035) of its probability
+    assert torch.allclose(counts, probs, atol=0.015)
+
+
+def test_sampled_decode_repeats_under_the_same_seed():
+    model = architectures.build("llama").eval()
+    ids, mask = _prompt(model)
+    decoder = LeanDecoder(model, backend="eager", mode=None)
+    with torch.no_grad():
+        runs = []
+        for seed in (1, 1, 2):
+            torch.manual_seed(seed)
+            runs.append(decoder.generate(ids, 12, attention_mask=mask, do_sample=True, top_p=0.9))
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+
+
+def test_bad_arguments_are_refused_with_a_reason():
+    model = architectures.build("llama").eval()
+    decoder = LeanDecoder(model, backend="eager", mode=None)
+    ids = torch.randint(3, 100, (1, 4))
+    with pytest.raises(ValueError, match="top_p"):
+        decoder.generate(ids, 4, do_sample=True, top_p=1.5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        decoder.generate(ids, 0)
+    with pytest.raises(ValueError, match="cache_length"):
+        decoder.generate(ids, 4, cache_length=7)
+    with pytest.raises(ValueError, match=r"\(batch, prompt length\)"):
+        decoder.generate(ids[0], 4)
+
+
+def test_a_model_without_a_static_cache_is_sent_to_generate():
+    model = architectures.build("llama").eval()
+    model._can_compile_fullgraph = False  # as transformers marks models that cannot
+    with pytest.raises(ValueError, match="model.generate"):
+        LeanDecoder(model)
