@@ -19,7 +19,7 @@ from torch import nn
 
 import fp8compile
 import fp8compile.passes
-from fp8compile import calc_diff
+from fp8compile import architectures, calc_diff
 from fp8compile.passes.context import _same_layout
 from tests.conftest import BF16, RANGES, TINY_BENCH, CountingBackend
 from tests.models import GatedMLP
@@ -241,6 +241,44 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path, capsys):
     assert capsys.readouterr().out.count("decode tokens/s (ms/step)") == 6
 
 
+def test_bench_model_lean_variants_decode_through_the_lean_loop_and_each_point_has_its_read_bytes(tmp_path):
+    from fp8compile.bench.model import bench_model
+    from fp8compile.bench.table import model_table
+
+    rows = bench_model(
+        tmp_path, **TINY_BENCH, variants=["fp8_ro", "fp8_ro_lean"], repeat=1, prefill_batches=[1]
+    )
+    decode = {r["variant"]: r for r in rows if r["kind"] == "decode"}
+    assert set(decode) == {"fp8_ro", "fp8_ro_lean"}
+    assert decode["fp8_ro_lean"]["recompiles"] == 0 and decode["fp8_ro_lean"]["tokens_per_s"] > 0
+    # the same model and batch: the same bytes to read, whichever loop decodes
+    assert decode["fp8_ro_lean"]["step_read_gb"] == decode["fp8_ro"]["step_read_gb"] > 0
+    assert "fp8_ro_lean/fp8_ro" in model_table(rows)
+
+
+def test_a_decode_steps_read_bytes_count_fp8_linears_at_a_byte_and_sliding_windows_at_their_width():
+    from fp8compile.bench.limits import kv_bytes, step_bytes
+
+    model = architectures.build("mistral")  # every layer a 16-token window
+    config = model.config
+    linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    other = sum(
+        p.numel()
+        for n, p in model.named_parameters()
+        if "proj" not in n and "lm_head" not in n and "embed" not in n
+    )
+    bf16 = step_bytes(model, batch=2, context=100, fp8=False)
+    fp8 = step_bytes(model, batch=2, context=100, fp8=True)
+    embedding_rows = 2 * config.hidden_size * 2
+    assert bf16["weights_gb"] * 1e9 == pytest.approx(2 * linears + 2 * other + embedding_rows)
+    scales = fp8["weights_gb"] * 1e9 - (linears + 2 * other + embedding_rows)
+    assert 0 < scales < linears / 128 / 128 * 4 * 2  # fp32 block scales, blocks rounded up
+    # keys and values of 2 layers x 2 KV heads x 64 dims, in bf16: the window's positions, not 100
+    assert bf16["kv_gb"] * 1e9 == pytest.approx(kv_bytes(model, 2, 100)) == 2 * 2 * 2 * 16 * 2 * 64 * 2
+    config.sliding_window = None
+    assert kv_bytes(model, 2, 100) == 2 * 2 * 2 * 100 * 2 * 64 * 2
+
+
 def test_bench_model_repeats_each_point_profiles_it_and_prefills_each_batch(tmp_path):
     # The measurement options on one variant (every variant runs them the same way).
     from fp8compile.bench.model import bench_model
@@ -270,7 +308,6 @@ def test_bench_model_with_no_decode_steps_bounds_a_moe_model_by_its_composition_
     # On a MoE model, which is read against its own unfused composition (its experts in FP8 too)
     # by the median token, as the architecture matrix reads it: its routing turns small
     # differences into other experts' outputs for a few tokens, which dominate the pooled number.
-    from fp8compile import architectures
     from fp8compile.bench.model import bench_model
     from fp8compile.bench.table import model_table
 
@@ -401,7 +438,7 @@ def test_bench_model_rowwise_variants_run_the_rowwise_recipe_beside_the_block_on
 
 
 def test_bench_model_counts_gpu_idle_time_between_the_kernels_it_falls_between():
-    from fp8compile.bench.decode import idle_between
+    from fp8compile.bench.decode import idle_spans
 
     spans = [  # us; the third overlaps the second, so the GPU is busy from 10 to 40
         (0.0, 10.0, "a"),
@@ -412,8 +449,37 @@ def test_bench_model_counts_gpu_idle_time_between_the_kernels_it_falls_between()
         (1070.0, 1075.0, "c"),
         (2075.0, 2080.0, "a"),  # 1 ms idle after c again
     ]
-    assert idle_between(reversed(spans)) == pytest.approx({"c -> a": 2.0, "a -> b": 0.01})
-    assert idle_between([]) == {}
+    assert idle_spans(reversed(spans)) == [
+        (40.0, 1040.0, "c -> a"),
+        (1050.0, 1060.0, "a -> b"),
+        (1075.0, 2075.0, "c -> a"),
+    ]
+    assert idle_spans([]) == []
+
+
+def test_bench_model_gives_gpu_idle_time_to_the_innermost_host_range_that_names_an_owner():
+    from fp8compile.bench.decode import CALLER, host_owners
+
+    gaps = [(100.0, 200.0), (300.0, 320.0)]  # us the GPU idles
+    ranges = [  # (start, end, name, thread): the launching thread, and a compile worker's range
+        (90.0, 150.0, "aten::copy_", 1),  # the caller's own op: no owner in its name
+        (150.0, 400.0, "Torch-Compiled Region: 0/1", 1),
+        (170.0, 190.0, "## Call CompiledFxGraph abc ##", 1),
+        (175.0, 185.0, "cudaMemcpyAsync", 1),  # inside the wrapper: the wrapper's
+        (305.0, 315.0, "cudaGraphLaunch", 1),
+        (0.0, 1000.0, "a worker's long range", 2),
+    ]
+    owners, names = host_owners(gaps, ranges)
+    assert owners == pytest.approx(
+        {
+            CALLER: 0.05,
+            "dynamo (frame and guards)": 0.03 + 0.01,
+            "compiled graph's wrappers": 0.02,
+            "cuda-graph replay": 0.01,
+        }
+    )
+    assert names["cudaMemcpyAsync"] == pytest.approx(0.01)
+    assert sum(names.values()) == pytest.approx(0.12)
 
 
 def test_bench_model_splits_gpu_time_by_kernel_kind_attention_and_experts_before_gemm_names():

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from ..lean_decode import LeanDecoder
+from . import limits
 from . import tp as tp_bench
 from .output import profiled
 from .variants import Variant
@@ -24,13 +26,16 @@ class StepClock:
         self.marks: list = []
 
     def __call__(self, input_ids, scores):
+        self.mark()
+        return scores
+
+    def mark(self) -> None:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.marks.append(event)
         else:
             self.marks.append(time.perf_counter())
-        return scores
 
     def ms_per_step(self) -> float:
         """Mean time of the steps after the first (the first one ends the eager prompt)."""
@@ -74,13 +79,27 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
 
 
-def gpu_profile(fn) -> tuple[dict[str, float], dict[str, float]]:
-    """One profiled run of fn: the GPU time of its kernels by kernel name, ms, and the GPU's idle
-    time by where it falls, "previous kernel -> next kernel" (idle_between; the names cut to 50
-    characters), ms."""
+# Who holds the GPU idle: the host's work during each idle interval, by the innermost profiler
+# range of the host thread at that instant that names an owner (first match, innermost out);
+# anything else is the caller's own Python (transformers' generate() loop, or LeanDecoder's).
+HOST_OWNERS = (
+    ("cuda-graph replay", re.compile(r"cudaGraphLaunch|cudagraph|CUDAGraph", re.I)),
+    ("compiled graph's wrappers", re.compile(r"CompiledFxGraph|CompiledFunction|AOTDispatcher|## ", re.I)),
+    ("dynamo (frame and guards)", re.compile(r"Torch-Compiled Region|TorchDynamo", re.I)),
+    ("wait for the GPU", re.compile(r"Synchronize|aten::item|_local_scalar_dense", re.I)),
+)
+CALLER = "caller's Python"
+
+
+def gpu_profile(fn) -> dict:
+    """One profiled run of fn (CPU and GPU activity): "kernels", the GPU time of its kernels by
+    kernel name, ms; "idle", the GPU's idle time by where it falls, "previous kernel -> next
+    kernel" (idle_spans; the names cut to 50 characters), ms; "owners" and "host_ranges", that
+    idle time by what the host thread was doing meanwhile (HOST_OWNERS; and by its innermost
+    profiler range's name), ms. The profiler's own cost per host op lengthens the host's part."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     totals: dict[str, float] = {}
@@ -90,26 +109,76 @@ def gpu_profile(fn) -> tuple[dict[str, float], dict[str, float]]:
             us = getattr(event, "self_cuda_time_total", 0.0)
         if us and event.device_type == torch.autograd.DeviceType.CUDA:
             totals[event.key] = totals.get(event.key, 0.0) + us / 1e3
-    idle = idle_between(
-        (event.time_range.start, event.time_range.end, event.name[:50])
-        for event in prof.events()
-        if event.device_type == torch.autograd.DeviceType.CUDA
+    events = prof.events()
+    gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = idle_spans((e.time_range.start, e.time_range.end, e.name[:50]) for e in gpu)
+    idle: dict[str, float] = {}
+    for start, end, where in spans:
+        idle[where] = idle.get(where, 0.0) + (end - start) / 1e3
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    owners, ranges = host_owners(
+        [(start, end) for start, end, _ in spans],
+        [(e.time_range.start, e.time_range.end, e.name, e.thread) for e in host],
     )
-    return totals, idle
+    return dict(kernels=totals, idle=idle, owners=owners, host_ranges=ranges)
 
 
-def idle_between(spans) -> dict[str, float]:
+def idle_spans(spans) -> list[tuple[float, float, str]]:
     """spans: (start us, end us, name) of GPU activities, in any order, overlapping or not ->
-    the time no span covers, ms, by "name of the span that ended last -> name of the next"."""
-    gaps: dict[str, float] = {}
+    the intervals no span covers, (start us, end us, "name of the span that ended last -> name
+    of the next")."""
+    gaps = []
     busy_until, last = None, None
     for start, end, name in sorted(spans):
         if busy_until is not None and start > busy_until:
-            key = f"{last} -> {name}"
-            gaps[key] = gaps.get(key, 0.0) + (start - busy_until) / 1e3
+            gaps.append((busy_until, start, f"{last} -> {name}"))
         if busy_until is None or end >= busy_until:
             busy_until, last = end, name
     return gaps
+
+
+def host_owners(gaps, ranges, resolution_us: float = 1.0) -> tuple[dict[str, float], dict[str, float]]:
+    """gaps: (start us, end us) the GPU idles; ranges: (start us, end us, name, thread) of the
+    host's profiler ranges -> ms of idle by owner (HOST_OWNERS, else CALLER) and by the innermost
+    range's name ("-" where none is open), sampled every resolution_us on the thread that opens
+    the most ranges (the one that launches the work; others are compile workers and the like)."""
+    by_thread: dict = {}
+    for start, end, name, thread in ranges:
+        by_thread.setdefault(thread, []).append((start, -end, name))
+    owners: dict[str, float] = {}
+    names: dict[str, float] = {}
+    if not gaps:
+        return owners, names
+    main = max(by_thread, key=lambda t: len(by_thread[t])) if by_thread else None
+    opened = sorted(by_thread.get(main, []))
+    stack: list[tuple[float, str]] = []  # (end, name), innermost last
+    i = 0
+    step_ms = resolution_us / 1e3
+    for gap_start, gap_end in sorted(gaps):
+        t = gap_start + resolution_us / 2
+        while t < gap_end:
+            while i < len(opened) and opened[i][0] <= t:
+                start, neg_end, name = opened[i]
+                while stack and stack[-1][0] <= start:
+                    stack.pop()
+                stack.append((-neg_end, name))
+                i += 1
+            while stack and stack[-1][0] <= t:
+                stack.pop()
+            owner = next(
+                (
+                    kind
+                    for _, name in reversed(stack)
+                    for kind, pattern in HOST_OWNERS
+                    if pattern.search(name)
+                ),
+                CALLER,
+            )
+            owners[owner] = owners.get(owner, 0.0) + step_ms
+            name = stack[-1][1][:60] if stack else "-"
+            names[name] = names.get(name, 0.0) + step_ms
+            t += resolution_us
+    return owners, names
 
 
 def by_kind(kernel_ms: dict[str, float]) -> dict[str, float]:
@@ -147,12 +216,15 @@ def decode(
     profile: Path | None = None,
     repeat: int = 1,
 ) -> dict:
-    """A generate() call at this batch size to warm up, then `repeat` timed ones: ms per step is
+    """A generate() call at this batch size to warm up, then `repeat` timed ones (a *_lean variant:
+    LeanDecoder.generate(), lean_decode.py, in its place): ms per step is
     their median (each run's in `ms_per_step_runs`: a lease's host moves a host-bound step between
     calls); if asked, one more under cProfile (host time by function, written to `profile`) and,
     on a GPU, the GPU time per step by kind of kernel (a generate() of `steps` steps minus one of
     a single step, which leaves the prompt out, over the steps between), and the GPU's idle
-    time per step by the kernels it falls between (gpu_profile, the prompt left out the same way)."""
+    time per step by the kernels it falls between and by what the host did meanwhile (gpu_profile,
+    the prompt left out the same way). Every point gets the bytes its step must read and, on a
+    GPU, their read limit and the share of it the step reaches (limits.py)."""
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
     kwargs = dict(
         attention_mask=torch.ones_like(ids),
@@ -165,12 +237,15 @@ def decode(
     own_cache = variant.own or tp_bench.sharded_kv_heads(model) is not None
     cache = static_cache(model, batch, context + steps + 1, device) if own_cache else None
 
-    def generate(**more):
+    generate = _lean_generate(model, variant, ids, steps) if variant.lean else None
+
+    def generate_call(**more):
         if cache is None:
             return model.generate(ids, cache_implementation="static", **{**kwargs, **more})
         cache.reset()  # generate() does not reset a cache it is given
         return model.generate(ids, past_key_values=cache, **{**kwargs, **more})
 
+    generate = generate or generate_call
     start = time.perf_counter()
     generate()
     sync(device)
@@ -209,14 +284,50 @@ def decode(
     if profile is not None:
         profiled(generate, profile)
         if device.type == "cuda":
-            every, every_idle = gpu_profile(generate)
-            prompt, prompt_idle = gpu_profile(lambda: generate(max_new_tokens=1))
-            kernel_split(row, {name: ms - prompt.get(name, 0.0) for name, ms in every.items()}, steps)
-            idle = {where: (ms - prompt_idle.get(where, 0.0)) / steps for where, ms in every_idle.items()}
+            every = gpu_profile(generate)
+            prompt = gpu_profile(lambda: generate(max_new_tokens=1))
+
+            def per_step(key):  # the steps' share: the whole call's less the prompt's, over the steps
+                return {k: (ms - prompt[key].get(k, 0.0)) / steps for k, ms in every[key].items()}
+
+            kernel_split(row, {name: ms * steps for name, ms in per_step("kernels").items()}, steps)
+            idle = per_step("idle")
             row["gpu_idle_ms_per_step"] = sum(idle.values())
             top = sorted(idle.items(), key=lambda item: -item[1])[:8]
             row["top_gpu_idle_ms_per_step"] = [[where, ms] for where, ms in top]
+            row["gpu_idle_ms_per_step_by_owner"] = per_step("owners")
+            ranges = sorted(per_step("host_ranges").items(), key=lambda item: -item[1])[:10]
+            row["top_host_ranges_during_idle_ms_per_step"] = [[name, ms] for name, ms in ranges]
+    # the mean step's live cache: the prompt and half the new tokens
+    fp8 = variant.name.startswith(("fp8", "torchao"))
+    limits.limit_columns(row, limits.step_bytes(model, batch, context + steps // 2, fp8), read_rate(device))
     return row
+
+
+_READ_RATE: dict = {}
+
+
+def read_rate(device) -> float | None:
+    """limits.read_rate_tbps, measured once a process."""
+    if device not in _READ_RATE:
+        _READ_RATE[device] = limits.read_rate_tbps(device)
+    return _READ_RATE[device]
+
+
+def _lean_generate(model, variant: Variant, ids, steps: int):
+    """generate()'s stand-in for a *_lean variant: LeanDecoder's loop, its steps marked on the
+    clocks passed as logits processors."""
+    if tp_bench.sharded_kv_heads(model) is not None:
+        raise ValueError(f"{variant.name}: the lean decode loop is not run sharded (--tp)")
+    decoder = LeanDecoder(model, backend=variant.backend, mode=variant.mode, dynamic=variant.dynamic)
+
+    def generate(max_new_tokens=steps + 1, logits_processor=()):
+        marks = [clock.mark for clock in logits_processor]
+        on_step = (lambda: [m() for m in marks]) if marks else None
+        # one cache length for every call: the prompt-only call that the profile subtracts too
+        return decoder.generate(ids, max_new_tokens, on_step=on_step, cache_length=ids.shape[1] + steps + 1)
+
+    return generate
 
 
 def kernel_split(row: dict, kernel_ms: dict[str, float], steps: int) -> None:

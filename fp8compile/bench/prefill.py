@@ -76,6 +76,6 @@ def prefill_and_accuracy(
         if profile is not None and batch == batches[0]:
             profiled(step, profile)
             if device.type == "cuda":
-                kernel_split(row, gpu_profile(step)[0], 1)
+                kernel_split(row, gpu_profile(step)["kernels"], 1)
         rows.append(row)
     return rows

@@ -58,6 +58,9 @@ def model_table(rows: list[dict]) -> str:
             ("fp8_own", "bf16_inductor_own"),
             ("fp8_ro_own", "bf16_inductor_ro_own"),
             ("fp8_ro_release", "bf16_inductor_ro_own"),
+            ("fp8_ro_lean", "bf16_inductor_ro_lean"),
+            ("fp8_ro_lean", "fp8_ro"),
+            ("bf16_inductor_ro_lean", "bf16_inductor_ro"),
             ("fp8_rowwise", "bf16_inductor"),
             ("fp8_rowwise_ro", "bf16_inductor_ro"),
             ("fp8_rowwise", "fp8"),
@@ -91,6 +94,18 @@ def model_table(rows: list[dict]) -> str:
             ]
             first = f"{firsts[0] / firsts[1]:>11.2f}" if None not in firsts else f"{'-':>11}"
             lines.append(f"{fp8 + '/' + bf16:<20}" + "".join(ratios) + pre + first)
+        limited = [r for r in mine if r["kind"] == "decode" and r.get("read_limit_ms")]
+        if limited:
+            lines.append(
+                f"decode against its read limit (weights and live KV bytes a step must read, at "
+                f"{limited[0]['read_tbps']:.2f} TB/s, this GPU's plain read): GB, limit ms, "
+                "share of it reached by wall time (and by GPU time, --profile)"
+            )
+            lines += [
+                f"{r['variant']:<20}{_step_name(r):>8}{r['step_read_gb']:>8.2f}{r['read_limit_ms']:>8.2f}"
+                f"{r['wall_of_limit']:>8.0%}" + (f"{r['gpu_of_limit']:>8.0%}" if "gpu_of_limit" in r else "")
+                for r in limited
+            ]
         split = [r for r in mine if r.get("kernel_ms_per_step")]
         if split:
             kinds = list(split[0]["kernel_ms_per_step"])
@@ -116,6 +131,12 @@ def model_table(rows: list[dict]) -> str:
                         f"GPU idle, {r['variant']} {_step_name(r)}: {r['gpu_idle_ms_per_step']:.3f} ms per "
                         "step, most between: "
                         + "; ".join(f"{where} {ms:.3f}" for where, ms in r["top_gpu_idle_ms_per_step"][:4])
+                    )
+                if "gpu_idle_ms_per_step_by_owner" in r:
+                    owners = sorted(r["gpu_idle_ms_per_step_by_owner"].items(), key=lambda item: -item[1])
+                    lines.append(
+                        "  the host meanwhile, ms per step: "
+                        + "; ".join(f"{who} {ms:.3f}" for who, ms in owners)
                     )
     return "\n".join(lines)
 

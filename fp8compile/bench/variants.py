@@ -30,6 +30,8 @@ VARIANTS = (
     "fp8_own",
     "bf16_inductor_ro_own",
     "fp8_ro_own",
+    "bf16_inductor_ro_lean",
+    "fp8_ro_lean",
     "fp8_ro_release",
     "fp8_rowwise",
     "fp8_rowwise_ro",
@@ -43,13 +45,14 @@ class Variant:
     backend: object  # None = eager
     mode: str | None = None
     own: bool = False  # decode through the user's own torch.compile of model.forward, not a CompileConfig
+    lean: bool = False  # decode through LeanDecoder (lean_decode.py), not generate()
     # torch.compile's dynamic; False when sharded (tp.py: DTensor under automatic dynamic shapes fails)
     dynamic: bool | None = None
 
     def compile_config(self, device):
         from transformers.generation.configuration_utils import CompileConfig
 
-        if self.backend is None or self.own:
+        if self.backend is None or self.own or self.lean:
             return None
         config = CompileConfig(backend=self.backend, mode=self.mode or "default", dynamic=self.dynamic)
         config._compile_all_devices = (
@@ -95,6 +98,8 @@ def make_variant(name: str, recipe: str = "block"):
         return dataclasses.replace(variant, name=name, backend=fp8compile.backend(config))
     mode = "reduce-overhead" if "ro" in name.split("_") else None
     own = name.endswith(("_own", "_release"))
+    if name.endswith("_lean"):
+        return dataclasses.replace(make_variant(name.removesuffix("_lean"), recipe), name=name, lean=True)
     if name == "bf16":
         return Variant(name, None)
     if name.startswith("bf16_inductor"):
