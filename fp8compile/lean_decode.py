@@ -20,7 +20,10 @@ sequence's new tokens, padding after its end-of-sequence token (tests/test_lean_
 prompt runs eagerly, as generate() runs it, unless `compile_prefill` (then through its own
 torch.compile with the same backend, default mode, dynamic over the prompt's length). The decoder
 keeps one StaticCache per batch size and length, so a second call of the same shape reuses the
-compiled step and its CUDA graphs.
+compiled step and its CUDA graphs. It takes nothing from the model's generation_config but its
+pad token: greedy unless asked to sample, and none of generate()'s other logits processors
+(forced tokens, penalties, minimum lengths), which it names in a warning where the model's
+generation_config sets them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import types
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -133,6 +137,14 @@ class LeanDecoder:
         )
         self._caches: dict[tuple, object] = {}
         self._masks = _mask_maker(model)
+        asked = not_applied(getattr(model, "generation_config", None))
+        if asked:
+            warnings.warn(
+                f"LeanDecoder: {type(model).__name__}'s generation_config asks for {', '.join(asked)}, which "
+                "LeanDecoder does not apply (it chooses tokens greedily, or by temperature, top-k and top-p "
+                "when asked); model.generate() applies them",
+                stacklevel=2,
+            )
 
     def cache(self, batch: int, length: int):
         """The StaticCache for `batch` sequences of up to `length` tokens, its tensors made now,
@@ -266,6 +278,37 @@ class LeanDecoder:
             if bool(ended.any(dim=1).all()):  # every sequence ended: keep up to the last end
                 new = new[:, : int(ended.long().argmax(dim=1).max()) + 1]
         return torch.cat([input_ids, new], dim=1)
+
+
+# generate()'s logits processors that LeanDecoder does not run, with the value that leaves each off.
+PROCESSORS_OFF = {
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "sequence_bias": None,
+    "min_length": 0,
+    "min_new_tokens": 0,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "exponential_decay_length_penalty": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "min_p": None,
+}
+
+
+def not_applied(generation_config) -> list[str]:
+    """The options of a transformers GenerationConfig that generate() would apply as logits
+    processors and LeanDecoder does not: those set to anything but None or their off value."""
+    return [
+        f"{name}={getattr(generation_config, name)!r}"
+        for name, off in PROCESSORS_OFF.items()
+        if getattr(generation_config, name, None) not in (None, off)
+    ]
 
 
 def _mask_maker(model) -> Callable:

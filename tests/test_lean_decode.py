@@ -161,3 +161,11 @@ def test_a_model_without_a_static_cache_is_sent_to_generate():
     model._can_compile_fullgraph = False  # as transformers marks models that cannot
     with pytest.raises(ValueError, match="model.generate"):
         LeanDecoder(model)
+
+
+def test_logits_processors_the_generation_config_asks_for_are_named_in_a_warning():
+    model = architectures.build("llama").eval()
+    model.generation_config.forced_eos_token_id = 2
+    model.generation_config.repetition_penalty = 1.0  # its off value: not named
+    with pytest.warns(UserWarning, match=r"asks for forced_eos_token_id=2, which LeanDecoder does not apply"):
+        LeanDecoder(model)
