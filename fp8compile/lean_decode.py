@@ -147,20 +147,23 @@ class LeanDecoder:
             )
 
     def cache(self, batch: int, length: int):
-        """The StaticCache for `batch` sequences of up to `length` tokens, its tensors made now,
-        outside any compiled call (so that the step's graph takes them as static addresses), and
-        reset: one per shape, kept for the next call of the same shape."""
+        """The StaticCache for `batch` sequences of up to `length` tokens, reset: one per shape,
+        kept for the next call of the same shape. Its tensors are made by the first prompt, which
+        runs eagerly and so makes them static addresses for the step's graph, in the shapes the
+        attention layers give them (an MLA model's keys and values differ in width); with
+        compile_prefill, before it, from the config's head counts and width."""
         from transformers import StaticCache
 
         key = (batch, length)
         if key not in self._caches:
-            param = next(self.model.parameters())
-            config = self.model.config.get_text_config(decoder=True)
-            heads = config.num_attention_heads
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-            kv_heads = getattr(config, "num_key_value_heads", None) or heads
             cache = StaticCache(config=self.model.config, max_cache_len=length)
-            cache.early_initialization(batch, kv_heads, head_dim, param.dtype, param.device)
+            if self.prefill is not self.model:
+                param = next(self.model.parameters())
+                config = self.model.config.get_text_config(decoder=True)
+                heads = config.num_attention_heads
+                head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+                kv_heads = getattr(config, "num_key_value_heads", None) or heads
+                cache.early_initialization(batch, kv_heads, head_dim, param.dtype, param.device)
             self._caches[key] = cache
         cache = self._caches[key]
         cache.reset()
@@ -222,9 +225,12 @@ class LeanDecoder:
             positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         offsets = positions[:, -1] + 1 - prompt
         cache_name, keep = self._names
+        # A hybrid model's recurrent layers read the prompt's own padding mask (generate()'s);
+        # its attention layers, and the others', build theirs from the cache's whole length.
+        recurrent = any(not hasattr(layer, "get_seq_length") for layer in cache.layers)
         out = self.prefill(
             input_ids=input_ids,
-            attention_mask=mask,
+            attention_mask=attention_mask if recurrent and mask is not None else mask,
             position_ids=positions,
             cache_position=torch.arange(prompt, device=device),
             use_cache=True,
@@ -244,7 +250,11 @@ class LeanDecoder:
         # the second call, a recording a step: 105 ms a step for Mistral-7B-v0.1 on an H200). Such
         # a model gets its masks built eagerly before each step, as generate() builds them, and
         # the graph takes them as tensors.
-        eager_masks = any(not isinstance(layer.get_seq_length(), torch.Tensor) for layer in cache.layers)
+        eager_masks = any(
+            not isinstance(layer.get_seq_length(), torch.Tensor)
+            for layer in cache.layers
+            if hasattr(layer, "get_seq_length")  # a hybrid model's linear-attention layers have none
+        )
         steps = 1
         for i in range(1, max_new_tokens):
             step_mask = (

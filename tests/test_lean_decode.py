@@ -59,6 +59,33 @@ def test_greedy_lean_decode_gives_generates_tokens_with_left_padding_and_an_end_
     assert (ended[0, 10 + 4 :] == 0).all()  # padding after the end token
 
 
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "deepseek_v3",  # MLA: keys and values of different widths in the cache
+        "nemotron_h",  # hybrid: recurrent layers beside attention ones, reading the prompt's mask
+        "gpt_bigcode",  # one KV head
+        "bloom",  # ALiBi, built from the padding mask
+        "gpt2",  # learned absolute positions
+    ],
+)
+def test_lean_decode_gives_generates_tokens_whatever_the_cache_and_positions(arch):
+    model = architectures.build(arch).eval()
+    model.generation_config.eos_token_id = None
+    ids, mask = _prompt(model)
+    with torch.no_grad():
+        expected = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=6,
+            do_sample=False,
+            cache_implementation="static",
+            pad_token_id=0,
+        )
+        got = LeanDecoder(model, backend="eager", mode=None).generate(ids, 6, attention_mask=mask)
+    assert torch.equal(got, expected)
+
+
 def test_a_second_call_of_the_same_shape_compiles_nothing_and_the_step_is_one_graph():
     model = architectures.build("llama").eval()
     ids, _ = _prompt(model)
