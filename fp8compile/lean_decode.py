@@ -16,7 +16,8 @@ token can end it early. The host runs ahead of the GPU, and the GPU's time per s
 
 Greedy, `tokens` are what `model.generate(input_ids, attention_mask=mask, max_new_tokens=128,
 do_sample=False, cache_implementation="static", eos_token_id=2)` returns: the prompt, then each
-sequence's new tokens, padding after its end-of-sequence token (tests/test_lean_decode.py). The
+sequence's new tokens, padding after its end-of-sequence token (tests/test_lean_decode.py;
+docs/models.md names the few architectures where they differ, and why). The
 prompt runs eagerly, as generate() runs it, unless `compile_prefill` (then through its own
 torch.compile with the same backend, default mode, dynamic over the prompt's length). The decoder
 keeps one StaticCache per batch size and length, so a second call of the same shape reuses the

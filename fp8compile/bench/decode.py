@@ -237,15 +237,13 @@ def decode(
     own_cache = variant.own or tp_bench.sharded_kv_heads(model) is not None
     cache = static_cache(model, batch, context + steps + 1, device) if own_cache else None
 
-    generate = _lean_generate(model, variant, ids, steps) if variant.lean else None
-
     def generate_call(**more):
         if cache is None:
             return model.generate(ids, cache_implementation="static", **{**kwargs, **more})
         cache.reset()  # generate() does not reset a cache it is given
         return model.generate(ids, past_key_values=cache, **{**kwargs, **more})
 
-    generate = generate or generate_call
+    generate = _lean_generate(model, variant, ids, steps) if variant.lean else generate_call
     start = time.perf_counter()
     generate()
     sync(device)
