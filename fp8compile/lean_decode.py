@@ -219,7 +219,9 @@ class LeanDecoder:
             # the whole cache's length, fixed, so every step's graph has the same shapes
             mask = torch.ones(batch, length, dtype=attention_mask.dtype, device=device)
             mask[:, :prompt] = attention_mask
-        # positions count a sequence's own tokens: left padding shifts them (as generate() does)
+        # positions count a sequence's own tokens: left padding shifts them back, so that a padded
+        # sequence is positioned as it would be alone (rotary models decode the same either way;
+        # docs/models.md says where transformers' generate() positions padded rows otherwise)
         if attention_mask is None:
             positions = torch.arange(prompt, device=device).expand(batch, prompt)
         else:
