@@ -157,15 +157,11 @@ class LeanDecoder:
 
         key = (batch, length)
         if key not in self._caches:
-            cache = StaticCache(config=self.model.config, max_cache_len=length)
-            if self.prefill is not self.model:
-                param = next(self.model.parameters())
-                config = self.model.config.get_text_config(decoder=True)
-                heads = config.num_attention_heads
-                head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-                kv_heads = getattr(config, "num_key_value_heads", None) or heads
-                cache.early_initialization(batch, kv_heads, head_dim, param.dtype, param.device)
-            self._caches[key] = cache
+            if self.prefill is self.model:
+                self._caches[key] = StaticCache(config=self.model.config, max_cache_len=length)
+            else:
+                device = next(self.model.parameters()).device
+                self._caches[key] = static_cache_made_now(self.model, batch, length, device)
         cache = self._caches[key]
         cache.reset()
         return cache
@@ -291,6 +287,22 @@ class LeanDecoder:
             if bool(ended.any(dim=1).all()):  # every sequence ended: keep up to the last end
                 new = new[:, : int(ended.long().argmax(dim=1).max()) + 1]
         return torch.cat([input_ids, new], dim=1)
+
+
+def static_cache_made_now(model, batch: int, length: int, device, kv_heads: int | None = None):
+    """A transformers StaticCache for `batch` sequences of up to `length` tokens, its tensors made
+    now, outside any compiled call, from the config's head counts and width (kv_heads: a
+    sharded model's per-rank count): for a prompt that runs compiled, where the cache would
+    otherwise be made inside the graph and not be static addresses."""
+    from transformers import StaticCache
+
+    config = model.config.get_text_config(decoder=True)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = kv_heads or getattr(config, "num_key_value_heads", None) or heads
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    cache.early_initialization(batch, kv_heads, head_dim, model.dtype, device)
+    return cache
 
 
 # generate()'s logits processors that LeanDecoder does not run, with the value that leaves each off.

@@ -102,6 +102,18 @@ def test_a_second_call_of_the_same_shape_compiles_nothing_and_the_step_is_one_gr
     assert torch.equal(shorter, first[:, : ids.shape[1] + 5])
 
 
+def test_a_compiled_prompt_gives_the_eager_prompts_tokens_from_a_cache_made_before_it():
+    model = architectures.build("llama").eval()
+    ids, mask = _prompt(model)
+    with torch.no_grad():
+        eager = LeanDecoder(model, backend="eager", mode=None).generate(ids, 8, attention_mask=mask)
+        decoder = LeanDecoder(model, backend="eager", mode=None, compile_prefill=True)
+        compiled = decoder.generate(ids, 8, attention_mask=mask)
+    assert torch.equal(compiled, eager)
+    layer = decoder.cache(2, 18).layers[0]
+    assert layer.is_initialized and layer.keys.shape == (2, 2, 18, 64)  # made from the config
+
+
 def test_every_sequence_ended_stops_the_loop_at_the_next_check():
     model = architectures.build("llama").eval()
     ids = torch.randint(3, model.config.vocab_size, (1, 6))

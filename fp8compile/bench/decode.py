@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..lean_decode import LeanDecoder
+from ..lean_decode import LeanDecoder, static_cache_made_now
 from . import limits
 from . import tp as tp_bench
 from .output import profiled
@@ -196,14 +196,7 @@ def static_cache(model, batch: int, max_len: int, device):
     inside the compiled prompt: its position counter comes in as a CPU tensor (Inductor runs that
     graph without CUDA graphs) and its keys and values are made there, not marked as static
     addresses, so every decode step's graph takes them as ordinary inputs."""
-    from transformers import StaticCache
-
-    config = model.config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    cache = StaticCache(config=model.config, max_cache_len=max_len)
-    heads = tp_bench.sharded_kv_heads(model) or getattr(config, "num_key_value_heads", None)
-    cache.early_initialization(batch, heads or config.num_attention_heads, head_dim, model.dtype, device)
-    return cache
+    return static_cache_made_now(model, batch, max_len, device, tp_bench.sharded_kv_heads(model))
 
 
 def decode(
@@ -298,18 +291,10 @@ def decode(
             row["top_host_ranges_during_idle_ms_per_step"] = [[name, ms] for name, ms in ranges]
     # the mean step's live cache: the prompt and half the new tokens
     fp8 = variant.name.startswith(("fp8", "torchao"))
-    limits.limit_columns(row, limits.step_bytes(model, batch, context + steps // 2, fp8), read_rate(device))
+    limits.limit_columns(
+        row, limits.step_bytes(model, batch, context + steps // 2, fp8), limits.read_rate_tbps(device)
+    )
     return row
-
-
-_READ_RATE: dict = {}
-
-
-def read_rate(device) -> float | None:
-    """limits.read_rate_tbps, measured once a process."""
-    if device not in _READ_RATE:
-        _READ_RATE[device] = limits.read_rate_tbps(device)
-    return _READ_RATE[device]
 
 
 def _lean_generate(model, variant: Variant, ids, steps: int):

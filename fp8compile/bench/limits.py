@@ -10,6 +10,8 @@ tilings; on an H100 it reaches about 2.9 TB/s of the 3.35 peak (BENCHMARKS.md, W
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import architectures
@@ -65,8 +67,10 @@ def kv_bytes(model: torch.nn.Module, batch: int, context: int) -> float:
     return 2 * batch * positions * kv_heads * head_dim * element
 
 
+@functools.cache
 def read_rate_tbps(device: torch.device) -> float | None:
-    """This GPU's plain read of FP8 weights, TB/s (module docstring); None off the GPU."""
+    """This GPU's plain read of FP8 weights, TB/s (module docstring), measured once a process;
+    None off the GPU."""
     if device.type != "cuda":
         return None
     from . import harness
