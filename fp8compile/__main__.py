@@ -84,7 +84,9 @@ def _models(args) -> int:
     dtype = getattr(torch, args.dtype)
     if args.in_process:  # one architecture, its row as JSON on the last line
         (arch,) = args.arch
-        row = architectures.run(arch, device=args.device, modes=tuple(args.generate), dtype=dtype)
+        row = architectures.run(
+            arch, device=args.device, modes=tuple(args.generate), dtype=dtype, null=args.null
+        )
         print(json.dumps(dataclasses.asdict(row)))
         return 0
     archs = args.arch or architectures.causal_lm_architectures()
@@ -93,7 +95,12 @@ def _models(args) -> int:
     print(architectures.table([], modes))
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # each its own process
         run = functools.partial(
-            architectures.run_isolated, timeout=args.timeout, device=args.device, modes=modes, dtype=dtype
+            architectures.run_isolated,
+            timeout=args.timeout,
+            device=args.device,
+            modes=modes,
+            dtype=dtype,
+            null=args.null,
         )
         for row in pool.map(run, archs):
             rows.append(row)
@@ -155,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["bfloat16", "float16"],
         default="bfloat16",
         help="the models' dtype (float16: each bound by its own float16 composition)",
+    )
+    models.add_argument(
+        "--null",
+        action="store_true",
+        help="with --generate: time bf16 Inductor on both sides, the ratio the timing reads where "
+        "nothing differs (its noise floor)",
     )
     models.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # one arch, JSON out
     bench = sub.add_parser(

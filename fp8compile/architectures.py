@@ -304,12 +304,14 @@ def run(
     device: str = "cpu",
     modes: tuple[str, ...] = (),
     dtype: torch.dtype = torch.bfloat16,
+    null: bool = False,
 ) -> Row:
     """One architecture through the matrix (module docstring), its model in `dtype` (float16: the
     bound is its own float16 composition's). On "cuda" the compiled model runs the GPU kernels the
     registry picks, and eager and the composition run there too.
     modes: also generate() in these compile modes, bf16 Inductor beside fp8 (generate_check;
-    timed on a GPU): an exception of fp8's side there makes the row "failed"."""
+    timed on a GPU): an exception of fp8's side there makes the row "failed". null: time bf16
+    Inductor on both sides instead (generate_check.decode), the ratio's noise floor."""
     import fp8compile
 
     begin = time.perf_counter()
@@ -352,16 +354,16 @@ def run(
         row.status = "rewritten"
     else:
         row.status = "over bound"
-    _decode(row, model, device, modes)
+    _decode(row, model, device, modes, null)
     row.seconds = time.perf_counter() - begin
     return row
 
 
-def _decode(row: Row, model, device: str, modes: tuple[str, ...]) -> None:
+def _decode(row: Row, model, device: str, modes: tuple[str, ...], null: bool = False) -> None:
     from . import generate_check
 
     for mode in modes:
-        result = generate_check.decode(model, mode, device, timed=device != "cpu")
+        result = generate_check.decode(model, mode, device, timed=device != "cpu", null=null)
         row.decode.append(dataclasses.asdict(result))
         if result.error.startswith("fp8"):
             row.status, row.note = "failed", f"generate() in {mode}: {result.error}"
@@ -373,6 +375,7 @@ def run_isolated(
     device: str = "cpu",
     modes: tuple[str, ...] = (),
     dtype: torch.dtype = torch.bfloat16,
+    null: bool = False,
 ) -> Row:
     """run(arch) in a fresh Python process: an architecture that exhausts memory, hangs or kills
     its process becomes a "failed" row instead of ending the matrix (and compiled graphs do not
@@ -384,7 +387,7 @@ def run_isolated(
     begin = time.perf_counter()
     command = [sys.executable, "-m", "fp8compile", "models", "--in-process", "--device", device, arch]
     command += ["--dtype", dtypes.name(dtype)]
-    command += [f"--generate={mode}" for mode in modes]
+    command += [f"--generate={mode}" for mode in modes] + ["--null"] * null
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -442,4 +445,6 @@ def _decode_cell(row: Row, mode: str) -> str:
         return d["error"].replace("|", "/")
     bf16, fp8 = d["bf16_tokens_per_s"], d["fp8_tokens_per_s"]
     speed = f"{fp8:.0f} / {bf16:.0f} = {fp8 / bf16:.2f}x" if bf16 and fp8 else "ran"
+    if d.get("null"):
+        return f"null (bf16 Inductor on both sides): {speed}, {d['recompiles']}"
     return f"{speed}, {d['recompiles']}, {d['cuda_graphs'] or '-'}"

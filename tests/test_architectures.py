@@ -256,21 +256,42 @@ def test_generate_in_the_matrix_tells_a_crash_of_fp8_from_the_models_own(monkeyp
     assert header.count("|") == line.count("|")
 
 
-def test_generate_in_the_matrix_gives_tokens_per_second_on_both_sides(monkeypatch):
+def test_generate_in_the_matrix_gives_tokens_per_second_on_both_sides_dropping_the_first_block(monkeypatch):
     from fp8compile import generate_check
 
     sides = []
+    block_seconds = iter([9.0, 0.2, 0.5, 0.5, 0.3])  # the first block is slowest: not counted
 
     def fake_generate(model, ids, backend, mode, repeat):
         sides.append("bf16" if backend == "inductor" else "fp8")
-        return (0.2 if len(sides) == 2 else 0.3) if backend != "inductor" else 0.5, 0
+        return next(block_seconds), 0
 
     monkeypatch.setattr(generate_check, "_generate_timed", fake_generate)
     result = generate_check.decode(architectures.build("llama"), "reduce-overhead", "cpu", timed=True)
-    # bf16, fp8, fp8, bf16: each side's mean position in the process is the same
-    assert sides == ["bf16", "fp8", "fp8", "bf16"]
+    # a bf16 block first, then fp8, bf16, bf16, fp8: each side's counted blocks sit at the same
+    # mean position in the process
+    assert sides == ["bf16", "fp8", "bf16", "bf16", "fp8"]
     assert (result.bf16_tokens_per_s, result.fp8_tokens_per_s) == (64.0, 128.0)  # fp8: the mean, 0.25 s
-    assert result.recompiles == 0 and result.error == ""
+    assert [side for side, _ in result.blocks] == sides and result.blocks[0][1] == 9.0
+    assert result.recompiles == 0 and result.error == "" and not result.null
+
+
+def test_the_null_check_times_bf16_inductor_on_both_sides_and_says_so(monkeypatch):
+    from fp8compile import generate_check
+
+    backends = []
+
+    def fake_generate(model, ids, backend, mode, repeat):
+        backends.append(backend)
+        return 0.5, 0
+
+    monkeypatch.setattr(generate_check, "_generate_timed", fake_generate)
+    row = architectures.Row("llama", "rewritten", counts={"linear": 14})
+    architectures._decode(row, architectures.build("llama"), "cuda", ("reduce-overhead",), null=True)
+    assert backends == ["inductor"] * len(generate_check.TIMED_ORDER)
+    (decoded,) = row.decode
+    assert decoded["null"] and decoded["bf16_tokens_per_s"] == decoded["fp8_tokens_per_s"] == 64.0
+    assert "null (bf16 Inductor on both sides): 64 / 64 = 1.00x" in architectures.table([row])
 
 
 def test_generate_check_times_the_median_of_its_repeated_calls_after_one_warm_up(monkeypatch):
