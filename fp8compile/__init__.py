@@ -6,8 +6,9 @@
 
 Importing this package registers the torch.ops.fp8compile ops and sets
 TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=1 unless it is set (Inductor's compile
-workers then launch our Triton kernels with less host time); it does not initialise CUDA or
-import any vendor kernel library.
+workers then launch our Triton kernels with less host time); once transformers' FP8 integration
+is imported too, it has Dynamo trace an FP8 checkpoint's linears as one op (checkpoints.py). It does
+not initialise CUDA or import any vendor kernel library.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from . import ops, registry  # noqa: F401  (the ops, torch.ops.fp8compile.*, and their kernel table)
+from . import checkpoints
 from .calibrate import calibrate, load_scales, save_scales
 from .backend import Fp8Backend, fp8_backend, last_report, static_launch_for_user_kernels
 from .config import Fp8Config, make_config
@@ -31,6 +33,9 @@ __version__ = "0.1.0"
 # Before any compile starts Inductor's compile workers, which read it once, when they start
 # (backend.static_launch_for_user_kernels): set later, the workers are restarted.
 static_launch_for_user_kernels()
+# An FP8 checkpoint's linears as fp8compile::checkpoint_linear when Dynamo traces them, from
+# when transformers' FP8 integration is imported (now, or later).
+checkpoints.install_when_imported()
 
 
 def backend(config: Fp8Config | dict | None = None, **options: Any) -> Fp8Backend:

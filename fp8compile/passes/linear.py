@@ -142,6 +142,11 @@ def linear_extra_check(ctx: PassContext, match: LinearMatch, name: str) -> str |
         return f"matches skip pattern {pattern!r}"
     if match.node in ctx.keep_bf16:
         return ctx.keep_bf16[match.node]
+    if ctx.fp8_checkpoint and not ctx.config.quantize_checkpoint_bf16:
+        return (
+            "the FP8 checkpoint this model was loaded from keeps it in bf16 (its modules_to_not_convert); "
+            "Fp8Config(quantize_checkpoint_bf16=True) quantizes it too"
+        )
     k, n = w_val.shape if match.transposed else reversed(w_val.shape)
     recipe = ctx.config.recipe
     if recipe == "block" and k < BLOCK:

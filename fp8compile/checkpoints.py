@@ -1,0 +1,120 @@
+"""FP8 checkpoints as transformers loads them: Dynamo traces their linears as one op.
+
+A model loaded from an FP8 checkpoint (`FineGrainedFP8Config`: DeepSeek-V3, Qwen3-*-FP8 and the
+like) holds `FP8Linear` modules whose forward calls transformers' `fp8_linear`, which picks
+DeepGEMM or a Triton kernel from the Hub at run time. Dynamo cannot trace that choice (on a
+machine with neither, tracing it fails), and a traced graph would hold another library's kernel
+calls where the passes look for a linear. So `install()` registers, with Dynamo only, a
+substitute for `fp8_linear` that is one call of fp8compile::checkpoint_linear
+(ops/linear/checkpoint.py) with the same arguments. Eager calls are untouched: the substitute
+is what Dynamo traces, and the op's kernel is transformers' function itself. The checkpoint_linear
+pass then puts the sites it can serve on fp8compile's FP8 linear, with the checkpoint's own
+weights and scales (passes/checkpoint_linear.py).
+
+The substitute is registered once a process, when both fp8compile and transformers' FP8
+integration are imported, in either order (`install_when_imported`): a model's FP8 modules come
+from that integration, so it is imported before any of them exists, and Dynamo traces nothing
+before the model's first compiled call.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import inspect
+import sys
+
+import torch
+
+MODULE = "transformers.integrations.finegrained_fp8"
+# transformers' fp8_linear's parameters, in order, that the substitute passes on
+PARAMETERS = (
+    "input",
+    "weight",
+    "weight_scale_inv",
+    "block_size",
+    "bias",
+    "activation_scale",
+    "allow_deepgemm",
+)
+
+_state: dict[str, str | None] = {}  # "installed": None once installed, else why not
+
+
+def install(import_transformers: bool = False) -> str | None:
+    """Register the substitute for transformers' fp8_linear with Dynamo; None once it is, else
+    why not (transformers' FP8 integration not imported, or a fp8_linear this does not know).
+    import_transformers: import the integration if it is not yet."""
+    if "installed" in _state and _state["installed"] is None:
+        return None
+    if MODULE not in sys.modules and not import_transformers:
+        return f"{MODULE} is not imported: no FP8 checkpoint module exists yet"
+    try:
+        from transformers.integrations import finegrained_fp8
+    except ImportError as error:
+        return _remember(f"transformers' FP8 integration does not import: {error}")
+    original = getattr(finegrained_fp8, "fp8_linear", None)
+    if original is None:
+        return _remember(f"{MODULE} has no fp8_linear")
+    names = tuple(inspect.signature(original).parameters)
+    if names != PARAMETERS:
+        return _remember(f"{MODULE}.fp8_linear takes {names}, not the {PARAMETERS} this knows")
+
+    def fp8_linear(
+        input,
+        weight,
+        weight_scale_inv,
+        block_size=None,
+        bias=None,
+        activation_scale=None,
+        allow_deepgemm=True,
+    ):
+        return torch.ops.fp8compile.checkpoint_linear(
+            input, weight, weight_scale_inv, bias, activation_scale, block_size, allow_deepgemm
+        )
+
+    try:
+        torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(fp8_linear)
+    except (TypeError, ValueError, AttributeError) as error:  # a torch that refuses it
+        return _remember(f"Dynamo does not take a substitute for fp8_linear: {error}")
+    return _remember(None)
+
+
+def install_when_imported() -> None:
+    """install() now if transformers' FP8 integration is imported, else right after its import."""
+    if MODULE in sys.modules:
+        install()
+    elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when MODULE is imported, it has the finders after it find the
+    module and makes its loader call install() once the module has run. Gone after that."""
+
+    def find_spec(self, name, path, target=None):
+        if name != MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module, run=run):
+            run(module)
+            install()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _remember(why: str | None) -> str | None:
+    _state["installed"] = why
+    return why
+
+
+def status() -> str:
+    """For the report: whether FP8 checkpoint linears trace as fp8compile::checkpoint_linear."""
+    why = _state.get("installed", "not tried")
+    return "traced as fp8compile::checkpoint_linear" if why is None else f"not traced as one op ({why})"

@@ -1,0 +1,174 @@
+"""checkpoint_linear pass: an FP8 checkpoint's linear, as transformers loads it, onto
+fp8compile's FP8 linear with the checkpoint's own weights and scales.
+
+Dynamo traces transformers' `FP8Linear` as fp8compile::checkpoint_linear (checkpoints.py). A
+site of 128x128 weight blocks with dynamic activation scales (DeepSeek-V3's recipe, which
+`FineGrainedFP8Config` saves) is what fp8compile's block recipe computes: x quantized 1x128 per
+token, the weight (N, K) e4m3fn with one fp32 scale a 128x128 block (its `weight_scale_inv`,
+the factor that dequantizes it). It becomes fp8compile::qlinear behind the M dispatch, reading
+the checkpoint's tensors in place: no requantization, no bf16 copy (UE8M0 scales only get an
+fp32 copy of the scales). A gated MLP's down projection becomes fp8compile::gated_qlinear, its
+activation and quantization in the GEMM's kernel, as the silu_mul fusion makes of a bf16 one.
+Any other site keeps the op, which runs transformers' own kernel, and the report says why.
+Not yet: q|k|v and gate|up merged into one GEMM (that needs one tensor of both checkpoints'
+weights, a copy the memory of an FP8 checkpoint has no room for while the model holds its own).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from ..numerics import BLOCK
+from . import dispatch, dtypes
+from .context import PassContext
+from .linear import _skip_pattern, module_name
+from .silu_mul import silu_mul_pattern
+
+TARGET = torch.ops.fp8compile.checkpoint_linear.default
+QLINEAR = torch.ops.fp8compile.qlinear.default
+GATED_QLINEAR = torch.ops.fp8compile.gated_qlinear.default
+ARGUMENTS = ("x", "weight", "weight_scale_inv", "bias", "activation_scale", "block_size", "allow_deepgemm")
+DEFAULTS = {"bias": None, "activation_scale": None, "block_size": None, "allow_deepgemm": True}
+E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)
+DETAIL = "FP8 checkpoint: its weights and 128x128 block scales, in place"
+
+
+def arguments(node: fx.Node) -> dict:
+    """The op's arguments by name, defaults filled in."""
+    bound = dict(DEFAULTS)
+    bound.update(zip(ARGUMENTS, node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
+def why_not(ctx: PassContext, a: dict, name: str) -> str | None:
+    """Why this checkpoint linear stays as transformers runs it, or None."""
+    weight, scale, x = a["weight"], a["weight_scale_inv"], a["x"]
+    if (pattern := _skip_pattern(name, ctx.config.skip)) is not None:
+        return f"matches skip pattern {pattern!r}"
+    if ctx.parameter(weight) is None or ctx.parameter(scale) is None:
+        return "its FP8 weight or scale is not a parameter of the model"
+    w_val, s_val, x_val = weight.meta["val"], scale.meta["val"], x.meta["val"]
+    if w_val.dtype != torch.float8_e4m3fn:
+        return f"weight dtype {dtypes.name(w_val.dtype)}: fp8compile's kernels read e4m3fn weights"
+    if list(a["block_size"] or ()) != [BLOCK, BLOCK]:
+        scales = "one scale for the whole weight" if a["block_size"] is None else f"{a['block_size']} blocks"
+        return f"the checkpoint's weight scales are {scales}: fp8compile serves 128x128 blocks"
+    if a["activation_scale"] is not None:
+        return "a static activation scale from the checkpoint: fp8compile's block recipe scales per token"
+    if (why := dtypes.why_not({x_val.dtype}, "linears")) is not None:
+        return why
+    n, k = w_val.shape
+    if k % BLOCK:
+        return f"K={k} is not a whole number of 128-wide groups: it would need a padded copy of the weight"
+    if n < BLOCK:
+        return f"N={n} is less than one {BLOCK}-row weight block"
+    if tuple(s_val.shape) != (-(-n // BLOCK), k // BLOCK) or s_val.dtype not in (torch.float32, E8M0_DTYPE):
+        return (
+            f"weight_scale_inv is {tuple(s_val.shape)} {dtypes.name(s_val.dtype)}, not fp32 or UE8M0 "
+            f"({-(-n // BLOCK)}, {k // BLOCK}) for a ({n}, {k}) weight"
+        )
+    bias = a["bias"]
+    if bias is not None and (bias.meta["val"].dtype != x_val.dtype or tuple(bias.meta["val"].shape) != (n,)):
+        b = bias.meta["val"]
+        return f"bias is {tuple(b.shape)} {dtypes.name(b.dtype)}, not ({n},) {dtypes.name(x_val.dtype)}"
+    return None
+
+
+def _fp32_scales(ctx: PassContext, scale: fx.Node, name: str) -> fx.Node:
+    """The scales as fp32: the parameter itself, or for UE8M0 scales an fp32 copy (a graph input)."""
+    if scale.meta["val"].dtype == torch.float32:
+        return scale
+    (node,) = ctx.derived_inputs(("checkpoint_scale_fp32",), (f"{name}_scale_fp32",), [scale], _as_fp32)
+    return node
+
+
+def _as_fp32(scale: torch.Tensor) -> tuple[torch.Tensor]:
+    with unset_fake_temporarily(), torch.no_grad():  # made while compiling, then per changed call
+        return (scale.float(),)
+
+
+def _unflatten(ctx: PassContext, out: fx.Node, like: fx.Node, n: int) -> fx.Node:
+    """out (M, N) viewed as like's leading dimensions and N."""
+    shape = like.meta["val"].shape
+    if len(shape) == 2:
+        return out
+    graph, sizes = ctx.gm.graph, []
+    for dim, size in enumerate(shape[:-1]):
+        if isinstance(size, torch.SymInt):
+            node = graph.call_function(torch.ops.aten.sym_size.int, (like, dim))
+            node.meta["val"] = size
+            sizes.append(node)
+        else:
+            sizes.append(size)
+    view = graph.call_function(torch.ops.aten.reshape.default, (out, [*sizes, n]))
+    view.meta["val"] = ctx.fake(torch.ops.aten.reshape.default, out, [*shape[:-1], n])
+    return view
+
+
+def _gated(ctx: PassContext, x: fx.Node) -> tuple[tuple[fx.Node, fx.Node], dict] | None:
+    """((a, b), the activation's op kwargs) where x is a gated MLP's act(a, b) that the silu_mul
+    fusion serves (silu_mul.silu_mul_pattern) and a has x's leading dimensions; else None."""
+    if "silu_mul" not in ctx.config.fusions:
+        return None
+    found = silu_mul_pattern(x)
+    if not isinstance(found, tuple):
+        return None
+    a, b, act = found
+    if tuple(a.meta["val"].shape[:-1]) != tuple(x.meta["val"].shape[:-1]):
+        return None
+    return (a, b), act
+
+
+def rewrite(ctx: PassContext, node: fx.Node, a: dict, name: str) -> None:
+    """node -> qlinear(x, weight, scales, bias) behind the M dispatch (gated_qlinear(a, b, ...)
+    where x is a gated MLP's act(a, b): its activation and quantization in one kernel), or kept
+    with the reason."""
+    weight = a["weight"]
+    n, k = weight.meta["val"].shape
+    shape = f"{n}x{k}"
+    if (why := why_not(ctx, a, name)) is not None:
+        ctx.skipped("linear", name, why, shape)
+        return
+    kind, target, op, activations, act, detail = "linear", QLINEAR, "linear", (a["x"],), {}, DETAIL
+    if (gated := _gated(ctx, a["x"])) is not None:
+        activations, act = gated
+        kind, target, op = "silu_mul", GATED_QLINEAR, "gated_linear"
+        detail = f"{act.get('activation', 'silu')}, {DETAIL}"
+    device, dtype = weight.meta["val"].device, a["x"].meta["val"].dtype
+    if (why := dispatch.gpu_why_not(ctx, op, device)) is not None:
+        ctx.skipped(kind, name, why, shape)
+        return
+    e8m0 = ctx.config.e8m0 or a["weight_scale_inv"].meta["val"].dtype == E8M0_DTYPE
+    with ctx.gm.graph.inserting_before(node):
+        flat = [dispatch.flatten(ctx, x) for x in activations]
+        m = flat[0].meta["val"].shape[0]
+        try:
+            sides = dispatch.plan(ctx, op, device, n, k, m, dtype)
+            scales = _fp32_scales(ctx, a["weight_scale_inv"], name)
+            out = dispatch.emit(
+                ctx,
+                target,
+                (*flat, weight, scales, a["bias"]),
+                {"e8m0": e8m0, **act},
+                m_source=flat[0],
+                sides=sides,
+                name=name,
+            )
+        except dispatch.NoDispatch as reason:
+            ctx.skipped(kind, name, str(reason), shape)
+            return
+        out = _unflatten(ctx, out, activations[0], n)
+    ctx.replace_uses(node, out)
+    ctx.gm.graph.erase_node(node)
+    ctx.rewrote(kind, name, m, n, k, [(s.label, s.kernel) for s in sides], detail)
+
+
+def checkpoint_linear_pass(ctx: PassContext) -> None:
+    for node in list(ctx.gm.graph.find_nodes(op="call_function", target=TARGET)):
+        a = arguments(node)
+        param = ctx.parameter(a["weight"]) if a["weight"].op == "placeholder" else None
+        name = module_name(param[1]) if param else a["weight"].name
+        ctx.at_site(name, lambda node=node, a=a, name=name: rewrite(ctx, node, a, name))

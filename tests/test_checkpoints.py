@@ -1,0 +1,267 @@
+"""FP8 checkpoints as transformers loads them (FineGrainedFP8Config: FP8Linear modules holding
+e4m3fn weights and their 128x128 block scales): compiled with backend="fp8", their linears run
+on fp8compile's FP8 linear with the checkpoint's own tensors, what it cannot serve stays as
+transformers runs it with the reason, and eager calls are untouched.
+
+Each model here is what transformers' loader builds for such a checkpoint: its own
+`replace_with_fp8_linear` swaps the linears, then the checkpoint's tensors are loaded into them.
+On the CPU transformers' own FP8 kernels do not load (a Hub download), so its forward is given
+the computation they make (`transformers_fp8_forward`): the activation quantized per token in
+groups of a block's width, the dequantized weight blocks.
+"""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp8compile
+from fp8compile import architectures, calc_diff
+from fp8compile.ops.linear import reference as linear_reference
+from fp8compile.ops.quant import reference as quant_reference
+from fp8compile.passes import checkpoint_linear
+from tests.conftest import gpu
+
+transformers = pytest.importorskip("transformers")
+finegrained_fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+
+E8M0 = getattr(torch, "float8_e8m0fnu", None)
+BLOCK_DETAIL = checkpoint_linear.DETAIL
+
+
+def _dequantized(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    rows = scale.float().repeat_interleave(block[0], 0)[: weight.shape[0]]
+    return weight.float() * rows.repeat_interleave(block[1], 1)[:, : weight.shape[1]]
+
+
+def transformers_fp8_forward(
+    input, weight, weight_scale_inv, block_size=None, bias=None, activation_scale=None
+):
+    """What transformers' FP8 kernels compute, for a CPU without them."""
+    block = tuple(block_size or weight.shape)
+    if block == (128, 128):
+        e8m0 = weight_scale_inv.dtype == E8M0
+        return linear_reference.linear_block(input, weight, weight_scale_inv.float(), bias, e8m0)
+    x = input.float()
+    x_groups = x.unflatten(-1, (-1, block[1]))
+    scale = x_groups.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448
+    x = ((x_groups / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2)
+    out = F.linear(x, _dequantized(weight, weight_scale_inv, block), None if bias is None else bias.float())
+    return out.to(input.dtype)
+
+
+@pytest.fixture
+def transformers_kernels(monkeypatch):
+    """transformers' FP8 forward, its kernels' computation in PyTorch (the CPU has neither of them)."""
+    monkeypatch.setattr(finegrained_fp8, "finegrained_fp8_linear", transformers_fp8_forward)
+    monkeypatch.setattr(finegrained_fp8, "is_deepgemm_loadable", lambda: False, raising=False)
+
+
+def fp8_checkpoint(arch: str = "llama", block=(128, 128), scale_fmt: str = "float"):
+    """(the model as transformers loads its FP8 checkpoint, the bf16 model of its dequantized
+    weights): every linear but the lm_head in FP8, 128x128 blocks unless said."""
+    model = architectures.build(arch).eval()
+    config = transformers.FineGrainedFP8Config(
+        weight_block_size=block, scale_fmt=scale_fmt, modules_to_not_convert=["lm_head"]
+    )
+    state, dequantized = {}, copy.deepcopy(model)
+    for name, module in dequantized.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            weight, scale = _quantize(module.weight.detach(), block, e8m0=scale_fmt == "ue8m0")
+            state[f"{name}.weight"] = weight
+            state[f"{name}.weight_scale_inv"] = scale.to(E8M0) if scale_fmt == "ue8m0" else scale
+            module.weight.data = _dequantized(weight, scale, block).to(module.weight.dtype)
+    loaded = copy.deepcopy(model)
+    finegrained_fp8.replace_with_fp8_linear(
+        loaded, modules_to_not_convert=["lm_head"], quantization_config=config, pre_quantized=True
+    )
+    loaded.load_state_dict({**model.state_dict(), **state}, strict=False, assign=True)
+    assert not any(p.is_meta for p in loaded.parameters())
+    return loaded, dequantized
+
+
+def _quantize(w: torch.Tensor, block: tuple[int, int], e8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if block == (128, 128):
+        return quant_reference.quant_weight_block(w, e8m0)
+    n, k = w.shape
+    tiles = w.float().reshape(n // block[0], block[0], k // block[1], block[1])
+    scale = tiles.abs().amax((1, 3)).clamp(min=1e-12) / 448
+    weight = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, k)
+    return weight, scale
+
+
+def _ids(model, batch=2, tokens=12):
+    torch.manual_seed(1)
+    return torch.randint(0, model.config.vocab_size, (batch, tokens))
+
+
+def _fp8_linears(model) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, finegrained_fp8.FP8Linear)]
+
+
+@pytest.mark.parametrize("first", ["fp8compile", "transformers"])
+def test_the_substitute_for_transformers_fp8_linear_is_installed_whichever_is_imported_first(first):
+    imports = {
+        "fp8compile": "import fp8compile",
+        "transformers": "import transformers.integrations.finegrained_fp8",
+    }
+    second = next(name for name in imports if name != first)
+    code = "; ".join(
+        [
+            imports[first],
+            "import sys",
+            "mod = sys.modules.get('fp8compile.checkpoints')",
+            "print(mod and mod.status())",
+            imports[second],
+            "from fp8compile import checkpoints",
+            "print(checkpoints.status())",
+        ]
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = done.stdout.strip().splitlines()[-2:]
+    assert after == "traced as fp8compile::checkpoint_linear"
+    if first == "fp8compile":  # not before the integration is imported: it would import transformers
+        assert before.startswith("not traced as one op")
+
+
+def test_an_fp8_checkpoints_linears_run_on_fp8compiles_linear_with_its_own_weights(
+    transformers_kernels, weight_quantizations
+):
+    model, dequantized = fp8_checkpoint()
+    ids = _ids(model)
+    fp8 = fp8compile.backend()
+    with torch.no_grad():
+        logits = torch.compile(model, backend=fp8)(ids).logits
+        theirs = model(ids).logits  # eager: transformers' FP8 forward
+        bf16 = dequantized(ids).logits
+    rewritten = {r.name: r for r in fp8.report.rewrites}
+    assert sorted(rewritten) == sorted(_fp8_linears(model)) and len(rewritten) == 14
+    assert all(r.detail.endswith(BLOCK_DETAIL) for r in rewritten.values())
+    # a gated MLP's down projection quantizes silu(gate) * up in its own kernel, as in a bf16 model
+    downs = {name for name in rewritten if name.endswith("mlp.down_proj")}
+    assert {name for name, r in rewritten.items() if r.kind == "silu_mul"} == downs and len(downs) == 2
+    # the checkpoint's tensors, read in place: no weight quantized, none copied
+    assert weight_quantizations == ["compiled"]
+    (kept,) = [s for s in fp8.report.skips if s.kind == "linear"]
+    assert kept.name == "lm_head" and "keeps it in bf16" in kept.reason
+    # within the bound of transformers' own FP8 forward, against the dequantized model in bf16
+    assert calc_diff(logits, bf16) <= 1.15 * calc_diff(theirs, bf16)
+    assert calc_diff(logits, theirs) < 2e-3
+
+
+def test_without_the_silu_mul_fusion_a_down_projection_is_a_plain_fp8_linear(transformers_kernels):
+    model, _ = fp8_checkpoint()
+    fp8 = fp8compile.backend(fusions=())
+    with torch.no_grad():
+        torch.compile(model, backend=fp8)(_ids(model))
+    assert [r.kind for r in fp8.report.rewrites] == ["linear"] * 14
+
+
+def test_quantize_checkpoint_bf16_puts_the_linears_the_checkpoint_left_in_fp8_too(transformers_kernels):
+    model, _ = fp8_checkpoint()
+    fp8 = fp8compile.backend(quantize_checkpoint_bf16=True)
+    with torch.no_grad():
+        torch.compile(model, backend=fp8)(_ids(model))
+    names = [r.name for r in fp8.report.rewrites]
+    assert "lm_head" in names and len(names) == 15
+    assert not [s for s in fp8.report.skips if s.kind == "linear"]
+
+
+def test_ue8m0_scales_are_read_as_fp32_copies_with_power_of_two_activation_scales(transformers_kernels):
+    if E8M0 is None:
+        pytest.skip("this torch has no float8_e8m0fnu")
+    model, dequantized = fp8_checkpoint(scale_fmt="ue8m0")
+    assert model.model.layers[0].mlp.down_proj.weight_scale_inv.dtype == E8M0
+    ids = _ids(model)
+    fp8 = fp8compile.backend()
+    with torch.no_grad():
+        logits = torch.compile(model, backend=fp8)(ids).logits
+        theirs, bf16 = model(ids).logits, dequantized(ids).logits
+    assert len(fp8.report.rewrites) == 14
+    assert calc_diff(logits, bf16) <= 1.15 * calc_diff(theirs, bf16)
+
+
+def test_a_checkpoint_linear_fp8compile_cannot_serve_stays_as_transformers_runs_it(transformers_kernels):
+    model, _ = fp8_checkpoint(block=(64, 64))
+    ids = _ids(model)
+    fp8 = fp8compile.backend()
+    with torch.no_grad():
+        logits = torch.compile(model, backend=fp8)(ids).logits
+        theirs = model(ids).logits
+    assert not fp8.report.rewrites
+    reasons = {s.name: s.reason for s in fp8.report.skips if s.kind == "linear"}
+    assert set(_fp8_linears(model)) <= set(reasons)
+    assert all("[64, 64] blocks: fp8compile serves 128x128 blocks" in reasons[n] for n in _fp8_linears(model))
+    assert calc_diff(logits, theirs) < 1e-5  # transformers' own forward, in the compiled graph
+
+
+def test_a_checkpoint_linear_with_a_static_activation_scale_stays_as_transformers_runs_it(
+    transformers_kernels,
+):
+    model, _ = fp8_checkpoint()
+    down = model.model.layers[0].mlp.down_proj
+    down.activation_scale = torch.nn.Parameter(torch.tensor(0.01), requires_grad=False)
+    fp8 = fp8compile.backend()
+    with torch.no_grad():
+        torch.compile(model, backend=fp8)(_ids(model))
+    reasons = {s.name: s.reason for s in fp8.report.skips if s.kind == "linear"}
+    assert "static activation scale" in reasons["model.layers.0.mlp.down_proj"]
+    assert len(fp8.report.rewrites) == 13
+
+
+def test_a_checkpoint_model_compiled_for_any_sequence_length_keeps_its_leading_dimensions(
+    transformers_kernels,
+):
+    model, _ = fp8_checkpoint()
+    fp8 = fp8compile.backend()
+    compiled = torch.compile(model, backend=fp8, dynamic=True)
+    with torch.no_grad():
+        for tokens in (5, 9):
+            ids = _ids(model, batch=3, tokens=tokens)
+            logits = compiled(ids).logits
+            assert logits.shape == (3, tokens, model.config.vocab_size)
+            assert calc_diff(logits, model(ids).logits) < 2e-3
+    assert any(r.m == "dynamic" for r in fp8.report.rewrites)
+
+
+def test_an_error_in_the_checkpoint_pass_keeps_that_linear_as_transformers_runs_it(
+    transformers_kernels, monkeypatch
+):
+    real = checkpoint_linear.rewrite
+
+    def failing(ctx, node, a, name):
+        if name == "model.layers.1.self_attn.o_proj":
+            raise RuntimeError("injected")
+        return real(ctx, node, a, name)
+
+    monkeypatch.setattr(checkpoint_linear, "rewrite", failing)
+    model, _ = fp8_checkpoint()
+    ids = _ids(model)
+    fp8 = fp8compile.backend()
+    with torch.no_grad(), pytest.warns(UserWarning, match="error"):
+        logits = torch.compile(model, backend=fp8)(ids).logits
+    names = {r.name for r in fp8.report.rewrites}
+    assert "model.layers.1.self_attn.o_proj" not in names and len(names) == 13
+    assert any(
+        "injected" in s.reason and s.name == "model.layers.1.self_attn.o_proj" for s in fp8.report.skips
+    )
+    assert calc_diff(logits, model(ids).logits) < 2e-3
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_on_a_gpu_an_fp8_checkpoint_runs_fp8compiles_kernels_within_the_bound(transformers_kernels, tokens):
+    model, dequantized = fp8_checkpoint()
+    model, dequantized = model.cuda(), dequantized.cuda()
+    ids = _ids(model, batch=2, tokens=tokens).cuda()
+    fp8 = fp8compile.backend()
+    with torch.no_grad():
+        logits = torch.compile(model, backend=fp8)(ids).logits
+        theirs, bf16 = model(ids).logits, dequantized(ids).logits
+    assert len(fp8.report.rewrites) == 14
+    assert all(kernel != "reference" for r in fp8.report.rewrites for _, kernel in r.kernels)
+    assert calc_diff(logits, bf16) <= 1.15 * calc_diff(theirs, bf16)
