@@ -98,6 +98,12 @@ def _ids(model, batch=2, tokens=12):
     return torch.randint(0, model.config.vocab_size, (batch, tokens))
 
 
+def _linear_rewrites(report) -> dict:
+    """The report's rewrites of linears (plain, or a gated MLP's down projection) by module name;
+    an attention fusion may rewrite the attention too, as in a bf16 model."""
+    return {r.name: r for r in report.rewrites if r.kind in ("linear", "silu_mul")}
+
+
 def _fp8_linears(model) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, finegrained_fp8.FP8Linear)]
 
@@ -138,7 +144,7 @@ def test_an_fp8_checkpoints_linears_run_on_fp8compiles_linear_with_its_own_weigh
         logits = torch.compile(model, backend=fp8)(ids).logits
         theirs = model(ids).logits  # eager: transformers' FP8 forward
         bf16 = dequantized(ids).logits
-    rewritten = {r.name: r for r in fp8.report.rewrites}
+    rewritten = _linear_rewrites(fp8.report)
     assert sorted(rewritten) == sorted(_fp8_linears(model)) and len(rewritten) == 14
     assert all(r.detail.endswith(BLOCK_DETAIL) for r in rewritten.values())
     # a gated MLP's down projection quantizes silu(gate) * up in its own kernel, as in a bf16 model
@@ -158,7 +164,7 @@ def test_without_the_silu_mul_fusion_a_down_projection_is_a_plain_fp8_linear(tra
     fp8 = fp8compile.backend(fusions=())
     with torch.no_grad():
         torch.compile(model, backend=fp8)(_ids(model))
-    assert [r.kind for r in fp8.report.rewrites] == ["linear"] * 14
+    assert [r.kind for r in fp8.report.rewrites] == ["linear"] * 14  # no fusion: no attention either
 
 
 def test_quantize_checkpoint_bf16_puts_the_linears_the_checkpoint_left_in_fp8_too(transformers_kernels):
@@ -166,7 +172,7 @@ def test_quantize_checkpoint_bf16_puts_the_linears_the_checkpoint_left_in_fp8_to
     fp8 = fp8compile.backend(quantize_checkpoint_bf16=True)
     with torch.no_grad():
         torch.compile(model, backend=fp8)(_ids(model))
-    names = [r.name for r in fp8.report.rewrites]
+    names = list(_linear_rewrites(fp8.report))
     assert "lm_head" in names and len(names) == 15
     assert not [s for s in fp8.report.skips if s.kind == "linear"]
 
@@ -181,7 +187,7 @@ def test_ue8m0_scales_are_read_as_fp32_copies_with_power_of_two_activation_scale
     with torch.no_grad():
         logits = torch.compile(model, backend=fp8)(ids).logits
         theirs, bf16 = model(ids).logits, dequantized(ids).logits
-    assert len(fp8.report.rewrites) == 14
+    assert len(_linear_rewrites(fp8.report)) == 14
     assert calc_diff(logits, bf16) <= 1.15 * calc_diff(theirs, bf16)
 
 
@@ -192,7 +198,7 @@ def test_a_checkpoint_linear_fp8compile_cannot_serve_stays_as_transformers_runs_
     with torch.no_grad():
         logits = torch.compile(model, backend=fp8)(ids).logits
         theirs = model(ids).logits
-    assert not fp8.report.rewrites
+    assert not _linear_rewrites(fp8.report)
     reasons = {s.name: s.reason for s in fp8.report.skips if s.kind == "linear"}
     assert set(_fp8_linears(model)) <= set(reasons)
     assert all("[64, 64] blocks: fp8compile serves 128x128 blocks" in reasons[n] for n in _fp8_linears(model))
@@ -210,7 +216,7 @@ def test_a_checkpoint_linear_with_a_static_activation_scale_stays_as_transformer
         torch.compile(model, backend=fp8)(_ids(model))
     reasons = {s.name: s.reason for s in fp8.report.skips if s.kind == "linear"}
     assert "static activation scale" in reasons["model.layers.0.mlp.down_proj"]
-    assert len(fp8.report.rewrites) == 13
+    assert len(_linear_rewrites(fp8.report)) == 13
 
 
 def test_a_checkpoint_model_compiled_for_any_sequence_length_keeps_its_leading_dimensions(
@@ -244,7 +250,7 @@ def test_an_error_in_the_checkpoint_pass_keeps_that_linear_as_transformers_runs_
     fp8 = fp8compile.backend()
     with torch.no_grad(), pytest.warns(UserWarning, match="error"):
         logits = torch.compile(model, backend=fp8)(ids).logits
-    names = {r.name for r in fp8.report.rewrites}
+    names = set(_linear_rewrites(fp8.report))
     assert "model.layers.1.self_attn.o_proj" not in names and len(names) == 13
     assert any(
         "injected" in s.reason and s.name == "model.layers.1.self_attn.o_proj" for s in fp8.report.skips
@@ -262,6 +268,7 @@ def test_on_a_gpu_an_fp8_checkpoint_runs_fp8compiles_kernels_within_the_bound(tr
     with torch.no_grad():
         logits = torch.compile(model, backend=fp8)(ids).logits
         theirs, bf16 = model(ids).logits, dequantized(ids).logits
-    assert len(fp8.report.rewrites) == 14
-    assert all(kernel != "reference" for r in fp8.report.rewrites for _, kernel in r.kernels)
+    rewritten = _linear_rewrites(fp8.report)
+    assert len(rewritten) == 14
+    assert all(kernel != "reference" for r in rewritten.values() for _, kernel in r.kernels)
     assert calc_diff(logits, bf16) <= 1.15 * calc_diff(theirs, bf16)
