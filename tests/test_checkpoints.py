@@ -3,16 +3,19 @@ e4m3fn weights and their 128x128 block scales): compiled with backend="fp8", the
 on fp8compile's FP8 linear with the checkpoint's own tensors, what it cannot serve stays as
 transformers runs it with the reason, and eager calls are untouched.
 
-Each model here is what transformers' loader builds for such a checkpoint: its own
-`replace_with_fp8_linear` swaps the linears, then the checkpoint's tensors are loaded into them.
+Each model here is saved as such a checkpoint is published and loaded back by transformers' own
+loader (`from_pretrained`), as a user who downloads one gets it.
 On the CPU transformers' own FP8 kernels do not load (a Hub download), so its forward is given
 the computation they make (`transformers_fp8_forward`): the activation quantized per token in
 groups of a block's width, the dequantized weight blocks.
 """
 
+import contextlib
 import copy
 import subprocess
 import sys
+import tempfile
+from unittest import mock
 
 import pytest
 import torch
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 import fp8compile
 from fp8compile import architectures, calc_diff
 from fp8compile.ops.linear import reference as linear_reference
-from fp8compile.ops.quant import reference as quant_reference
+from fp8compile.bench import fp8_checkpoint as fp8_checkpoint_files
 from fp8compile.passes import checkpoint_linear
 from tests.conftest import gpu
 
@@ -62,30 +65,48 @@ def transformers_kernels(monkeypatch):
 
 def fp8_checkpoint(arch: str = "llama", block=(128, 128), scale_fmt: str = "float"):
     """(the model as transformers loads its FP8 checkpoint, the bf16 model of its dequantized
-    weights): every linear but the lm_head in FP8, 128x128 blocks unless said."""
+    weights): every linear but the lm_head in FP8. 128x128 blocks are saved as such a checkpoint
+    is published (fp8compile.bench.fp8_checkpoint) and loaded back by transformers' own loader;
+    other block sizes get the modules that loader builds (replace_with_fp8_linear), loaded directly."""
     model = architectures.build(arch).eval()
-    config = transformers.FineGrainedFP8Config(
-        weight_block_size=block, scale_fmt=scale_fmt, modules_to_not_convert=["lm_head"]
-    )
-    state, dequantized = {}, copy.deepcopy(model)
-    for name, module in dequantized.named_modules():
-        if isinstance(module, torch.nn.Linear) and name != "lm_head":
-            weight, scale = _quantize(module.weight.detach(), block, e8m0=scale_fmt == "ue8m0")
-            state[f"{name}.weight"] = weight
-            state[f"{name}.weight_scale_inv"] = scale.to(E8M0) if scale_fmt == "ue8m0" else scale
-            module.weight.data = _dequantized(weight, scale, block).to(module.weight.dtype)
-    loaded = copy.deepcopy(model)
-    finegrained_fp8.replace_with_fp8_linear(
-        loaded, modules_to_not_convert=["lm_head"], quantization_config=config, pre_quantized=True
-    )
-    loaded.load_state_dict({**model.state_dict(), **state}, strict=False, assign=True)
-    assert not any(p.is_meta for p in loaded.parameters())
-    return loaded, dequantized
-
-
-def _quantize(w: torch.Tensor, block: tuple[int, int], e8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if block == (128, 128):
-        return quant_reference.quant_weight_block(w, e8m0)
+        loaded = _saved_and_loaded(model, scale_fmt)
+    else:
+        loaded = copy.deepcopy(model)
+        config = transformers.FineGrainedFP8Config(
+            weight_block_size=block, modules_to_not_convert=["lm_head"]
+        )
+        finegrained_fp8.replace_with_fp8_linear(
+            loaded, modules_to_not_convert=["lm_head"], quantization_config=config, pre_quantized=True
+        )
+        state = {}
+        for name in _fp8_linears(loaded):
+            weight, scale = _quantize(model.get_submodule(name).weight.detach(), block)
+            state[f"{name}.weight"], state[f"{name}.weight_scale_inv"] = weight, scale
+        loaded.load_state_dict({**model.state_dict(), **state}, strict=False, assign=True)
+    assert not any(p.is_meta for p in loaded.parameters()) and _fp8_linears(loaded)
+    dequantized = copy.deepcopy(model)
+    for name in _fp8_linears(loaded):
+        fp8 = loaded.get_submodule(name)
+        dense = _dequantized(fp8.weight, fp8.weight_scale_inv, tuple(fp8.block_size))
+        dequantized.get_submodule(name).weight.data = dense.to(model.dtype)
+    return loaded.eval(), dequantized
+
+
+def _saved_and_loaded(model, scale_fmt: str):
+    """model saved as a block-FP8 checkpoint and loaded back through from_pretrained. On a CPU the
+    loader would dequantize it to bf16 (FP8 needs a GPU, it says): it is told there is one, so
+    the model holds FP8Linear modules as on a GPU machine."""
+    with tempfile.TemporaryDirectory() as path:
+        fp8_checkpoint_files.save(model, path, scale_fmt=scale_fmt)
+        with contextlib.ExitStack() as stack:
+            if not torch.cuda.is_available():
+                stack.enter_context(mock.patch("torch.cuda.is_available", lambda: True))
+                stack.enter_context(mock.patch("torch.cuda.get_device_capability", lambda *_: (9, 0)))
+            return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype)
+
+
+def _quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = w.shape
     tiles = w.float().reshape(n // block[0], block[0], k // block[1], block[1])
     scale = tiles.abs().amax((1, 3)).clamp(min=1e-12) / 448
@@ -272,3 +293,8 @@ def test_on_a_gpu_an_fp8_checkpoint_runs_fp8compiles_kernels_within_the_bound(tr
     assert len(rewritten) == 14
     assert all(kernel != "reference" for r in rewritten.values() for _, kernel in r.kernels)
     assert calc_diff(logits, bf16) <= 1.15 * calc_diff(theirs, bf16)
+
+
+def test_the_checkpoint_writer_says_it_does_not_write_routed_experts_yet(tmp_path):
+    with pytest.raises(NotImplementedError, match="routed experts .* not written in FP8"):
+        fp8_checkpoint_files.save(architectures.build("qwen3_moe"), tmp_path)

@@ -1,0 +1,52 @@
+"""A model saved as an FP8 checkpoint the way such checkpoints are published (DeepSeek-V3,
+Qwen3-*-FP8): transformers' `FineGrainedFP8Config` in config.json, every linear but those kept
+(the lm_head) as an e4m3fn weight with one fp32 `weight_scale_inv` a 128x128 block (the factor
+that dequantizes it; UE8M0 with scale_fmt="ue8m0"), the rest as it is. Loaded back through
+transformers' own loader, it is what a user who downloads one gets, with no download.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..ops.quant import reference as quant_reference
+
+E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+def quantized_state(
+    model: torch.nn.Module, keep: tuple[str, ...] = ("lm_head",), scale_fmt: str = "float"
+) -> dict[str, torch.Tensor]:
+    """model's state dict with every nn.Linear's weight (but the modules named in keep) as its
+    128x128 block-FP8 weight and weight_scale_inv."""
+    state = dict(model.state_dict())
+    stacked = [name for name, p in model.named_parameters() if p.dim() == 3 and ".experts." in name]
+    if stacked:  # transformers' loader would make them FP8Experts, which need their FP8 tensors
+        raise NotImplementedError(f"routed experts ({stacked[0]}, ...) are not written in FP8 here yet")
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or name in keep:
+            continue
+        w8, scale = quant_reference.quant_weight_block(module.weight.detach(), e8m0=scale_fmt == "ue8m0")
+        if w8.shape != module.weight.shape:
+            raise ValueError(f"{name}: K={module.weight.shape[1]} is not a whole number of 128-wide blocks")
+        state[f"{name}.weight"] = w8
+        state[f"{name}.weight_scale_inv"] = scale.to(E8M0) if scale_fmt == "ue8m0" else scale
+    return state
+
+
+def save(model, path: str | Path, keep: tuple[str, ...] = ("lm_head",), scale_fmt: str = "float") -> Path:
+    """Save model (a transformers PreTrainedModel) at path as a block-FP8 checkpoint."""
+    from transformers import FineGrainedFP8Config
+
+    path = Path(path)
+    config = FineGrainedFP8Config(
+        weight_block_size=(128, 128), scale_fmt=scale_fmt, modules_to_not_convert=list(keep)
+    )
+    model.config.quantization_config = config.to_dict()
+    try:
+        model.save_pretrained(path, state_dict=quantized_state(model, keep, scale_fmt))
+    finally:
+        del model.config.quantization_config
+    return path
