@@ -298,3 +298,38 @@ def test_on_a_gpu_an_fp8_checkpoint_runs_fp8compiles_kernels_within_the_bound(tr
 def test_the_checkpoint_writer_says_it_does_not_write_routed_experts_yet(tmp_path):
     with pytest.raises(NotImplementedError, match="routed experts .* not written in FP8"):
         fp8_checkpoint_files.save(architectures.build("qwen3_moe"), tmp_path)
+
+
+def test_bench_model_runs_fp8compile_on_the_models_fp8_checkpoint_beside_transformers_own_path(
+    tmp_path, transformers_kernels
+):
+    from fp8compile.bench.model import bench_model
+    from tests.conftest import TINY_BENCH
+
+    names = ["fp8", "fp8_ckpt", "transformers_fp8"]
+    rows = bench_model(tmp_path, **TINY_BENCH, variants=names, repeat=1, prefill_batches=[1])
+    decode = {r["variant"]: r for r in rows if r["kind"] == "decode"}
+    assert set(decode) == set(names) and all(r["recompiles"] == 0 for r in decode.values())
+    accuracy = {r["variant"]: r["calc_diff"] for r in rows if r["kind"] == "accuracy"}
+    # the checkpoint keeps its lm_head in bf16: no further from bf16 than transformers' own FP8
+    # forward on it, by the bound, nor than the composition of the bf16 model's FP8 rewrite
+    assert 0 < accuracy["fp8_ckpt"] <= 1.15 * accuracy["transformers_fp8"]
+    assert accuracy["fp8_ckpt"] <= 1.15 * accuracy["fp8_unfused_eager"]
+
+
+def test_where_transformers_fp8_kernels_do_not_load_bench_model_says_so_and_fp8compile_still_runs(
+    tmp_path, capsys
+):
+    # No transformers_kernels fixture: on a CPU its FP8 kernels do not load (a Hub download), as
+    # on a GPU machine offline. generate() runs the prompt eagerly, on them; through the user's
+    # own compile of the forward (_own) the prompt runs on fp8compile's kernels too.
+    from fp8compile.bench.model import bench_model
+    from tests.conftest import TINY_BENCH
+
+    rows = bench_model(
+        tmp_path, **TINY_BENCH, variants=["transformers_fp8", "fp8_own_ckpt"], repeat=1, prefill_batches=[1]
+    )
+    (error,) = [r for r in rows if r["kind"] == "error"]
+    assert error["variant"] == "transformers_fp8" and "ImportError" in error["error"]
+    assert "transformers_fp8: did not run: ImportError" in capsys.readouterr().out
+    assert [r["variant"] for r in rows if r["kind"] == "decode"] == ["fp8_own_ckpt"]

@@ -7,7 +7,10 @@ transformers' own loader, it is what a user who downloads one gets, with no down
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -50,3 +53,24 @@ def save(model, path: str | Path, keep: tuple[str, ...] = ("lm_head",), scale_fm
     finally:
         del model.config.quantization_config
     return path
+
+
+def load(path: str | Path, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """The checkpoint at path through transformers' own loader, on device. transformers loads an
+    FP8 checkpoint as FP8 modules only where a GPU is (it dequantizes to bf16 on a CPU): on a CPU
+    it is told there is one, so that the CPU tests get the modules a GPU machine gets."""
+    from transformers import AutoModelForCausalLM
+
+    with contextlib.ExitStack() as stack:
+        if not torch.cuda.is_available():
+            stack.enter_context(mock.patch("torch.cuda.is_available", lambda: True))
+            stack.enter_context(mock.patch("torch.cuda.get_device_capability", lambda *_: (9, 0)))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=str(device))
+    return model.eval()
+
+
+def round_trip(model, device: torch.device, keep: tuple[str, ...] = ("lm_head",), scale_fmt: str = "float"):
+    """model saved as a block-FP8 checkpoint in a temporary folder and loaded back (load)."""
+    with tempfile.TemporaryDirectory() as path:
+        save(model, path, keep, scale_fmt)
+        return load(path, device, model.dtype)

@@ -16,6 +16,12 @@ said in the output). Variants, in this order (torchao last: it quantizes the mod
                           device memory given back (restored after the variant)
     fp8_rowwise[_ro]      fp8[_ro] in the rowwise recipe whatever --recipe says: beside the
                           block recipe on the same host (ratios against fp8[_ro] too)
+    transformers_fp8      the model saved as a block-FP8 checkpoint (fp8_checkpoint.py) and loaded
+                          back by transformers' own loader: its FP8Linear forward, eagerly
+    transformers_fp8_inductor_ro  the same compiled by Inductor, reduce-overhead
+    fp8[_ro][_own]_ckpt   fp8compile on that checkpoint (its FP8 weights read in place); _own: the
+                          prompt through the compiled graphs too, where transformers' kernels,
+                          which generate() runs the prompt on, do not load (a machine offline)
     torchao_rowwise_ro    torchao float8 dynamic rowwise, then Inductor reduce-overhead (if importable)
 
 Decode is timed the way a transformers user runs it: model.generate() with a static KV cache and
@@ -47,6 +53,7 @@ import fp8compile
 
 from .. import architectures
 from . import tp as tp_bench
+from . import fp8_checkpoint
 from .decode import decode, sync
 from .prefill import prefill_and_accuracy
 from .presets import MODELS, build
@@ -138,7 +145,10 @@ def bench_model(
                             median_calc_diff=architectures.median_token_diff(logits, eager_logits),
                         )
                     )
-            ordered = sorted(names, key=lambda n: n.startswith("torchao"))  # torchao changes the model: last
+            checkpoint = None  # the model as a block-FP8 checkpoint loaded back, for the *_ckpt variants
+            # torchao changes the model: last; before it the FP8-checkpoint variants, for which the
+            # bf16 model waits in host memory (their memory columns are the checkpoint's own)
+            ordered = sorted(names, key=lambda n: (n.startswith("torchao"), make_variant_is_checkpoint(n)))
             # and Inductor's config for the process (coordinate_descent_tuning): put back before each variant
             inductor_config = torch._inductor.config.get_config_copy()
             for index, name in enumerate(ordered):
@@ -164,37 +174,52 @@ def bench_model(
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats(device)
+                if not variant.checkpoint and checkpoint is not None:  # torchao, after them
+                    model.to(device)  # the bf16 model back on the device
                 if name.startswith("torchao"):
                     torchao_rowwise(model)
+                subject = model
+                if variant.checkpoint:
+                    if checkpoint is None:
+                        checkpoint = fp8_checkpoint.round_trip(model, device)
+                        model.to("cpu")
+                        gc.collect()
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                            torch.cuda.reset_peak_memory_stats(device)
+                    subject = checkpoint
                 progress.set_postfix_str(f"{model_name} {name}")
                 stem = re.sub(r"[^\w.-]", "_", f"profile_{model_name}_{name}")  # no + or = in file names
-                path = out_dir / f"{stem}_prefill.txt" if profile else None
-                for row in prefill_and_accuracy(
-                    model, variant, prefill, device, eager_logits, ids_acc, path, prefill_batches
-                ):
-                    rows.append(dict(own_base, variant=name, **row))
-                progress.update()
-                if variant.own:
-                    model.forward = torch.compile(
-                        type(model).forward.__get__(model),
-                        backend=variant.backend,
-                        mode=variant.mode,
-                        dynamic=variant.dynamic,
-                    )
                 try:
-                    for batch in batches:
-                        path = out_dir / f"{stem}_b{batch}.txt" if profile else None
-                        rows.append(
+                    rows.extend(
+                        _run_variant(
+                            subject,
+                            variant,
+                            own_base,
+                            name,
+                            stem,
+                            out_dir,
+                            profile,
+                            progress,
+                            batches,
                             dict(
-                                own_base,
-                                variant=name,
-                                **decode(model, variant, batch, context, steps, device, path, repeat),
-                            )
+                                prefill=prefill,
+                                device=device,
+                                eager_logits=eager_logits,
+                                ids_acc=ids_acc,
+                                prefill_batches=prefill_batches,
+                                context=context,
+                                steps=steps,
+                                repeat=repeat,
+                            ),
                         )
-                        progress.update()
-                finally:
-                    if variant.own:
-                        del model.forward
+                    )
+                except Exception as error:  # noqa: BLE001  only where the variant's own library fails
+                    if not variant.checkpoint or isinstance(variant.backend, fp8compile.Fp8Backend):
+                        raise
+                    reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                    say(f"{name}: did not run: {reason}")
+                    rows.append(dict(own_base, variant=name, kind="error", error=reason))
                 if device.type == "cuda":
                     mine = [r for r in rows if r["variant"] == name and r.get("model") == model_name]
                     # the decode peak after warm-up; None where no decode ran (--steps 0)
@@ -219,11 +244,56 @@ def bench_model(
                     (out_dir / "bench_model.json").write_text(json.dumps(rows, indent=1))
                     if index + 1 < len(ordered) or model_name != models[-1]:
                         print(model_table(rows))
-            del model
+            del model, checkpoint
     if leader:
         print(model_table(rows))
         plot(rows, out_dir / "bench_model.png")
     return rows
+
+
+def _run_variant(subject, variant, base, name, stem, out_dir, profile, progress, batches, options):
+    """One variant's rows on subject (the model, or its FP8 checkpoint): prefill and accuracy,
+    then decode at each batch."""
+    o = options
+    rows = []
+    path = out_dir / f"{stem}_prefill.txt" if profile else None
+    for row in prefill_and_accuracy(
+        subject,
+        variant,
+        o["prefill"],
+        o["device"],
+        o["eager_logits"],
+        o["ids_acc"],
+        path,
+        o["prefill_batches"],
+    ):
+        rows.append(dict(base, variant=name, **row))
+    progress.update()
+    if variant.own:
+        subject.forward = torch.compile(
+            type(subject).forward.__get__(subject),
+            backend=variant.backend,
+            mode=variant.mode,
+            dynamic=variant.dynamic,
+        )
+    try:
+        for batch in batches:
+            path = out_dir / f"{stem}_b{batch}.txt" if profile else None
+            decoded = decode(
+                subject, variant, batch, o["context"], o["steps"], o["device"], path, o["repeat"]
+            )
+            rows.append(dict(base, variant=name, **decoded))
+            progress.update()
+    finally:
+        if variant.own:
+            del subject.forward
+    return rows
+
+
+def make_variant_is_checkpoint(name: str) -> bool:
+    """Whether the variant of this name runs the model's FP8 checkpoint (without making it)."""
+    base = name.split("+")[0]
+    return base.endswith("_ckpt") or base.startswith("transformers_fp8")
 
 
 def _warm_up_compiler(device) -> None:

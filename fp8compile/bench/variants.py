@@ -17,7 +17,13 @@ from ..config import parse_option
 # fp8(_ro) on the same host. An A/B of one option is an fp8 variant with +KEY=VALUE
 # (split_variant): fp8+inductor_launch=false (the decode kernel behind our op),
 # fp8+inline_conds=true, fp8_ro+split_kv=false (decode attention on sdpa's kernel),
-# fp8_ro+fusions=moe,gate_up,qkv,silu_mul (without gqa_attention).
+# fp8_ro+fusions=moe,gate_up,qkv,silu_mul (without gqa_attention). The FP8-checkpoint variants
+# run the model saved as a block-FP8 checkpoint and loaded back by transformers
+# (fp8_checkpoint.py): transformers_fp8 is transformers' own FP8 forward in eager mode,
+# transformers_fp8_inductor_ro the same compiled by Inductor in reduce-overhead, fp8[_ro]_ckpt
+# fp8compile on it. generate() runs the prompt eagerly, through transformers' own FP8 kernels, which
+# it loads from the Hub: where they do not load (a machine offline), fp8[_ro]_own_ckpt still runs,
+# the prompt through fp8compile's graphs too.
 VARIANTS = (
     "bf16",
     "bf16_inductor",
@@ -35,6 +41,12 @@ VARIANTS = (
     "fp8_ro_release",
     "fp8_rowwise",
     "fp8_rowwise_ro",
+    "transformers_fp8",
+    "transformers_fp8_inductor_ro",
+    "fp8_ckpt",
+    "fp8_ro_ckpt",
+    "fp8_own_ckpt",
+    "fp8_ro_own_ckpt",
     "torchao_rowwise_ro",
 )
 
@@ -46,6 +58,7 @@ class Variant:
     mode: str | None = None
     own: bool = False  # decode through the user's own torch.compile of model.forward, not a CompileConfig
     lean: bool = False  # decode through LeanDecoder (lean_decode.py), not generate()
+    checkpoint: bool = False  # the model saved as a block-FP8 checkpoint and loaded back (fp8_checkpoint.py)
     # torch.compile's dynamic; False when sharded (tp.py: DTensor under automatic dynamic shapes fails)
     dynamic: bool | None = None
 
@@ -100,6 +113,12 @@ def make_variant(name: str, recipe: str = "block"):
     own = name.endswith(("_own", "_release"))
     if name.endswith("_lean"):
         return dataclasses.replace(make_variant(name.removesuffix("_lean"), recipe), name=name, lean=True)
+    if name.endswith("_ckpt"):
+        return dataclasses.replace(
+            make_variant(name.removesuffix("_ckpt"), recipe), name=name, checkpoint=True
+        )
+    if name.startswith("transformers_fp8"):
+        return Variant(name, "inductor" if "inductor" in name else None, mode, checkpoint=True)
     if name == "bf16":
         return Variant(name, None)
     if name.startswith("bf16_inductor"):
