@@ -277,6 +277,8 @@ def test_generate_in_the_matrix_gives_tokens_per_second_on_both_sides_dropping_t
 
 
 def test_the_null_check_times_bf16_inductor_on_both_sides_and_says_so(monkeypatch):
+    import dataclasses
+
     from fp8compile import generate_check
 
     backends = []
@@ -286,11 +288,12 @@ def test_the_null_check_times_bf16_inductor_on_both_sides_and_says_so(monkeypatc
         return 0.5, 0
 
     monkeypatch.setattr(generate_check, "_generate_timed", fake_generate)
-    row = architectures.Row("llama", "rewritten", counts={"linear": 14})
-    architectures._decode(row, architectures.build("llama"), "cuda", ("reduce-overhead",), null=True)
+    result = generate_check.decode(
+        architectures.build("llama"), "reduce-overhead", "cpu", timed=True, null=True
+    )
     assert backends == ["inductor"] * len(generate_check.TIMED_ORDER)
-    (decoded,) = row.decode
-    assert decoded["null"] and decoded["bf16_tokens_per_s"] == decoded["fp8_tokens_per_s"] == 64.0
+    assert result.null and result.bf16_tokens_per_s == result.fp8_tokens_per_s == 64.0
+    row = architectures.Row("llama", "rewritten", counts={"linear": 14}, decode=[dataclasses.asdict(result)])
     assert "null (bf16 Inductor on both sides): 64 / 64 = 1.00x" in architectures.table([row])
 
 
