@@ -41,13 +41,12 @@ PARAMETERS = (
 _state: dict[str, str | None] = {}  # "installed": None once installed, else why not
 
 
-def install(import_transformers: bool = False) -> str | None:
+def install() -> str | None:
     """Register the substitute for transformers' fp8_linear with Dynamo; None once it is, else
-    why not (transformers' FP8 integration not imported, or a fp8_linear this does not know).
-    import_transformers: import the integration if it is not yet."""
+    why not (transformers' FP8 integration not imported yet, or a fp8_linear this does not know)."""
     if "installed" in _state and _state["installed"] is None:
         return None
-    if MODULE not in sys.modules and not import_transformers:
+    if MODULE not in sys.modules:
         return f"{MODULE} is not imported: no FP8 checkpoint module exists yet"
     try:
         from transformers.integrations import finegrained_fp8
@@ -115,6 +114,6 @@ def _remember(why: str | None) -> str | None:
 
 
 def status() -> str:
-    """For the report: whether FP8 checkpoint linears trace as fp8compile::checkpoint_linear."""
+    """Whether FP8 checkpoint linears trace as fp8compile::checkpoint_linear here, or why not."""
     why = _state.get("installed", "not tried")
     return "traced as fp8compile::checkpoint_linear" if why is None else f"not traced as one op ({why})"

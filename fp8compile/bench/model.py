@@ -58,7 +58,7 @@ from .decode import decode, sync
 from .prefill import prefill_and_accuracy
 from .presets import MODELS, build
 from .table import model_table, plot
-from .variants import VARIANTS, composition_recipes, make_variant, torchao_rowwise
+from .variants import VARIANTS, composition_recipes, is_checkpoint_variant, make_variant, torchao_rowwise
 
 BATCHES = (1, 4, 16, 64)
 
@@ -148,7 +148,7 @@ def bench_model(
             checkpoint = None  # the model as a block-FP8 checkpoint loaded back, for the *_ckpt variants
             # torchao changes the model: last; before it the FP8-checkpoint variants, for which the
             # bf16 model waits in host memory (their memory columns are the checkpoint's own)
-            ordered = sorted(names, key=lambda n: (n.startswith("torchao"), make_variant_is_checkpoint(n)))
+            ordered = sorted(names, key=lambda n: (n.startswith("torchao"), is_checkpoint_variant(n)))
             # and Inductor's config for the process (coordinate_descent_tuning): put back before each variant
             inductor_config = torch._inductor.config.get_config_copy()
             for index, name in enumerate(ordered):
@@ -191,31 +191,30 @@ def bench_model(
                 progress.set_postfix_str(f"{model_name} {name}")
                 stem = re.sub(r"[^\w.-]", "_", f"profile_{model_name}_{name}")  # no + or = in file names
                 try:
-                    rows.extend(
-                        _run_variant(
-                            subject,
-                            variant,
-                            own_base,
-                            name,
-                            stem,
-                            out_dir,
-                            profile,
-                            progress,
-                            batches,
-                            dict(
-                                prefill=prefill,
-                                device=device,
-                                eager_logits=eager_logits,
-                                ids_acc=ids_acc,
-                                prefill_batches=prefill_batches,
-                                context=context,
-                                steps=steps,
-                                repeat=repeat,
-                            ),
+                    path = out_dir / f"{stem}_prefill.txt" if profile else None
+                    for row in prefill_and_accuracy(
+                        subject, variant, prefill, device, eager_logits, ids_acc, path, prefill_batches
+                    ):
+                        rows.append(dict(own_base, variant=name, **row))
+                    progress.update()
+                    if variant.own:
+                        subject.forward = torch.compile(
+                            type(subject).forward.__get__(subject),
+                            backend=variant.backend,
+                            mode=variant.mode,
+                            dynamic=variant.dynamic,
                         )
-                    )
-                except Exception as error:  # noqa: BLE001  only where the variant's own library fails
-                    if not variant.checkpoint or isinstance(variant.backend, fp8compile.Fp8Backend):
+                    try:
+                        for batch in batches:
+                            path = out_dir / f"{stem}_b{batch}.txt" if profile else None
+                            decoded = decode(subject, variant, batch, context, steps, device, path, repeat)
+                            rows.append(dict(own_base, variant=name, **decoded))
+                            progress.update()
+                    finally:
+                        if variant.own:
+                            del subject.forward
+                except Exception as error:  # noqa: BLE001  an FP8 checkpoint's: transformers' kernels may not load
+                    if not variant.checkpoint:
                         raise
                     reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
                     say(f"{name}: did not run: {reason}")
@@ -249,51 +248,6 @@ def bench_model(
         print(model_table(rows))
         plot(rows, out_dir / "bench_model.png")
     return rows
-
-
-def _run_variant(subject, variant, base, name, stem, out_dir, profile, progress, batches, options):
-    """One variant's rows on subject (the model, or its FP8 checkpoint): prefill and accuracy,
-    then decode at each batch."""
-    o = options
-    rows = []
-    path = out_dir / f"{stem}_prefill.txt" if profile else None
-    for row in prefill_and_accuracy(
-        subject,
-        variant,
-        o["prefill"],
-        o["device"],
-        o["eager_logits"],
-        o["ids_acc"],
-        path,
-        o["prefill_batches"],
-    ):
-        rows.append(dict(base, variant=name, **row))
-    progress.update()
-    if variant.own:
-        subject.forward = torch.compile(
-            type(subject).forward.__get__(subject),
-            backend=variant.backend,
-            mode=variant.mode,
-            dynamic=variant.dynamic,
-        )
-    try:
-        for batch in batches:
-            path = out_dir / f"{stem}_b{batch}.txt" if profile else None
-            decoded = decode(
-                subject, variant, batch, o["context"], o["steps"], o["device"], path, o["repeat"]
-            )
-            rows.append(dict(base, variant=name, **decoded))
-            progress.update()
-    finally:
-        if variant.own:
-            del subject.forward
-    return rows
-
-
-def make_variant_is_checkpoint(name: str) -> bool:
-    """Whether the variant of this name runs the model's FP8 checkpoint (without making it)."""
-    base = name.split("+")[0]
-    return base.endswith("_ckpt") or base.startswith("transformers_fp8")
 
 
 def _warm_up_compiler(device) -> None:

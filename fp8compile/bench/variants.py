@@ -99,6 +99,13 @@ def composition_recipes(names, recipe: str) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def is_checkpoint_variant(name: str) -> bool:
+    """Whether the variant of this name runs the model's FP8 checkpoint (make_variant's
+    Variant.checkpoint, said without making the variant)."""
+    base = name.split("+")[0]
+    return base.endswith("_ckpt") or base.startswith("transformers_fp8")
+
+
 def make_variant(name: str, recipe: str = "block"):
     """The Variant for a name (a named variant, with +KEY=VALUE options if an fp8 one), or None
     where it cannot run here (with the reason printed); the fp8 variants in `recipe`."""
