@@ -212,6 +212,21 @@ def test_the_matrix_runs_each_architecture_in_its_own_process_and_keeps_going():
     assert "KeyError" in row.note
 
 
+def test_the_null_check_reaches_the_architectures_own_process(monkeypatch):
+    import subprocess
+
+    commands = []
+
+    def run(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 0, stdout='{"arch": "llama", "status": "rewritten"}\n')
+
+    monkeypatch.setattr(subprocess, "run", run)
+    row = architectures.run_isolated("llama", device="cuda", modes=("reduce-overhead",), null=True)
+    (command,) = commands
+    assert row.status == "rewritten" and "--null" in command and "--generate=reduce-overhead" in command
+
+
 def test_the_matrix_runs_architectures_side_by_side_and_prints_them_in_the_order_asked(tmp_path):
     """`--jobs 2` runs two processes at once (the GPU matrix ran 8); the rows keep their order,
     the order asked, not the alphabet's. (Rows of real architectures, rewritten in a process of
