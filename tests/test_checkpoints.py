@@ -334,3 +334,24 @@ def test_where_transformers_fp8_kernels_do_not_load_bench_model_says_so_and_fp8c
     assert all(e.startswith("ImportError") for e in errors.values())
     assert "transformers_fp8: did not run: ImportError" in capsys.readouterr().out
     assert [r["variant"] for r in rows if r["kind"] == "decode"] == ["fp8_own_ckpt"]
+
+
+def test_an_fp8_weight_read_other_than_through_fp8linear_is_reported_as_run_as_written():
+    class OwnFP8(torch.nn.Module):  # a model's own FP8 layer, not transformers' FP8Linear
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(
+                torch.randn(256, 256).to(torch.float8_e4m3fn), requires_grad=False
+            )
+
+        def forward(self, x):
+            return x @ (self.weight.to(x.dtype) * 0.01).t()
+
+    model, x = OwnFP8(), torch.randn(4, 256, dtype=torch.bfloat16)
+    fp8 = fp8compile.backend()
+    with torch.no_grad():
+        out = torch.compile(model, backend=fp8)(x)
+    assert calc_diff(out, model(x)) < 1e-6
+    (kept,) = [s for s in fp8.report.skips if "FP8Linear" in s.reason]
+    assert kept.name == "weight" and "read other than through transformers' FP8Linear" in kept.reason
+    assert "traced as fp8compile::checkpoint_linear" in kept.reason  # the substitute is installed here

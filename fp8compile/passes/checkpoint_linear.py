@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from .. import checkpoints
 from ..numerics import BLOCK
 from . import dispatch, dtypes
 from .context import PassContext
@@ -167,8 +168,29 @@ def rewrite(ctx: PassContext, node: fx.Node, a: dict, name: str) -> None:
 
 
 def checkpoint_linear_pass(ctx: PassContext) -> None:
-    for node in list(ctx.gm.graph.find_nodes(op="call_function", target=TARGET)):
+    nodes = list(ctx.gm.graph.find_nodes(op="call_function", target=TARGET))
+    read = {arguments(node)["weight"] for node in nodes}  # before the rewrites erase the nodes
+    for node in nodes:
         a = arguments(node)
         param = ctx.parameter(a["weight"]) if a["weight"].op == "placeholder" else None
         name = module_name(param[1]) if param else a["weight"].name
         ctx.at_site(name, lambda node=node, a=a, name=name: rewrite(ctx, node, a, name))
+    for node in ctx.parameters:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dtype == torch.float8_e4m3fn and node not in read:
+            ctx.skipped(
+                "linear", module_name(ctx.parameter(node)[1]), _untraced(val), "x".join(map(str, val.shape))
+            )
+
+
+def _untraced(val: torch.Tensor) -> str:
+    """Why an FP8 parameter the graph reads is not an FP8 checkpoint linear the pass can take."""
+    if val.dim() == 3:
+        return (
+            "an FP8 checkpoint's routed experts: fp8compile's MoE op does not take FP8 experts yet; "
+            "they run as the model runs them"
+        )
+    return (
+        "an FP8 weight read other than through transformers' FP8Linear, which fp8compile takes as "
+        f"fp8compile::checkpoint_linear (here {checkpoints.status()}); it runs as the model runs it"
+    )
