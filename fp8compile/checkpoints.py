@@ -89,13 +89,20 @@ def install_when_imported() -> None:
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: when MODULE is imported, it has the finders after it find the
-    module and makes its loader call install() once the module has run. Gone after that."""
+    module and makes its loader call install() once the module has run; then it leaves
+    sys.meta_path (a look-up that imports nothing leaves it in place)."""
+
+    def __init__(self):
+        self._finding = False
 
     def find_spec(self, name, path, target=None):
-        if name != MODULE:
+        if name != MODULE or self._finding:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self._finding = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._finding = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         run = spec.loader.exec_module
@@ -103,6 +110,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         def exec_module(module, run=run):
             run(module)
             install()
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
 
         spec.loader.exec_module = exec_module
         return spec

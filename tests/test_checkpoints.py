@@ -142,6 +142,9 @@ def test_the_substitute_for_transformers_fp8_linear_is_installed_whichever_is_im
             "import sys",
             "mod = sys.modules.get('fp8compile.checkpoints')",
             "print(mod and mod.status())",
+            # a look-up that imports nothing (as a library checks what is installed) changes nothing
+            "import importlib.util",
+            "importlib.util.find_spec('transformers.integrations.finegrained_fp8')",
             imports[second],
             "from fp8compile import checkpoints",
             "print(checkpoints.status())",
