@@ -42,11 +42,12 @@ class Decode:
     blocks: list = dataclasses.field(default_factory=list)  # [side, median s of its block], in order
 
 
-# Timed, the sides run in this order and the first block is not counted. A side's block runs
-# slower the later it comes in a process, and the first block runs faster than any later one
-# (StableLM at 2 layers, H200: bf16 1.47 and fp8 1.67 ms/step in that order, fp8 1.58 and bf16
-# 1.81 in the other). Dropping the first block and timing fp8, bf16, bf16, fp8 gives each side
-# two blocks at the same mean position, neither of them the first.
+# Timed, the sides run in this order and the first block is not counted. The first side timed
+# in a process ran faster in StableLM's runs (2 layers, H200: bf16 1.47 and fp8 1.67 ms/step in
+# that order, fp8 1.58 and bf16 1.81 in the other); dropping the first block and timing fp8, bf16,
+# bf16, fp8 gives each side two blocks at the same mean position, neither of them the first. The
+# blocks still spread more than their calls do, each its own compile (BENCHMARKS.md, "The timing's
+# noise floor": --null reads 0.78x-1.62x at 2 layers).
 TIMED_ORDER = ("bf16", "fp8", "bf16", "bf16", "fp8")
 UNTIMED_BLOCKS = 1
 
