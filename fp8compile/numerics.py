@@ -11,6 +11,8 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 BLOCK = 128  # DeepSeek-V3 block recipe: activations 1x128 along K, weights 128x128
+# UE8M0 scales as FP8 checkpoints store them (None on a torch without the dtype)
+E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)
 # Floor for a group's amax before it becomes a scale: an all-zero group then quantizes to
 # zeros with a finite scale instead of 0/0. DeepGEMM's reference quantizers use the same value.
 AMAX_EPS = 1e-4

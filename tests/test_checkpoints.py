@@ -6,12 +6,13 @@ transformers runs it with the reason, and eager calls are untouched.
 Each model here is saved as such a checkpoint is published and loaded back by transformers' own
 loader (`from_pretrained`), as a user who downloads one gets it.
 On the CPU transformers' own FP8 kernels do not load (a Hub download), so its forward is given
-the computation they make (`transformers_fp8_forward`): the activation quantized per token in
-groups of a block's width, the dequantized weight blocks.
+the computation they make (`ops/linear/checkpoint.py`'s `reference`): the activation quantized
+per token in groups of a block's width, the dequantized weight blocks.
 """
 
 import contextlib
 import copy
+import os
 import subprocess
 import sys
 import tempfile
@@ -23,15 +24,17 @@ import torch.nn.functional as F
 
 import fp8compile
 from fp8compile import architectures, calc_diff
+from fp8compile.numerics import E8M0_DTYPE
+from fp8compile.ops.linear import checkpoint as checkpoint_op
 from fp8compile.ops.linear import reference as linear_reference
 from fp8compile.bench import fp8_checkpoint as fp8_checkpoint_files
+from fp8compile.ops.quant import reference as quant_reference
 from fp8compile.passes import checkpoint_linear
-from tests.conftest import gpu
+from tests.conftest import BF16, gpu, randn
 
 transformers = pytest.importorskip("transformers")
 finegrained_fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
 
-E8M0 = getattr(torch, "float8_e8m0fnu", None)
 BLOCK_DETAIL = checkpoint_linear.DETAIL
 
 
@@ -40,26 +43,10 @@ def _dequantized(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
     return weight.float() * rows.repeat_interleave(block[1], 1)[:, : weight.shape[1]]
 
 
-def transformers_fp8_forward(
-    input, weight, weight_scale_inv, block_size=None, bias=None, activation_scale=None
-):
-    """What transformers' FP8 kernels compute, for a CPU without them."""
-    block = tuple(block_size or weight.shape)
-    if block == (128, 128):
-        e8m0 = weight_scale_inv.dtype == E8M0
-        return linear_reference.linear_block(input, weight, weight_scale_inv.float(), bias, e8m0)
-    x = input.float()
-    x_groups = x.unflatten(-1, (-1, block[1]))
-    scale = x_groups.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448
-    x = ((x_groups / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2)
-    out = F.linear(x, _dequantized(weight, weight_scale_inv, block), None if bias is None else bias.float())
-    return out.to(input.dtype)
-
-
 @pytest.fixture
 def transformers_kernels(monkeypatch):
     """transformers' FP8 forward, its kernels' computation in PyTorch (the CPU has neither of them)."""
-    monkeypatch.setattr(finegrained_fp8, "finegrained_fp8_linear", transformers_fp8_forward)
+    monkeypatch.setattr(finegrained_fp8, "finegrained_fp8_linear", checkpoint_op.reference)
     monkeypatch.setattr(finegrained_fp8, "is_deepgemm_loadable", lambda: False, raising=False)
 
 
@@ -127,6 +114,30 @@ def _linear_rewrites(report) -> dict:
 
 def _fp8_linears(model) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, finegrained_fp8.FP8Linear)]
+
+
+def test_the_reference_of_any_block_size_computes_the_block_recipe_at_128x128():
+    # reference() takes fp8compile's own block-recipe reference at 128x128 and a dequantizing one
+    # otherwise: at 128x128 the two agree to fp32's product against float64's
+    torch.manual_seed(0)
+    x, w = randn(5, 384), randn(256, 384, scale=0.02)
+    w_fp8, w_scale = quant_reference.quant_weight_block(w)
+    exact = linear_reference.linear_block(x, w_fp8, w_scale)
+    assert torch.equal(checkpoint_op.reference(x, w_fp8, w_scale, [128, 128]), exact)
+    dequantized = checkpoint_op.dequantized_reference(x, w_fp8, w_scale, (128, 128))
+    assert calc_diff(dequantized, exact) < 1e-5
+
+
+def test_the_reference_with_a_static_activation_scale_quantizes_with_that_one_scale():
+    torch.manual_seed(0)
+    x = randn(3, 256)
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(128, 256, scale=0.02))
+    scale = torch.tensor(0.05)
+    ours = checkpoint_op.reference(x, w_fp8, w_scale, [128, 128], activation_scale=scale)
+    x_q = (x.float() / 0.05).clamp(-448, 448).to(torch.float8_e4m3fn).float() * 0.05
+    dense = quant_reference.dequant_weight_block(w_fp8, w_scale)
+    assert calc_diff(ours, (x_q @ dense.T).to(BF16)) < 1e-5
+    assert calc_diff(ours, linear_reference.linear_block(x, w_fp8, w_scale)) > 1e-5  # not the dynamic one
 
 
 @pytest.mark.parametrize("first", ["fp8compile", "transformers"])
@@ -202,10 +213,10 @@ def test_quantize_checkpoint_bf16_puts_the_linears_the_checkpoint_left_in_fp8_to
 
 
 def test_ue8m0_scales_are_read_as_fp32_copies_with_power_of_two_activation_scales(transformers_kernels):
-    if E8M0 is None:
+    if E8M0_DTYPE is None:
         pytest.skip("this torch has no float8_e8m0fnu")
     model, dequantized = fp8_checkpoint(scale_fmt="ue8m0")
-    assert model.model.layers[0].mlp.down_proj.weight_scale_inv.dtype == E8M0
+    assert model.model.layers[0].mlp.down_proj.weight_scale_inv.dtype == E8M0_DTYPE
     ids = _ids(model)
     fp8 = fp8compile.backend()
     with torch.no_grad():
@@ -343,3 +354,39 @@ def test_an_fp8_weight_read_other_than_through_fp8linear_is_reported_as_run_as_w
     (kept,) = [s for s in fp8.report.skips if "FP8Linear" in s.reason]
     assert kept.name == "weight" and "read other than through transformers' FP8Linear" in kept.reason
     assert "traced as fp8compile::checkpoint_linear" in kept.reason  # the substitute is installed here
+
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "checkpoint_gated_mlp.diff")
+
+
+class _CheckpointMLP(torch.nn.Module):
+    """A gated MLP of transformers' FP8Linear modules, as a block-FP8 checkpoint loads it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        for name, (n, k) in {"gate_proj": (256, 128), "up_proj": (256, 128), "down_proj": (128, 256)}.items():
+            linear = finegrained_fp8.FP8Linear(k, n, block_size=(128, 128))
+            weight, scale = quant_reference.quant_weight_block(randn(n, k, scale=0.02))
+            linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+            linear.weight_scale_inv = torch.nn.Parameter(scale, requires_grad=False)
+            setattr(self, name, linear)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_golden_graph_diff_of_an_fp8_checkpoints_gated_mlp(pass_diffs, transformers_kernels):
+    """gate and up: checkpoint_linear -> qlinear on the checkpoint's own weight and scale
+    placeholders; down: gated_qlinear over silu's two inputs, static M. Regenerate with
+    FP8COMPILE_UPDATE_GOLDEN=1 after an intended change, and read the diff."""
+    model, x = _CheckpointMLP(), randn(2, 3, 128)
+    with torch.no_grad():
+        out = torch.compile(model, backend="fp8", dynamic=False)(x)
+        assert calc_diff(out, model(x)) < 2e-3
+    (diff,) = pass_diffs
+    if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):
+        with open(GOLDEN, "w") as f:
+            f.write(diff)
+    with open(GOLDEN) as f:
+        assert diff == f.read()

@@ -14,9 +14,8 @@ from unittest import mock
 
 import torch
 
+from ..numerics import E8M0_DTYPE
 from ..ops.quant import reference as quant_reference
-
-E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
 
 def quantized_state(
@@ -35,7 +34,7 @@ def quantized_state(
         if w8.shape != module.weight.shape:
             raise ValueError(f"{name}: K={module.weight.shape[1]} is not a whole number of 128-wide blocks")
         state[f"{name}.weight"] = w8
-        state[f"{name}.weight_scale_inv"] = scale.to(E8M0) if scale_fmt == "ue8m0" else scale
+        state[f"{name}.weight_scale_inv"] = scale.to(E8M0_DTYPE) if scale_fmt == "ue8m0" else scale
     return state
 
 

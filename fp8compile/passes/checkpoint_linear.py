@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .. import checkpoints
-from ..numerics import BLOCK
+from ..numerics import BLOCK, E8M0_DTYPE, FP8_DTYPE
 from . import dispatch, dtypes
 from .context import PassContext
 from .linear import _skip_pattern, module_name
@@ -32,7 +32,6 @@ QLINEAR = torch.ops.fp8compile.qlinear.default
 GATED_QLINEAR = torch.ops.fp8compile.gated_qlinear.default
 ARGUMENTS = ("x", "weight", "weight_scale_inv", "bias", "activation_scale", "block_size", "allow_deepgemm")
 DEFAULTS = {"bias": None, "activation_scale": None, "block_size": None, "allow_deepgemm": True}
-E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)
 DETAIL = "FP8 checkpoint: its weights and 128x128 block scales, in place"
 
 
@@ -52,7 +51,7 @@ def why_not(ctx: PassContext, a: dict, name: str) -> str | None:
     if ctx.parameter(weight) is None or ctx.parameter(scale) is None:
         return "its FP8 weight or scale is not a parameter of the model"
     w_val, s_val, x_val = weight.meta["val"], scale.meta["val"], x.meta["val"]
-    if w_val.dtype != torch.float8_e4m3fn:
+    if w_val.dtype != FP8_DTYPE:
         return f"weight dtype {dtypes.name(w_val.dtype)}: fp8compile's kernels read e4m3fn weights"
     if list(a["block_size"] or ()) != [BLOCK, BLOCK]:
         scales = "one scale for the whole weight" if a["block_size"] is None else f"{a['block_size']} blocks"
@@ -177,7 +176,7 @@ def checkpoint_linear_pass(ctx: PassContext) -> None:
         ctx.at_site(name, lambda node=node, a=a, name=name: rewrite(ctx, node, a, name))
     for node in ctx.parameters:
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.dtype == torch.float8_e4m3fn and node not in read:
+        if isinstance(val, torch.Tensor) and val.dtype == FP8_DTYPE and node not in read:
             ctx.skipped(
                 "linear", module_name(ctx.parameter(node)[1]), _untraced(val), "x".join(map(str, val.shape))
             )
