@@ -8,6 +8,7 @@ transformers' own loader, it is what a user who downloads one gets, with no down
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import tempfile
 from pathlib import Path
 from unittest import mock
@@ -73,3 +74,54 @@ def round_trip(model, device: torch.device, keep: tuple[str, ...] = ("lm_head",)
     with tempfile.TemporaryDirectory() as path:
         save(model, path, keep, scale_fmt)
         return load(path, device, model.dtype)
+
+
+# What transformers' DeepGEMM integration reads off the Kernel Hub's deep-gemm build (deepgemm.py,
+# _load_deepgemm_kernel): the deep_gemm wheel exposes the same entry points.
+_DEEP_GEMM_ENTRY_POINTS = (
+    "fp8_fp4_gemm_nt",
+    "m_grouped_fp8_fp4_gemm_nt_contiguous",
+    "transform_sf_into_required_layout",
+    "get_mk_alignment_for_contiguous_layout",
+)
+
+
+@contextlib.contextmanager
+def transformers_on_installed_deep_gemm(device: torch.device):
+    """transformers' FP8 forward (`fp8_linear`) runs DeepGEMM where its Kernel Hub build loads
+    (the `kernels` package, and the Hub) and a Triton kernel, from the Hub too, otherwise. On a
+    machine offline neither loads and transformers' FP8 path cannot run at all. Where the
+    deep_gemm wheel is installed, this points transformers' DeepGEMM branch at it: the library
+    the Hub build packages, reached through transformers' own code (its activation cast, its
+    scale layout, its dispatch), so that the anchor is transformers' fast path as a user with the
+    Hub gets it. Yields what transformers' FP8 forward runs: "hub" (its own kernels load, nothing
+    patched), "deep_gemm X (installed wheel)", or why it is left as it is (a model on the CPU:
+    DeepGEMM is CUDA's)."""
+    try:
+        from transformers.integrations import deepgemm, hub_kernels
+    except ImportError as error:  # a transformers without the DeepGEMM integration
+        yield f"left as it is: {error}"
+        return
+    if device.type != "cuda":
+        yield f"left as it is: the model is on {device.type}"
+        return
+    if deepgemm.is_deepgemm_loadable():
+        yield "hub"
+        return
+    if importlib.util.find_spec("deep_gemm") is None:
+        yield "left as it is: no deep_gemm wheel"
+        return
+    import deep_gemm
+
+    missing = [name for name in _DEEP_GEMM_ENTRY_POINTS if not hasattr(deep_gemm, name)]
+    if missing:
+        yield f"left as it is: deep_gemm lacks {', '.join(missing)}"
+        return
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(deepgemm, "is_kernels_available", lambda *_, **__: True))
+        stack.enter_context(mock.patch.dict(hub_kernels._KERNEL_MODULE_MAPPING, {"deep-gemm": deep_gemm}))
+        stack.enter_context(mock.patch.object(deepgemm, "_DEEPGEMM", None))  # loaded afresh, and forgotten
+        if not deepgemm.is_deepgemm_loadable():  # the toolkit DeepGEMM compiles with: transformers' check
+            yield "left as it is: transformers finds no CUDA toolkit for DeepGEMM"
+            return
+        yield f"deep_gemm {getattr(deep_gemm, '__version__', '?')} (installed wheel)"

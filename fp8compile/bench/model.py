@@ -17,7 +17,9 @@ said in the output). Variants, in this order (torchao last: it quantizes the mod
     fp8_rowwise[_ro]      fp8[_ro] in the rowwise recipe whatever --recipe says: beside the
                           block recipe on the same host (ratios against fp8[_ro] too)
     transformers_fp8      the model saved as a block-FP8 checkpoint (fp8_checkpoint.py) and loaded
-                          back by transformers' own loader: its FP8Linear forward, eagerly
+                          back by transformers' own loader: its FP8Linear forward, eagerly, on
+                          DeepGEMM (the installed wheel where the Hub's build cannot load: rows'
+                          transformers_kernel says which)
     transformers_fp8_inductor_ro  the same compiled by Inductor, reduce-overhead
     fp8[_ro][_own]_ckpt   fp8compile on that checkpoint (its FP8 weights read in place); _own: the
                           prompt through the compiled graphs too, where transformers' kernels,
@@ -110,7 +112,16 @@ def bench_model(
     _warm_up_compiler(device)
     total = len(models) * len(names) * (len(batches) + 1)
     bar = tqdm(total=total, desc="bench model", disable=not leader)
-    with torch.no_grad(), _cold_compiles(), bar as progress:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(_cold_compiles())
+        progress = stack.enter_context(bar)
+        transformers_kernel = None  # what transformers' FP8 forward runs, where a variant needs it
+        if any(is_checkpoint_variant(name) for name in names):
+            transformers_kernel = stack.enter_context(
+                fp8_checkpoint.transformers_on_installed_deep_gemm(device)
+            )
+            say(f"transformers' FP8 forward: {transformers_kernel}")
         for model_name in models:
             model = build(model_name, layers, device, getattr(torch, dtype))
             n_layers = model.config.num_hidden_layers
@@ -165,6 +176,8 @@ def bench_model(
                 # a row says the recipe its variant ran (fp8_rowwise's is its own, not --recipe's)
                 fp8_backend = isinstance(variant.backend, fp8compile.Fp8Backend)
                 own_base = dict(base, recipe=variant.backend.config.recipe) if fp8_backend else base
+                if variant.checkpoint:
+                    own_base = dict(own_base, transformers_kernel=transformers_kernel)
                 # The variant before's graphs and FP8 weight copies go, so that no variant's
                 # memory columns count another's (the copies live as long as the parameters).
                 torch._dynamo.reset()

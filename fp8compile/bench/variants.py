@@ -22,8 +22,9 @@ from ..config import parse_option
 # (fp8_checkpoint.py): transformers_fp8 is transformers' own FP8 forward in eager mode,
 # transformers_fp8_inductor_ro the same compiled by Inductor in reduce-overhead, fp8[_ro]_ckpt
 # fp8compile on it. generate() runs the prompt eagerly, through transformers' own FP8 kernels, which
-# it loads from the Hub: where they do not load (a machine offline), fp8[_ro]_own_ckpt still runs,
-# the prompt through fp8compile's graphs too.
+# it loads from the Hub; on a machine offline bench model points them at the installed deep_gemm
+# wheel (fp8_checkpoint.transformers_on_installed_deep_gemm). Where neither loads,
+# fp8[_ro]_own_ckpt still runs, the prompt through fp8compile's graphs too.
 VARIANTS = (
     "bf16",
     "bf16_inductor",
