@@ -194,6 +194,64 @@ def test_an_fp8_checkpoints_linears_run_on_fp8compiles_linear_with_its_own_weigh
     assert calc_diff(logits, theirs) < 2e-3
 
 
+def _storages(model) -> dict[str, int]:
+    """Each FP8 weight's storage, by module name (its address)."""
+    return {
+        name: model.get_submodule(name).weight.untyped_storage().data_ptr() for name in _fp8_linears(model)
+    }
+
+
+def _unique_bytes(model) -> int:
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    return sum(storages.values())
+
+
+def test_checkpoint_linears_over_one_input_are_one_gemm_over_their_own_weights_stacked_in_place(
+    transformers_kernels, tmp_path
+):
+    model, _ = fp8_checkpoint()
+    ids = _ids(model)
+    weights = {name: model.get_submodule(name).weight.clone() for name in _fp8_linears(model)}
+    before, held = model(ids).logits, _unique_bytes(model)
+    fp8 = fp8compile.backend()
+    with torch.no_grad():
+        torch.compile(model, backend=fp8)(ids)
+    rewritten = _linear_rewrites(fp8.report)
+    attention, mlp = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    assert rewritten[attention + "k_proj"].detail.startswith("one GEMM with q_proj, v_proj")
+    assert rewritten[mlp + "gate_proj"].detail.startswith("one GEMM with up_proj")
+    assert rewritten[mlp + "down_proj"].kind == "silu_mul"
+    # the stack is the checkpoint's weights: each one views its rows, the values as they were,
+    # and the model holds its bytes once
+    storages = _storages(model)
+    assert len({storages[attention + p] for p in ("q_proj", "k_proj", "v_proj")}) == 1
+    assert storages[mlp + "gate_proj"] == storages[mlp + "up_proj"] != storages[mlp + "down_proj"]
+    assert all(
+        torch.equal(model.get_submodule(n).weight.view(torch.uint8), w.view(torch.uint8))
+        for n, w in weights.items()
+    )
+    assert _unique_bytes(model) == held
+    assert torch.equal(model(ids).logits, before)  # the eager model reads the same numbers
+    # another compile finds the stack, no copy; the model saves and loads back as it was
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=fp8compile.backend())(_ids(model, tokens=5))
+    assert _storages(model) == storages
+    model.save_pretrained(tmp_path)
+    reloaded = fp8_checkpoint_files.load(tmp_path, torch.device("cpu"))
+    assert torch.equal(reloaded(ids).logits, before)
+
+
+def test_without_the_qkv_and_gate_up_fusions_checkpoint_linears_stay_one_gemm_each(transformers_kernels):
+    model, _ = fp8_checkpoint()
+    storages = _storages(model)
+    fp8 = fp8compile.backend(fusions=("silu_mul",))
+    with torch.no_grad():
+        torch.compile(model, backend=fp8)(_ids(model))
+    assert not [r for r in _linear_rewrites(fp8.report).values() if r.detail.startswith("one GEMM")]
+    assert _storages(model) == storages
+
+
 def test_without_the_silu_mul_fusion_a_down_projection_is_a_plain_fp8_linear(transformers_kernels):
     model, _ = fp8_checkpoint()
     fp8 = fp8compile.backend(fusions=())

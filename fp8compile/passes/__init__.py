@@ -4,6 +4,7 @@ recording every rewrite and every candidate it leaves in bf16 on the context's r
 from __future__ import annotations
 
 from .checkpoint_linear import checkpoint_linear_pass
+from .checkpoint_merge import checkpoint_merge_pass
 from .context import GraphInputs, PassContext
 from .gate_up import gate_up_pass
 from .gqa_attention import gqa_attention_pass
@@ -23,8 +24,9 @@ def moe_passes(ctx: PassContext) -> None:
 
 
 # Order matters: a fusion claims its down projection before linear_pass sees it as a plain linear.
-# Each fusion runs when its name is in Fp8Config.fusions; checkpoint_linear_pass (an FP8
-# checkpoint's linears, which no fusion reads yet) and linear_pass always run, last.
+# Each fusion runs when its name is in Fp8Config.fusions; the FP8 checkpoint's passes (its
+# linears merged where they read one x, under the gate_up and qkv fusions' names, then the rest)
+# and linear_pass always run, last.
 FUSION_PASSES = {
     "gqa_attention": gqa_attention_pass,
     "mqa_logits": mqa_logits_pass,
@@ -33,16 +35,18 @@ FUSION_PASSES = {
     "qkv": qkv_pass,
     "silu_mul": silu_mul_pass,
 }
-PASSES = (*FUSION_PASSES.values(), checkpoint_linear_pass, linear_pass)
+CHECKPOINT_PASSES = (
+    ("checkpoint_merge", checkpoint_merge_pass),
+    ("checkpoint_linear", checkpoint_linear_pass),
+)
+PASSES = (*FUSION_PASSES.values(), *(p for _, p in CHECKPOINT_PASSES), linear_pass)
 
 
 def run_passes(ctx: PassContext) -> list[Fault]:
     """The fusions the config asks for, then linear_pass, each site's error contained
     (guard.py); returns the errors, each already on the report."""
     chosen = [(name, fusion) for name, fusion in FUSION_PASSES.items() if name in ctx.config.fusions]
-    faults = run_guarded(
-        ctx, [*chosen, ("checkpoint_linear", checkpoint_linear_pass), ("linear", linear_pass)]
-    )
+    faults = run_guarded(ctx, [*chosen, *CHECKPOINT_PASSES, ("linear", linear_pass)])
     ctx.gm.graph.eliminate_dead_code()
     ctx.drop_unused_derived_inputs()
     ctx.gm.graph.lint()

@@ -10,8 +10,8 @@ the checkpoint's tensors in place: no requantization, no bf16 copy (UE8M0 scales
 fp32 copy of the scales). A gated MLP's down projection becomes fp8compile::gated_qlinear, its
 activation and quantization in the GEMM's kernel, as the silu_mul fusion makes of a bf16 one.
 Any other site keeps the op, which runs transformers' own kernel, and the report says why.
-Not yet: q|k|v and gate|up merged into one GEMM (that needs one tensor of both checkpoints'
-weights, a copy the memory of an FP8 checkpoint has no room for while the model holds its own).
+Linears that read one x (q|k|v, gate|up) are merged into one GEMM before this pass, over their
+weights stacked in place (checkpoint_merge.py).
 """
 
 from __future__ import annotations
@@ -90,24 +90,6 @@ def _as_fp32(scale: torch.Tensor) -> tuple[torch.Tensor]:
         return (scale.float(),)
 
 
-def _unflatten(ctx: PassContext, out: fx.Node, like: fx.Node, n: int) -> fx.Node:
-    """out (M, N) viewed as like's leading dimensions and N."""
-    shape = like.meta["val"].shape
-    if len(shape) == 2:
-        return out
-    graph, sizes = ctx.gm.graph, []
-    for dim, size in enumerate(shape[:-1]):
-        if isinstance(size, torch.SymInt):
-            node = graph.call_function(torch.ops.aten.sym_size.int, (like, dim))
-            node.meta["val"] = size
-            sizes.append(node)
-        else:
-            sizes.append(size)
-    view = graph.call_function(torch.ops.aten.reshape.default, (out, [*sizes, n]))
-    view.meta["val"] = ctx.fake(torch.ops.aten.reshape.default, out, [*shape[:-1], n])
-    return view
-
-
 def _gated(ctx: PassContext, x: fx.Node) -> tuple[tuple[fx.Node, fx.Node], dict] | None:
     """((a, b), the activation's op kwargs) where x is a gated MLP's act(a, b) that the silu_mul
     fusion serves (silu_mul.silu_mul_pattern) and a has x's leading dimensions; else None."""
@@ -160,23 +142,31 @@ def rewrite(ctx: PassContext, node: fx.Node, a: dict, name: str) -> None:
         except dispatch.NoDispatch as reason:
             ctx.skipped(kind, name, str(reason), shape)
             return
-        out = _unflatten(ctx, out, activations[0], n)
+        out = dispatch.unflatten(ctx, out, activations[0], n)
     ctx.replace_uses(node, out)
     ctx.gm.graph.erase_node(node)
     ctx.rewrote(kind, name, m, n, k, [(s.label, s.kernel) for s in sides], detail)
 
 
+def site_name(ctx: PassContext, node: fx.Node) -> str:
+    """The checkpoint linear's module name (its weight's), for the report."""
+    weight = arguments(node)["weight"]
+    param = ctx.parameter(weight) if weight.op == "placeholder" else None
+    return module_name(param[1]) if param else weight.name
+
+
 def checkpoint_linear_pass(ctx: PassContext) -> None:
+    """Each checkpoint linear checkpoint_merge left, on its own; then the FP8 parameters the graph
+    reads otherwise, named in the report."""
     nodes = list(ctx.gm.graph.find_nodes(op="call_function", target=TARGET))
     read = {arguments(node)["weight"] for node in nodes}  # before the rewrites erase the nodes
     for node in nodes:
-        a = arguments(node)
-        param = ctx.parameter(a["weight"]) if a["weight"].op == "placeholder" else None
-        name = module_name(param[1]) if param else a["weight"].name
+        a, name = arguments(node), site_name(ctx, node)
         ctx.at_site(name, lambda node=node, a=a, name=name: rewrite(ctx, node, a, name))
     for node in ctx.parameters:
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.dtype == FP8_DTYPE and node not in read:
+        # (a weight checkpoint_merge stacked is read through the stack: no node reads it any more)
+        if isinstance(val, torch.Tensor) and val.dtype == FP8_DTYPE and node not in read and node.users:
             ctx.skipped(
                 "linear", module_name(ctx.parameter(node)[1]), _untraced(val), "x".join(map(str, val.shape))
             )

@@ -197,6 +197,25 @@ def flatten(ctx: PassContext, node: fx.Node) -> fx.Node:
     return flat
 
 
+def unflatten(ctx: PassContext, out: fx.Node, like: fx.Node, n: int) -> fx.Node:
+    """out (M, N) viewed with like's leading dimensions and N (flatten's inverse); out itself
+    where like is 2-D."""
+    shape = like.meta["val"].shape
+    if len(shape) == 2:
+        return out
+    graph, sizes = ctx.gm.graph, []
+    for dim, size in enumerate(shape[:-1]):
+        if isinstance(size, torch.SymInt):
+            node = graph.call_function(torch.ops.aten.sym_size.int, (like, dim))
+            node.meta["val"] = size
+            sizes.append(node)
+        else:
+            sizes.append(size)
+    view = graph.call_function(torch.ops.aten.reshape.default, (out, [*sizes, n]))
+    view.meta["val"] = ctx.fake(torch.ops.aten.reshape.default, out, [*shape[:-1], n])
+    return view
+
+
 def pad_k(ctx: PassContext, node: fx.Node, k: int) -> fx.Node:
     """node (M, K') with zero columns up to K >= K' (reference.pad_k, as a graph node): the
     activation of a weight whose FP8 copy fills a K of part of a group with zero columns."""
