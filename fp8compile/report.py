@@ -58,6 +58,9 @@ class Report:
         # rewrites and the same digests; ranks that differ compiled different programs.
         self.rank: tuple[int, int] | None = None
         self.digests: dict[int, str] = {}
+        # A graph compiled so far held an FP8 checkpoint's linears (passes/context.py): the
+        # model's graphs after it (a graph break's, the lm_head's alone) are that checkpoint's.
+        self.fp8_checkpoint = False
 
     def counts(self) -> dict[str, int]:
         """Rewrites per kind; every kind in KINDS is present, 0 where nothing matched."""

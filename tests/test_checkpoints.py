@@ -10,7 +10,6 @@ the computation they make (`ops/linear/checkpoint.py`'s `reference`): the activa
 per token in groups of a block's width, the dequantized weight blocks.
 """
 
-import contextlib
 import copy
 import os
 import subprocess
@@ -57,7 +56,7 @@ def fp8_checkpoint(arch: str = "llama", block=(128, 128), scale_fmt: str = "floa
     other block sizes get the modules that loader builds (replace_with_fp8_linear), loaded directly."""
     model = architectures.build(arch).eval()
     if block == (128, 128):
-        loaded = _saved_and_loaded(model, scale_fmt)
+        loaded = _saved_and_loaded(model, arch, scale_fmt)
     else:
         loaded = copy.deepcopy(model)
         config = transformers.FineGrainedFP8Config(
@@ -77,20 +76,36 @@ def fp8_checkpoint(arch: str = "llama", block=(128, 128), scale_fmt: str = "floa
         fp8 = loaded.get_submodule(name)
         dense = _dequantized(fp8.weight, fp8.weight_scale_inv, tuple(fp8.block_size))
         dequantized.get_submodule(name).weight.data = dense.to(model.dtype)
+    for name, experts in loaded.named_modules():
+        if isinstance(experts, finegrained_fp8.FP8Experts):
+            for proj in ("gate_up_proj", "down_proj"):
+                weight, scale = getattr(experts, proj), getattr(experts, f"{proj}_scale_inv")
+                dense = torch.stack([_dequantized(w, s, (128, 128)) for w, s in zip(weight, scale)])
+                getattr(dequantized.get_submodule(name), proj).data = dense.to(model.dtype)
     return loaded.eval(), dequantized
 
 
-def _saved_and_loaded(model, scale_fmt: str):
-    """model saved as a block-FP8 checkpoint and loaded back through from_pretrained. On a CPU the
-    loader would dequantize it to bf16 (FP8 needs a GPU, it says): it is told there is one, so
-    the model holds FP8Linear modules as on a GPU machine."""
-    with tempfile.TemporaryDirectory() as path:
-        fp8_checkpoint_files.save(model, path, scale_fmt=scale_fmt)
-        with contextlib.ExitStack() as stack:
-            if not torch.cuda.is_available():
-                stack.enter_context(mock.patch("torch.cuda.is_available", lambda: True))
-                stack.enter_context(mock.patch("torch.cuda.get_device_capability", lambda *_: (9, 0)))
-            return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype)
+_SAVED: dict[tuple[str, str], str] = {}  # (arch, scale_fmt) -> the checkpoint's folder, written once
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _saved_checkpoints():
+    """The checkpoints this file writes (transformers quantizing each model as it loads it is most
+    of a test's time), shared by its tests and deleted after them."""
+    with tempfile.TemporaryDirectory() as root:
+        _SAVED["root"] = root
+        yield
+    _SAVED.clear()
+
+
+def _saved_and_loaded(model, arch: str, scale_fmt: str):
+    """model saved as a block-FP8 checkpoint (once per arch and scale format: architectures.build
+    is seeded) and loaded back through from_pretrained, as on a GPU machine."""
+    key = (arch, scale_fmt)
+    if key not in _SAVED:
+        _SAVED[key] = os.path.join(_SAVED["root"], f"{arch}_{scale_fmt}")
+        fp8_checkpoint_files.save(model, _SAVED[key], scale_fmt=scale_fmt)
+    return fp8_checkpoint_files.load(_SAVED[key], torch.device("cpu"), model.dtype)
 
 
 def _quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,9 +405,28 @@ def test_transformers_fp8_forward_runs_the_installed_deep_gemm_where_the_hub_doe
     assert calc_diff(theirs, bf16) <= 1.15 * calc_diff(reference, bf16)
 
 
-def test_the_checkpoint_writer_says_it_does_not_write_routed_experts_yet(tmp_path):
-    with pytest.raises(NotImplementedError, match="routed experts .* not written in FP8"):
-        fp8_checkpoint_files.save(architectures.build("qwen3_moe"), tmp_path)
+def test_an_fp8_moe_checkpoints_experts_run_as_transformers_runs_them_and_the_report_says_so(
+    transformers_kernels,
+):
+    # a Qwen3-MoE as transformers writes it in FP8: its routed experts load as FP8Experts, which
+    # no fp8compile op takes yet; its attention's linears are rewritten around them
+    model, dequantized = fp8_checkpoint("qwen3_moe")
+    experts = [m for m in model.modules() if isinstance(m, finegrained_fp8.FP8Experts)]
+    assert len(experts) == model.config.num_hidden_layers
+    assert all(e.gate_up_proj.dtype == e.down_proj.dtype == torch.float8_e4m3fn for e in experts)
+    # transformers' grouped FP8 experts kernel comes from the Hub: here its per-expert loop runs,
+    # each expert's linears on the computation of its kernels (the fixture)
+    model.set_experts_implementation("eager")
+    ids = _ids(model)
+    fp8 = fp8compile.backend()
+    with torch.no_grad():
+        logits = torch.compile(model, backend=fp8)(ids).logits
+        theirs, bf16 = model(ids).logits, dequantized(ids).logits
+    merged = [r.name for r in _linear_rewrites(fp8.report).values() if r.detail.startswith("one GEMM")]
+    assert {name.rsplit(".", 1)[1] for name in merged} == {"q_proj", "k_proj", "v_proj"}
+    # the loop over the experts hit leaves the graph (a graph per expert's linears), and says so
+    assert any(s.kind == "moe" and "Python loop over the experts" in s.reason for s in fp8.report.skips)
+    assert calc_diff(logits, bf16) <= 1.15 * calc_diff(theirs, bf16)
 
 
 def test_bench_model_runs_the_fp8_checkpoint_and_says_why_transformers_own_path_did_not_run(tmp_path, capsys):

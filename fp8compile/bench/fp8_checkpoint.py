@@ -1,8 +1,10 @@
-"""A model saved as an FP8 checkpoint the way such checkpoints are published (DeepSeek-V3,
-Qwen3-*-FP8): transformers' `FineGrainedFP8Config` in config.json, every linear but those kept
-(the lm_head) as an e4m3fn weight with one fp32 `weight_scale_inv` a 128x128 block (the factor
-that dequantizes it; UE8M0 with scale_fmt="ue8m0"), the rest as it is. Loaded back through
-transformers' own loader, it is what a user who downloads one gets, with no download.
+"""A model saved as an FP8 checkpoint the way transformers writes one (DeepSeek-V3's recipe, as
+Qwen3-*-FP8 and others publish it): `FineGrainedFP8Config` in config.json, every linear and
+routed-expert projection but those kept (the lm_head) as e4m3fn weights with one fp32
+`weight_scale_inv` a 128x128 block (the factor that dequantizes it; UE8M0 with
+scale_fmt="ue8m0"), the rest as it is. transformers quantizes the model as it loads it with that
+config and saves what it loaded: its own quantizer and its own file layout. Loaded back through
+its loader, it is what a user who downloads one gets, with no download.
 """
 
 from __future__ import annotations
@@ -15,56 +17,45 @@ from unittest import mock
 
 import torch
 
-from ..numerics import E8M0_DTYPE
-from ..ops.quant import reference as quant_reference
 
-
-def quantized_state(
-    model: torch.nn.Module, keep: tuple[str, ...] = ("lm_head",), scale_fmt: str = "float"
-) -> dict[str, torch.Tensor]:
-    """model's state dict with every nn.Linear's weight (but the modules named in keep) as its
-    128x128 block-FP8 weight and weight_scale_inv."""
-    state = dict(model.state_dict())
-    stacked = [name for name, p in model.named_parameters() if p.dim() == 3 and ".experts." in name]
-    if stacked:  # transformers' loader would make them FP8Experts, which need their FP8 tensors
-        raise NotImplementedError(f"routed experts ({stacked[0]}, ...) are not written in FP8 here yet")
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or name in keep:
-            continue
-        w8, scale = quant_reference.quant_weight_block(module.weight.detach(), e8m0=scale_fmt == "ue8m0")
-        if w8.shape != module.weight.shape:
-            raise ValueError(f"{name}: K={module.weight.shape[1]} is not a whole number of 128-wide blocks")
-        state[f"{name}.weight"] = w8
-        state[f"{name}.weight_scale_inv"] = scale.to(E8M0_DTYPE) if scale_fmt == "ue8m0" else scale
-    return state
-
-
-def save(model, path: str | Path, keep: tuple[str, ...] = ("lm_head",), scale_fmt: str = "float") -> Path:
-    """Save model (a transformers PreTrainedModel) at path as a block-FP8 checkpoint."""
-    from transformers import FineGrainedFP8Config
-
-    path = Path(path)
-    config = FineGrainedFP8Config(
-        weight_block_size=(128, 128), scale_fmt=scale_fmt, modules_to_not_convert=list(keep)
-    )
-    model.config.quantization_config = config.to_dict()
-    try:
-        model.save_pretrained(path, state_dict=quantized_state(model, keep, scale_fmt))
-    finally:
-        del model.config.quantization_config
-    return path
-
-
-def load(path: str | Path, device: torch.device, dtype: torch.dtype = torch.bfloat16):
-    """The checkpoint at path through transformers' own loader, on device. transformers loads an
-    FP8 checkpoint as FP8 modules only where a GPU is (it dequantizes to bf16 on a CPU): on a CPU
-    it is told there is one, so that the CPU tests get the modules a GPU machine gets."""
-    from transformers import AutoModelForCausalLM
-
+@contextlib.contextmanager
+def _fp8_modules_on_any_device():
+    """transformers loads an FP8 checkpoint as FP8 modules only where a GPU is (it dequantizes to
+    bf16 on a CPU, and refuses to quantize there): on a CPU it is told there is one, so that the
+    CPU tests get the modules a GPU machine gets."""
     with contextlib.ExitStack() as stack:
         if not torch.cuda.is_available():
             stack.enter_context(mock.patch("torch.cuda.is_available", lambda: True))
             stack.enter_context(mock.patch("torch.cuda.get_device_capability", lambda *_: (9, 0)))
+        yield
+
+
+def save(
+    model, path: str | Path, keep: tuple[str, ...] = ("lm_head",), scale_fmt: str = "float", device=None
+) -> Path:
+    """Save model (a transformers PreTrainedModel) at path as a block-FP8 checkpoint, quantized by
+    transformers on `device` (the model's by default)."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    path = Path(path)
+    device = torch.device(device or next(model.parameters()).device)
+    config = FineGrainedFP8Config(
+        weight_block_size=(128, 128), scale_fmt=scale_fmt, modules_to_not_convert=list(keep)
+    )
+    with tempfile.TemporaryDirectory() as bf16, _fp8_modules_on_any_device():
+        model.save_pretrained(bf16)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            bf16, dtype=model.dtype, device_map=str(device), quantization_config=config
+        )
+        quantized.save_pretrained(path)
+    return path
+
+
+def load(path: str | Path, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """The checkpoint at path through transformers' own loader, on device."""
+    from transformers import AutoModelForCausalLM
+
+    with _fp8_modules_on_any_device():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=str(device))
     return model.eval()
 
@@ -72,7 +63,7 @@ def load(path: str | Path, device: torch.device, dtype: torch.dtype = torch.bflo
 def round_trip(model, device: torch.device, keep: tuple[str, ...] = ("lm_head",), scale_fmt: str = "float"):
     """model saved as a block-FP8 checkpoint in a temporary folder and loaded back (load)."""
     with tempfile.TemporaryDirectory() as path:
-        save(model, path, keep, scale_fmt)
+        save(model, path, keep, scale_fmt, device)
         return load(path, device, model.dtype)
 
 

@@ -219,13 +219,16 @@ class PassContext:
         self.dispatch_branches: dict[tuple, list[str]] = {}  # M dispatch: call signature -> branch modules
         # matmul node -> why a fusion pass wants it left bf16 (linear_pass records the reason)
         self.keep_bf16: dict[fx.Node, str] = {}
-        # The graph holds an FP8 checkpoint's linears (passes/checkpoint_linear.py): its bf16
-        # linears are the ones the checkpoint left unquantized (Fp8Config.quantize_checkpoint_bf16).
-        self.fp8_checkpoint = bool(
+        # The graph holds an FP8 checkpoint's linears (passes/checkpoint_linear.py), or follows
+        # one that did in the same compile (after a graph break, an lm_head may be a graph of
+        # its own): its bf16 linears are the ones the checkpoint left unquantized
+        # (Fp8Config.quantize_checkpoint_bf16).
+        self.report.fp8_checkpoint |= bool(
             self.gm.graph.find_nodes(
                 op="call_function", target=torch.ops.fp8compile.checkpoint_linear.default
             )
         )
+        self.fp8_checkpoint = self.report.fp8_checkpoint
         # Inputs the backend appends to the graph and computes per call (derived_inputs):
         # (key, sources) -> (what computes them, their placeholders).
         self._derived: dict[tuple, tuple[DerivedInput, tuple[fx.Node, ...]]] = {}
