@@ -429,6 +429,18 @@ def test_an_fp8_moe_checkpoints_experts_run_as_transformers_runs_them_and_the_re
     assert calc_diff(logits, bf16) <= 1.15 * calc_diff(theirs, bf16)
 
 
+def test_bench_points_transformers_fp8_experts_at_deep_gemm_only_where_its_linears_run_the_wheel():
+    model, _ = fp8_checkpoint("qwen3_moe")
+    default = model.config._experts_implementation
+    assert fp8_checkpoint_files.experts_on_deep_gemm(model, "left as it is: no deep_gemm wheel") is None
+    assert fp8_checkpoint_files.experts_on_deep_gemm(model, "hub") is None
+    assert model.config._experts_implementation == default != "deepgemm"
+    assert fp8_checkpoint_files.experts_on_deep_gemm(model, "deep_gemm 0.1.5 (installed wheel)") == "deepgemm"
+    assert model.config._experts_implementation == "deepgemm"
+    dense, _ = fp8_checkpoint()  # no experts: nothing to set
+    assert fp8_checkpoint_files.experts_on_deep_gemm(dense, "deep_gemm 0.1.5 (installed wheel)") is None
+
+
 def test_bench_model_runs_the_fp8_checkpoint_and_says_why_transformers_own_path_did_not_run(tmp_path, capsys):
     # No transformers_kernels fixture: on a CPU transformers' FP8 kernels do not load (a Hub
     # download), as on a GPU machine offline. Its eager forward fails, and so does generate()'s

@@ -116,3 +116,18 @@ def transformers_on_installed_deep_gemm(device: torch.device):
             yield "left as it is: transformers finds no CUDA toolkit for DeepGEMM"
             return
         yield f"deep_gemm {getattr(deep_gemm, '__version__', '?')} (installed wheel)"
+
+
+def experts_on_deep_gemm(model, transformers_kernel: str) -> str | None:
+    """Where model holds FP8Experts and transformers' FP8 forward runs the installed deep_gemm
+    (transformers_on_installed_deep_gemm's answer), its experts are set to transformers'
+    "deepgemm" implementation: their default, grouped_mm, takes a Triton kernel from the Hub,
+    which does not load there either. Returns the implementation set, or None."""
+    from transformers.integrations import finegrained_fp8
+
+    if not transformers_kernel.startswith("deep_gemm"):
+        return None
+    if not any(isinstance(m, finegrained_fp8.FP8Experts) for m in model.modules()):
+        return None
+    model.set_experts_implementation("deepgemm")
+    return "deepgemm"

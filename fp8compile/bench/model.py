@@ -195,6 +195,10 @@ def bench_model(
                 if variant.checkpoint:
                     if checkpoint is None:
                         checkpoint = fp8_checkpoint.round_trip(model, device)
+                        if transformers_kernel is not None:
+                            experts = fp8_checkpoint.experts_on_deep_gemm(checkpoint, transformers_kernel)
+                            if experts is not None:
+                                say(f"transformers' FP8 experts: its {experts!r} implementation")
                         model.to("cpu")
                         gc.collect()
                         if device.type == "cuda":
