@@ -9,7 +9,10 @@ substitute for `fp8_linear` that is one call of fp8compile::checkpoint_linear
 (ops/linear/checkpoint.py) with the same arguments. Eager calls are untouched: the substitute
 is what Dynamo traces, and the op's kernel is transformers' function itself. The checkpoint_linear
 pass then puts the sites it can serve on fp8compile's FP8 linear, with the checkpoint's own
-weights and scales (passes/checkpoint_linear.py).
+weights and scales (passes/checkpoint_linear.py). Likewise its routed experts (`FP8Experts`),
+whose implementations transformers loads from the Hub: those fp8compile serves trace as
+fp8compile::checkpoint_experts (ops/moe/checkpoint.py), which passes/checkpoint_experts.py puts
+on fp8compile's MoE op.
 
 The substitute is registered once a process, when both fp8compile and transformers' FP8
 integration are imported, in either order (`install_when_imported`): a model's FP8 modules come
@@ -76,7 +79,71 @@ def install() -> str | None:
         torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(fp8_linear)
     except (TypeError, ValueError, AttributeError) as error:  # a torch that refuses it
         return _remember(f"Dynamo does not take a substitute for fp8_linear: {error}")
+    _state["experts"] = _install_experts(finegrained_fp8)
     return _remember(None)
+
+
+# transformers' FP8 experts implementations (ALL_FP8_EXPERTS_FUNCTIONS), each
+# (self, hidden_states, top_k_index, top_k_weights) -> (T, H), that Dynamo traces as
+# fp8compile::checkpoint_experts where the experts are ones fp8compile serves
+EXPERTS_IMPLEMENTATIONS = (
+    "fp8_grouped_mm_experts_forward",
+    "fp8_batched_mm_experts_forward",
+    "deepgemm_fp8_fp4_experts_forward",
+)
+EXPERTS_PARAMETERS = ("self", "hidden_states", "top_k_index", "top_k_weights")
+
+
+def served_experts(experts) -> bool:
+    """Whether fp8compile's MoE computes what these FP8Experts compute: e4m3fn weights in 128x128
+    blocks, dynamic activation scales, gate and up stacked, a silu, no bias, no clamp."""
+    return (
+        experts.gate_up_proj.dtype == torch.float8_e4m3fn
+        and experts.down_proj.dtype == torch.float8_e4m3fn
+        and list(experts.block_size or ()) == [128, 128]
+        and experts.activation_scheme == "dynamic"
+        and getattr(experts, "has_gate", True)
+        and not getattr(experts, "has_bias", False)
+        and getattr(experts, "limit", None) is None
+        and getattr(experts, "swiglu_limit", None) is None
+        and (isinstance(experts.act_fn, torch.nn.SiLU) or type(experts.act_fn).__name__ == "SiLUActivation")
+    )
+
+
+def _install_experts(finegrained_fp8) -> str | None:
+    """Substitutes for transformers' FP8 experts implementations; None once installed, else why
+    not. An experts module fp8compile does not serve runs the implementation itself (a copy of it:
+    the original, called from its substitute, would be substituted again)."""
+    import types
+
+    for name in EXPERTS_IMPLEMENTATIONS:
+        original = getattr(finegrained_fp8, name, None)
+        if original is None:
+            continue  # a transformers without this implementation
+        if tuple(inspect.signature(original).parameters) != EXPERTS_PARAMETERS:
+            return f"{MODULE}.{name} takes {tuple(inspect.signature(original).parameters)}"
+        unsubstituted = types.FunctionType(
+            original.__code__, original.__globals__, name, original.__defaults__, original.__closure__
+        )
+
+        def experts(self, hidden_states, top_k_index, top_k_weights, unsubstituted=unsubstituted):
+            if not served_experts(self):
+                return unsubstituted(self, hidden_states, top_k_index, top_k_weights)
+            return torch.ops.fp8compile.checkpoint_experts(
+                hidden_states,
+                top_k_index,
+                top_k_weights,
+                self.gate_up_proj,
+                self.gate_up_proj_scale_inv,
+                self.down_proj,
+                self.down_proj_scale_inv,
+            )
+
+        try:
+            torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(experts)
+        except (TypeError, ValueError, AttributeError) as error:
+            return f"Dynamo does not take a substitute for {name}: {error}"
+    return None
 
 
 def install_when_imported() -> None:
@@ -126,3 +193,11 @@ def status() -> str:
     """Whether FP8 checkpoint linears trace as fp8compile::checkpoint_linear here, or why not."""
     why = _state.get("installed", "not tried")
     return "traced as fp8compile::checkpoint_linear" if why is None else f"not traced as one op ({why})"
+
+
+def experts_status() -> str:
+    """Whether FP8 checkpoint experts trace as fp8compile::checkpoint_experts here, or why not."""
+    if _state.get("installed", "not tried") is not None:
+        return f"not traced as one op ({status()})"
+    why = _state.get("experts")
+    return "traced as fp8compile::checkpoint_experts" if why is None else f"not traced as one op ({why})"

@@ -14,7 +14,9 @@ parameters are only read.
 
 Two kinds of entry: a linear's weight (N, K) (or two, stacked along N: gate and up as one
 GEMM), and a routed-experts block's stacked weights (E, N, K), stored in the layout the grouped
-kernels read (gate rows first, then up rows).
+kernels read (gate rows first, then up rows). An FP8 checkpoint's experts are FP8 already: the
+pass that takes them registers each weight's block scales (register_fp8_experts), and the
+lookup answers with the checkpoint's own tensors.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import release
 from .numerics import FP8_DTYPE, whole_blocks
@@ -209,6 +212,18 @@ def canonical_experts(
 QUANT_CHUNK_ELEMENTS = 1 << 28
 
 
+# an FP8 checkpoint's expert weight (E, N, K) e4m3fn -> its scales (E, N/128, K/128), by identity
+_CHECKPOINT_SCALES = WeakIdKeyDictionary()
+
+
+def register_fp8_experts(w: torch.Tensor, scale: torch.Tensor) -> None:
+    """w, an FP8 checkpoint's expert weight in the canonical layout (E, N, K) with whole 128x128
+    blocks per expert, is its own FP8 copy; scale, its block scales (fp32 or UE8M0), the copy's."""
+    if w.dtype != FP8_DTYPE or w.dim() != 3 or any(size % 128 for size in w.shape[1:]):
+        raise ValueError(f"an FP8 expert weight of whole 128x128 blocks, not {tuple(w.shape)} {w.dtype}")
+    _CHECKPOINT_SCALES[w] = scale
+
+
 def fp8_experts(
     w: torch.Tensor,
     kn: bool = False,
@@ -220,7 +235,15 @@ def fp8_experts(
     its own 128x128 blocks, so the activation reads gate and up as two contiguous halves. The
     expert intermediate size I is padded to whole blocks with zeros (whole_blocks): the
     rows of each half of a gate/up projection (gate_up given: "none" has one half, up), the
-    columns of a down projection (gate_up None: (E, H, I)). H must be a multiple of 128."""
+    columns of a down projection (gate_up None: (E, H, I)). H must be a multiple of 128. A
+    registered FP8 checkpoint weight is its own copy (register_fp8_experts), its scales fp32."""
+    if w.dtype == FP8_DTYPE:
+        if w not in _CHECKPOINT_SCALES or kn or w_up is not None or gate_up not in (None, "concat"):
+            raise ValueError(f"an FP8 expert weight {tuple(w.shape)} that no pass registered in this layout")
+        scale = _CHECKPOINT_SCALES[w]
+        if scale.dtype == torch.float32:
+            return w, scale
+        return _memoized((w, scale), ("checkpoint_scales",), lambda: (w, scale.float()))
 
     def make():
         stacked = canonical_experts(w.detach(), kn, gate_up, None if w_up is None else w_up.detach())

@@ -156,7 +156,9 @@ def test_the_reference_with_a_static_activation_scale_quantizes_with_that_one_sc
 
 
 @pytest.mark.parametrize("first", ["fp8compile", "transformers"])
-def test_the_substitute_for_transformers_fp8_linear_is_installed_whichever_is_imported_first(first):
+def test_the_substitutes_for_transformers_fp8_linear_and_experts_are_installed_whichever_is_imported_first(
+    first,
+):
     imports = {
         "fp8compile": "import fp8compile",
         "transformers": "import transformers.integrations.finegrained_fp8",
@@ -174,12 +176,14 @@ def test_the_substitute_for_transformers_fp8_linear_is_installed_whichever_is_im
             imports[second],
             "from fp8compile import checkpoints",
             "print(checkpoints.status())",
+            "print(checkpoints.experts_status())",
         ]
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    before, after = done.stdout.strip().splitlines()[-2:]
+    before, after, experts = done.stdout.strip().splitlines()[-3:]
     assert after == "traced as fp8compile::checkpoint_linear"
+    assert experts == "traced as fp8compile::checkpoint_experts"
     if first == "fp8compile":  # not before the integration is imported: it would import transformers
         assert before.startswith("not traced as one op")
 
@@ -405,32 +409,61 @@ def test_transformers_fp8_forward_runs_the_installed_deep_gemm_where_the_hub_doe
     assert calc_diff(theirs, bf16) <= 1.15 * calc_diff(reference, bf16)
 
 
-def test_an_fp8_moe_checkpoints_experts_run_as_transformers_runs_them_and_the_report_says_so(
-    transformers_kernels,
-):
-    # a Qwen3-MoE as transformers writes it in FP8: its routed experts load as FP8Experts, which
-    # no fp8compile op takes yet; its attention's linears are rewritten around them
+def _moe_checkpoint():
+    """A Qwen3-MoE as transformers writes it in FP8 (its routed experts as FP8Experts), and its
+    dequantized bf16 model."""
     model, dequantized = fp8_checkpoint("qwen3_moe")
     experts = [m for m in model.modules() if isinstance(m, finegrained_fp8.FP8Experts)]
     assert len(experts) == model.config.num_hidden_layers
     assert all(e.gate_up_proj.dtype == e.down_proj.dtype == torch.float8_e4m3fn for e in experts)
-    # transformers' grouped FP8 experts kernel comes from the Hub: here its per-expert loop runs,
-    # each expert's linears on the computation of its kernels (the fixture)
+    return model, dequantized, experts
+
+
+def _transformers_fp8(model, ids):
+    """transformers' own FP8 forward. Its grouped experts kernel comes from the Hub: here its
+    per-expert loop runs, each expert's linears on its kernels' computation (the fixture)."""
+    implementation = model.config._experts_implementation
     model.set_experts_implementation("eager")
+    try:
+        return model(ids).logits
+    finally:
+        model.set_experts_implementation(implementation)
+
+
+def test_an_fp8_moe_checkpoints_experts_run_on_fp8compiles_moe_with_their_own_weights(transformers_kernels):
+    model, dequantized, experts = _moe_checkpoint()
     ids = _ids(model)
     fp8 = fp8compile.backend()
     with torch.no_grad():
         logits = torch.compile(model, backend=fp8)(ids).logits
-        theirs, bf16 = model(ids).logits, dequantized(ids).logits
+        theirs, bf16 = _transformers_fp8(model, ids), dequantized(ids).logits
+    moe = {r.name: r for r in fp8.report.rewrites if r.kind == "moe"}
+    assert set(moe) == {f"model.layers.{i}.mlp.experts" for i in range(len(experts))}
+    assert all(r.detail.endswith("128x128 block scales, in place") for r in moe.values())
+    # the op reads the checkpoint's tensors: its FP8 "copies" are the parameters themselves
+    w13, scale = fp8compile.weights.fp8_experts(experts[0].gate_up_proj, gate_up="concat")
+    assert w13 is experts[0].gate_up_proj and scale is experts[0].gate_up_proj_scale_inv
     merged = [r.name for r in _linear_rewrites(fp8.report).values() if r.detail.startswith("one GEMM")]
     assert {name.rsplit(".", 1)[1] for name in merged} == {"q_proj", "k_proj", "v_proj"}
-    # the loop over the experts hit leaves the graph (a graph per expert's linears), and says so
-    assert any(s.kind == "moe" and "Python loop over the experts" in s.reason for s in fp8.report.skips)
+    assert calc_diff(logits, bf16) <= 1.15 * calc_diff(theirs, bf16)
+
+
+def test_fp8_checkpoint_experts_the_moe_fusion_does_not_take_run_the_block_recipes_moe(transformers_kernels):
+    model, dequantized, experts = _moe_checkpoint()
+    ids = _ids(model)
+    fp8 = fp8compile.backend(fusions=("qkv",))
+    with torch.no_grad():
+        logits = torch.compile(model, backend=fp8)(ids).logits
+        theirs, bf16 = _transformers_fp8(model, ids), dequantized(ids).logits
+    kept = {s.name: s.reason for s in fp8.report.skips if s.kind == "moe"}
+    assert kept == {
+        f"model.layers.{i}.mlp.experts": "the moe fusion is off (Fp8Config.fusions)" for i in range(2)
+    }
     assert calc_diff(logits, bf16) <= 1.15 * calc_diff(theirs, bf16)
 
 
 def test_bench_points_transformers_fp8_experts_at_deep_gemm_only_where_its_linears_run_the_wheel():
-    model, _ = fp8_checkpoint("qwen3_moe")
+    model, _, _ = _moe_checkpoint()
     default = model.config._experts_implementation
     assert fp8_checkpoint_files.experts_on_deep_gemm(model, "left as it is: no deep_gemm wheel") is None
     assert fp8_checkpoint_files.experts_on_deep_gemm(model, "hub") is None
@@ -460,9 +493,10 @@ def test_bench_model_runs_the_fp8_checkpoint_and_says_why_transformers_own_path_
     assert "transformers_fp8: did not run: ImportError" in capsys.readouterr().out
     (decoded,) = [r for r in rows if r["kind"] == "decode"]
     assert decoded["variant"] == "fp8_own_ckpt" and decoded["recompiles"] == 0
-    # the checkpoint keeps its lm_head in bf16: within the bound of the bf16 model's FP8 composition
+    # within the bound of the checkpoint's own composition: transformers' forward on its kernels'
+    # computation (the checkpoint's quantization is transformers', not the bf16 composition's)
     accuracy = {r["variant"]: r["calc_diff"] for r in rows if r["kind"] == "accuracy"}
-    assert 0 < accuracy["fp8_own_ckpt"] <= 1.15 * accuracy["fp8_unfused_eager"]
+    assert 0 < accuracy["fp8_own_ckpt"] <= 1.15 * accuracy["fp8_ckpt_unfused_eager"]
 
 
 def test_an_fp8_weight_read_other_than_through_fp8linear_is_reported_as_run_as_written():

@@ -118,6 +118,29 @@ def transformers_on_installed_deep_gemm(device: torch.device):
         yield f"deep_gemm {getattr(deep_gemm, '__version__', '?')} (installed wheel)"
 
 
+@contextlib.contextmanager
+def transformers_computation(model):
+    """transformers' FP8 forward of model with its kernels' computation in PyTorch
+    (ops/linear/checkpoint.py, reference) and its experts in their per-expert loop: what the
+    checkpoint computes, on any machine. The eager composition the compiled checkpoint answers to
+    (a checkpoint's own quantization is transformers', not fp8compile's)."""
+    from transformers.integrations import finegrained_fp8
+
+    from ..ops.linear import checkpoint as checkpoint_op
+
+    implementation = getattr(model.config, "_experts_implementation", None)
+    has_experts = any(isinstance(m, finegrained_fp8.FP8Experts) for m in model.modules())
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            mock.patch.object(finegrained_fp8, "finegrained_fp8_linear", checkpoint_op.reference)
+        )
+        stack.enter_context(mock.patch.object(finegrained_fp8, "is_deepgemm_loadable", lambda: False))
+        if has_experts:
+            model.set_experts_implementation("eager")
+            stack.callback(model.set_experts_implementation, implementation)
+        yield
+
+
 def experts_on_deep_gemm(model, transformers_kernel: str) -> str | None:
     """Where model holds FP8Experts and transformers' FP8 forward runs the installed deep_gemm
     (transformers_on_installed_deep_gemm's answer), its experts are set to transformers'

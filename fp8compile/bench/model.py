@@ -21,7 +21,10 @@ said in the output). Variants, in this order (torchao last: it quantizes the mod
                           DeepGEMM (the installed wheel where the Hub's build cannot load: rows'
                           transformers_kernel says which)
     transformers_fp8_inductor_ro  the same compiled by Inductor, reduce-overhead
-    fp8[_ro][_own]_ckpt   fp8compile on that checkpoint (its FP8 weights read in place); _own: the
+    fp8[_ro][_own]_ckpt   fp8compile on that checkpoint (its FP8 weights read in place), its
+                          calc_diff beside the checkpoint's own unfused composition
+                          (fp8_ckpt_unfused_eager: transformers' forward on its kernels'
+                          computation in PyTorch); _own: the
                           prompt through the compiled graphs too, where transformers' kernels,
                           which generate() runs the prompt on, do not load (a machine offline)
     torchao_rowwise_ro    torchao float8 dynamic rowwise, then Inductor reduce-overhead (if importable)
@@ -199,6 +202,17 @@ def bench_model(
                             experts = fp8_checkpoint.experts_on_deep_gemm(checkpoint, transformers_kernel)
                             if experts is not None:
                                 say(f"transformers' FP8 experts: its {experts!r} implementation")
+                        with fp8_checkpoint.transformers_computation(checkpoint):
+                            logits = checkpoint(ids_acc, use_cache=False).logits.float()
+                        rows.append(
+                            dict(
+                                base,
+                                variant="fp8_ckpt_unfused_eager",
+                                kind="accuracy",
+                                calc_diff=fp8compile.calc_diff(logits, eager_logits),
+                                median_calc_diff=architectures.median_token_diff(logits, eager_logits),
+                            )
+                        )
                         model.to("cpu")
                         gc.collect()
                         if device.type == "cuda":

@@ -9,6 +9,7 @@ Triton launcher (launch.py), the traced launches (traced.py) and the vendor libr
 
 # importing them registers torch.ops.fp8compile.*
 from .linear import checkpoint as checkpoint_op  # noqa: F401
+from .moe import checkpoint as checkpoint_experts_op  # noqa: F401
 from .linear import op as linear_op  # noqa: F401
 from .moe import op as moe_op  # noqa: F401
 from .mqa_logits import op as mqa_logits_op  # noqa: F401

@@ -3,6 +3,7 @@ recording every rewrite and every candidate it leaves in bf16 on the context's r
 
 from __future__ import annotations
 
+from .checkpoint_experts import checkpoint_experts_pass
 from .checkpoint_linear import checkpoint_linear_pass
 from .checkpoint_merge import checkpoint_merge_pass
 from .context import GraphInputs, PassContext
@@ -25,8 +26,8 @@ def moe_passes(ctx: PassContext) -> None:
 
 # Order matters: a fusion claims its down projection before linear_pass sees it as a plain linear.
 # Each fusion runs when its name is in Fp8Config.fusions; the FP8 checkpoint's passes (its
-# linears merged where they read one x, under the gate_up and qkv fusions' names, then the rest)
-# and linear_pass always run, last.
+# experts under the moe fusion's name, its linears merged where they read one x under the
+# gate_up and qkv fusions' names, then the rest) and linear_pass always run, last.
 FUSION_PASSES = {
     "gqa_attention": gqa_attention_pass,
     "mqa_logits": mqa_logits_pass,
@@ -36,6 +37,7 @@ FUSION_PASSES = {
     "silu_mul": silu_mul_pass,
 }
 CHECKPOINT_PASSES = (
+    ("checkpoint_experts", checkpoint_experts_pass),
     ("checkpoint_merge", checkpoint_merge_pass),
     ("checkpoint_linear", checkpoint_linear_pass),
 )

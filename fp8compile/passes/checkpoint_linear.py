@@ -30,6 +30,7 @@ from .silu_mul import silu_mul_pattern
 TARGET = torch.ops.fp8compile.checkpoint_linear.default
 QLINEAR = torch.ops.fp8compile.qlinear.default
 GATED_QLINEAR = torch.ops.fp8compile.gated_qlinear.default
+COND = torch.ops.higher_order.cond
 ARGUMENTS = ("x", "weight", "weight_scale_inv", "bias", "activation_scale", "block_size", "allow_deepgemm")
 DEFAULTS = {"bias": None, "activation_scale": None, "block_size": None, "allow_deepgemm": True}
 DETAIL = "FP8 checkpoint: its weights and 128x128 block scales, in place"
@@ -166,18 +167,27 @@ def checkpoint_linear_pass(ctx: PassContext) -> None:
     for node in ctx.parameters:
         val = node.meta.get("val")
         # (a weight checkpoint_merge stacked is read through the stack: no node reads it any more)
-        if isinstance(val, torch.Tensor) and val.dtype == FP8_DTYPE and node not in read and node.users:
+        if isinstance(val, torch.Tensor) and val.dtype == FP8_DTYPE and node not in read and _foreign(node):
             ctx.skipped(
                 "linear", module_name(ctx.parameter(node)[1]), _untraced(val), "x".join(map(str, val.shape))
             )
+
+
+def _foreign(node: fx.Node) -> bool:
+    """Whether a node other than fp8compile's (its ops, its dispatch's conds) reads node."""
+    ours = (torch._ops.OpOverload, torch._ops.HigherOrderOperator)
+    return any(
+        not (isinstance(user.target, ours) and (user.target.namespace == "fp8compile" or user.target is COND))
+        for user in node.users
+    )
 
 
 def _untraced(val: torch.Tensor) -> str:
     """Why an FP8 parameter the graph reads is not an FP8 checkpoint linear the pass can take."""
     if val.dim() == 3:
         return (
-            "an FP8 checkpoint's routed experts: fp8compile's MoE op does not take FP8 experts yet; "
-            "they run as the model runs them"
+            "an FP8 checkpoint's routed experts not traced as fp8compile::checkpoint_experts (here "
+            f"{checkpoints.experts_status()}): they run as the model runs them"
         )
     return (
         "an FP8 weight read other than through transformers' FP8Linear, which fp8compile takes as "
