@@ -12,7 +12,9 @@ pass then puts the sites it can serve on fp8compile's FP8 linear, with the check
 weights and scales (passes/checkpoint_linear.py). Likewise its routed experts (`FP8Experts`),
 whose implementations transformers loads from the Hub: those fp8compile serves trace as
 fp8compile::checkpoint_experts (ops/moe/checkpoint.py), which passes/checkpoint_experts.py puts
-on fp8compile's MoE op.
+on fp8compile's MoE op. And a compressed-tensors FP8 checkpoint's `CompressedTensorsFP8Linear`
+(install_compressed): its quantization and matmul trace as two ops that
+passes/checkpoint_rowwise.py puts on fp8compile's rowwise linear.
 
 The substitute is registered once a process, when both fp8compile and transformers' FP8
 integration are imported, in either order (`install_when_imported`): a model's FP8 modules come
@@ -146,24 +148,82 @@ def _install_experts(finegrained_fp8) -> str | None:
     return None
 
 
+COMPRESSED_MODULE = "transformers.integrations.compressed_tensors"
+
+
+def install_compressed() -> str | None:
+    """Register substitutes for the two steps of transformers' CompressedTensorsFP8Linear forward
+    (a compressed-tensors FP8 checkpoint's linear, loaded with use_optimized_inference): its
+    activation's quantization and its rowwise-scaled matmul, each one call of an fp8compile op
+    (checkpoint_quant_rows, checkpoint_scaled_mm_rowwise). Dynamo inlines a module's forward
+    itself, with no look-up a substitute could answer: the functions it calls are substituted.
+    None once they are, else why not."""
+    if _state.get("compressed", "not tried") is None:
+        return None
+    if COMPRESSED_MODULE not in sys.modules:
+        return f"{COMPRESSED_MODULE} is not imported: no compressed-tensors FP8 module exists yet"
+    try:
+        from transformers.integrations import compressed_tensors
+    except ImportError as error:
+        return _remember_compressed(f"transformers' compressed-tensors integration does not import: {error}")
+    expected = {
+        "quantize_fp8_per_row": ("x",),
+        "_scaled_mm_rowwise": ("input", "weight", "scale_a", "scale_b", "out_dtype", "bias"),
+    }
+    for name, parameters in expected.items():
+        function = getattr(compressed_tensors, name, None)
+        if function is None or tuple(inspect.signature(function).parameters) != parameters:
+            return _remember_compressed(
+                f"{COMPRESSED_MODULE}.{name} is not the function {parameters} this knows"
+            )
+
+    def quantize_fp8_per_row(x):
+        return torch.ops.fp8compile.checkpoint_quant_rows(x)
+
+    def _scaled_mm_rowwise(input, weight, scale_a, scale_b, out_dtype, bias=None):
+        return torch.ops.fp8compile.checkpoint_scaled_mm_rowwise(
+            input, weight, scale_a, scale_b, out_dtype, bias
+        )
+
+    try:
+        for substitute in (quantize_fp8_per_row, _scaled_mm_rowwise):
+            original = getattr(compressed_tensors, substitute.__name__)
+            torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(substitute)
+    except (TypeError, ValueError, AttributeError) as error:
+        return _remember_compressed(f"Dynamo does not take a substitute for them: {error}")
+    return _remember_compressed(None)
+
+
+def _remember_compressed(why: str | None) -> str | None:
+    _state["compressed"] = why
+    return why
+
+
+# transformers' integration module -> what installs its substitutes
+INSTALLERS = {MODULE: install, COMPRESSED_MODULE: install_compressed}
+
+
 def install_when_imported() -> None:
-    """install() now if transformers' FP8 integration is imported, else right after its import."""
-    if MODULE in sys.modules:
-        install()
-    elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+    """Each installer now if its transformers integration is imported, else right after its import."""
+    for module, installer in INSTALLERS.items():
+        if module in sys.modules:
+            installer()
+        elif not any(isinstance(f, _AfterImport) and f.module == module for f in sys.meta_path):
+            sys.meta_path.insert(0, _AfterImport(module, installer))
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when MODULE is imported, it has the finders after it find the
-    module and makes its loader call install() once the module has run; then it leaves
+    """Finds nothing itself: when `module` is imported, it has the finders after it find the
+    module and makes its loader call installer() once the module has run; then it leaves
     sys.meta_path (a look-up that imports nothing leaves it in place)."""
 
-    def __init__(self):
+    def __init__(self, module: str, installer):
+        self.module = module
+        self.installer = installer
         self._finding = False
 
     def find_spec(self, name, path, target=None):
-        if name != MODULE or self._finding:
+        if name != self.module or self._finding:
             return None
         self._finding = True
         try:
@@ -176,7 +236,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module, run=run):
             run(module)
-            install()
+            self.installer()
             if self in sys.meta_path:
                 sys.meta_path.remove(self)
 
@@ -201,3 +261,9 @@ def experts_status() -> str:
         return f"not traced as one op ({status()})"
     why = _state.get("experts")
     return "traced as fp8compile::checkpoint_experts" if why is None else f"not traced as one op ({why})"
+
+
+def compressed_status() -> str:
+    """Whether compressed-tensors FP8 linears trace as fp8compile's ops here, or why not."""
+    why = _state.get("compressed", "not tried")
+    return "traced as fp8compile::checkpoint_scaled_mm_rowwise" if why is None else f"not traced ({why})"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from .checkpoint_experts import checkpoint_experts_pass
 from .checkpoint_linear import checkpoint_linear_pass
 from .checkpoint_merge import checkpoint_merge_pass
+from .checkpoint_rowwise import checkpoint_rowwise_pass
 from .context import GraphInputs, PassContext
 from .gate_up import gate_up_pass
 from .gqa_attention import gqa_attention_pass
@@ -40,6 +41,7 @@ CHECKPOINT_PASSES = (
     ("checkpoint_experts", checkpoint_experts_pass),
     ("checkpoint_merge", checkpoint_merge_pass),
     ("checkpoint_linear", checkpoint_linear_pass),
+    ("checkpoint_rowwise", checkpoint_rowwise_pass),
 )
 PASSES = (*FUSION_PASSES.values(), *(p for _, p in CHECKPOINT_PASSES), linear_pass)
 

@@ -173,13 +173,28 @@ def checkpoint_linear_pass(ctx: PassContext) -> None:
             )
 
 
+_VIEW_OPS = (
+    torch.ops.aten.permute.default,
+    torch.ops.aten.t.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default,
+)
+
+
 def _foreign(node: fx.Node) -> bool:
-    """Whether a node other than fp8compile's (its ops, its dispatch's conds) reads node."""
+    """Whether a node other than fp8compile's (its ops, its dispatch's conds) reads node, through
+    views (a compressed-tensors weight reaches its op transposed)."""
     ours = (torch._ops.OpOverload, torch._ops.HigherOrderOperator)
-    return any(
-        not (isinstance(user.target, ours) and (user.target.namespace == "fp8compile" or user.target is COND))
-        for user in node.users
-    )
+    for user in node.users:
+        if user.target in _VIEW_OPS:
+            if _foreign(user):
+                return True
+        elif not (
+            isinstance(user.target, ours) and (user.target.namespace == "fp8compile" or user.target is COND)
+        ):
+            return True
+    return False
 
 
 def _untraced(val: torch.Tensor) -> str:

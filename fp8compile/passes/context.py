@@ -223,10 +223,13 @@ class PassContext:
         # one that did in the same compile (after a graph break, an lm_head may be a graph of
         # its own): its bf16 linears are the ones the checkpoint left unquantized
         # (Fp8Config.quantize_checkpoint_bf16).
-        self.report.fp8_checkpoint |= bool(
-            self.gm.graph.find_nodes(
-                op="call_function", target=torch.ops.fp8compile.checkpoint_linear.default
-            )
+        checkpoint_ops = (
+            torch.ops.fp8compile.checkpoint_linear.default,
+            torch.ops.fp8compile.checkpoint_scaled_mm_rowwise.default,
+            torch.ops.fp8compile.checkpoint_experts.default,
+        )
+        self.report.fp8_checkpoint |= any(
+            self.gm.graph.find_nodes(op="call_function", target=target) for target in checkpoint_ops
         )
         self.fp8_checkpoint = self.report.fp8_checkpoint
         # Inputs the backend appends to the graph and computes per call (derived_inputs):

@@ -1,5 +1,8 @@
 """The linear of an FP8 checkpoint as transformers loads it (its `FP8Linear`, from
-`FineGrainedFP8Config`), as one op a traced graph can hold: fp8compile::checkpoint_linear.
+`FineGrainedFP8Config`), as one op a traced graph can hold: fp8compile::checkpoint_linear; and a
+compressed-tensors FP8 checkpoint's (`CompressedTensorsFP8Linear`, per-channel weight scales,
+per-token activations) as its two steps, fp8compile::checkpoint_quant_rows and
+fp8compile::checkpoint_scaled_mm_rowwise.
 
 transformers' own forward (integrations/finegrained_fp8.py, `fp8_linear`) picks DeepGEMM or a
 Triton kernel it loads from the Hub at its first call; Dynamo cannot trace that choice, and where
@@ -92,3 +95,61 @@ def dequantized_reference(
         x = ((groups / x_scale).to(FP8_DTYPE).float() * x_scale).flatten(-2)
     out = torch.nn.functional.linear(x, weight.float() * scale, None if bias is None else bias.float())
     return out.to(input.dtype)
+
+
+@op
+def checkpoint_quant_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """transformers' quantize_fp8_per_row (a compressed-tensors FP8 linear's activation): x (M, K)
+    -> (e4m3fn (M, K), its fp32 scale a row (M,))."""
+    from transformers.integrations import compressed_tensors
+
+    x_fp8, scale = compressed_tensors.quantize_fp8_per_row(x)
+    return x_fp8, scale.float()
+
+
+@fake(checkpoint_quant_rows)
+def _(x):
+    return x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@op
+def checkpoint_scaled_mm_rowwise(
+    x_fp8: Tensor,
+    weight_t: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    out_dtype: torch.dtype,
+    bias: Tensor | None = None,
+) -> Tensor:
+    """transformers' _scaled_mm_rowwise (a compressed-tensors FP8 linear's matmul): x_fp8 (M, K)
+    times weight_t (K, N), the FP8 weight transposed, with scales (M, 1) and (1, N) (+ bias)
+    -> (M, N) in out_dtype."""
+    from transformers.integrations import compressed_tensors
+
+    return compressed_tensors._scaled_mm_rowwise(x_fp8, weight_t, scale_a, scale_b, out_dtype, bias)
+
+
+@fake(checkpoint_scaled_mm_rowwise)
+def _(x_fp8, weight_t, scale_a, scale_b, out_dtype, bias=None):
+    torch._check(
+        x_fp8.shape[-1] == weight_t.shape[0],
+        lambda: f"x has K={x_fp8.shape[-1]} but the FP8 weight has K={weight_t.shape[0]}",
+    )
+    return x_fp8.new_empty(x_fp8.shape[0], weight_t.shape[1], dtype=out_dtype)
+
+
+def scaled_mm_reference(
+    input: Tensor,
+    weight: Tensor,
+    scale_a: Tensor,
+    scale_recipe_a=None,
+    scale_b: Tensor | None = None,
+    scale_recipe_b=None,
+    bias: Tensor | None = None,
+    output_dtype: torch.dtype = torch.bfloat16,
+    **_,
+) -> Tensor:
+    """torch.nn.functional.scaled_mm with rowwise scales in PyTorch (it has no CPU kernel): FP8
+    input (M, K) and weight (K, N), scales (M, 1) and (1, N), one fp32 product."""
+    out = (input.float() * scale_a) @ (weight.float() * scale_b)
+    return (out if bias is None else out + bias.float()).to(output_dtype)

@@ -1,0 +1,115 @@
+"""compressed-tensors FP8 checkpoints as transformers loads them with use_optimized_inference
+(CompressedTensorsFP8Linear: e4m3fn weights with one fp32 scale per output channel, activations
+quantized per token): compiled with the fp8 backend, their linears run fp8compile's rowwise FP8
+linear on the checkpoint's own tensors, whatever Fp8Config.recipe says; what it does not take
+stays as transformers runs it, with the reason.
+
+The modules are the ones transformers' loader puts in (as replace_with_compressed_tensors_fp8_linear
+does), holding per-channel FP8 weights; reading such a checkpoint from disk needs the
+compressed-tensors package, which the tests do not install. torch._scaled_mm has no CPU kernel:
+transformers' rowwise matmul is given its computation in PyTorch (ops/linear/checkpoint.py).
+"""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fp8compile
+from fp8compile import architectures, calc_diff
+from fp8compile.numerics import FP8_MAX
+from fp8compile.ops.linear import checkpoint as checkpoint_op
+
+transformers = pytest.importorskip("transformers")
+compressed = pytest.importorskip("transformers.integrations.compressed_tensors")
+if not hasattr(compressed, "CompressedTensorsFP8Linear"):
+    pytest.skip("this transformers has no CompressedTensorsFP8Linear", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def scaled_mm_in_pytorch(monkeypatch):
+    # beneath transformers' _scaled_mm_rowwise, which Dynamo traces as fp8compile's op
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", checkpoint_op.scaled_mm_reference, raising=False)
+    monkeypatch.setattr(torch, "_scaled_mm", checkpoint_op.scaled_mm_reference)
+
+
+def compressed_checkpoint(arch: str = "llama"):
+    """(the model with CompressedTensorsFP8Linear modules holding per-channel FP8 weights, the
+    bf16 model of their dequantized weights); the lm_head stays bf16, as such checkpoints keep it."""
+    model = architectures.build(arch).eval()
+    loaded = copy.deepcopy(model)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    for name in names:  # what transformers' replace_with_compressed_tensors_fp8_linear puts in
+        linear = model.get_submodule(name)
+        loaded.set_submodule(
+            name,
+            compressed.CompressedTensorsFP8Linear(
+                linear.in_features, linear.out_features, linear.bias is not None
+            ),
+        )
+    dequantized = copy.deepcopy(model)
+    for name in names:
+        w = model.get_submodule(name).weight.detach().float()
+        scale = w.abs().amax(1).clamp(min=1e-12) / FP8_MAX
+        fp8 = loaded.get_submodule(name)
+        fp8.weight = torch.nn.Parameter((w / scale[:, None]).to(torch.float8_e4m3fn), requires_grad=False)
+        fp8.weight_scale = torch.nn.Parameter(scale[None, :], requires_grad=False)
+        dense = fp8.weight.float() * scale[:, None]
+        dequantized.get_submodule(name).weight.data = dense.to(model.dtype)
+    return loaded.eval(), dequantized, names
+
+
+def _ids(model):
+    torch.manual_seed(1)
+    return torch.randint(0, model.config.vocab_size, (2, 12))
+
+
+def test_compressed_tensors_linears_run_fp8compiles_rowwise_linear_with_their_own_weights():
+    model, dequantized, names = compressed_checkpoint()
+    ids = _ids(model)
+    fp8 = fp8compile.backend()  # the block recipe: the checkpoint's rowwise scales decide
+    with torch.no_grad():
+        logits = torch.compile(model, backend=fp8)(ids).logits
+        theirs, bf16 = model(ids).logits, dequantized(ids).logits
+    rewritten = {r.name: r for r in fp8.report.rewrites if r.kind in ("linear", "silu_mul")}
+    assert sorted(rewritten) == sorted(names) and len(names) == 14
+    assert all(
+        r.recipe == "rowwise, dynamic" and "per-channel scales, in place" in r.detail
+        for r in rewritten.values()
+    )
+    downs = {name for name in names if name.endswith("mlp.down_proj")}
+    assert {name for name, r in rewritten.items() if r.kind == "silu_mul"} == downs
+    (kept,) = [s for s in fp8.report.skips if s.kind == "linear"]
+    assert kept.name == "lm_head" and "keeps it in bf16" in kept.reason
+    assert calc_diff(logits, bf16) <= 1.15 * calc_diff(theirs, bf16)
+
+
+def test_a_compressed_tensors_linear_fp8compile_does_not_take_stays_as_transformers_runs_it():
+    model, dequantized, _ = compressed_checkpoint()
+    ids = _ids(model)
+    fp8 = fp8compile.backend(skip=("*.q_proj",))
+    with torch.no_grad():
+        logits = torch.compile(model, backend=fp8)(ids).logits
+        theirs, bf16 = model(ids).logits, dequantized(ids).logits
+    kept = {s.name: s.reason for s in fp8.report.skips if s.kind == "linear"}
+    assert kept["model.layers.0.self_attn.q_proj"] == "matches skip pattern '*.q_proj'"
+    assert calc_diff(logits, bf16) <= 1.15 * calc_diff(theirs, bf16)
+
+
+def test_the_compressed_tensors_substitute_is_installed_after_its_integration_is_imported():
+    code = "; ".join(
+        [
+            "import fp8compile",
+            "from fp8compile import checkpoints",
+            "print(checkpoints.compressed_status())",
+            "import transformers.integrations.compressed_tensors",
+            "print(checkpoints.compressed_status())",
+        ]
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = done.stdout.strip().splitlines()[-2:]
+    assert before.startswith("not traced")
+    assert after == "traced as fp8compile::checkpoint_scaled_mm_rowwise"
