@@ -30,6 +30,7 @@ from .linear import SCALED_K_ALIGN, _skip_pattern, module_name
 
 TARGET = torch.ops.fp8compile.checkpoint_scaled_mm_rowwise.default
 QUANT_ROWS = torch.ops.fp8compile.checkpoint_quant_rows.default
+DETAIL = "compressed-tensors FP8 checkpoint: its weights and per-channel scales, in place"
 aten = torch.ops.aten
 
 
@@ -49,9 +50,6 @@ def operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node | None] 
     if weight_t.target not in (aten.permute.default, aten.t.default, aten.transpose.int):
         return "its weight is not a transposed parameter"
     return quant.args[0], weight_t.args[0], scale_b, bias
-
-
-DETAIL = "compressed-tensors FP8 checkpoint: its weights and per-channel scales, in place"
 
 
 def why_not(ctx: PassContext, x: fx.Node, weight: fx.Node, scale: fx.Node, bias, name: str) -> str | None:
