@@ -98,10 +98,13 @@ EXPERTS_PARAMETERS = ("self", "hidden_states", "top_k_index", "top_k_weights")
 
 def served_experts(experts) -> bool:
     """Whether fp8compile's MoE computes what these FP8Experts compute: e4m3fn weights in 128x128
-    blocks, dynamic activation scales, gate and up stacked, a silu, no bias, no clamp."""
+    blocks with fp32 scales, dynamic activation scales, gate and up stacked, a silu, no bias, no
+    clamp. (UE8M0 scales ask for power-of-two activation scales, which the MoE op takes from
+    Fp8Config.e8m0 alone: such experts run transformers' own implementation.)"""
     return (
         experts.gate_up_proj.dtype == torch.float8_e4m3fn
         and experts.down_proj.dtype == torch.float8_e4m3fn
+        and experts.gate_up_proj_scale_inv.dtype == experts.down_proj_scale_inv.dtype == torch.float32
         and list(experts.block_size or ()) == [128, 128]
         and experts.activation_scheme == "dynamic"
         and getattr(experts, "has_gate", True)

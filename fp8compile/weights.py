@@ -218,9 +218,15 @@ _CHECKPOINT_SCALES = WeakIdKeyDictionary()
 
 def register_fp8_experts(w: torch.Tensor, scale: torch.Tensor) -> None:
     """w, an FP8 checkpoint's expert weight in the canonical layout (E, N, K) with whole 128x128
-    blocks per expert, is its own FP8 copy; scale, its block scales (fp32 or UE8M0), the copy's."""
+    blocks per expert, is its own FP8 copy; scale, its fp32 block scales, the copy's."""
     if w.dtype != FP8_DTYPE or w.dim() != 3 or any(size % 128 for size in w.shape[1:]):
         raise ValueError(f"an FP8 expert weight of whole 128x128 blocks, not {tuple(w.shape)} {w.dtype}")
+    if scale.dtype != torch.float32 or tuple(scale.shape) != (
+        w.shape[0],
+        w.shape[1] // 128,
+        w.shape[2] // 128,
+    ):
+        raise ValueError(f"fp32 block scales for {tuple(w.shape)}, not {tuple(scale.shape)} {scale.dtype}")
     _CHECKPOINT_SCALES[w] = scale
 
 
@@ -236,14 +242,11 @@ def fp8_experts(
     expert intermediate size I is padded to whole blocks with zeros (whole_blocks): the
     rows of each half of a gate/up projection (gate_up given: "none" has one half, up), the
     columns of a down projection (gate_up None: (E, H, I)). H must be a multiple of 128. A
-    registered FP8 checkpoint weight is its own copy (register_fp8_experts), its scales fp32."""
+    registered FP8 checkpoint weight is its own copy (register_fp8_experts)."""
     if w.dtype == FP8_DTYPE:
         if w not in _CHECKPOINT_SCALES or kn or w_up is not None or gate_up not in (None, "concat"):
             raise ValueError(f"an FP8 expert weight {tuple(w.shape)} that no pass registered in this layout")
-        scale = _CHECKPOINT_SCALES[w]
-        if scale.dtype == torch.float32:
-            return w, scale
-        return _memoized((w, scale), ("checkpoint_scales",), lambda: (w, scale.float()))
+        return w, _CHECKPOINT_SCALES[w]
 
     def make():
         stacked = canonical_experts(w.detach(), kn, gate_up, None if w_up is None else w_up.detach())

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from .. import weights
-from ..numerics import BLOCK, E8M0_DTYPE, FP8_DTYPE
+from ..numerics import BLOCK, FP8_DTYPE
 from . import dtypes
 from .context import PassContext
 from .moe import MoeMatch, NoMatch, block_name, moe_replacement
@@ -52,10 +52,8 @@ def why_not(ctx: PassContext, node: fx.Node) -> str | None:
             cols // BLOCK,
         ):
             return f"scales {tuple(s.meta['val'].shape)} for FP8 weights {tuple(w.meta['val'].shape)}"
-    if s13.meta["val"].dtype not in (torch.float32, E8M0_DTYPE):
-        return f"scales in {dtypes.name(s13.meta['val'].dtype)}, not fp32 or UE8M0"
-    if s13.meta["val"].dtype == E8M0_DTYPE and not ctx.config.e8m0:
-        return "UE8M0 expert scales need power-of-two activation scales: Fp8Config(e8m0=True)"
+    if s13.meta["val"].dtype != torch.float32 or s2.meta["val"].dtype != torch.float32:
+        return f"scales in {dtypes.name(s13.meta['val'].dtype)}, not fp32"
     return None
 
 
