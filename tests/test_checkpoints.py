@@ -566,3 +566,25 @@ def test_golden_graph_diff_of_an_fp8_checkpoints_gated_mlp(pass_diffs, transform
             f.write(diff)
     with open(GOLDEN) as f:
         assert diff == f.read()
+
+
+GOLDEN_EXPERTS = os.path.join(os.path.dirname(__file__), "golden", "checkpoint_experts.diff")
+
+
+def test_golden_graph_diff_of_an_fp8_checkpoints_routed_experts(pass_diffs, transformers_kernels):
+    """One Qwen3-MoE block of an FP8 checkpoint: checkpoint_experts -> fp8compile::moe on the
+    checkpoint's own gate|up and down placeholders and their scales (static M: no dispatch); the
+    router stays a bf16 linear. Regenerate with FP8COMPILE_UPDATE_GOLDEN=1 after an intended
+    change, and read the diff."""
+    model, _, _ = _moe_checkpoint()
+    block, x = model.model.layers[0].mlp, randn(2, 3, model.config.hidden_size)
+    with torch.no_grad():
+        out = torch.compile(block, backend=fp8compile.backend(), dynamic=False)(x)
+        model.set_experts_implementation("eager")  # transformers' per-expert loop (see _transformers_fp8)
+        assert calc_diff(out, block(x)) < 2e-3
+    (diff,) = pass_diffs
+    if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):
+        with open(GOLDEN_EXPERTS, "w") as f:
+            f.write(diff)
+    with open(GOLDEN_EXPERTS) as f:
+        assert diff == f.read()

@@ -11,8 +11,10 @@ transformers' rowwise matmul is given its computation in PyTorch (ops/linear/che
 """
 
 import copy
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +115,41 @@ def test_the_compressed_tensors_substitute_is_installed_after_its_integration_is
     before, after = done.stdout.strip().splitlines()[-2:]
     assert before.startswith("not traced")
     assert after == "traced as fp8compile::checkpoint_scaled_mm_rowwise"
+
+
+GOLDEN = Path(__file__).parent / "golden" / "compressed_gated_mlp.diff"
+
+
+class _CompressedMLP(torch.nn.Module):
+    """A gated MLP of transformers' CompressedTensorsFP8Linear modules holding per-channel FP8
+    weights, as a compressed-tensors checkpoint loads it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        for name, (n, k) in {"gate_proj": (256, 128), "up_proj": (256, 128), "down_proj": (128, 256)}.items():
+            linear = compressed.CompressedTensorsFP8Linear(k, n, False)
+            w = torch.randn(n, k) * 0.02
+            scale = w.abs().amax(1) / FP8_MAX
+            fp8 = (w / scale[:, None]).to(torch.float8_e4m3fn)
+            linear.weight = torch.nn.Parameter(fp8, requires_grad=False)
+            linear.weight_scale = torch.nn.Parameter(scale[None, :], requires_grad=False)
+            setattr(self, name, linear)
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_golden_graph_diff_of_a_compressed_tensors_gated_mlp(pass_diffs):
+    """gate and up: the matmul over checkpoint_quant_rows(x) and the transposed FP8 weight ->
+    qlinear_scaled, rowwise, on the checkpoint's own weight and per-channel scale; down:
+    gated_qlinear_scaled over silu's two inputs; static M. Regenerate with
+    FP8COMPILE_UPDATE_GOLDEN=1 after an intended change, and read the diff."""
+    model, x = _CompressedMLP(), torch.randn(2, 3, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = torch.compile(model, backend=fp8compile.backend(), dynamic=False)(x)
+        assert calc_diff(out, model(x)) < 2e-3
+    (diff,) = pass_diffs
+    if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):
+        GOLDEN.write_text(diff)
+    assert diff == GOLDEN.read_text()
