@@ -28,6 +28,7 @@ from ..weights import stacked_bias
 from . import dispatch
 from .checkpoint_linear import DETAIL, TARGET, arguments, site_name, why_not
 from .context import PassContext
+from .merge import joined_names
 from .silu_mul import _CASTS, _VIEWS, _strip, silu_mul_pattern
 
 aten = torch.ops.aten
@@ -140,12 +141,4 @@ def checkpoint_merge_pass(ctx: PassContext) -> None:
     names = {node: site_name(ctx, node) for node in nodes}
     for group in groups(ctx, nodes, names):
         members = [names[node] for node in group]
-        ctx.at_site(_group_name(members), lambda group=group, members=members: merge(ctx, group, members))
-
-
-def _group_name(names: list[str]) -> str:
-    """ "model.layers.0.self_attn.q_proj|k_proj|v_proj" for the report."""
-    prefix = names[0].rpartition(".")[0]
-    if all(name.rpartition(".")[0] == prefix for name in names):
-        return prefix + "." + "|".join(name.rpartition(".")[2] for name in names)
-    return "|".join(names)
+        ctx.at_site(joined_names(members), lambda group=group, members=members: merge(ctx, group, members))

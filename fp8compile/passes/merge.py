@@ -26,7 +26,13 @@ aten = torch.ops.aten
 
 def group_name(ctx: PassContext, matches: list[LinearMatch]) -> str:
     """The linears of a group, for the report: "model.layers.0.self_attn.q_proj|k_proj|v_proj"."""
-    names = [module_name(param[1]) if (param := ctx.parameter(m.weight)) else m.weight.name for m in matches]
+    return joined_names(
+        [module_name(param[1]) if (param := ctx.parameter(m.weight)) else m.weight.name for m in matches]
+    )
+
+
+def joined_names(names: list[str]) -> str:
+    """Module names joined for the report, their common parent named once: "a.b.q|k|v"."""
     prefix = names[0].rpartition(".")[0]
     if prefix and all(name.rpartition(".")[0] == prefix for name in names):
         return prefix + "." + "|".join(name.rpartition(".")[2] for name in names)
