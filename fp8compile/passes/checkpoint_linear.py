@@ -16,6 +16,9 @@ weights stacked in place (checkpoint_merge.py).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -91,7 +94,7 @@ def _as_fp32(scale: torch.Tensor) -> tuple[torch.Tensor]:
         return (scale.float(),)
 
 
-def _gated(ctx: PassContext, x: fx.Node) -> tuple[tuple[fx.Node, fx.Node], dict] | None:
+def gated(ctx: PassContext, x: fx.Node) -> tuple[tuple[fx.Node, fx.Node], dict] | None:
     """((a, b), the activation's op kwargs) where x is a gated MLP's act(a, b) that the silu_mul
     fusion serves (silu_mul.silu_mul_pattern) and a has x's leading dimensions; else None."""
     if "silu_mul" not in ctx.config.fusions:
@@ -105,48 +108,82 @@ def _gated(ctx: PassContext, x: fx.Node) -> tuple[tuple[fx.Node, fx.Node], dict]
     return (a, b), act
 
 
-def rewrite(ctx: PassContext, node: fx.Node, a: dict, name: str) -> None:
-    """node -> qlinear(x, weight, scales, bias) behind the M dispatch (gated_qlinear(a, b, ...)
-    where x is a gated MLP's act(a, b): its activation and quantization in one kernel), or kept
-    with the reason."""
-    weight = a["weight"]
+@dataclasses.dataclass(frozen=True)
+class LinearOps:
+    """The FP8 linear a checkpoint's recipe runs on, its gated twin, and the registry names their
+    kernels are planned under (dispatch.plan)."""
+
+    plain: torch._ops.OpOverload
+    plain_op: str
+    gated: torch._ops.OpOverload
+    gated_op: str
+
+
+BLOCK_OPS = LinearOps(QLINEAR, "linear", GATED_QLINEAR, "gated_linear")
+
+
+def put_on_linear(
+    ctx: PassContext,
+    node: fx.Node,
+    name: str,
+    ops: LinearOps,
+    x: fx.Node,
+    product: fx.Node,
+    operands: tuple[fx.Node, Callable[[], fx.Node], fx.Node | None],
+    kwargs: dict,
+    detail: str,
+) -> bool:
+    """node (a checkpoint's linear of x, its output x's leading dimensions and N) -> ops' linear
+    behind the M dispatch on operands (weight, a maker of its scales' node, bias), or its gated
+    twin where product (x, or what x views) is a gated MLP's act(a, b): one kernel for the
+    activation, its quantization and the GEMM. False, the graph unchanged and the reason in the
+    report, where no kernel serves it."""
+    weight, scales, bias = operands
     n, k = weight.meta["val"].shape
-    shape = f"{n}x{k}"
-    if (why := why_not(ctx, a, name)) is not None:
-        ctx.skipped("linear", name, why, shape)
-        return
-    kind, target, op, activations, act, detail = "linear", QLINEAR, "linear", (a["x"],), {}, DETAIL
-    if (gated := _gated(ctx, a["x"])) is not None:
-        activations, act = gated
-        kind, target, op = "silu_mul", GATED_QLINEAR, "gated_linear"
-        detail = f"{act.get('activation', 'silu')}, {DETAIL}"
-    device, dtype = weight.meta["val"].device, a["x"].meta["val"].dtype
+    kind, target, op, activations, act = "linear", ops.plain, ops.plain_op, (x,), {}
+    if (found := gated(ctx, product)) is not None:
+        activations, act = found
+        kind, target, op = "silu_mul", ops.gated, ops.gated_op
+        detail = f"{act.get('activation', 'silu')}, {detail}"
+    device = weight.meta["val"].device
     if (why := dispatch.gpu_why_not(ctx, op, device)) is not None:
-        ctx.skipped(kind, name, why, shape)
-        return
-    e8m0 = ctx.config.e8m0 or a["weight_scale_inv"].meta["val"].dtype == E8M0_DTYPE
+        ctx.skipped(kind, name, why, f"{n}x{k}")
+        return False
     with ctx.gm.graph.inserting_before(node):
-        flat = [dispatch.flatten(ctx, x) for x in activations]
+        flat = [dispatch.flatten(ctx, a) for a in activations]
         m = flat[0].meta["val"].shape[0]
         try:
-            sides = dispatch.plan(ctx, op, device, n, k, m, dtype)
-            scales = _fp32_scales(ctx, a["weight_scale_inv"], name)
+            sides = dispatch.plan(ctx, op, device, n, k, m, x.meta["val"].dtype)
             out = dispatch.emit(
                 ctx,
                 target,
-                (*flat, weight, scales, a["bias"]),
-                {"e8m0": e8m0, **act},
+                (*flat, weight, scales(), bias),
+                {**kwargs, **act},
                 m_source=flat[0],
                 sides=sides,
                 name=name,
             )
         except dispatch.NoDispatch as reason:
-            ctx.skipped(kind, name, str(reason), shape)
-            return
-        out = dispatch.unflatten(ctx, out, activations[0], n)
+            ctx.skipped(kind, name, str(reason), f"{n}x{k}")
+            return False
+        out = dispatch.unflatten(ctx, out, x, n)
     ctx.replace_uses(node, out)
     ctx.gm.graph.erase_node(node)
     ctx.rewrote(kind, name, m, n, k, [(s.label, s.kernel) for s in sides], detail)
+    return True
+
+
+def rewrite(ctx: PassContext, node: fx.Node, a: dict, name: str) -> None:
+    """node -> qlinear(x, weight, scales, bias) behind the M dispatch (gated_qlinear(a, b, ...)
+    where x is a gated MLP's act(a, b): its activation and quantization in one kernel), or kept
+    with the reason."""
+    weight, scale = a["weight"], a["weight_scale_inv"]
+    if (why := why_not(ctx, a, name)) is not None:
+        ctx.skipped("linear", name, why, "x".join(map(str, weight.meta["val"].shape)))
+        return
+    e8m0 = ctx.config.e8m0 or scale.meta["val"].dtype == E8M0_DTYPE
+    operands = (weight, lambda: _fp32_scales(ctx, scale, name), a["bias"])
+    put_on_linear(ctx, node, name, BLOCK_OPS, a["x"], a["x"], operands, {"e8m0": e8m0}, DETAIL)
 
 
 def site_name(ctx: PassContext, node: fx.Node) -> str:

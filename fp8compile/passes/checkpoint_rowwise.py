@@ -22,8 +22,8 @@ import torch
 import torch.fx as fx
 
 from ..numerics import FP8_DTYPE
-from . import dispatch, dtypes
-from .checkpoint_linear import _gated
+from . import dtypes
+from .checkpoint_linear import LinearOps, put_on_linear
 from .silu_mul import _VIEWS
 from .context import PassContext
 from .linear import SCALED_K_ALIGN, _skip_pattern, module_name
@@ -32,6 +32,12 @@ TARGET = torch.ops.fp8compile.checkpoint_scaled_mm_rowwise.default
 QUANT_ROWS = torch.ops.fp8compile.checkpoint_quant_rows.default
 DETAIL = "compressed-tensors FP8 checkpoint: its weights and per-channel scales, in place"
 aten = torch.ops.aten
+ROWWISE_OPS = LinearOps(
+    torch.ops.fp8compile.qlinear_scaled.default,
+    "scaled_linear",
+    torch.ops.fp8compile.gated_qlinear_scaled.default,
+    "gated_scaled_linear",
+)
 
 
 def operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node | None] | str:
@@ -87,55 +93,20 @@ def rewrite(ctx: PassContext, node: fx.Node, name: str) -> None:
     if (why := why_not(ctx, x, weight, scale, bias, name)) is not None:
         ctx.skipped("linear", name, why, shape)
         return
-    kind, target, op, activations, act = (
-        "linear",
-        torch.ops.fp8compile.qlinear_scaled.default,
-        "scaled_linear",
-        (x,),
-        {},
-    )
+
+    def per_channel() -> fx.Node:
+        flat = ctx.gm.graph.call_function(aten.reshape.default, (scale, [n]))
+        flat.meta["val"] = ctx.fake(aten.reshape.default, scale, [n])
+        return flat
+
+    kwargs = {"recipe": "rowwise", "x_scale": None, "e8m0": False}
+    if ctx.config.cublas_fast_accum():
+        kwargs["fast_accum"] = True
     # the forward flattens x to (M, K) before quantizing it: act(a, b) is found above the view
     product = x.args[0] if x.op == "call_function" and x.target in _VIEWS else x
-    if (gated := _gated(ctx, product)) is not None:
-        activations, act = gated
-        kind, target, op = (
-            "silu_mul",
-            torch.ops.fp8compile.gated_qlinear_scaled.default,
-            "gated_scaled_linear",
-        )
-    device, dtype = weight.meta["val"].device, x.meta["val"].dtype
-    if (why := dispatch.gpu_why_not(ctx, op, device)) is not None:
-        ctx.skipped(kind, name, why, shape)
-        return
-    with ctx.gm.graph.inserting_before(node):
-        flat = [dispatch.flatten(ctx, a) for a in activations]
-        m = flat[0].meta["val"].shape[0]
-        try:
-            sides = dispatch.plan(ctx, op, device, n, k, m, dtype)
-            per_channel = ctx.gm.graph.call_function(torch.ops.aten.reshape.default, (scale, [n]))
-            per_channel.meta["val"] = ctx.fake(torch.ops.aten.reshape.default, scale, [n])
-            kwargs = {"recipe": "rowwise", "x_scale": None, "e8m0": False, **act}
-            if ctx.config.cublas_fast_accum():
-                kwargs["fast_accum"] = True
-            out = dispatch.emit(
-                ctx,
-                target,
-                (*flat, weight, per_channel, bias),
-                kwargs,
-                m_source=flat[0],
-                sides=sides,
-                name=name,
-            )
-        except dispatch.NoDispatch as reason:
-            ctx.skipped(kind, name, str(reason), shape)
-            return
-        out = dispatch.unflatten(ctx, out, x, n)  # as the matmul's (M, N)
-    ctx.replace_uses(node, out)
-    ctx.gm.graph.erase_node(node)
-    detail = f"{act.get('activation', 'silu')}, {DETAIL}" if kind == "silu_mul" else DETAIL
-    ctx.rewrote(kind, name, m, n, k, [(s.label, s.kernel) for s in sides], detail)
-    # the checkpoint's recipe, whatever Fp8Config.recipe says
-    ctx.report.rewrites[-1] = dataclasses.replace(ctx.report.rewrites[-1], recipe="rowwise, dynamic")
+    if put_on_linear(ctx, node, name, ROWWISE_OPS, x, product, (weight, per_channel, bias), kwargs, DETAIL):
+        # the checkpoint's recipe, whatever Fp8Config.recipe says
+        ctx.report.rewrites[-1] = dataclasses.replace(ctx.report.rewrites[-1], recipe="rowwise, dynamic")
 
 
 def checkpoint_rowwise_pass(ctx: PassContext) -> None:
