@@ -157,6 +157,17 @@ def randn(*shape, scale: float = 1.0, dtype=BF16, device="cpu") -> torch.Tensor:
     return (torch.randn(*shape, device=device) * scale).to(dtype)
 
 
+def golden_text(path, diff: str) -> str:
+    """The golden file at path, for `assert diff == golden_text(path, diff)`. With
+    FP8COMPILE_UPDATE_GOLDEN=1 it is written with diff first: after an intended change, and the
+    change to the file read before it is committed."""
+    if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):
+        with open(path, "w") as f:
+            f.write(diff)
+    with open(path) as f:
+        return f.read()
+
+
 def fp8_exact_activation(m: int, k: int, device="cpu") -> torch.Tensor:
     """bf16 activations whose 1x128 quantization involves no rounding: each group is a power
     of two times FP8 values with one element at +-448. Triton 3.9's CPU interpreter rounds

@@ -23,13 +23,13 @@ import torch.nn.functional as F
 
 import fp8compile
 from fp8compile import architectures, calc_diff, checkpoints
+from fp8compile.bench import fp8_checkpoint as fp8_checkpoint_files
 from fp8compile.numerics import E8M0_DTYPE
 from fp8compile.ops.linear import checkpoint as checkpoint_op
 from fp8compile.ops.linear import reference as linear_reference
-from fp8compile.bench import fp8_checkpoint as fp8_checkpoint_files
 from fp8compile.ops.quant import reference as quant_reference
 from fp8compile.passes import checkpoint_linear
-from tests.conftest import BF16, gpu, randn
+from tests.conftest import BF16, golden_text, gpu, randn
 
 transformers = pytest.importorskip("transformers")
 finegrained_fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
@@ -561,11 +561,7 @@ def test_golden_graph_diff_of_an_fp8_checkpoints_gated_mlp(pass_diffs, transform
         out = torch.compile(model, backend=fp8compile.backend(), dynamic=False)(x)
         assert calc_diff(out, model(x)) < 2e-3
     (diff,) = pass_diffs
-    if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):
-        with open(GOLDEN, "w") as f:
-            f.write(diff)
-    with open(GOLDEN) as f:
-        assert diff == f.read()
+    assert diff == golden_text(GOLDEN, diff)
 
 
 GOLDEN_EXPERTS = os.path.join(os.path.dirname(__file__), "golden", "checkpoint_experts.diff")
@@ -583,8 +579,4 @@ def test_golden_graph_diff_of_an_fp8_checkpoints_routed_experts(pass_diffs, tran
         model.set_experts_implementation("eager")  # transformers' per-expert loop (see _transformers_fp8)
         assert calc_diff(out, block(x)) < 2e-3
     (diff,) = pass_diffs
-    if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):
-        with open(GOLDEN_EXPERTS, "w") as f:
-            f.write(diff)
-    with open(GOLDEN_EXPERTS) as f:
-        assert diff == f.read()
+    assert diff == golden_text(GOLDEN_EXPERTS, diff)

@@ -11,7 +11,6 @@ transformers' rowwise matmul is given its computation in PyTorch (ops/linear/che
 """
 
 import copy
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import fp8compile
 from fp8compile import architectures, calc_diff
 from fp8compile.numerics import FP8_MAX
 from fp8compile.ops.linear import checkpoint as checkpoint_op
+from tests.conftest import golden_text
 
 transformers = pytest.importorskip("transformers")
 compressed = pytest.importorskip("transformers.integrations.compressed_tensors")
@@ -150,6 +150,4 @@ def test_golden_graph_diff_of_a_compressed_tensors_gated_mlp(pass_diffs):
         out = torch.compile(model, backend=fp8compile.backend(), dynamic=False)(x)
         assert calc_diff(out, model(x)) < 2e-3
     (diff,) = pass_diffs
-    if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):
-        GOLDEN.write_text(diff)
-    assert diff == GOLDEN.read_text()
+    assert diff == golden_text(GOLDEN, diff)

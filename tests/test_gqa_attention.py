@@ -1,7 +1,6 @@
 """The gqa_attention pass: transformers' grouped-query attention over a static cache reads each
 K/V head once (no repeat_kv copy), with the numbers of the attention it replaces."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from torch import nn
 import fp8compile
 from fp8compile import calc_diff
 from fp8compile.passes.gqa_attention import MAX_QUERY_ROWS, SDPA_OPS, grouped_sdpa, repeated_kv
+from tests.conftest import golden_text
 
 pytest.importorskip("transformers")
 from fp8compile.bench.decode import static_cache  # noqa: E402
@@ -142,6 +142,4 @@ def test_golden_graph_diff_of_decode_attention_over_a_grouped_cache(pass_diffs):
         )(q, k, v, mask)
     torch.testing.assert_close(out, DecodeAttention()(q, k, v, mask), atol=1e-5, rtol=1e-5)
     (diff,) = pass_diffs
-    if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):
-        GOLDEN.write_text(diff)
-    assert diff == GOLDEN.read_text()
+    assert diff == golden_text(GOLDEN, diff)

@@ -1,7 +1,6 @@
 """The linear pass, pinned by graph diffs: which matmuls become fp8compile.linear, which stay
 bf16 and why, and that the compiled model stays close to eager."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ from fp8compile import calc_diff
 from fp8compile.debug import graph_diff, graph_listing
 from fp8compile.ops.linear import reference as linear_reference
 from fp8compile.ops.quant import reference as quant_reference
-from tests.conftest import ATTENTION, BF16, RANGES, SIX_IN_SERIES, TWO_GEMMS, randn
+from tests.conftest import ATTENTION, BF16, RANGES, SIX_IN_SERIES, TWO_GEMMS, golden_text, randn
 from tests.models import Attention, GatedMLP, LinearForms, OddDims, TinyLM, TwoLayer
 
 aten = torch.ops.aten
@@ -308,9 +307,7 @@ def test_golden_graph_diff_of_a_two_layer_model(captured, probe_backend):
     compile_and_run(TwoLayer().to(BF16), x, dynamic_dims=[(x, 0)], backends=["probe", "mid", "reference"])
     (g,) = captured
     diff = graph_diff(g.before, graph_listing(g.after)) + "\n"
-    if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):
-        GOLDEN.write_text(diff)
-    assert diff == GOLDEN.read_text()
+    assert diff == golden_text(GOLDEN, diff)
 
 
 class _ProjectedMLP(nn.Module):

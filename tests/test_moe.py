@@ -1,7 +1,6 @@
 """The moe pass and fp8compile::moe: routed-experts blocks, written the ways real model code
 writes them, become one fused FP8 experts op; router, top-k and shared experts stay outside."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from fp8compile.ops import activations
 from fp8compile.ops.linear import reference as linear_reference
 from fp8compile.ops.moe import reference as moe_reference
 from fp8compile.ops.quant import reference as quant_reference
-from tests.conftest import BF16, ONE_GEMM, randn
+from tests.conftest import BF16, ONE_GEMM, golden_text, randn
 from tests.models import ClampedBatchedMoE, GptFastMoE, MaskedGroupedMoE
 
 transformers = pytest.importorskip("transformers")
@@ -367,9 +366,7 @@ def test_golden_graph_diff_of_llama4_dense_experts_over_their_top_k_slots(pass_d
         out = torch.compile(model, backend=fp8compile.backend(fusions=("moe",)), dynamic=False)(x)
         assert calc_diff(out, model(x)) < MOE_BLOCK
     (diff,) = pass_diffs
-    if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):
-        GOLDEN_DENSE.write_text(diff)
-    assert diff == GOLDEN_DENSE.read_text()
+    assert diff == golden_text(GOLDEN_DENSE, diff)
 
 
 class DenseMixture(nn.Module):

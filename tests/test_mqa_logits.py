@@ -3,7 +3,6 @@ kernels (Triton under the CPU interpreter here, on the GPU at real sizes; DeepGE
 imports), the paged index cache and its schedule, and the mqa_logits pass on transformers'
 DeepSeek-V3.2 indexer and on indexers written by hand."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from fp8compile import registry
 from fp8compile.config import FUSIONS
 from fp8compile.numerics import calc_diff, is_power_of_two
 from fp8compile.ops.mqa_logits import reference as rm
-from tests.conftest import BF16, DEVICE, ONE_GEMM, gpu
+from tests.conftest import BF16, DEVICE, ONE_GEMM, golden_text, gpu
 
 MQA = torch.ops.fp8compile.mqa_logits
 PAGED = torch.ops.fp8compile.paged_mqa_logits
@@ -566,9 +565,7 @@ def test_golden_graph_diff_of_a_hand_written_indexer(pass_diffs):
     want = torch.stack([exact_score(q[i] * 0.125, k[i], w[i]) for i in range(2)])
     assert calc_diff(out, want) < LOGITS_BOUND
     (diff,) = pass_diffs
-    if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):
-        GOLDEN.write_text(diff)
-    assert diff == GOLDEN.read_text()
+    assert diff == golden_text(GOLDEN, diff)
 
 
 def test_pass_runs_through_every_length_without_recompiling():

@@ -1,7 +1,6 @@
 """The qkv fusion: linears that read one x (q, k and v above all) run as one FP8 GEMM over their
 weights stacked along N, its output sliced back; biases are stacked with them."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -10,7 +9,7 @@ from torch import nn
 
 import fp8compile
 from fp8compile import calc_diff
-from tests.conftest import ATTENTION, BF16, randn
+from tests.conftest import ATTENTION, BF16, golden_text, randn
 from tests.models import Attention
 
 LINEAR = torch.ops.fp8compile.qlinear.default
@@ -116,6 +115,4 @@ def test_golden_graph_diff_of_biased_q_k_v_projections(pass_diffs):
     with torch.no_grad():
         torch.compile(GroupedQuery(True).to(BF16), backend="fp8", dynamic=False)(randn(2, 9, 256))
     (diff,) = pass_diffs
-    if os.environ.get("FP8COMPILE_UPDATE_GOLDEN"):
-        GOLDEN.write_text(diff)
-    assert diff == GOLDEN.read_text()
+    assert diff == golden_text(GOLDEN, diff)
