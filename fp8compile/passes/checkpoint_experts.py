@@ -52,8 +52,8 @@ def why_not(ctx: PassContext, node: fx.Node) -> str | None:
             cols // BLOCK,
         ):
             return f"scales {tuple(s.meta['val'].shape)} for FP8 weights {tuple(w.meta['val'].shape)}"
-    if s13.meta["val"].dtype != torch.float32 or s2.meta["val"].dtype != torch.float32:
-        return f"scales in {dtypes.name(s13.meta['val'].dtype)}, not fp32"
+    if (found := {dtypes.name(s.meta["val"].dtype) for s in (s13, s2)}) != {"float32"}:
+        return f"scales in {', '.join(sorted(found))}, not fp32"
     return None
 
 
