@@ -43,26 +43,21 @@ PARAMETERS = (
     "allow_deepgemm",
 )
 
-_state: dict[str, str | None] = {}  # "installed": None once installed, else why not
+_state: dict[str, str | None] = {}  # "installed", "experts", "compressed": None once installed, else why not
 
 
 def install() -> str | None:
     """Register the substitute for transformers' fp8_linear with Dynamo; None once it is, else
     why not (transformers' FP8 integration not imported yet, or a fp8_linear this does not know)."""
-    if "installed" in _state and _state["installed"] is None:
-        return None
-    if MODULE not in sys.modules:
-        return f"{MODULE} is not imported: no FP8 checkpoint module exists yet"
-    try:
-        from transformers.integrations import finegrained_fp8
-    except ImportError as error:
-        return _remember(f"transformers' FP8 integration does not import: {error}")
+    finegrained_fp8, why = _integration("installed", MODULE, "no FP8 checkpoint module exists yet")
+    if finegrained_fp8 is None:
+        return why
     original = getattr(finegrained_fp8, "fp8_linear", None)
     if original is None:
-        return _remember(f"{MODULE} has no fp8_linear")
+        return _remember("installed", f"{MODULE} has no fp8_linear")
     names = tuple(inspect.signature(original).parameters)
     if names != PARAMETERS:
-        return _remember(f"{MODULE}.fp8_linear takes {names}, not the {PARAMETERS} this knows")
+        return _remember("installed", f"{MODULE}.fp8_linear takes {names}, not the {PARAMETERS} this knows")
 
     def fp8_linear(
         input,
@@ -80,9 +75,9 @@ def install() -> str | None:
     try:
         torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(fp8_linear)
     except (TypeError, ValueError, AttributeError) as error:  # a torch that refuses it
-        return _remember(f"Dynamo does not take a substitute for fp8_linear: {error}")
+        return _remember("installed", f"Dynamo does not take a substitute for fp8_linear: {error}")
     _state["experts"] = _install_experts(finegrained_fp8)
-    return _remember(None)
+    return _remember("installed", None)
 
 
 # transformers' FP8 experts implementations (ALL_FP8_EXPERTS_FUNCTIONS), each
@@ -161,14 +156,11 @@ def install_compressed() -> str | None:
     (checkpoint_quant_rows, checkpoint_scaled_mm_rowwise). Dynamo inlines a module's forward
     itself, with no look-up a substitute could answer: the functions it calls are substituted.
     None once they are, else why not."""
-    if _state.get("compressed", "not tried") is None:
-        return None
-    if COMPRESSED_MODULE not in sys.modules:
-        return f"{COMPRESSED_MODULE} is not imported: no compressed-tensors FP8 module exists yet"
-    try:
-        from transformers.integrations import compressed_tensors
-    except ImportError as error:
-        return _remember_compressed(f"transformers' compressed-tensors integration does not import: {error}")
+    compressed_tensors, why = _integration(
+        "compressed", COMPRESSED_MODULE, "no compressed-tensors FP8 module exists yet"
+    )
+    if compressed_tensors is None:
+        return why
     expected = {
         "quantize_fp8_per_row": ("x",),
         "_scaled_mm_rowwise": ("input", "weight", "scale_a", "scale_b", "out_dtype", "bias"),
@@ -176,8 +168,8 @@ def install_compressed() -> str | None:
     for name, parameters in expected.items():
         function = getattr(compressed_tensors, name, None)
         if function is None or tuple(inspect.signature(function).parameters) != parameters:
-            return _remember_compressed(
-                f"{COMPRESSED_MODULE}.{name} is not the function {parameters} this knows"
+            return _remember(
+                "compressed", f"{COMPRESSED_MODULE}.{name} is not the function {parameters} this knows"
             )
 
     def quantize_fp8_per_row(x):
@@ -193,13 +185,8 @@ def install_compressed() -> str | None:
             original = getattr(compressed_tensors, substitute.__name__)
             torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(substitute)
     except (TypeError, ValueError, AttributeError) as error:
-        return _remember_compressed(f"Dynamo does not take a substitute for them: {error}")
-    return _remember_compressed(None)
-
-
-def _remember_compressed(why: str | None) -> str | None:
-    _state["compressed"] = why
-    return why
+        return _remember("compressed", f"Dynamo does not take a substitute for them: {error}")
+    return _remember("compressed", None)
 
 
 # transformers' integration module -> what installs its substitutes
@@ -247,8 +234,23 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _remember(why: str | None) -> str | None:
-    _state["installed"] = why
+def _integration(key: str, module: str, absent: str):
+    """(transformers' integration `module`, None) where its substitutes are still to install;
+    (None, None) once they are (_state[key]); else (None, why not): not imported yet (absent says
+    what that means), or not importable."""
+    if key in _state and _state[key] is None:
+        return None, None
+    if module not in sys.modules:
+        return None, f"{module} is not imported: {absent}"
+    try:
+        return importlib.import_module(module), None
+    except ImportError as error:
+        return None, _remember(key, f"{module} does not import: {error}")
+
+
+def _remember(key: str, why: str | None) -> str | None:
+    """why (None: installed) kept under key, and returned."""
+    _state[key] = why
     return why
 
 
