@@ -559,7 +559,9 @@ def test_golden_graph_diff_of_an_fp8_checkpoints_gated_mlp(pass_diffs, transform
     model, x = _CheckpointMLP(), randn(2, 3, 128)
     with torch.no_grad():
         out = torch.compile(model, backend=fp8compile.backend(), dynamic=False)(x)
-        assert calc_diff(out, model(x)) < 2e-3
+        # the same FP8 operands both ways: accumulation order and bf16 rounding differ (measured
+        # 4.6e-5 for the gated MLPs, 1.4e-4 for the experts, 2026-11-28)
+        assert calc_diff(out, model(x)) < 5e-4
     (diff,) = pass_diffs
     assert diff == golden_text(GOLDEN, diff)
 
@@ -577,6 +579,8 @@ def test_golden_graph_diff_of_an_fp8_checkpoints_routed_experts(pass_diffs, tran
     with torch.no_grad():
         out = torch.compile(block, backend=fp8compile.backend(), dynamic=False)(x)
         model.set_experts_implementation("eager")  # transformers' per-expert loop (see _transformers_fp8)
-        assert calc_diff(out, block(x)) < 2e-3
+        # the same FP8 operands both ways: accumulation order and bf16 rounding differ (measured
+        # 4.6e-5 for the gated MLPs, 1.4e-4 for the experts, 2026-11-28)
+        assert calc_diff(out, block(x)) < 5e-4
     (diff,) = pass_diffs
     assert diff == golden_text(GOLDEN_EXPERTS, diff)

@@ -148,6 +148,8 @@ def test_golden_graph_diff_of_a_compressed_tensors_gated_mlp(pass_diffs):
     model, x = _CompressedMLP(), torch.randn(2, 3, 128, dtype=torch.bfloat16)
     with torch.no_grad():
         out = torch.compile(model, backend=fp8compile.backend(), dynamic=False)(x)
-        assert calc_diff(out, model(x)) < 2e-3
+        # the same FP8 operands both ways: accumulation order and bf16 rounding differ (measured
+        # 4.6e-5 for the gated MLPs, 1.4e-4 for the experts, 2026-11-28)
+        assert calc_diff(out, model(x)) < 5e-4
     (diff,) = pass_diffs
     assert diff == golden_text(GOLDEN, diff)
