@@ -14,7 +14,9 @@ whose implementations transformers loads from the Hub: those fp8compile serves t
 fp8compile::checkpoint_experts (ops/moe/checkpoint.py), which passes/checkpoint_experts.py puts
 on fp8compile's MoE op. And a compressed-tensors FP8 checkpoint's `CompressedTensorsFP8Linear`
 (install_compressed): its quantization and matmul trace as two ops that
-passes/checkpoint_rowwise.py puts on fp8compile's rowwise linear.
+passes/checkpoint_rowwise.py puts on fp8compile's rowwise linear; the decompress hook that
+compressed-tensors leaves on such a model, which would convert it to an offloading Dynamo does
+not trace, is dropped where it has nothing to decompress (install_idle_hook_drop).
 
 The substitute is registered once a process, when both fp8compile and transformers' FP8
 integration are imported, in either order (`install_when_imported`): a model's FP8 modules come
@@ -24,6 +26,7 @@ before the model's first compiled call.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import inspect
@@ -43,7 +46,8 @@ PARAMETERS = (
     "allow_deepgemm",
 )
 
-_state: dict[str, str | None] = {}  # "installed", "experts", "compressed": None once installed, else why not
+# "installed", "experts", "compressed", "idle_hook": None once installed, else why not
+_state: dict[str, str | None] = {}
 
 
 def install() -> str | None:
@@ -189,8 +193,56 @@ def install_compressed() -> str | None:
     return _remember("compressed", None)
 
 
-# transformers' integration module -> what installs its substitutes
-INSTALLERS = {MODULE: install, COMPRESSED_MODULE: install_compressed}
+DECOMPRESS_MODULE = "compressed_tensors.compressors.model_compressors.model_compressor"
+
+
+def install_idle_hook_drop() -> str | None:
+    """Have compressed-tensors' ModelCompressor keep no decompress hook on a model it left nothing
+    compressed in; None once it does, else why not.
+
+    transformers' loader has the compressor compress a compressed-tensors checkpoint's model
+    (compress_model), which leaves a forward pre-hook, `ct_decompress_hook`, to decompress it on
+    its first forward. Where every quantized layer went to CompressedTensorsFP8Linear
+    (use_optimized_inference), no module is left compressed, and all the hook does is convert the
+    model to compressed-tensors' offloading (decompress_model's from_accelerate): every module's
+    tensors behind an onload wrapper that Dynamo breaks on and recompiles over, so that nothing is
+    rewritten. Such a hook is removed as it is added; a model with modules to decompress keeps its
+    hook. Eager results do not change: the hook would have decompressed nothing."""
+    model_compressor, why = _integration(
+        "idle_hook", DECOMPRESS_MODULE, "no compressed-tensors model has been loaded yet"
+    )
+    if model_compressor is None:
+        return why
+    compressor = getattr(model_compressor, "ModelCompressor", None)
+    add_hook = getattr(compressor, "add_decompress_hook", None)
+    is_quantized = getattr(model_compressor, "is_module_quantized", None)
+    if add_hook is None or is_quantized is None or not hasattr(compressor, "remove_decompression_hook"):
+        return _remember(
+            "idle_hook",
+            f"{DECOMPRESS_MODULE} has no ModelCompressor.add_decompress_hook, remove_decompression_hook "
+            "and is_module_quantized as this knows them",
+        )
+
+    if getattr(add_hook, "drops_idle_hooks", False):  # wrapped already (fp8compile imported anew)
+        return _remember("idle_hook", None)
+
+    @functools.wraps(add_hook)
+    def add_decompress_hook(self, model):
+        add_hook(self, model)
+        if not any(is_quantized(module) for module in model.modules()):
+            self.remove_decompression_hook(model)
+
+    add_decompress_hook.drops_idle_hooks = True
+    compressor.add_decompress_hook = add_decompress_hook
+    return _remember("idle_hook", None)
+
+
+# the module (transformers' integration, compressed-tensors') -> what installs fp8compile's part
+INSTALLERS = {
+    MODULE: install,
+    COMPRESSED_MODULE: install_compressed,
+    DECOMPRESS_MODULE: install_idle_hook_drop,
+}
 
 
 def install_when_imported() -> None:
