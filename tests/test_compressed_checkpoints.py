@@ -24,7 +24,7 @@ import fp8compile
 from fp8compile import architectures, calc_diff, weights
 from fp8compile.numerics import FP8_MAX
 from fp8compile.ops.linear import checkpoint as checkpoint_op
-from tests.conftest import golden_text
+from tests.conftest import golden_text, gpu
 
 transformers = pytest.importorskip("transformers")
 compressed = pytest.importorskip("transformers.integrations.compressed_tensors")
@@ -33,8 +33,11 @@ if not hasattr(compressed, "CompressedTensorsFP8Linear"):
 
 
 @pytest.fixture(autouse=True)
-def scaled_mm_in_pytorch(monkeypatch):
-    # beneath transformers' _scaled_mm_rowwise, which Dynamo traces as fp8compile's op
+def scaled_mm_in_pytorch(request, monkeypatch):
+    # beneath transformers' _scaled_mm_rowwise, which Dynamo traces as fp8compile's op; a GPU
+    # test runs torch's own
+    if request.node.get_closest_marker("gpu"):
+        return
     monkeypatch.setattr(torch.nn.functional, "scaled_mm", checkpoint_op.scaled_mm_reference, raising=False)
     monkeypatch.setattr(torch, "_scaled_mm", checkpoint_op.scaled_mm_reference)
 
@@ -258,3 +261,28 @@ def test_a_block_compressed_tensors_checkpoint_loaded_dense_runs_on_its_own_fp8_
     # weights is the activations' 1x128 FP8 quantization, which the checkpoint asks for (measured
     # 9.7e-4 on this model, 2026-11-28; the bound is twice that)
     assert calc_diff(logits, bf16) < 2e-3
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_on_a_gpu_a_compressed_tensors_checkpoint_runs_fp8compiles_kernels_within_the_bound(
+    checkpoint_on_disk, tokens
+):
+    """Read from disk on a GPU (transformers' own hardware check; torch's rowwise scaled_mm in its
+    forward): every linear on fp8compile's rowwise kernels, the logits within the bound of the
+    CPU test above."""
+    config = transformers.CompressedTensorsConfig(use_optimized_inference=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoint_on_disk, quantization_config=config, dtype=torch.bfloat16, device_map="cuda"
+    ).eval()
+    assert isinstance(model.model.layers[0].mlp.down_proj, compressed.CompressedTensorsFP8Linear)
+    torch.manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (2, tokens), device="cuda")
+    fp8 = fp8compile.backend()
+    with torch.no_grad():
+        logits = torch.compile(model, backend=fp8)(ids).logits
+        theirs = model(ids).logits
+    rewritten = [r for r in fp8.report.rewrites if r.kind in ("linear", "silu_mul")]
+    assert len(rewritten) == 14
+    assert all(kernel != "reference" for r in rewritten for _, kernel in r.kernels)
+    assert calc_diff(logits, theirs) < 1e-3
