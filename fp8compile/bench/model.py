@@ -20,7 +20,9 @@ said in the output). Variants, in this order (torchao last: it quantizes the mod
                           back by transformers' own loader: its FP8Linear forward, eagerly, on
                           DeepGEMM (the installed wheel where the Hub's build cannot load: rows'
                           transformers_kernel says which)
-    transformers_fp8_inductor_ro  the same compiled by Inductor, reduce-overhead
+    transformers_fp8_inductor[_ro]  the same compiled by Inductor (reduce-overhead: where
+                          transformers' experts kernels fail in CUDA-graph capture, the default
+                          mode's is the MoE checkpoint's anchor)
     fp8[_ro][_own]_ckpt   fp8compile on that checkpoint (its FP8 weights read in place), its
                           calc_diff beside the checkpoint's own unfused composition
                           (fp8_ckpt_unfused_eager: transformers' forward on its kernels'

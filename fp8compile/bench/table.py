@@ -66,6 +66,7 @@ def model_table(rows: list[dict]) -> str:
             ("fp8_rowwise", "fp8"),
             ("fp8_rowwise_ro", "fp8_ro"),
             ("fp8_ckpt", "transformers_fp8"),
+            ("fp8_ckpt", "transformers_fp8_inductor"),
             ("fp8_ro_ckpt", "transformers_fp8_inductor_ro"),
             ("fp8_ro_ckpt", "fp8_ro"),  # on the FP8 checkpoint against on the bf16 model
             ("fp8_ro_own_ckpt", "fp8_ro_own"),

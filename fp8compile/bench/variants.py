@@ -20,7 +20,7 @@ from ..config import parse_option
 # fp8_ro+fusions=moe,gate_up,qkv,silu_mul (without gqa_attention). The FP8-checkpoint variants
 # run the model saved as a block-FP8 checkpoint and loaded back by transformers
 # (fp8_checkpoint.py): transformers_fp8 is transformers' own FP8 forward in eager mode,
-# transformers_fp8_inductor_ro the same compiled by Inductor in reduce-overhead, fp8[_ro]_ckpt
+# transformers_fp8_inductor[_ro] the same compiled by Inductor (in reduce-overhead), fp8[_ro]_ckpt
 # fp8compile on it. generate() runs the prompt eagerly, through transformers' own FP8 kernels, which
 # it loads from the Hub; on a machine offline bench model points them at the installed deep_gemm
 # wheel (fp8_checkpoint.transformers_on_installed_deep_gemm). Where neither loads,
@@ -43,6 +43,7 @@ VARIANTS = (
     "fp8_rowwise",
     "fp8_rowwise_ro",
     "transformers_fp8",
+    "transformers_fp8_inductor",
     "transformers_fp8_inductor_ro",
     "fp8_ckpt",
     "fp8_ro_ckpt",
