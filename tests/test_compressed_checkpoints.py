@@ -269,20 +269,27 @@ def test_on_a_gpu_a_compressed_tensors_checkpoint_runs_fp8compiles_kernels_withi
     checkpoint_on_disk, tokens
 ):
     """Read from disk on a GPU (transformers' own hardware check; torch's rowwise scaled_mm in its
-    forward): every linear on fp8compile's rowwise kernels, the logits within the bound of the
-    CPU test above."""
+    forward): every linear on fp8compile's rowwise kernels, the logits as close to the bf16 model
+    of the checkpoint's dequantized weights (its load with dequantize=True) as transformers' own
+    FP8 forward, within 1.15x (the FP8 checkpoint tests' bound)."""
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    options = dict(dtype=torch.bfloat16, device_map="cuda")
     config = transformers.CompressedTensorsConfig(use_optimized_inference=True)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        checkpoint_on_disk, quantization_config=config, dtype=torch.bfloat16, device_map="cuda"
-    ).eval()
+    model = load(checkpoint_on_disk, quantization_config=config, **options).eval()
+    dense = transformers.CompressedTensorsConfig(dequantize=True)
+    dequantized = load(checkpoint_on_disk, quantization_config=dense, **options).eval()
     assert isinstance(model.model.layers[0].mlp.down_proj, compressed.CompressedTensorsFP8Linear)
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (2, tokens), device="cuda")
     fp8 = fp8compile.backend()
     with torch.no_grad():
         logits = torch.compile(model, backend=fp8)(ids).logits
-        theirs = model(ids).logits
+        theirs, bf16 = model(ids).logits, dequantized(ids).logits
     rewritten = [r for r in fp8.report.rewrites if r.kind in ("linear", "silu_mul")]
     assert len(rewritten) == 14
     assert all(kernel != "reference" for r in rewritten for _, kernel in r.kernels)
-    assert calc_diff(logits, theirs) < 1e-3
+    print(
+        f"calc_diff against bf16: fp8compile {calc_diff(logits, bf16):.3e}, transformers' "
+        f"{calc_diff(theirs, bf16):.3e}; against transformers' {calc_diff(logits, theirs):.3e}"
+    )
+    assert calc_diff(logits, bf16) <= 1.15 * calc_diff(theirs, bf16)
