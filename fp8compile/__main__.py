@@ -298,6 +298,13 @@ def main(argv: list[str] | None = None) -> int:
         help="`bench model`: shard the models over this many GPUs of the host (tensor parallel, NCCL)",
     )
     bench.add_argument(
+        "--tp-shards",
+        choices=("local", "dtensor"),
+        default="local",
+        help="`bench model --tp`: each rank's shards as plain tensors with functional collectives in the "
+        "graph (local, fp8compile.tensor_parallel), or as DTensors (parallelize_module)",
+    )
+    bench.add_argument(
         "--profile",
         action="store_true",
         help="`bench model`: cProfile one more generate() per batch (profile_*.txt: host time by function); "

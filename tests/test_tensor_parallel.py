@@ -132,11 +132,55 @@ def _llama_worker(rank: int) -> dict:
     }
 
 
+def _local_worker(rank: int) -> dict:
+    """The one-layer Llama of _llama_worker sharded into plain local shards with functional
+    collectives (fp8compile.tensor_parallel), compiled at dynamic shapes: what Dynamo handed the
+    backend (its placeholders, its collectives), the rewrites, and the logits at each M against
+    the unsharded model's eager bf16 and its FP8 composition."""
+    from torch.distributed.tensor import DTensor
+
+    from fp8compile import tensor_parallel
+
+    model = small_llama(vocab=1024, hidden=512, intermediate=1024, layers=1)
+    gen = torch.Generator().manual_seed(0)
+    ids = {s: torch.randint(0, 1024, (2, s), generator=gen) for s in SEQ_LENS}
+    with torch.no_grad():
+        bf16 = {s: model(x).logits for s, x in ids.items()}
+        simulated = {s: fp8_simulated(model)(x).logits for s, x in ids.items()}
+    tensor_parallel.shard(model)
+    fp8, graphs = fp8compile.backend(), []
+
+    def backend(gm, example_inputs):
+        graphs.append(
+            {
+                "collectives": sorted({str(n.target) for n in gm.graph.nodes if "c10d" in str(n.target)}),
+                "dtensors": sum(isinstance(x, DTensor) for x in example_inputs),
+            }
+        )
+        return fp8(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        logits = {s: compiled(x).logits for s, x in ids.items()}
+        tp_bf16 = model(ids[SEQ_LENS[-1]]).logits
+    return {
+        **_report_summary(fp8.report),
+        "graphs": graphs,
+        "kv_heads": tensor_parallel.local_kv_heads(model),
+        "diff": {s: calc_diff(logits[s], bf16[s]) for s in SEQ_LENS},
+        "bound": {s: calc_diff(simulated[s], bf16[s]) for s in SEQ_LENS},
+        "tp_bf16": calc_diff(tp_bf16, bf16[SEQ_LENS[-1]]),
+        "logits": logits[SEQ_LENS[-1]],
+    }
+
+
 def _scenarios(rank: int, qwen3_moe_path: str | None, bench_dir: str) -> dict:
     """Every scenario of this file on one gloo group: each spawn costs two fresh processes'
     imports, so the scenarios share one. The Llama first, then the Qwen3-MoE, then the odd MLP,
     which releases its bf16 shards (and restores them), then `bench model --tp 2`."""
     results = {"llama": _llama_worker(rank)}
+    torch._dynamo.reset()
+    results["local"] = _local_worker(rank)
     torch._dynamo.reset()
     results["qwen3_moe"] = _qwen3_moe_worker(rank, qwen3_moe_path) if qwen3_moe_path else None
     torch._dynamo.reset()
@@ -194,6 +238,36 @@ def test_a_tp_llama_runs_every_m_without_a_recompile_within_the_fp8_bound(llama_
         assert result["tp_bf16"] < 1e-4
         for s in SEQ_LENS:
             assert result["diff"][s] <= 1.15 * result["bound"][s], (s, result["diff"], result["bound"])
+
+
+def test_local_shards_reach_the_graph_as_plain_tensors_with_the_collectives_inside(scenario_ranks):
+    """fp8compile.tensor_parallel: no DTensor for AOTAutograd to unwrap or Dynamo to guard at a
+    call; o's and down's all-reduces and the lm_head's gather are ops of the graph (each with its
+    wait), which Inductor launches and CUDA graphs capture."""
+    ranks = [rank["local"] for rank in scenario_ranks]
+    for result in ranks:
+        assert result["graphs"] and all(g["dtensors"] == 0 for g in result["graphs"])
+        assert all(
+            g["collectives"]
+            == [
+                "_c10d_functional.all_gather_into_tensor",
+                "_c10d_functional.all_reduce",
+                "_c10d_functional.wait_tensor",
+            ]
+            for g in result["graphs"]
+        )
+        assert result["kv_heads"] == 2  # 4 KV heads over 2 ranks
+        # this rank's part, as with DTensor: column-sharded half of N, row-sharded half of K
+        shapes = {r.name: (r.k, r.n) for r in result["rewrites"]}
+        assert shapes["model.layers.0.self_attn.q_proj"] == (512, 256)
+        assert shapes["model.layers.0.self_attn.o_proj"] == (256, 512)
+        assert shapes["model.layers.0.mlp.down_proj"] == (512, 512)
+        assert shapes["lm_head"] == (512, 512)
+        assert not [s for s in result["skips"] if s.kind in ("linear", "silu_mul")]
+        assert result["tp_bf16"] < 1e-4  # the partial sums added by the all-reduce, as with DTensor
+        for s in SEQ_LENS:
+            assert result["diff"][s] <= 1.15 * result["bound"][s], (s, result["diff"], result["bound"])
+    assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])  # the gathered logits: one answer
 
 
 class _OddMLP(nn.Module):

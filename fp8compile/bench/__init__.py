@@ -37,6 +37,7 @@ def main(args) -> int:
             profile=args.profile,
             recipe=args.recipe,
             tp=args.tp,
+            tp_shards=args.tp_shards,
             dtype=args.dtype,
             repeat=args.repeat,
             prefill_batches=args.prefill_batch,

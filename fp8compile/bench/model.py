@@ -86,20 +86,23 @@ def bench_model(
     profile: bool = False,
     recipe: str = "block",
     tp: int = 1,
+    tp_shards: str = "local",
     repeat: int = 3,
     prefill_batches=None,
     dtype: str = "bfloat16",
 ) -> list[dict]:
     """steps: decode steps timed per point, 0 for none (accuracy and prefill only);
     recipe: the fp8 variants' Fp8Config.recipe (and the unfused composition's); tp: shard the
-    model over this many ranks of the host (tp.py), one process each; repeat: timed generate()
+    model over this many ranks of the host (tp.py), one process each, as plain local shards with
+    functional collectives (tp_shards "local": fp8compile/tensor_parallel.py) or as DTensors
+    ("dtensor": parallelize_module); repeat: timed generate()
     calls per decode point (their median is reported); prefill_batches: the prefills' batch
     sizes (default PREFILL_BATCHES); dtype: the models' (bfloat16 or float16), every variant's."""
     from tqdm import tqdm
 
     options = dict(models=models, layers=layers, batches=batches, context=context, steps=steps)
     options.update(prefill=prefill, variants=variants, profile=profile, recipe=recipe, repeat=repeat)
-    options.update(prefill_batches=prefill_batches, dtype=dtype)
+    options.update(prefill_batches=prefill_batches, dtype=dtype, tp_shards=tp_shards)
     if tp > 1 and tp_bench.world() == 1:
         return tp_bench.spawn(bench_model, tp, out_dir, device, **options)
     leader = tp_bench.is_main()
@@ -134,13 +137,15 @@ def bench_model(
             say(
                 f"{model_name}: {n_layers} layers ({released} in the released model), "
                 f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, on {device_name}"
-                + (f", sharded over {tp} ranks (tensor parallel)" if tp > 1 else "")
+                + (f", sharded over {tp} ranks (tensor parallel, {tp_shards} shards)" if tp > 1 else "")
             )
             if tp > 1:
-                tp_bench.shard(model, tp, device)
+                tp_bench.shard(model, tp, device, tp_shards)
             ids_acc = torch.randint(0, model.config.vocab_size, (1, 64), device=device)
             eager_logits = model(ids_acc, use_cache=False).logits.float()
             base = dict(device=device_name, model=model_name, layers=n_layers, recipe=recipe, tp=tp)
+            if tp > 1:
+                base["tp_shards"] = tp_shards
             base["dtype"] = dtype
             # The composition swaps nn.Linear forwards (and the experts' F.linear and grouped
             # matmuls) for the reference FP8 linear on whole weights: one per recipe the fp8

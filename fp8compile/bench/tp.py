@@ -1,5 +1,7 @@
-"""`bench model --tp N`: the whole-model bench on N ranks of one host, the model sharded with
-PyTorch's tensor parallelism (DTensor, parallelize_module) before each variant compiles it.
+"""`bench model --tp N`: the whole-model bench on N ranks of one host, the model sharded before
+each variant compiles it: into plain local shards with functional collectives
+(fp8compile/tensor_parallel.py, `--tp-shards local`, the default), or with PyTorch's DTensor
+tensor parallelism (parallelize_module, `--tp-shards dtensor`).
 
 Every rank builds the same random model, shards it Megatron's way (q, k, v, gate, up
 column-sharded; o and down row-sharded, an all-reduce after each; lm_head column-sharded with
@@ -23,14 +25,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import tensor_parallel
+
 # Under --tp: generate() through a CompileConfig makes a cache of every KV head, which a sharded
 # attention does not fill; these variants decode through a cache of this rank's heads, in both modes.
 TP_VARIANTS = ("bf16", "bf16_inductor_own", "fp8_own", "bf16_inductor_ro_own", "fp8_ro_own")
 
 
-def shard(model, world: int, device: torch.device) -> None:
-    """Shard a transformers decoder (Llama, Qwen2, Mistral layouts) over `world` ranks in place;
-    a clear error for a model whose layers are not q/k/v/o attention and a gate/up/down MLP."""
+def shard(model, world: int, device: torch.device, shards: str = "local") -> None:
+    """Shard a transformers decoder (Llama, Qwen2, Mistral layouts) over `world` ranks in place,
+    as plain local shards with functional collectives (shards "local") or as DTensors
+    ("dtensor"); a clear error for a model whose layers are not q/k/v/o attention and a
+    gate/up/down MLP."""
+    if shards == "local":
+        try:
+            tensor_parallel.shard(model)
+        except ValueError as error:
+            raise SystemExit(f"--tp {world}: {error}") from None
+        return
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -67,8 +79,10 @@ def shard(model, world: int, device: torch.device) -> None:
 
 
 def sharded_kv_heads(model) -> int | None:
-    """This rank's KV heads where shard() sharded the model (its k_proj weight is a DTensor);
-    None for a whole model."""
+    """This rank's KV heads where shard() sharded the model (into local shards, or DTensors: its
+    k_proj weight is one); None for a whole model."""
+    if tensor_parallel.local_kv_heads(model) is not None:
+        return tensor_parallel.local_kv_heads(model)
     layers = getattr(getattr(model, "model", None), "layers", None)
     k_proj = getattr(getattr(layers[0], "self_attn", None), "k_proj", None) if layers else None
     weight = getattr(k_proj, "weight", None)

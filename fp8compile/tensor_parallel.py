@@ -1,0 +1,112 @@
+"""Tensor parallelism a compiled graph holds as plain tensors: each rank's shards as ordinary
+parameters, the collectives as functional collectives inside the graph.
+
+A model sharded with DTensor (parallelize_module, transformers' tp_plan) hands Dynamo a DTensor
+for every sharded parameter: AOTAutograd unwraps each one, and Dynamo guards each one, on every
+call, and at batch 1 that host work is the step (BENCHMARKS.md, "Tensor parallel"). Here a
+transformers decoder (q/k/v/o attention and a gate/up/down MLP, the Llama, Qwen2 and Mistral
+layouts) is sharded Megatron's way into plain tensors: q, k, v, gate and up keep this rank's
+rows (its heads, its slice of the intermediate size), o and down this rank's columns, with an
+all-reduce of their output (`_functional_collectives.all_reduce`, a forward hook), and the
+lm_head this rank's rows of the vocabulary, its logits gathered (`all_gather_tensor`). Dynamo
+traces the hooks: the graph holds each collective and its wait, which Inductor launches and
+CUDA graphs capture, NCCL included; nothing per parameter is unwrapped or guarded at a call.
+The attention reshapes by head_dim with -1 heads, so a layer's own code runs this rank's heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# the Megatron layout: column-sharded (this rank's output rows) and row-sharded (its input columns)
+COLUMNS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROWS = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Shard a whole transformers decoder in place over `group`'s ranks (the default group if
+    None) as plain tensors with functional collectives; the model. A clear error for a layer of
+    another layout, or heads that do not split evenly over the ranks."""
+    group = group or dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    config = model.config.get_text_config(decoder=True)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if config.num_attention_heads % world or kv_heads % world or config.intermediate_size % world:
+        raise ValueError(
+            f"{config.num_attention_heads} attention heads, {kv_heads} KV heads and intermediate size "
+            f"{config.intermediate_size} do not all split evenly over {world} ranks"
+        )
+    for i, layer in enumerate(model.model.layers):
+        missing = [name for name in COLUMNS + ROWS if not _has(layer, name)]
+        if missing:
+            raise ValueError(
+                f"layer {i} of {type(model).__name__} has no {', '.join(missing)}: this shards q/k/v/o "
+                "attention with a gate/up/down MLP (MoE layers are not sharded here)"
+            )
+        for name in COLUMNS:
+            _keep(layer.get_submodule(name), 0, rank, world)
+        for name in ROWS:
+            linear = layer.get_submodule(name)
+            _keep(linear, 1, rank, world)
+            linear.register_forward_hook(_AllReduce(group))
+    head = model.get_output_embeddings()
+    if isinstance(head, nn.Linear) and head.out_features % world == 0:
+        _keep(head, 0, rank, world)
+        head.register_forward_hook(_AllGather(group))
+    model._local_kv_heads = kv_heads // world
+    return model
+
+
+def local_kv_heads(model: nn.Module) -> int | None:
+    """This rank's KV heads where shard() sharded the model, else None."""
+    return getattr(model, "_local_kv_heads", None)
+
+
+def _has(layer: nn.Module, name: str) -> bool:
+    try:
+        return isinstance(layer.get_submodule(name), nn.Linear)
+    except AttributeError:
+        return False
+
+
+def _keep(linear: nn.Linear, dim: int, rank: int, world: int) -> None:
+    """Keep this rank's part of the weight along dim (0: output rows, 1: input columns); a
+    row-sharded bias is added once, on rank 0, before the all-reduce sums the ranks."""
+    weight = linear.weight.detach().chunk(world, dim)[rank].clone()
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if dim == 0:
+        linear.out_features = weight.shape[0]
+        if linear.bias is not None:
+            linear.bias = nn.Parameter(linear.bias.detach().chunk(world)[rank].clone(), requires_grad=False)
+    else:
+        linear.in_features = weight.shape[1]
+        if linear.bias is not None and rank != 0:
+            linear.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
+
+
+class _AllReduce:
+    """A forward hook: the output summed over the group's ranks (a row-sharded linear's partials)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, module, args, output):
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_reduce(output, "sum", self.group)
+
+
+class _AllGather:
+    """A forward hook: the ranks' outputs side by side along the last dimension (a
+    column-sharded lm_head's logits)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, module, args, output):
+        from torch.distributed import _functional_collectives as funcol
+
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # its older name
+        return gather(output.contiguous(), output.dim() - 1, self.group)
