@@ -25,6 +25,7 @@ import os
 import re
 import sys
 import warnings
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -303,9 +304,23 @@ def _record_rank(report: Report, graph_index: int, gm: fx.GraphModule) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     report.rank = (dist.get_rank(), dist.get_world_size())
+    report.collectives[graph_index] = _collectives(gm)
     code = gm.print_readable(print_output=False, include_stride=True, include_device=True)
     code = re.sub(r"\b\d+(\.\d+)?(e-?\d+)?\b", "#", code)
     report.digests[graph_index] = hashlib.sha256(code.encode()).hexdigest()[:12]
+
+
+def _collectives(gm: fx.GraphModule) -> dict[str, int]:
+    """The functional collectives the graph holds (in its subgraphs too), by name: what a sharded
+    model's all-reduces and gathers became, launched by Inductor with the graph (waits not counted)."""
+    found: Counter[str] = Counter()
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                target = getattr(node.target, "_schema", None) and node.target.name()
+                if target and target.startswith("_c10d_functional::") and not target.endswith("wait_tensor"):
+                    found[target.removeprefix("_c10d_functional::")] += 1
+    return dict(found)
 
 
 def _release_weights(ctx, dropped: list[torch.Tensor]) -> None:

@@ -58,6 +58,8 @@ class Report:
         # rewrites and the same digests; ranks that differ compiled different programs.
         self.rank: tuple[int, int] | None = None
         self.digests: dict[int, str] = {}
+        # per graph, under torch.distributed: its functional collectives by name (all_reduce: 16)
+        self.collectives: dict[int, dict[str, int]] = {}
         # A graph compiled so far held an FP8 checkpoint's linears (passes/context.py): the
         # model's graphs after it (a graph break's, the lm_head's alone) are that checkpoint's.
         self.fp8_checkpoint = False
@@ -85,6 +87,9 @@ class Report:
         if self.rank is not None:
             digests = ", ".join(f"{g}: {d}" for g, d in sorted(self.digests.items()))
             head += f"\nrank {self.rank[0]} of {self.rank[1]} (torch.distributed); graph digests {digests}"
+            for g, found in sorted(self.collectives.items()):
+                if found:
+                    head += f"\ngraph {g}'s collectives: {_collective_list(found)}, {self._where(g)}"
         lines = [head]
         if self.rewrites:
             sharded = any(r.shard for r in self.rewrites)
@@ -131,6 +136,19 @@ class Report:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+    def _where(self, graph: int) -> str:
+        """Whether a graph's collectives replay inside its CUDA graph or launch at each call."""
+        state = self.cuda_graphs.get(graph)
+        if state is None:
+            return "launched with the graph"
+        if state.startswith("on"):
+            return "inside its CUDA graph (captured with it, NCCL included)"
+        return "launched at each call (no CUDA graph)"
+
+
+def _collective_list(found: dict[str, int]) -> str:
+    return ", ".join(f"{n} {name}" for name, n in sorted(found.items()))
 
 
 def _large_m(config) -> str:

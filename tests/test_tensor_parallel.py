@@ -216,6 +216,7 @@ def test_every_sharded_linear_of_a_tp_llama_is_rewritten_on_its_local_shard(llam
         assert shapes["model.layers.0.mlp.down_proj"] == (512, 512, "Shard(dim=1) over 2 ranks of 512x1024")
         assert shapes["lm_head"] == (512, 512, "Shard(dim=0) over 2 ranks of 1024x512")
         assert "this rank's shard" in result["text"] and f"rank {result['rank'][0]} of 2" in result["text"]
+        assert "'s collectives: " in result["text"] and " all_reduce, " in result["text"]
 
 
 def test_every_rank_takes_the_same_decisions_and_compiles_the_same_graphs(llama_ranks):
@@ -257,6 +258,12 @@ def test_local_shards_reach_the_graph_as_plain_tensors_with_the_collectives_insi
             for g in result["graphs"]
         )
         assert result["kv_heads"] == 2  # 4 KV heads over 2 ranks
+        # the report says so, per rank and graph (on the CPU no graph is a CUDA graph)
+        for g in result["digests"]:
+            assert (
+                f"graph {g}'s collectives: 1 all_gather_into_tensor, 2 all_reduce, launched at each call"
+                in result["text"]
+            )
         # this rank's part, as with DTensor: column-sharded half of N, row-sharded half of K
         shapes = {r.name: (r.k, r.n) for r in result["rewrites"]}
         assert shapes["model.layers.0.self_attn.q_proj"] == (512, 256)
