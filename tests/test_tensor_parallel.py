@@ -174,6 +174,32 @@ def _local_worker(rank: int) -> dict:
     }
 
 
+def _built_shard_worker(rank: int) -> dict:
+    """bench model's preset built as this rank's shard alone (made on the meta device, sharded
+    there, then made on the CPU), beside the same preset built whole."""
+    from fp8compile import tensor_parallel
+    from fp8compile.bench.presets import build
+
+    whole = build("tiny-llama", 1, "cpu")
+    model = build("tiny-llama", 1, "cpu", shard=tensor_parallel.shard)
+    layer, whole_layer = model.model.layers[0], whole.model.layers[0]
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits
+    return {
+        "devices": {str(p.device) for p in [*model.parameters(), *model.buffers()]},
+        "q_proj": (
+            tuple(layer.self_attn.q_proj.weight.shape),
+            tuple(whole_layer.self_attn.q_proj.weight.shape),
+        ),
+        "down_proj": (tuple(layer.mlp.down_proj.weight.shape), tuple(whole_layer.mlp.down_proj.weight.shape)),
+        "rotary": torch.equal(model.model.rotary_emb.inv_freq, whole.model.rotary_emb.inv_freq),
+        "norm": bool((layer.input_layernorm.weight == 1).all()),
+        "embedding": model.model.embed_tokens.weight.clone(),
+        "logits": logits,
+    }
+
+
 def _scenarios(rank: int, qwen3_moe_path: str | None, bench_dir: str) -> dict:
     """Every scenario of this file on one gloo group: each spawn costs two fresh processes'
     imports, so the scenarios share one. The Llama first, then the Qwen3-MoE, then the odd MLP,
@@ -182,6 +208,7 @@ def _scenarios(rank: int, qwen3_moe_path: str | None, bench_dir: str) -> dict:
     torch._dynamo.reset()
     results["local"] = _local_worker(rank)
     torch._dynamo.reset()
+    results["built"] = _built_shard_worker(rank)
     results["qwen3_moe"] = _qwen3_moe_worker(rank, qwen3_moe_path) if qwen3_moe_path else None
     torch._dynamo.reset()
     results["odd"] = _odd_worker(rank)
@@ -275,6 +302,21 @@ def test_local_shards_reach_the_graph_as_plain_tensors_with_the_collectives_insi
         for s in SEQ_LENS:
             assert result["diff"][s] <= 1.15 * result["bound"][s], (s, result["diff"], result["bound"])
     assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])  # the gathered logits: one answer
+
+
+def test_bench_model_builds_each_ranks_shard_alone_with_transformers_initialization(scenario_ranks):
+    """A model too large for one GPU (Llama-3-70B widths) is never whole on one: the preset is made
+    on the meta device, sharded there, and only this rank's part is allocated and initialized."""
+    ranks = [rank["built"] for rank in scenario_ranks]
+    for result in ranks:
+        assert result["devices"] == {"cpu"}  # nothing left on the meta device
+        (q, q_whole), (down, down_whole) = result["q_proj"], result["down_proj"]
+        assert q == (q_whole[0] // 2, q_whole[1]) and down == (down_whole[0], down_whole[1] // 2)
+        assert result["rotary"] and result["norm"]  # buffers and norms as transformers makes them
+        assert torch.isfinite(result["logits"]).all()
+    # the replicated weights drawn alike on every rank, so the ranks compute one model
+    assert torch.equal(ranks[0]["embedding"], ranks[1]["embedding"])
+    assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])
 
 
 class _OddMLP(nn.Module):

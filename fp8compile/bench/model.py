@@ -131,15 +131,21 @@ def bench_model(
             )
             say(f"transformers' FP8 forward: {transformers_kernel}")
         for model_name in models:
-            model = build(model_name, layers, device, getattr(torch, dtype))
+            # local shards: each rank makes only its own (presets.build)
+            local = tp > 1 and tp_shards == "local"
+            model = build(
+                model_name, layers, device, getattr(torch, dtype), tp_bench.local_shard if local else None
+            )
             n_layers = model.config.num_hidden_layers
             released = MODELS[model_name][2]["num_hidden_layers"]
             say(
                 f"{model_name}: {n_layers} layers ({released} in the released model), "
-                f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, on {device_name}"
+                f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters"
+                + (" on this rank" if local else "")
+                + f", on {device_name}"
                 + (f", sharded over {tp} ranks (tensor parallel, {tp_shards} shards)" if tp > 1 else "")
             )
-            if tp > 1:
+            if tp > 1 and not local:
                 tp_bench.shard(model, tp, device, tp_shards)
             ids_acc = torch.randint(0, model.config.vocab_size, (1, 64), device=device)
             eager_logits = model(ids_acc, use_cache=False).logits.float()

@@ -23,6 +23,21 @@ MODELS = {
             max_position_embeddings=8192,
         ),
     ),
+    # too large for one GPU in bf16 (141 GB): `bench model --tp` builds each rank's shard alone
+    "llama-3-70b": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            num_hidden_layers=80,
+            rope_theta=500000.0,
+            max_position_embeddings=8192,
+        ),
+    ),
     "qwen2.5-7b": (
         "Qwen2ForCausalLM",
         "Qwen2Config",
@@ -181,9 +196,12 @@ MODELS = {
 }
 
 
-def build(name: str, layers: int | None, device: str, dtype: torch.dtype = torch.bfloat16):
+def build(name: str, layers: int | None, device: str, dtype: torch.dtype = torch.bfloat16, shard=None):
     """The model `name` with random weights, in `dtype` (bf16 by default), in eval mode, made on
-    `device`."""
+    `device`. With shard (a function that shards a model in place: tensor_parallel.shard), the
+    model is made on the meta device and sharded there, and only this rank's shards are then
+    made on `device`, with transformers' own initialization (the rotary tables included), so
+    that a model too large for one GPU never has to fit on one."""
     import transformers
 
     model_cls, config_cls, fields = MODELS[name]
@@ -194,10 +212,16 @@ def build(name: str, layers: int | None, device: str, dtype: torch.dtype = torch
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device("meta" if shard else device):
             model = getattr(transformers, model_cls)(config)
     finally:
         torch.set_default_dtype(default)
+    if shard:
+        shard(model)
+        model.to_empty(device=device)
+        torch.manual_seed(0)  # the same draws on every rank: its replicated weights agree
+        with torch.no_grad():
+            model.apply(model._init_weights)
     model = model.to(dtype).eval()
     model.generation_config.eos_token_id = None  # random weights: generate every step asked for
     model.generation_config.pad_token_id = 0

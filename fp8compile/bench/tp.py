@@ -38,10 +38,7 @@ def shard(model, world: int, device: torch.device, shards: str = "local") -> Non
     ("dtensor"); a clear error for a model whose layers are not q/k/v/o attention and a
     gate/up/down MLP."""
     if shards == "local":
-        try:
-            tensor_parallel.shard(model)
-        except ValueError as error:
-            raise SystemExit(f"--tp {world}: {error}") from None
+        local_shard(model)
         return
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
@@ -76,6 +73,14 @@ def shard(model, world: int, device: torch.device, shards: str = "local") -> Non
         plan[f"{prefix}.self_attn.o_proj"] = RowwiseParallel()
         plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel()
     parallelize_module(model, init_device_mesh(device.type, (world,)), plan)
+
+
+def local_shard(model) -> None:
+    """tensor_parallel.shard over the default group, its refusal a clear exit."""
+    try:
+        tensor_parallel.shard(model)
+    except ValueError as error:
+        raise SystemExit(f"--tp {world()}: {error}") from None
 
 
 def sharded_kv_heads(model) -> int | None:
