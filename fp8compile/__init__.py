@@ -7,8 +7,10 @@
 Importing this package registers the torch.ops.fp8compile ops and sets
 TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=1 unless it is set (Inductor's compile
 workers then launch our Triton kernels with less host time); once transformers' FP8 integration
-is imported too, it has Dynamo trace an FP8 checkpoint's linears as one op (checkpoints.py). It does
-not initialise CUDA or import any vendor kernel library.
+is imported too, it has Dynamo trace an FP8 checkpoint's linears as one op (checkpoints.py), and
+once compressed-tensors is, its compressor keeps no decompress hook on a model with nothing to
+decompress (checkpoints.install_idle_hook_drop). It does not initialise CUDA or import any vendor
+kernel library.
 """
 
 from __future__ import annotations

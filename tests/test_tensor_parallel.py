@@ -100,19 +100,26 @@ def _report_summary(report) -> dict:
     }
 
 
-def _llama_worker(rank: int) -> dict:
-    """A one-layer transformers Llama (hidden 512, 8 heads of 64, 4 KV heads, intermediate 1024:
-    every shard a whole number of 128-blocks), sharded with parallelize_module, compiled at dynamic
-    shapes with the three-range M dispatch; logits at each M against the unsharded model's
-    eager bf16 and its FP8 composition."""
-    from tests.conftest import RANGES, register_ranged_references
-
+def _llama_with_references():
+    """The workers' one-layer Llama (hidden 512, 8 heads of 64, 4 KV heads, intermediate 1024:
+    every shard a whole number of 128-blocks), token ids of each of SEQ_LENS, and the unsharded
+    model's logits for them: bf16 eager, and its FP8 composition (the bound)."""
     model = small_llama(vocab=1024, hidden=512, intermediate=1024, layers=1)
     gen = torch.Generator().manual_seed(0)
     ids = {s: torch.randint(0, 1024, (2, s), generator=gen) for s in SEQ_LENS}
     with torch.no_grad():
         bf16 = {s: model(x).logits for s, x in ids.items()}
         simulated = {s: fp8_simulated(model)(x).logits for s, x in ids.items()}
+    return model, ids, bf16, simulated
+
+
+def _llama_worker(rank: int) -> dict:
+    """The one-layer Llama (_llama_with_references) sharded with parallelize_module, compiled at dynamic
+    shapes with the three-range M dispatch; logits at each M against the unsharded model's
+    eager bf16 and its FP8 composition."""
+    from tests.conftest import RANGES, register_ranged_references
+
+    model, ids, bf16, simulated = _llama_with_references()
     _tp_llama_plan(model)
     fp8 = fp8compile.backend(backends=register_ranged_references(), **RANGES)
     compiled = torch.compile(model, backend=fp8, dynamic=True)
@@ -141,12 +148,7 @@ def _local_worker(rank: int) -> dict:
 
     from fp8compile import tensor_parallel
 
-    model = small_llama(vocab=1024, hidden=512, intermediate=1024, layers=1)
-    gen = torch.Generator().manual_seed(0)
-    ids = {s: torch.randint(0, 1024, (2, s), generator=gen) for s in SEQ_LENS}
-    with torch.no_grad():
-        bf16 = {s: model(x).logits for s, x in ids.items()}
-        simulated = {s: fp8_simulated(model)(x).logits for s, x in ids.items()}
+    model, ids, bf16, simulated = _llama_with_references()
     tensor_parallel.shard(model)
     fp8, graphs = fp8compile.backend(), []
 
