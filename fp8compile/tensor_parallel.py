@@ -38,13 +38,17 @@ def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module
             f"{config.num_attention_heads} attention heads, {kv_heads} KV heads and intermediate size "
             f"{config.intermediate_size} do not all split evenly over {world} ranks"
         )
-    for i, layer in enumerate(model.model.layers):
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no model.layers: this shards a transformers decoder")
+    for i, layer in enumerate(layers):  # every layer checked before any is sharded
         missing = [name for name in COLUMNS + ROWS if not _has(layer, name)]
         if missing:
             raise ValueError(
                 f"layer {i} of {type(model).__name__} has no {', '.join(missing)}: this shards q/k/v/o "
                 "attention with a gate/up/down MLP (MoE layers are not sharded here)"
             )
+    for layer in layers:
         for name in COLUMNS:
             _keep(layer.get_submodule(name), 0, rank, world)
         for name in ROWS:

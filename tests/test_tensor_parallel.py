@@ -188,7 +188,16 @@ def _built_shard_worker(rank: int) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = model(ids).logits
+    other = build("tiny-llama", 2, "cpu")  # its second layer's MLP of another layout: refused whole
+    other.model.layers[1].mlp.down_proj = nn.Identity()
+    try:
+        tensor_parallel.shard(other)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
     return {
+        "refused": refused,
+        "untouched": tuple(other.model.layers[0].self_attn.q_proj.weight.shape),
         "devices": {str(p.device) for p in [*model.parameters(), *model.buffers()]},
         "q_proj": (
             tuple(layer.self_attn.q_proj.weight.shape),
@@ -316,6 +325,8 @@ def test_bench_model_builds_each_ranks_shard_alone_with_transformers_initializat
         assert q == (q_whole[0] // 2, q_whole[1]) and down == (down_whole[0], down_whole[1] // 2)
         assert result["rotary"] and result["norm"]  # buffers and norms as transformers makes them
         assert torch.isfinite(result["logits"]).all()
+        assert result["refused"].startswith("layer 1 of LlamaForCausalLM has no mlp.down_proj")
+        assert result["untouched"] == q_whole  # nothing sharded before the refusal
     # the replicated weights drawn alike on every rank, so the ranks compute one model
     assert torch.equal(ranks[0]["embedding"], ranks[1]["embedding"])
     assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])
