@@ -211,6 +211,23 @@ def _built_shard_worker(rank: int) -> dict:
     }
 
 
+def _generate_worker(rank: int) -> dict:
+    """generate() with transformers' static cache on a model of local shards, eagerly and with its
+    forward compiled by the fp8 backend, beside the whole model's greedy tokens."""
+    from fp8compile import tensor_parallel
+    from fp8compile.bench.presets import build
+
+    whole, model = build("tiny-llama", 2, "cpu"), build("tiny-llama", 2, "cpu")
+    ids = torch.randint(0, 1024, (2, 6), generator=torch.Generator().manual_seed(0))
+    options = dict(max_new_tokens=5, do_sample=False, cache_implementation="static")
+    tokens = {"whole": whole.generate(ids, **options)}
+    tensor_parallel.shard(model)
+    tokens["eager"] = model.generate(ids, **options)
+    model.forward = torch.compile(model.forward, backend=fp8compile.backend(), mode="reduce-overhead")
+    tokens["fp8"] = model.generate(ids, **options)
+    return tokens
+
+
 def _scenarios(rank: int, qwen3_moe_path: str | None, bench_dir: str) -> dict:
     """Every scenario of this file on one gloo group: each spawn costs two fresh processes'
     imports, so the scenarios share one. The Llama first, then the Qwen3-MoE, then the odd MLP,
@@ -220,6 +237,8 @@ def _scenarios(rank: int, qwen3_moe_path: str | None, bench_dir: str) -> dict:
     results["local"] = _local_worker(rank)
     torch._dynamo.reset()
     results["built"] = _built_shard_worker(rank)
+    results["generate"] = _generate_worker(rank)
+    torch._dynamo.reset()
     results["qwen3_moe"] = _qwen3_moe_worker(rank, qwen3_moe_path) if qwen3_moe_path else None
     torch._dynamo.reset()
     results["odd"] = _odd_worker(rank)
@@ -313,6 +332,15 @@ def test_local_shards_reach_the_graph_as_plain_tensors_with_the_collectives_insi
         for s in SEQ_LENS:
             assert result["diff"][s] <= 1.15 * result["bound"][s], (s, result["diff"], result["bound"])
     assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])  # the gathered logits: one answer
+
+
+def test_generate_with_a_static_cache_runs_on_local_shards_eager_and_compiled(scenario_ranks):
+    """transformers' StaticCache takes its heads from the first keys it stores: this rank's. The
+    greedy tokens are the whole model's (sharding moves the bf16 logits by ~3e-5), compiled too."""
+    for rank in scenario_ranks:
+        tokens = rank["generate"]
+        assert tokens["whole"].shape == (2, 11)
+        assert torch.equal(tokens["eager"], tokens["whole"]) and torch.equal(tokens["fp8"], tokens["whole"])
 
 
 def test_bench_model_builds_each_ranks_shard_alone_with_transformers_initialization(scenario_ranks):
