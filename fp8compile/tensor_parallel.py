@@ -31,23 +31,8 @@ def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module
     another layout, or heads that do not split evenly over the ranks."""
     group = group or dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    config = model.config.get_text_config(decoder=True)
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    if config.num_attention_heads % world or kv_heads % world or config.intermediate_size % world:
-        raise ValueError(
-            f"{config.num_attention_heads} attention heads, {kv_heads} KV heads and intermediate size "
-            f"{config.intermediate_size} do not all split evenly over {world} ranks"
-        )
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no model.layers: this shards a transformers decoder")
-    for i, layer in enumerate(layers):  # every layer checked before any is sharded
-        missing = [name for name in COLUMNS + ROWS if not _has(layer, name)]
-        if missing:
-            raise ValueError(
-                f"layer {i} of {type(model).__name__} has no {', '.join(missing)}: this shards q/k/v/o "
-                "attention with a gate/up/down MLP (MoE layers are not sharded here)"
-            )
+    layers = check(model, world)
+    kv_heads = _kv_heads(model.config.get_text_config(decoder=True))
     for layer in layers:
         for name in COLUMNS:
             _keep(layer.get_submodule(name), 0, rank, world)
@@ -61,6 +46,33 @@ def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module
         head.register_forward_hook(_AllGather(group))
     model._local_kv_heads = kv_heads // world
     return model
+
+
+def check(model: nn.Module, world: int) -> nn.ModuleList:
+    """The decoder layers of a model this layout shards over `world` ranks (every layer checked
+    before any is sharded); a ValueError saying why not."""
+    config = model.config.get_text_config(decoder=True)
+    kv_heads = _kv_heads(config)
+    if config.num_attention_heads % world or kv_heads % world or config.intermediate_size % world:
+        raise ValueError(
+            f"{config.num_attention_heads} attention heads, {kv_heads} KV heads and intermediate size "
+            f"{config.intermediate_size} do not all split evenly over {world} ranks"
+        )
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no model.layers: this shards a transformers decoder")
+    for i, layer in enumerate(layers):
+        missing = [name for name in COLUMNS + ROWS if not _has(layer, name)]
+        if missing:
+            raise ValueError(
+                f"layer {i} of {type(model).__name__} has no {', '.join(missing)}: this shards q/k/v/o "
+                "attention with a gate/up/down MLP (MoE layers are not sharded here)"
+            )
+    return layers
+
+
+def _kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def local_kv_heads(model: nn.Module) -> int | None:

@@ -27,8 +27,10 @@ import torch.distributed as dist
 
 from .. import tensor_parallel
 
-# Under --tp: generate() through a CompileConfig makes a cache of every KV head, which a sharded
-# attention does not fill; these variants decode through a cache of this rank's heads, in both modes.
+# Under --tp these variants decode through a cache made with this rank's KV heads, in both modes:
+# for DTensor shards, generate()'s own cache through a CompileConfig held every head (local shards
+# fill transformers 5.24's lazily sized StaticCache, tests/test_tensor_parallel.py; the GPU kit's
+# 5.17 is not checked).
 TP_VARIANTS = ("bf16", "bf16_inductor_own", "fp8_own", "bf16_inductor_ro_own", "fp8_ro_own")
 
 
@@ -44,34 +46,14 @@ def shard(model, world: int, device: torch.device, shards: str = "local") -> Non
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    config = model.config.get_text_config(decoder=True)
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    if config.num_attention_heads % world or kv_heads % world:
-        raise SystemExit(
-            f"--tp {world}: {config.num_attention_heads} attention heads and {kv_heads} KV heads "
-            "do not split evenly over the ranks"
-        )
+    try:
+        layers = tensor_parallel.check(model, world)
+    except ValueError as error:
+        raise SystemExit(f"--tp {world}: {error}") from None
     plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
-    for i, layer in enumerate(model.model.layers):
-        mlp, attn = getattr(layer, "mlp", None), getattr(layer, "self_attn", None)
-        if not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj")) or not all(
-            hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")
-        ):
-            raise SystemExit(
-                f"--tp: layer {i} of {type(model).__name__} is not q/k/v/o attention with a gate/up/down "
-                "MLP (MoE layers are not sharded by this bench)"
-            )
-        prefix = f"model.layers.{i}"
-        for name in (
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-        ):
-            plan[f"{prefix}.{name}"] = ColwiseParallel()
-        plan[f"{prefix}.self_attn.o_proj"] = RowwiseParallel()
-        plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel()
+    for i in range(len(layers)):  # tensor_parallel's layout, as DTensors
+        plan.update({f"model.layers.{i}.{name}": ColwiseParallel() for name in tensor_parallel.COLUMNS})
+        plan.update({f"model.layers.{i}.{name}": RowwiseParallel() for name in tensor_parallel.ROWS})
     parallelize_module(model, init_device_mesh(device.type, (world,)), plan)
 
 
