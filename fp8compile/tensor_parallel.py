@@ -7,8 +7,8 @@ call, and at batch 1 that host work is the step (BENCHMARKS.md, "Tensor parallel
 transformers decoder (q/k/v/o attention and a gate/up/down MLP, the Llama, Qwen2 and Mistral
 layouts) is sharded Megatron's way into plain tensors: q, k, v, gate and up keep this rank's
 rows (its heads, its slice of the intermediate size), o and down this rank's columns, with an
-all-reduce of their output (`_functional_collectives.all_reduce`, a forward hook), and the
-lm_head this rank's rows of the vocabulary, its logits gathered (`all_gather_tensor`). Dynamo
+all-reduce of their output (the functional collectives' all_reduce, a forward hook), and the
+lm_head this rank's rows of the vocabulary, its logits gathered (all_gather_into_tensor). Dynamo
 traces the hooks: the graph holds each collective and its wait, which Inductor launches and
 CUDA graphs capture, NCCL included; nothing per parameter is unwrapped or guarded at a call.
 The attention reshapes by head_dim with -1 heads, so a layer's own code runs this rank's heads.
@@ -102,16 +102,22 @@ def _keep(linear: nn.Linear, dim: int, rank: int, world: int) -> None:
             linear.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
 
 
+# The hooks call the functional collectives' ops themselves, each with its wait, not
+# torch.distributed._functional_collectives' Python wrappers: on the GPU kit (torch 2.11,
+# transformers 5.17) Dynamo left the lm_head's all_gather_tensor, and the lm_head with it, out of
+# the compiled graph, run eagerly at every step (2 x H200, a 2026-11-28 profile: 33 eager
+# lm_head calls in 33 steps); the ops are traced alike by every Dynamo.
+_c10d = torch.ops._c10d_functional
+
+
 class _AllReduce:
     """A forward hook: the output summed over the group's ranks (a row-sharded linear's partials)."""
 
     def __init__(self, group):
-        self.group = group
+        self.group_name = group.group_name
 
     def __call__(self, module, args, output):
-        from torch.distributed import _functional_collectives as funcol
-
-        return funcol.all_reduce(output, "sum", self.group)
+        return _c10d.wait_tensor(_c10d.all_reduce(output, "sum", self.group_name))
 
 
 class _AllGather:
@@ -119,10 +125,9 @@ class _AllGather:
     column-sharded lm_head's logits)."""
 
     def __init__(self, group):
-        self.group = group
+        self.group_name, self.world = group.group_name, dist.get_world_size(group)
 
     def __call__(self, module, args, output):
-        from torch.distributed import _functional_collectives as funcol
-
-        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # its older name
-        return gather(output.contiguous(), output.dim() - 1, self.group)
+        gathered = _c10d.all_gather_into_tensor(output.contiguous(), self.world, self.group_name)
+        stacked = _c10d.wait_tensor(gathered)  # the ranks' outputs one after another along dim 0
+        return torch.cat(stacked.chunk(self.world), dim=-1)  # rank r's rows -> its columns
