@@ -312,7 +312,8 @@ def _record_rank(report: Report, graph_index: int, gm: fx.GraphModule) -> None:
 
 def _collectives(gm: fx.GraphModule) -> dict[str, int]:
     """The functional collectives the graph holds (in its subgraphs too), by name: what a sharded
-    model's all-reduces and gathers became, launched by Inductor with the graph (waits not counted)."""
+    model's all-reduces and gathers became, launched by Inductor with the graph (waits not
+    counted), fp8compile's all-reduce among them."""
     found: Counter[str] = Counter()
     for module in gm.modules():
         if isinstance(module, fx.GraphModule):
@@ -320,7 +321,13 @@ def _collectives(gm: fx.GraphModule) -> dict[str, int]:
                 target = getattr(node.target, "_schema", None) and node.target.name()
                 if target and target.startswith("_c10d_functional::") and not target.endswith("wait_tensor"):
                     found[target.removeprefix("_c10d_functional::")] += 1
+                elif target == "fp8compile::all_reduce":
+                    found[SYMMETRIC_ALL_REDUCE] += 1
     return dict(found)
+
+
+# the report's name for fp8compile::all_reduce (passes/all_reduce.py)
+SYMMETRIC_ALL_REDUCE = "all_reduce (fp8compile's: symmetric memory at decode sizes, NCCL above)"
 
 
 def _release_weights(ctx, dropped: list[torch.Tensor]) -> None:

@@ -16,7 +16,7 @@ from . import registry
 # for the activation (ops/linear/reference_scaled.py).
 RECIPES = ("block", "rowwise", "tensor")
 # Fusion passes, run in this order before the linear pass.
-FUSIONS = ("gqa_attention", "mqa_logits", "moe", "gate_up", "qkv", "silu_mul")
+FUSIONS = ("gqa_attention", "mqa_logits", "moe", "gate_up", "qkv", "silu_mul", "all_reduce")
 
 # Small/large-M threshold for the torch.cond dispatch: M <= SMALL_M takes the decode path.
 # 32 is where the anchors' decode kernels stop streaming weights and start being compute-bound
@@ -87,7 +87,9 @@ class Fp8Config:
     skip:            module-name globs left unchanged, e.g. ("lm_head", "*.mlp.down_proj").
     fusions:         fusion passes to run (default: all); () runs the plain linear pass only.
                      "gqa_attention" is not FP8: grouped-query attention over a KV cache without
-                     repeat_kv's copy (passes/gqa_attention.py).
+                     repeat_kv's copy (passes/gqa_attention.py). "all_reduce" is not FP8 either:
+                     a sharded model's sum all-reduces on symmetric memory's one-shot and
+                     two-shot kernels at decode sizes, NCCL above (passes/all_reduce.py).
     debug_dir:       write graphs before/after our passes and depyf-decompiled code here
                      (default: $FP8COMPILE_DEBUG_DIR).
     inductor_launch: the decode kernel, the quantization and cuBLAS call of the cuBLAS side, and

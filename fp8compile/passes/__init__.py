@@ -3,6 +3,7 @@ recording every rewrite and every candidate it leaves in bf16 on the context's r
 
 from __future__ import annotations
 
+from .all_reduce import all_reduce_pass
 from .checkpoint_experts import checkpoint_experts_pass
 from .checkpoint_linear import checkpoint_linear_pass
 from .checkpoint_merge import checkpoint_merge_pass
@@ -36,6 +37,7 @@ FUSION_PASSES = {
     "gate_up": gate_up_pass,
     "qkv": qkv_pass,
     "silu_mul": silu_mul_pass,
+    "all_reduce": all_reduce_pass,
 }
 CHECKPOINT_PASSES = (
     ("checkpoint_experts", checkpoint_experts_pass),

@@ -1,0 +1,14 @@
+"""The sum of a tensor over a process group's ranks by the group's own collective (NCCL on GPUs,
+gloo on the CPU), as a functional collective: what a sharded model's graph held before the
+all_reduce pass, the reference of the symmetric-memory kernels, and their fallback wherever they
+do not serve a call."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
+    c10d = torch.ops._c10d_functional
+    return c10d.wait_tensor(c10d.all_reduce(x, "sum", group_name))

@@ -1,0 +1,169 @@
+"""The sum all-reduce on PyTorch's symmetric memory (torch.distributed._symmetric_memory): each
+rank's input copied into a buffer every rank of the group can read, then one kernel per rank.
+
+At a decode step's sizes (8 KB a rank for a batch of one at hidden 4096) NCCL's ring is latency:
+several steps of handshakes between the GPUs for a few kilobytes. Symmetric memory's one-shot
+kernel has every rank read every peer's buffer over NVLink and add them, one barrier before and
+one after: one kernel, world x bytes read a rank. Past a size, its two-shot kernel (a reduce-
+scatter, then an all-gather, over the same buffer) reads less; past the buffer, NCCL.
+ONE_SHOT_READ_BYTES and BUFFER_BYTES come from `bench allreduce` (BENCHMARKS.md, "All-reduce at
+decode sizes"; 2 x H200 over NVLink, each in a CUDA graph): at 2 ranks the one-shot kernel took
+6.8 us for 8 KB (NCCL 11.3) and stayed ahead of the two-shot one up to 1 MiB a rank (14.8 us
+against 16.1; NCCL 18.7), behind it at 2 MiB (21.5 against 19.0); the two-shot kernel took
+27.4 us for 4 MiB (NCCL 37.6). The multicast (multimem) kernels are not used: they need NVLink
+multicast, which hosts turn off (the GPU kit's does).
+
+One buffer per (group, device), kept for the process (a captured graph holds its address),
+made by prepare() while the all_reduce pass compiles the graph, or else at the first call
+outside any CUDA-graph capture. Not at the first call of a graph under reduce-overhead: Inductor's
+CUDA-graph trees run that call with the device's allocations routed to their own pool, and they
+refuse a graph that leaves tensors of its own in that pool (2 x H200, torch 2.11: "Detected 2
+tensor(s) in the cudagraph pool not tracked as outputs"). Its rendezvous is a collective: every
+rank of a group compiles and calls in the same order, as the ranks of one program do. A call the
+kernels do not serve (another dtype, an unaligned size, a CPU tensor, no symmetric memory)
+returns None, and the caller takes the group's own collective; every rank decides alike from
+what they share (sizes, dtype, whether the buffer exists, whether a capture is running).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+# The one-shot kernel while what each rank reads (world x bytes) stays within this; two-shot above.
+ONE_SHOT_READ_BYTES = 2 * 2**20
+BUFFER_BYTES = 4 * 2**20
+# PyTorch's kernels dispatch on these; their vector loads need 16-byte multiples.
+DTYPES = (torch.bfloat16, torch.float32)
+ALIGN = 16
+
+# (group name, device index) -> the buffer, or the reason it could not be made
+_buffers: dict[tuple[str, int], Tensor | str] = {}
+
+
+def available() -> str | None:
+    """None where this torch has symmetric memory's all-reduce kernels, else why not."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+
+        torch.ops.symm_mem.one_shot_all_reduce_out  # noqa: B018
+        torch.ops.symm_mem.two_shot_all_reduce_out  # noqa: B018
+    except (ImportError, AttributeError, RuntimeError) as error:
+        return f"this torch has no symmetric-memory all-reduce ({type(error).__name__}: {error})"
+    return None
+
+
+def serves(x: Tensor) -> str | None:
+    """None where the symmetric kernels can take x (on its own, before any buffer), else why not."""
+    nbytes = x.numel() * x.element_size()
+    if x.device.type != "cuda":
+        return f"a {x.device.type} tensor"
+    if x.dtype not in DTYPES:
+        return f"{x.dtype} (the kernels take {', '.join(map(str, DTYPES))})"
+    if nbytes % ALIGN or nbytes == 0:
+        return f"{nbytes} bytes, not a multiple of {ALIGN}"
+    if nbytes > BUFFER_BYTES:
+        return f"{nbytes} bytes, past the {BUFFER_BYTES}-byte buffer"
+    return available()
+
+
+def all_reduce_sum(x: Tensor, group_name: str, kernel: str | None = None) -> Tensor | None:
+    """The sum of x over the group's ranks on the one-shot (up to ONE_SHOT_READ_BYTES read a
+    rank) or two-shot kernel (or the one `kernel` names: "one_shot", "two_shot"), a new tensor;
+    None where they do not serve this call."""
+    if serves(x) is not None:
+        return None
+    buffer = _buffer(group_name, x.device)
+    if buffer is None:
+        return None
+    flat = x.contiguous().view(-1)
+    staged = buffer.view(x.dtype)[: flat.numel()]
+    out = torch.empty_like(flat)
+    if kernel is None:
+        read = _world(group_name) * flat.numel() * flat.element_size()
+        kernel = "one_shot" if read <= ONE_SHOT_READ_BYTES else "two_shot"
+    if kernel == "one_shot":
+        copy_out = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)
+        if copy_out is not None:  # the copy into the buffer inside the kernel
+            copy_out(staged, flat, "sum", group_name, out)
+        else:
+            staged.copy_(flat)
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", group_name, out)
+    else:
+        staged.copy_(flat)
+        torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", group_name, out)
+    return out.view(x.shape)
+
+
+def prepare(group_name: str, device: torch.device) -> str | None:
+    """Make the group's buffer on this device now (a collective over the group's ranks); None
+    once it exists, else why there is none (its calls then take the group's own collective)."""
+    if (reason := available()) is not None:
+        return reason
+    if _buffer(group_name, device) is None:
+        return state(group_name, _index(device))
+    return None
+
+
+_worlds: dict[str, int] = {}
+
+
+def _world(group_name: str) -> int:
+    if group_name not in _worlds:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        _worlds[group_name] = _resolve_process_group(group_name).size()
+    return _worlds[group_name]
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _buffer(group_name: str, device: torch.device) -> Tensor | None:
+    key = (group_name, _index(device))
+    found = _buffers.get(key)
+    if isinstance(found, Tensor):
+        return found
+    if found is not None or torch.cuda.is_current_stream_capturing():
+        return None  # it could not be made; or a capture is running, where nothing may be allocated
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    try:
+        if _needs_enable():
+            symm_mem.enable_symm_mem_for_group(group_name)
+        buffer = symm_mem.empty(BUFFER_BYTES, dtype=torch.uint8, device=torch.device("cuda", key[1]))
+        symm_mem.rendezvous(buffer, group_name)
+    except Exception as error:  # noqa: BLE001 - any failure leaves the group's own collective
+        _buffers[key] = f"{type(error).__name__}: {error}"
+        log.warning(
+            "fp8compile: no symmetric memory for group %s (%s); its all-reduces take NCCL",
+            group_name,
+            _buffers[key],
+        )
+        return None
+    _buffers[key] = buffer
+    return buffer
+
+
+def state(group_name: str, device_index: int) -> str:
+    """What this process's calls on the group take: the symmetric buffer, or why not."""
+    found = _buffers.get((group_name, device_index))
+    if found is None:
+        return "no call yet"
+    if isinstance(found, str):
+        return f"the group's own collective (no symmetric memory: {found})"
+    return f"symmetric memory, a {found.numel() // 2**20} MiB buffer"
+
+
+def _needs_enable() -> bool:
+    """Whether this torch wants enable_symm_mem_for_group before a rendezvous (before 2.9;
+    deprecated and a no-op since)."""
+    version = tuple(int(p) for p in torch.__version__.split(".")[:2] if p.isdigit())
+    return version < (2, 9)

@@ -1,0 +1,58 @@
+"""all_reduce pass: a sharded model's functional sum all-reduce and its wait ->
+fp8compile::all_reduce, which takes symmetric memory's one-shot and two-shot kernels at the sizes
+a decode step moves and the group's own collective (NCCL) above them (ops/collectives/).
+
+The rewrite also makes the op's symmetric buffer for the group and device (on every rank: they
+compile the same graph together), before the graph's first call: under reduce-overhead that
+call runs inside CUDA-graph trees' memory pool, which must not keep it (ops/collectives/
+symmetric.py). Where symmetric memory is not there (CPU tensors, no NVLink peers, an older
+torch), the op runs the group's own collective, and the reason is logged.
+
+A model sharded into local shards (fp8compile.tensor_parallel, or any code that calls
+torch.distributed's functional collectives) reaches the ATen graph as
+    r = _c10d_functional.all_reduce(x, "sum", group)    w = _c10d_functional.wait_tensor(r)
+after each row-sharded linear. At a batch of one that is 8 KB a rank at hidden 4096, where NCCL's
+ring costs its handshakes, not its bytes. The rewrite keeps the group and the sum; the op decides
+per call, every rank alike, which kernel serves it. Other reductions, an all_reduce read by more
+than its wait, and the in-place form stay as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from ..ops.collectives import symmetric
+from .context import PassContext
+
+log = logging.getLogger(__name__)
+
+c10d = torch.ops._c10d_functional
+
+
+def all_reduce_pass(ctx: PassContext) -> None:
+    graph, prepared = ctx.gm.graph, set()
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target is c10d.all_reduce.default]:
+        x, reduce_op, group_name = node.args[:3]
+        waits = list(node.users)
+        if reduce_op != "sum" or len(waits) != 1 or waits[0].target is not c10d.wait_tensor.default:
+            continue
+        wait = waits[0]
+        with graph.inserting_before(node):
+            fused: fx.Node = graph.call_function(torch.ops.fp8compile.all_reduce.default, (x, group_name))
+        # where it came from, for the graph dumps; not the wait's recorded inputs (eager_input_vals)
+        fused.meta.update({k: wait.meta[k] for k in ("stack_trace", "nn_module_stack") if k in wait.meta})
+        fused.meta["val"] = ctx.fake(torch.ops.fp8compile.all_reduce.default, x, group_name)
+        wait.replace_all_uses_with(fused)
+        graph.erase_node(wait)
+        graph.erase_node(node)
+        device = x.meta["val"].device
+        if device.type == "cuda" and (group_name, device) not in prepared:
+            prepared.add((group_name, device))
+            with unset_fake_temporarily():
+                reason = symmetric.prepare(group_name, device)
+            if reason is not None:
+                log.info("fp8compile: group %s's all-reduces take its own collective: %s", group_name, reason)

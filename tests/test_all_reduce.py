@@ -1,0 +1,191 @@
+"""The all_reduce pass and fp8compile::all_reduce (ops/collectives/): a graph's functional sum
+all-reduce and its wait become fp8compile's op, which takes symmetric memory's one-shot and
+two-shot kernels at decode sizes on GPUs of one host and the group's own collective elsewhere.
+
+On the CPU, in one process, over a gloo group of one rank (the pass and the op's fallback);
+the two-rank sums on the CPU are in test_tensor_parallel.py, on two GPUs in the gpu test below.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fp8compile
+from fp8compile.backend import SYMMETRIC_ALL_REDUCE
+from fp8compile.config import FUSIONS
+from fp8compile.ops.collectives import reference, symmetric
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def one_rank_group():
+    """The default group as one gloo rank (a functional collective over it returns its input)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+class RowShardedLinear(nn.Module):
+    """What fp8compile.tensor_parallel makes of an o or down projection: this rank's partial
+    product, summed over the ranks, then the residual added."""
+
+    def __init__(self, reduce_op: str = "sum"):
+        super().__init__()
+        self.proj = nn.Linear(256, 256, bias=False)
+        self.reduce_op = reduce_op
+
+    def forward(self, x):
+        from torch.distributed import _functional_collectives as funcol
+
+        return x + funcol.all_reduce(self.proj(x), self.reduce_op, dist.group.WORLD)
+
+
+def _compiled(module, x, **options):
+    fp8 = fp8compile.backend(**options)
+    with torch.no_grad():
+        out = torch.compile(module, backend=fp8, dynamic=False)(x)
+    return out, fp8.report
+
+
+@pytest.mark.inductor  # Inductor lowers the op the pass put in
+def test_the_pass_puts_fp8compiles_all_reduce_where_the_graph_summed_over_ranks(one_rank_group):
+    module = RowShardedLinear().to(BF16)
+    x = torch.randn(4, 256, dtype=BF16)
+    out, report = _compiled(module, x)
+    assert report.collectives == {0: {SYMMETRIC_ALL_REDUCE: 1}}
+    assert "1 all_reduce (fp8compile's: symmetric memory at decode sizes, NCCL above)" in str(report)
+    with torch.no_grad():
+        eager = module(x)
+    # the projection is FP8 on both compiled sides; the sum over one rank is the partial itself
+    reference_out, _ = _compiled(module, x, fusions=tuple(f for f in FUSIONS if f != "all_reduce"))
+    assert torch.equal(out, reference_out)
+    assert fp8compile.calc_diff(out, eager) < 1e-3
+
+
+def test_without_the_all_reduce_fusion_the_functional_collective_stays(one_rank_group):
+    _, report = _compiled(
+        RowShardedLinear().to(BF16),
+        torch.randn(4, 256, dtype=BF16),
+        fusions=tuple(f for f in FUSIONS if f != "all_reduce"),
+    )
+    assert report.collectives == {0: {"all_reduce": 1}}
+
+
+def test_an_all_reduce_of_another_reduction_stays_the_functional_collective(one_rank_group):
+    _, report = _compiled(RowShardedLinear("max").to(BF16), torch.randn(4, 256, dtype=BF16))
+    assert report.collectives == {0: {"all_reduce": 1}}
+
+
+def test_a_cpu_tensor_takes_the_groups_own_collective_with_the_reason(one_rank_group):
+    x = torch.randn(3, 256, dtype=BF16)
+    assert symmetric.serves(x) == "a cpu tensor"
+    assert symmetric.all_reduce_sum(x, one_rank_group) is None
+    out = torch.ops.fp8compile.all_reduce(x, one_rank_group)
+    assert torch.equal(out, x) and out.data_ptr() != x.data_ptr()  # a new tensor, as funcol's
+
+
+def test_the_symmetric_kernels_take_bf16_and_fp32_in_whole_16_byte_units_up_to_the_buffer():
+    meta = dict(device="meta")
+    # (serves() reads only the tensor's device, dtype and size: a "cuda" meta tensor stands in)
+    reasons = {
+        name: symmetric.serves(_on_cuda(torch.empty(*shape, dtype=dtype, **meta)))
+        for name, (shape, dtype) in {
+            "fp16": ((1, 4096), torch.float16),
+            "odd": ((1, 4095), BF16),
+            "past the buffer": ((symmetric.BUFFER_BYTES // 2 + 8,), BF16),
+        }.items()
+    }
+    assert reasons["fp16"].startswith("torch.float16 (the kernels take")
+    assert reasons["odd"] == "8190 bytes, not a multiple of 16"
+    assert reasons["past the buffer"].startswith(f"{symmetric.BUFFER_BYTES + 16} bytes, past the")
+
+
+def _on_cuda(t: torch.Tensor):
+    """A stand-in whose .device says cuda (serves() looks no further than device, dtype, size)."""
+
+    class OnCuda:
+        device = torch.device("cuda", 0)
+        dtype = t.dtype
+
+        def numel(self):
+            return t.numel()
+
+        def element_size(self):
+            return t.element_size()
+
+    return OnCuda()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_gpu_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2)
+    group = dist.group.WORLD.group_name
+    results = {}
+    try:
+        # First, before any eager call could make the buffer: compiled in reduce-overhead, where
+        # the graph's first call runs inside CUDA-graph trees' pool (the pass makes the buffer)
+        torch.manual_seed(0)  # the same weights on both ranks
+        module = RowShardedLinear().to(BF16).cuda()
+        x = torch.randn(16, 256, dtype=BF16, device="cuda") * (rank + 1)
+        outs, nccl = {}, tuple(f for f in FUSIONS if f != "all_reduce")
+        for name, fusions in (("fp8compile", FUSIONS), ("nccl", nccl)):
+            torch._dynamo.reset()
+            backend = fp8compile.backend(fusions=fusions)
+            compiled = torch.compile(module, backend=backend, mode="reduce-overhead")
+            with torch.no_grad():
+                outs[name] = [compiled(x).clone() for _ in range(3)]
+        results["compiled"] = all(torch.equal(a, b) for a, b in zip(outs["fp8compile"], outs["nccl"]))
+        for m in (1, 16, 64, 512):  # one-shot up to 1 MiB a rank at 2 ranks (m = 128 at 4096), two-shot past
+            gen = torch.Generator("cuda").manual_seed(rank)
+            x = torch.randn(m, 4096, dtype=BF16, device="cuda", generator=gen)
+            expected = reference.all_reduce_sum(x, group)
+            out = torch.ops.fp8compile.all_reduce(x, group)
+            graph, static_x = torch.cuda.CUDAGraph(), x.clone()
+            with torch.cuda.graph(graph):
+                captured = torch.ops.fp8compile.all_reduce(static_x, group)
+            static_x.copy_(x * 2)
+            graph.replay()
+            results[m] = dict(
+                eager=(out.float() - expected.float()).abs().max().item(),
+                replayed=(captured.float() - 2 * expected.float()).abs().max().item(),
+            )
+        results["state"] = symmetric.state(group, rank)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_on_two_gpus_fp8compiles_all_reduce_sums_as_nccl_compiled_eager_and_in_a_cuda_graph(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs of one host")
+    import torch.multiprocessing as mp
+
+    mp.spawn(_two_gpu_worker, args=(_free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        assert results["state"].startswith("symmetric memory"), results["state"]
+        # compiled in reduce-overhead, three calls (warm-up, capture, replay): NCCL's bits
+        assert results["compiled"]
+        for m in (1, 16, 64, 512):
+            # two bf16 partials added and rounded once, by NCCL and by the kernels alike
+            assert results[m]["eager"] == 0, (m, results[m])
+            # replayed on inputs doubled after capture (exact in bf16): the graph reads the new values
+            assert results[m]["replayed"] == 0, (m, results[m])
