@@ -174,9 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         "bench",
         help="benchmarks: whole models (model), host cost per decode linear (host), "
         "and kernels against bf16 cuBLAS, cuBLAS FP8, DeepGEMM, FlashInfer "
-        "(gemm, mlp, moe, tune), and sparse-attention indexer logits against DeepGEMM (mqa)",
+        "(gemm, mlp, moe, tune), sparse-attention indexer logits against DeepGEMM (mqa), and a "
+        "tensor-parallel step's all-reduce against NCCL (allreduce --tp N)",
     )
-    bench.add_argument("what", choices=["model", "host", "gemm", "mlp", "moe", "mqa", "tune"])
+    bench.add_argument("what", choices=["model", "host", "gemm", "mlp", "moe", "mqa", "tune", "allreduce"])
     bench.add_argument("--out", default=None, help="folder for JSON and PNG (default: $OUT or ./bench_out)")
     bench.add_argument(
         "--recipe",
@@ -295,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         "--tp",
         type=int,
         default=1,
-        help="`bench model`: shard the models over this many GPUs of the host (tensor parallel, NCCL)",
+        help="`bench model`: shard the models over this many GPUs of the host (tensor parallel, NCCL); "
+        "`bench allreduce`: the ranks (default 2 there)",
     )
     bench.add_argument(
         "--tp-shards",

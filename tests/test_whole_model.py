@@ -499,6 +499,8 @@ def test_bench_model_splits_gpu_time_by_kernel_kind_attention_and_experts_before
             "triton_red_fused_add_mean_mul_pow_rsqrt_0",
             "_moe_gemm_kernel",
             "cutlass::Kernel2<cutlass_sm90_grouped_gemm_bf16>",
+            "ncclDevKernel_AllReduce_Sum_bf16_RING_LL",
+            "void c10d::symmetric_memory::one_shot_all_reduce_kernel<c10::BFloat16, 16, 2>",
         )
     }
     assert kinds == {
@@ -513,6 +515,8 @@ def test_bench_model_splits_gpu_time_by_kernel_kind_attention_and_experts_before
         "triton_red_fused_add_mean_mul_pow_rsqrt_0": "other",
         "_moe_gemm_kernel": "moe",
         "cutlass::Kernel2<cutlass_sm90_grouped_gemm_bf16>": "moe",
+        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": "collective",  # a sharded step's all-reduce
+        "void c10d::symmetric_memory::one_shot_all_reduce_kernel<c10::BFloat16, 16, 2>": "collective",
     }
 
 

@@ -1,9 +1,9 @@
-"""Benchmarks: `python -m fp8compile bench model | host | gemm | mlp | moe | mqa | tune`.
+"""Benchmarks: `python -m fp8compile bench model | host | gemm | mlp | moe | mqa | tune | allreduce`.
 
 One module per bench: model.py times whole transformers models (what users judge); host.py the
 host cost of one decode linear outside CUDA graphs, layer by layer of the FP8 path; gemm.py,
 mlp.py, moe.py and mqa.py single linears, gated MLPs, MoE layers and indexer logits against the
-anchors; tune.py sweeps
+anchors; allreduce.py a tensor-parallel step's all-reduce against NCCL; tune.py sweeps
 our kernels' tiles. harness.py is the kernel benches' timing (CUDA-graph replay, weights past
 L2); output.py what they all write (JSON with its table, plots, host profiles). Vendor
 libraries and triton are imported by the benchmark that uses them, never here.
@@ -45,7 +45,11 @@ def main(args) -> int:
     else:
         if not torch.cuda.is_available():
             raise SystemExit(f"bench {args.what} needs a CUDA GPU")
-        if args.what == "host":
+        if args.what == "allreduce":
+            from . import allreduce
+
+            allreduce.bench_allreduce(out, ms=args.m or allreduce.MS, tp=max(args.tp, 2))
+        elif args.what == "host":
             from .host import bench_host
 
             bench_host(out, ms=args.m or (1, 16), chain=args.chain, rounds=args.repeat)

@@ -60,6 +60,8 @@ def sync(device):
 
 # GPU kernel names -> what they compute, for the time split of a decode step (first match wins).
 KERNEL_KINDS = (
+    # a sharded step's all-reduces and gathers: NCCL's kernels, symmetric memory's
+    ("collective", re.compile(r"nccl|all_reduce|allreduce|all_gather|one_shot|two_shot", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|_gqa_decode", re.I)),
     (
         "moe",

@@ -89,9 +89,12 @@ def is_main() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def spawn(bench, world_size: int, out_dir: Path, device: str | None, **kwargs) -> list[dict]:
+def spawn(
+    bench, world_size: int, out_dir: Path, device: str | None, result: str = "bench_model.json", **kwargs
+) -> list[dict]:
     """bench(out_dir, device=this rank's, tp=world_size, **kwargs) on world_size processes of one
-    host (bench: model.bench_model); rank 0's rows, from what it wrote."""
+    host (bench: model.bench_model, allreduce.bench_allreduce); rank 0's rows, from what it wrote
+    to out_dir / result."""
     import torch.multiprocessing as mp
 
     kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -103,7 +106,7 @@ def spawn(bench, world_size: int, out_dir: Path, device: str | None, **kwargs) -
     mp.spawn(_rank, args=(bench, world_size, port, kind, out_dir, kwargs), nprocs=world_size)
     import json
 
-    return json.loads((out_dir / "bench_model.json").read_text())
+    return json.loads((out_dir / result).read_text())
 
 
 def _rank(rank: int, bench, world_size: int, port: int, kind: str, out_dir: Path, kwargs: dict) -> None:
