@@ -322,12 +322,13 @@ def _collectives(gm: fx.GraphModule) -> dict[str, int]:
                 if target and target.startswith("_c10d_functional::") and not target.endswith("wait_tensor"):
                     found[target.removeprefix("_c10d_functional::")] += 1
                 elif target == "fp8compile::all_reduce":
-                    found[SYMMETRIC_ALL_REDUCE] += 1
+                    found[FP8COMPILE_ALL_REDUCE] += 1
     return dict(found)
 
 
-# the report's name for fp8compile::all_reduce (passes/all_reduce.py)
-SYMMETRIC_ALL_REDUCE = "all_reduce (fp8compile's: symmetric memory at decode sizes, NCCL above)"
+# the report's name for fp8compile::all_reduce (passes/all_reduce.py; which kernels it runs:
+# Report.all_reduce_paths)
+FP8COMPILE_ALL_REDUCE = "all_reduce (fp8compile's)"
 
 
 def _release_weights(ctx, dropped: list[torch.Tensor]) -> None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fp8compile
-from fp8compile.backend import SYMMETRIC_ALL_REDUCE
+from fp8compile.backend import FP8COMPILE_ALL_REDUCE
 from fp8compile.config import FUSIONS
 from fp8compile.ops.collectives import reference, symmetric
 
@@ -61,8 +61,12 @@ def test_the_pass_puts_fp8compiles_all_reduce_where_the_graph_summed_over_ranks(
     module = RowShardedLinear().to(BF16)
     x = torch.randn(4, 256, dtype=BF16)
     out, report = _compiled(module, x)
-    assert report.collectives == {0: {SYMMETRIC_ALL_REDUCE: 1}}
-    assert "1 all_reduce (fp8compile's: symmetric memory at decode sizes, NCCL above)" in str(report)
+    assert report.collectives == {0: {FP8COMPILE_ALL_REDUCE: 1}}
+    assert "graph 0's collectives: 1 all_reduce (fp8compile's), launched at each call" in str(report)
+    # what it runs here, and why not symmetric memory
+    cpu = "the group's own collective (symmetric memory serves CUDA tensors; these are cpu)"
+    assert report.all_reduce_paths == {f"{one_rank_group} on cpu": cpu}
+    assert f"fp8compile's all_reduce, group {one_rank_group} on cpu: {cpu}" in str(report)
     with torch.no_grad():
         eager = module(x)
     # the projection is FP8 on both compiled sides; the sum over one rank is the partial itself
@@ -147,10 +151,13 @@ def _two_gpu_worker(rank: int, port: int, out_dir: str) -> None:
         for name, fusions in (("fp8compile", FUSIONS), ("nccl", nccl)):
             torch._dynamo.reset()
             backend = fp8compile.backend(fusions=fusions)
+            if name == "fp8compile":
+                backend_report = backend.report
             compiled = torch.compile(module, backend=backend, mode="reduce-overhead")
             with torch.no_grad():
                 outs[name] = [compiled(x).clone() for _ in range(3)]
         results["compiled"] = all(torch.equal(a, b) for a, b in zip(outs["fp8compile"], outs["nccl"]))
+        results["path"] = backend_report.all_reduce_paths
         for m in (1, 16, 64, 512):  # one-shot up to 1 MiB a rank at 2 ranks (m = 128 at 4096), two-shot past
             gen = torch.Generator("cuda").manual_seed(rank)
             x = torch.randn(m, 4096, dtype=BF16, device="cuda", generator=gen)
@@ -184,6 +191,7 @@ def test_on_two_gpus_fp8compiles_all_reduce_sums_as_nccl_compiled_eager_and_in_a
         assert results["state"].startswith("symmetric memory"), results["state"]
         # compiled in reduce-overhead, three calls (warm-up, capture, replay): NCCL's bits
         assert results["compiled"]
+        assert results["path"] == {f"0 on cuda:{rank}": symmetric.path()}
         for m in (1, 16, 64, 512):
             # two bf16 partials added and rounded once, by NCCL and by the kernels alike
             assert results[m]["eager"] == 0, (m, results[m])

@@ -24,7 +24,7 @@ from torch import nn
 
 import fp8compile
 from fp8compile import calc_diff
-from fp8compile.backend import SYMMETRIC_ALL_REDUCE
+from fp8compile.backend import FP8COMPILE_ALL_REDUCE
 
 pytest.importorskip("transformers")
 from fp8compile.demo import GatedMLP, small_llama  # noqa: E402
@@ -276,7 +276,7 @@ def test_every_sharded_linear_of_a_tp_llama_is_rewritten_on_its_local_shard(llam
         assert "this rank's shard" in result["text"] and f"rank {result['rank'][0]} of 2" in result["text"]
         # DTensor's all-reduces reach the ATen graph as functional collectives: the all_reduce
         # pass puts fp8compile's there (on the CPU it runs gloo's)
-        assert "'s collectives: " in result["text"] and f" {SYMMETRIC_ALL_REDUCE}, " in result["text"]
+        assert "'s collectives: " in result["text"] and f" {FP8COMPILE_ALL_REDUCE}, " in result["text"]
 
 
 def test_every_rank_takes_the_same_decisions_and_compiles_the_same_graphs(llama_ranks):
@@ -322,7 +322,7 @@ def test_local_shards_reach_the_graph_as_plain_tensors_with_the_collectives_insi
         # the report says so, per rank and graph (on the CPU no graph is a CUDA graph)
         for g in result["digests"]:
             assert (
-                f"graph {g}'s collectives: 1 all_gather_into_tensor, 2 {SYMMETRIC_ALL_REDUCE}, "
+                f"graph {g}'s collectives: 1 all_gather_into_tensor, 2 {FP8COMPILE_ALL_REDUCE}, "
                 "launched at each call" in result["text"]
             )
         # this rank's part, as with DTensor: column-sharded half of N, row-sharded half of K

@@ -50,9 +50,19 @@ def all_reduce_pass(ctx: PassContext) -> None:
         graph.erase_node(wait)
         graph.erase_node(node)
         device = x.meta["val"].device
-        if device.type == "cuda" and (group_name, device) not in prepared:
+        if (group_name, device) not in prepared:
             prepared.add((group_name, device))
-            with unset_fake_temporarily():
-                reason = symmetric.prepare(group_name, device)
-            if reason is not None:
-                log.info("fp8compile: group %s's all-reduces take its own collective: %s", group_name, reason)
+            ctx.report.all_reduce_paths[f"{group_name} on {device}"] = _prepare(group_name, device)
+
+
+def _prepare(group_name: str, device: torch.device) -> str:
+    """The symmetric buffer made for the group on this device where it can be; what the op will
+    run there, in words."""
+    if device.type != "cuda":
+        return f"the group's own collective (symmetric memory serves CUDA tensors; these are {device.type})"
+    with unset_fake_temporarily():
+        reason = symmetric.prepare(group_name, device)
+    if reason is not None:
+        log.warning("fp8compile: group %s's all-reduces take its own collective: %s", group_name, reason)
+        return f"the group's own collective ({reason})"
+    return symmetric.path()

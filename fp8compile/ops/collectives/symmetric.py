@@ -107,7 +107,10 @@ def prepare(group_name: str, device: torch.device) -> str | None:
     if (reason := available()) is not None:
         return reason
     if _buffer(group_name, device) is None:
-        return state(group_name, _index(device))
+        found = _buffers.get((group_name, _index(device)))
+        return (
+            f"no symmetric memory: {found}" if isinstance(found, str) else "asked during a CUDA-graph capture"
+        )
     return None
 
 
@@ -150,6 +153,14 @@ def _buffer(group_name: str, device: torch.device) -> Tensor | None:
         return None
     _buffers[key] = buffer
     return buffer
+
+
+def path() -> str:
+    """What the op runs where symmetric memory serves, in words (the report's)."""
+    return (
+        f"symmetric memory's one-shot kernel up to {ONE_SHOT_READ_BYTES // 2**20} MiB read a rank "
+        f"(world x bytes), its two-shot kernel up to the {BUFFER_BYTES // 2**20} MiB buffer, NCCL above"
+    )
 
 
 def state(group_name: str, device_index: int) -> str:
