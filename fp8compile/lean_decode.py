@@ -25,6 +25,10 @@ compiled step and its CUDA graphs. It takes nothing from the model's generation_
 pad token: greedy unless asked to sample, and none of generate()'s other logits processors
 (forced tokens, penalties, minimum lengths), which it names in a warning where the model's
 generation_config sets them.
+
+A model of local shards (fp8compile.tensor_parallel.shard) decodes the same way on each rank,
+its cache holding this rank's KV heads; greedy, every rank chooses the same tokens from the
+gathered logits (sampling needs the same random state on every rank, as with generate()).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import warnings
 from collections.abc import Callable, Sequence
 
 import torch
+
+from . import tensor_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,16 +158,20 @@ class LeanDecoder:
         kept for the next call of the same shape. Its tensors are made by the first prompt, which
         runs eagerly and so makes them static addresses for the step's graph, in the shapes the
         attention layers give them (an MLA model's keys and values differ in width); with
-        compile_prefill, before it, from the config's head counts and width."""
+        compile_prefill, or for a model of local shards (fp8compile.tensor_parallel), before it,
+        from the config's head counts (this rank's) and width."""
         from transformers import StaticCache
 
         key = (batch, length)
         if key not in self._caches:
-            if self.prefill is self.model:
+            # a model tensor_parallel.shard sharded: this rank's KV heads, whatever the
+            # transformers version sizes its cache by (5.24: the first keys stored)
+            kv_heads = tensor_parallel.local_kv_heads(self.model)
+            if self.prefill is self.model and kv_heads is None:
                 self._caches[key] = StaticCache(config=self.model.config, max_cache_len=length)
             else:
                 device = next(self.model.parameters()).device
-                self._caches[key] = static_cache_made_now(self.model, batch, length, device)
+                self._caches[key] = static_cache_made_now(self.model, batch, length, device, kv_heads)
         cache = self._caches[key]
         cache.reset()
         return cache

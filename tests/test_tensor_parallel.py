@@ -214,7 +214,8 @@ def _built_shard_worker(rank: int) -> dict:
 
 def _generate_worker(rank: int) -> dict:
     """generate() with transformers' static cache on a model of local shards, eagerly and with its
-    forward compiled by the fp8 backend, beside the whole model's greedy tokens."""
+    forward compiled by the fp8 backend, and LeanDecoder's step compiled by it, beside the whole
+    model's greedy tokens."""
     from fp8compile import tensor_parallel
     from fp8compile.bench.presets import build
 
@@ -226,6 +227,9 @@ def _generate_worker(rank: int) -> dict:
     tokens["eager"] = model.generate(ids, **options)
     model.forward = torch.compile(model.forward, backend=fp8compile.backend(), mode="reduce-overhead")
     tokens["fp8"] = model.generate(ids, **options)
+    lean = tensor_parallel.shard(build("tiny-llama", 2, "cpu"))
+    decoder = fp8compile.LeanDecoder(lean, backend=fp8compile.backend(), mode="reduce-overhead")
+    tokens["lean"] = decoder.generate(ids, max_new_tokens=5)
     return tokens
 
 
@@ -345,6 +349,7 @@ def test_generate_with_a_static_cache_runs_on_local_shards_eager_and_compiled(sc
         tokens = rank["generate"]
         assert tokens["whole"].shape == (2, 11)
         assert torch.equal(tokens["eager"], tokens["whole"]) and torch.equal(tokens["fp8"], tokens["whole"])
+        assert torch.equal(tokens["lean"], tokens["whole"])  # its cache made with this rank's KV heads
 
 
 def test_bench_model_builds_each_ranks_shard_alone_with_transformers_initialization(scenario_ranks):
@@ -516,14 +521,20 @@ def test_a_qwen3_moe_sharded_by_transformers_tp_plan_has_its_experts_rewritten_p
 def _bench_worker(out_dir: str) -> dict:
     """`bench model --tp 2` on this rank of the group the other scenarios ran in (bench_model
     spawns its own ranks only where there is no group): one timed call, one prefill batch, and
-    of the fp8 variants the one a TP user runs (their own compile in reduce-overhead);
+    of the fp8 variants the ones a TP user runs (their own compile in reduce-overhead, and
+    LeanDecoder's step);
     test_whole_model's plumbing test covers the others."""
     from pathlib import Path
 
     from fp8compile.bench.model import bench_model
 
     rows = bench_model(
-        Path(out_dir), **TINY_BENCH, variants=["bf16", "fp8_ro_own"], tp=2, repeat=1, prefill_batches=[1]
+        Path(out_dir),
+        **TINY_BENCH,
+        variants=["bf16", "fp8_ro_own", "fp8_ro_lean"],
+        tp=2,
+        repeat=1,
+        prefill_batches=[1],
     )
     return {"rows": rows, "written": (Path(out_dir) / "bench_model.json").exists()}
 
@@ -535,10 +546,11 @@ def test_bench_model_tp_plumbing_shards_decodes_and_writes_rank_zeros_rows(scena
     assert leader["written"]  # rank 0 writes; both ranks ran every variant in step
     rows = leader["rows"]
     decode = {r["variant"]: r for r in rows if r["kind"] == "decode"}
-    assert set(decode) == {"bf16", "fp8_ro_own"} and all(r["tp"] == 2 for r in rows)
+    assert set(decode) == {"bf16", "fp8_ro_own", "fp8_ro_lean"} and all(r["tp"] == 2 for r in rows)
     assert all(r["recompiles"] == 0 and r["tokens_per_s"] > 0 for r in decode.values())
     accuracy = {r["variant"]: r["calc_diff"] for r in rows if r["kind"] == "accuracy"}
     # against the sharded model's bf16 eager
     assert accuracy["bf16"] == 0 and 0 < accuracy["fp8_ro_own"] < 2e-2
+    assert accuracy["fp8_ro_lean"] == accuracy["fp8_ro_own"]  # one compiled forward, two decode loops
     assert "x 2 (tensor parallel)" in model_table(rows)
     assert [(r["variant"], r["kind"]) for r in other["rows"]] == [(r["variant"], r["kind"]) for r in rows]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .. import tensor_parallel
 from ..lean_decode import LeanDecoder, static_cache_made_now
 from . import limits
 from . import tp as tp_bench
@@ -302,8 +303,8 @@ def decode(
 def _lean_generate(model, variant: Variant, ids, steps: int):
     """generate()'s stand-in for a *_lean variant: LeanDecoder's loop, its steps marked on the
     clocks passed as logits processors."""
-    if tp_bench.sharded_kv_heads(model) is not None:
-        raise ValueError(f"{variant.name}: the lean decode loop is not run sharded (--tp)")
+    if tp_bench.sharded_kv_heads(model) is not None and tensor_parallel.local_kv_heads(model) is None:
+        raise ValueError(f"{variant.name}: the lean decode loop runs local shards (--tp-shards local)")
     decoder = LeanDecoder(model, backend=variant.backend, mode=variant.mode, dynamic=variant.dynamic)
 
     def generate(max_new_tokens=steps + 1, logits_processor=()):
