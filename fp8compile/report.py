@@ -60,8 +60,9 @@ class Report:
         self.digests: dict[int, str] = {}
         # per graph, under torch.distributed: its functional collectives by name (all_reduce: 16)
         self.collectives: dict[int, dict[str, int]] = {}
-        # what fp8compile's all-reduces run, per group and device ("group 0 on cuda:0": "symmetric
-        # memory: ...", or the group's own collective and why; passes/all_reduce.py)
+        # what the all-reduces run, per group and device ("0 on cuda:0": symmetric memory's kernels,
+        # or the group's own collective and why), or per graph left as written ("graph 1": why;
+        # passes/all_reduce.py)
         self.all_reduce_paths: dict[str, str] = {}
         # A graph compiled so far held an FP8 checkpoint's linears (passes/context.py): the
         # model's graphs after it (a graph break's, the lm_head's alone) are that checkpoint's.
@@ -94,7 +95,7 @@ class Report:
                 if found:
                     head += f"\ngraph {g}'s collectives: {_collective_list(found)}, {self._where(g)}"
             for where, path in sorted(self.all_reduce_paths.items()):
-                head += f"\nfp8compile's all_reduce, group {where}: {path}"
+                head += f"\nall-reduces, {'' if where.startswith('graph') else 'group '}{where}: {path}"
         lines = [head]
         if self.rewrites:
             sharded = any(r.shard for r in self.rewrites)

@@ -20,6 +20,7 @@ import fp8compile
 from fp8compile.backend import FP8COMPILE_ALL_REDUCE
 from fp8compile.config import FUSIONS
 from fp8compile.ops.collectives import reference, symmetric
+from fp8compile.passes.all_reduce import NO_CUDA_GRAPHS
 
 BF16 = torch.bfloat16
 
@@ -49,10 +50,12 @@ class RowShardedLinear(nn.Module):
         return x + funcol.all_reduce(self.proj(x), self.reduce_op, dist.group.WORLD)
 
 
-def _compiled(module, x, **options):
+def _compiled(module, x, mode="reduce-overhead", **options):
+    """module compiled by the fp8 backend (in reduce-overhead unless `mode` says otherwise: the
+    pass rewrites graphs that run under CUDA graphs; on the CPU there are none to record), run on x."""
     fp8 = fp8compile.backend(**options)
     with torch.no_grad():
-        out = torch.compile(module, backend=fp8, dynamic=False)(x)
+        out = torch.compile(module, backend=fp8, dynamic=False, mode=mode)(x)
     return out, fp8.report
 
 
@@ -62,11 +65,12 @@ def test_the_pass_puts_fp8compiles_all_reduce_where_the_graph_summed_over_ranks(
     x = torch.randn(4, 256, dtype=BF16)
     out, report = _compiled(module, x)
     assert report.collectives == {0: {FP8COMPILE_ALL_REDUCE: 1}}
+    # (on the CPU no CUDA graph is recorded, so the op launches at each call)
     assert "graph 0's collectives: 1 all_reduce (fp8compile's), launched at each call" in str(report)
     # what it runs here, and why not symmetric memory
     cpu = "the group's own collective (symmetric memory serves CUDA tensors; these are cpu)"
     assert report.all_reduce_paths == {f"{one_rank_group} on cpu": cpu}
-    assert f"fp8compile's all_reduce, group {one_rank_group} on cpu: {cpu}" in str(report)
+    assert f"all-reduces, group {one_rank_group} on cpu: {cpu}" in str(report)
     with torch.no_grad():
         eager = module(x)
     # the projection is FP8 on both compiled sides; the sum over one rank is the partial itself
@@ -82,6 +86,13 @@ def test_without_the_all_reduce_fusion_the_functional_collective_stays(one_rank_
         fusions=tuple(f for f in FUSIONS if f != "all_reduce"),
     )
     assert report.collectives == {0: {"all_reduce": 1}}
+
+
+def test_without_cuda_graphs_the_functional_collective_stays_and_the_report_says_why(one_rank_group):
+    _, report = _compiled(RowShardedLinear().to(BF16), torch.randn(4, 256, dtype=BF16), mode=None)
+    assert report.collectives == {0: {"all_reduce": 1}}
+    assert report.all_reduce_paths == {"graph 0": NO_CUDA_GRAPHS}
+    assert f"all-reduces, graph 0: {NO_CUDA_GRAPHS}" in str(report)
 
 
 def test_an_all_reduce_of_another_reduction_stays_the_functional_collective(one_rank_group):

@@ -25,6 +25,7 @@ from torch import nn
 import fp8compile
 from fp8compile import calc_diff
 from fp8compile.backend import FP8COMPILE_ALL_REDUCE
+from fp8compile.passes.all_reduce import NO_CUDA_GRAPHS
 
 pytest.importorskip("transformers")
 from fp8compile.demo import GatedMLP, small_llama  # noqa: E402
@@ -142,9 +143,10 @@ def _llama_worker(rank: int) -> dict:
 
 def _local_worker(rank: int) -> dict:
     """The one-layer Llama of _llama_worker sharded into plain local shards with functional
-    collectives (fp8compile.tensor_parallel), compiled at dynamic shapes: what Dynamo handed the
-    backend (its placeholders, its collectives), the rewrites, and the logits at each M against
-    the unsharded model's eager bf16 and its FP8 composition."""
+    collectives (fp8compile.tensor_parallel), compiled at dynamic shapes in reduce-overhead (the
+    all_reduce pass rewrites graphs meant for CUDA graphs; the CPU records none): what Dynamo
+    handed the backend (its placeholders, its collectives), the rewrites, and the logits at each M
+    against the unsharded model's eager bf16 and its FP8 composition."""
     from torch.distributed.tensor import DTensor
 
     from fp8compile import tensor_parallel
@@ -153,18 +155,18 @@ def _local_worker(rank: int) -> dict:
     tensor_parallel.shard(model)
     fp8, graphs = fp8compile.backend(), []
 
-    def backend(gm, example_inputs):
+    def backend(gm, example_inputs, **options):  # options: the compile mode's, for fp8's Inductor
         graphs.append(
             {
                 "collectives": sorted({str(n.target) for n in gm.graph.nodes if "c10d" in str(n.target)}),
                 "dtensors": sum(isinstance(x, DTensor) for x in example_inputs),
             }
         )
-        return fp8(gm, example_inputs)
+        return fp8(gm, example_inputs, **options)
 
-    compiled = torch.compile(model, backend=backend, dynamic=True)
+    compiled = torch.compile(model, backend=backend, dynamic=True, mode="reduce-overhead")
     with torch.no_grad():
-        logits = {s: compiled(x).logits for s, x in ids.items()}
+        logits = {s: compiled(x).logits.clone() for s, x in ids.items()}
         tp_bf16 = model(ids[SEQ_LENS[-1]]).logits
     return {
         **_report_summary(fp8.report),
@@ -278,9 +280,10 @@ def test_every_sharded_linear_of_a_tp_llama_is_rewritten_on_its_local_shard(llam
         assert shapes["model.layers.0.mlp.down_proj"] == (512, 512, "Shard(dim=1) over 2 ranks of 512x1024")
         assert shapes["lm_head"] == (512, 512, "Shard(dim=0) over 2 ranks of 1024x512")
         assert "this rank's shard" in result["text"] and f"rank {result['rank'][0]} of 2" in result["text"]
-        # DTensor's all-reduces reach the ATen graph as functional collectives: the all_reduce
-        # pass puts fp8compile's there (on the CPU it runs gloo's)
-        assert "'s collectives: " in result["text"] and f" {FP8COMPILE_ALL_REDUCE}, " in result["text"]
+        # DTensor's all-reduces reach the ATen graph as functional collectives; without CUDA
+        # graphs the all_reduce pass leaves them so, and says why
+        assert "'s collectives: " in result["text"] and " all_reduce, " in result["text"]
+        assert f"all-reduces, graph 0: {NO_CUDA_GRAPHS}" in result["text"]
 
 
 def test_every_rank_takes_the_same_decisions_and_compiles_the_same_graphs(llama_ranks):
@@ -329,6 +332,7 @@ def test_local_shards_reach_the_graph_as_plain_tensors_with_the_collectives_insi
                 f"graph {g}'s collectives: 1 all_gather_into_tensor, 2 {FP8COMPILE_ALL_REDUCE}, "
                 "launched at each call" in result["text"]
             )
+        assert "on cpu: the group's own collective (symmetric memory serves CUDA tensors" in result["text"]
         # this rank's part, as with DTensor: column-sharded half of N, row-sharded half of K
         shapes = {r.name: (r.k, r.n) for r in result["rewrites"]}
         assert shapes["model.layers.0.self_attn.q_proj"] == (512, 256)

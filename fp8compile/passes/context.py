@@ -189,6 +189,7 @@ class PassContext:
         self.report = report
         self.graph_index = graph_index
         self.fake_mode = fake_mode
+        self.cuda_graphs = cuda_graphs  # asked for (reduce-overhead); Inductor may still turn them off
         # Decode-kernel sides of the dispatch as launches Inductor makes itself (passes/inline.py):
         # as the config says, else outside CUDA graphs, where every call pays its host cost.
         self.inductor_launch = (

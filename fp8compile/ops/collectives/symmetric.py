@@ -6,8 +6,9 @@ several steps of handshakes between the GPUs for a few kilobytes. Symmetric memo
 kernel has every rank read every peer's buffer over NVLink and add them, one barrier before and
 one after: one kernel, world x bytes read a rank. Past a size, its two-shot kernel (a reduce-
 scatter, then an all-gather, over the same buffer) reads less; past the buffer, NCCL.
-ONE_SHOT_READ_BYTES and BUFFER_BYTES come from `bench allreduce` (BENCHMARKS.md, "All-reduce at
-decode sizes"; 2 x H200 over NVLink, each in a CUDA graph): at 2 ranks the one-shot kernel took
+ONE_SHOT_READ_BYTES and BUFFER_BYTES come from `bench allreduce` (BENCHMARKS.md, "Tensor parallel:
+the lm_head back in the graph, and the all-reduce on symmetric memory"; 2 x H200 over NVLink,
+each in a CUDA graph): at 2 ranks the one-shot kernel took
 6.8 us for 8 KB (NCCL 11.3) and stayed ahead of the two-shot one up to 1 MiB a rank (14.8 us
 against 16.1; NCCL 18.7), behind it at 2 MiB (21.5 against 19.0); the two-shot kernel took
 27.4 us for 4 MiB (NCCL 37.6). The multicast (multimem) kernels are not used: they need NVLink
@@ -146,7 +147,7 @@ def _buffer(group_name: str, device: torch.device) -> Tensor | None:
     except Exception as error:  # noqa: BLE001 - any failure leaves the group's own collective
         _buffers[key] = f"{type(error).__name__}: {error}"
         log.warning(
-            "fp8compile: no symmetric memory for group %s (%s); its all-reduces take NCCL",
+            "fp8compile: no symmetric memory for group %s (%s); its all-reduces take its own collective",
             group_name,
             _buffers[key],
         )
