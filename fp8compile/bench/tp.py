@@ -26,20 +26,13 @@ import torch
 import torch.distributed as dist
 
 from .. import tensor_parallel
+from .variants import VARIANTS
 
 # Under --tp these variants decode through a cache made with this rank's KV heads, in both modes:
 # for DTensor shards, generate()'s own cache through a CompileConfig held every head (local shards
 # fill transformers 5.24's lazily sized StaticCache, tests/test_tensor_parallel.py; the GPU kit's
 # 5.17 is not checked). The *_lean ones, LeanDecoder's loop (local shards only), make theirs ahead.
-TP_VARIANTS = (
-    "bf16",
-    "bf16_inductor_own",
-    "fp8_own",
-    "bf16_inductor_ro_own",
-    "fp8_ro_own",
-    "bf16_inductor_ro_lean",
-    "fp8_ro_lean",
-)
+TP_VARIANTS = ("bf16", *(name for name in VARIANTS if name.endswith(("_own", "_lean"))))
 
 
 def shard(model, world: int, device: torch.device, shards: str = "local") -> None:
