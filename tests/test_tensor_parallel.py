@@ -525,8 +525,8 @@ def test_a_qwen3_moe_sharded_by_transformers_tp_plan_has_its_experts_rewritten_p
 def _bench_worker(out_dir: str) -> dict:
     """`bench model --tp 2` on this rank of the group the other scenarios ran in (bench_model
     spawns its own ranks only where there is no group): one timed call, one prefill batch, and
-    of the fp8 variants the ones a TP user runs (their own compile in reduce-overhead, and
-    LeanDecoder's step);
+    of the fp8 variants the one a TP user runs (their own compile in reduce-overhead; LeanDecoder
+    on local shards: _generate_worker);
     test_whole_model's plumbing test covers the others."""
     from pathlib import Path
 
@@ -535,7 +535,7 @@ def _bench_worker(out_dir: str) -> dict:
     rows = bench_model(
         Path(out_dir),
         **TINY_BENCH,
-        variants=["bf16", "fp8_ro_own", "fp8_ro_lean"],
+        variants=["bf16", "fp8_ro_own"],
         tp=2,
         repeat=1,
         prefill_batches=[1],
@@ -550,11 +550,10 @@ def test_bench_model_tp_plumbing_shards_decodes_and_writes_rank_zeros_rows(scena
     assert leader["written"]  # rank 0 writes; both ranks ran every variant in step
     rows = leader["rows"]
     decode = {r["variant"]: r for r in rows if r["kind"] == "decode"}
-    assert set(decode) == {"bf16", "fp8_ro_own", "fp8_ro_lean"} and all(r["tp"] == 2 for r in rows)
+    assert set(decode) == {"bf16", "fp8_ro_own"} and all(r["tp"] == 2 for r in rows)
     assert all(r["recompiles"] == 0 and r["tokens_per_s"] > 0 for r in decode.values())
     accuracy = {r["variant"]: r["calc_diff"] for r in rows if r["kind"] == "accuracy"}
     # against the sharded model's bf16 eager
     assert accuracy["bf16"] == 0 and 0 < accuracy["fp8_ro_own"] < 2e-2
-    assert accuracy["fp8_ro_lean"] == accuracy["fp8_ro_own"]  # one compiled forward, two decode loops
     assert "x 2 (tensor parallel)" in model_table(rows)
     assert [(r["variant"], r["kind"]) for r in other["rows"]] == [(r["variant"], r["kind"]) for r in rows]
