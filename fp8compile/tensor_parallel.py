@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .ops.collectives.reference import all_reduce_sum
+
 # the Megatron layout: column-sharded (this rank's output rows) and row-sharded (its input columns)
 COLUMNS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWS = ("self_attn.o_proj", "mlp.down_proj")
@@ -117,7 +119,7 @@ class _AllReduce:
         self.group_name = group.group_name
 
     def __call__(self, module, args, output):
-        return _c10d.wait_tensor(_c10d.all_reduce(output, "sum", self.group_name))
+        return all_reduce_sum(output, self.group_name)
 
 
 class _AllGather:

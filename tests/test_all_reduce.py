@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from fp8compile.backend import FP8COMPILE_ALL_REDUCE
 from fp8compile.config import FUSIONS
 from fp8compile.ops.collectives import reference, symmetric
 from fp8compile.passes.all_reduce import NO_CUDA_GRAPHS
+from tests.conftest import golden_text
 
 BF16 = torch.bfloat16
 
@@ -77,6 +79,21 @@ def test_the_pass_puts_fp8compiles_all_reduce_where_the_graph_summed_over_ranks(
     reference_out, _ = _compiled(module, x, fusions=tuple(f for f in FUSIONS if f != "all_reduce"))
     assert torch.equal(out, reference_out)
     assert fp8compile.calc_diff(out, eager) < 1e-3
+
+
+GOLDEN = Path(__file__).parent / "golden" / "all_reduce.diff"
+
+
+def test_golden_graph_diff_of_a_row_sharded_linears_all_reduce(one_rank_group, pass_diffs):
+    """The functional all_reduce and its wait_tensor leave; fp8compile.all_reduce takes the same
+    input and group, and the residual add reads it (the linear left bf16 here: skip="*").
+    Regenerate with FP8COMPILE_UPDATE_GOLDEN=1 after an intended change, and read the diff."""
+    module, x = RowShardedLinear().to(BF16), torch.randn(4, 256, dtype=BF16)
+    out, _ = _compiled(module, x, fusions=("all_reduce",), skip=("*",))
+    with torch.no_grad():
+        assert torch.equal(out, module(x))  # the bf16 linear, summed over one rank
+    (diff,) = pass_diffs
+    assert diff == golden_text(GOLDEN, diff)
 
 
 def test_without_the_all_reduce_fusion_the_functional_collective_stays(one_rank_group):
