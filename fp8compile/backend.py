@@ -340,7 +340,7 @@ def _release_weights(ctx, dropped: list[torch.Tensor]) -> None:
     from . import release
 
     values = [value for value, _ in ctx.inputs.values()]
-    with_copies = {id(values[i]) for d in ctx.derived for i in d.sources}
+    with_copies = {id(values[i]) for d in ctx.derived if d.memo for i in d.sources}
     with unset_fake_temporarily():  # real host buffers, not the compiler's fakes
         release.keep_resident(
             value for node, (value, _) in ctx.inputs.items() if node in ctx.parameters and node.users

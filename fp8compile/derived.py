@@ -29,10 +29,16 @@ from .weights import version
 
 @dataclasses.dataclass(frozen=True)
 class DerivedInput:
-    """make(*[inputs[i] for i in sources]) -> the tensors of one or more appended graph inputs."""
+    """make(*[inputs[i] for i in sources]) -> the tensors of one or more appended graph inputs.
+    memo: make looks its values up in the weight memo (weights.py: the FP8 copies of weights),
+    which reads the sources' values once, at compile time, and brings a released source back
+    while it quantizes again; a source read by nothing else may then leave the device
+    (release.py). Any other make (stacked scales or biases, fp32 copies of scales) reads its
+    sources' values at the first call and after they change: they stay."""
 
     sources: tuple[int, ...]
     make: Callable[..., tuple[torch.Tensor, ...]]
+    memo: bool = False
 
 
 class CallWithDerivedInputs:

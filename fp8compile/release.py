@@ -42,8 +42,9 @@ def is_released(t: torch.Tensor) -> bool:
 def release(params: Iterable[torch.Tensor]) -> int:
     """Move each parameter's values to host memory and free its device storage; returns the
     bytes given back (on a CPU the same mechanism gives nothing back: the values move from one
-    host buffer to another). Parameters already released, or views of part of a storage (freeing
-    it would take other tensors' values too), are left as they are."""
+    host buffer to another). Parameters already released, views of part of a storage (freeing
+    it would take other tensors' values too) and storages that cannot be freed (a mapped file)
+    are left as they are."""
     freed = 0
     with torch.no_grad():
         for p in params:
@@ -101,9 +102,12 @@ def restore() -> int:
 
 
 def _owns_storage(p: torch.Tensor) -> bool:
-    """Whether p is the whole of its storage (no other view of it holds values elsewhere in it)."""
+    """Whether p is the whole of its storage (no other view of it holds values elsewhere in it),
+    and that storage can be freed: not a file mapped into memory (safetensors' tensors loaded
+    on the CPU by from_pretrained), which holds no device memory and cannot be resized."""
     storage = p.untyped_storage()
-    return p.storage_offset() == 0 and p.is_contiguous() and storage.nbytes() == p.numel() * p.element_size()
+    whole = p.storage_offset() == 0 and p.is_contiguous() and storage.nbytes() == p.numel() * p.element_size()
+    return whole and storage.resizable()
 
 
 def _refuse_eager(module: torch.nn.Module, args) -> None:

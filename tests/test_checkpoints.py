@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8compile
-from fp8compile import architectures, calc_diff, checkpoints
+from fp8compile import architectures, calc_diff, checkpoints, release
 from fp8compile.bench import fp8_checkpoint as fp8_checkpoint_files
 from fp8compile.numerics import E8M0_DTYPE
 from fp8compile.ops.linear import checkpoint as checkpoint_op
@@ -287,6 +287,47 @@ def test_quantize_checkpoint_bf16_puts_the_linears_the_checkpoint_left_in_fp8_to
     names = list(_linear_rewrites(fp8.report))
     assert "lm_head" in names and len(names) == 15
     assert not [s for s in fp8.report.skips if s.kind == "linear"]
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["own storage", "mapped file"])
+def test_a_checkpoint_with_its_bf16_linears_quantized_can_give_their_bf16_weights_back(
+    transformers_kernels, mapped
+):
+    """quantize_checkpoint_bf16 with release_bf16_weights: the lm_head the checkpoint left in bf16
+    is read through its FP8 copy only, so its bf16 weight leaves the device (the published
+    checkpoint's floor, 0.566x the bf16 model's bytes for Llama-3-8B, comes down to its FP8
+    weights, the lm_head's FP8 copy and the embedding); the checkpoint's own FP8 weights stay,
+    and the logits are those of the same compile without the release. A weight that is a file
+    mapped into memory (from_pretrained on the CPU) cannot be freed: it stays, and the compile
+    goes on (it raised "Trying to resize storage that is not resizable" inside the backend). The
+    merged q|k|v and gate|up read their scales stacked, made again from the scales at the first
+    call: those scales stay too (released, that first call read freed memory: a crash on an
+    H200, a segfault on the CPU)."""
+    model, _ = fp8_checkpoint()
+    head = model.lm_head.weight
+    if not mapped:  # as on a GPU: the loader's tensors copied into memory of their own
+        for p in model.parameters():
+            p.data = p.data.clone()
+    assert head.untyped_storage().resizable() is not mapped
+    ids = _ids(model)
+    with torch.no_grad():
+        kept = torch.compile(model, backend=fp8compile.backend(quantize_checkpoint_bf16=True))(ids).logits
+        torch._dynamo.reset()
+        fp8compile.drop_fp8_weights()
+        freed = fp8compile.backend(quantize_checkpoint_bf16=True, release_bf16_weights=True)
+        try:
+            logits = torch.compile(model, backend=freed)(ids).logits
+            assert release.is_released(head) is not mapped
+            assert (head.untyped_storage().nbytes() == 0) is not mapped
+            for name in _fp8_linears(model):
+                linear = model.get_submodule(name)
+                assert not release.is_released(linear.weight)
+                assert not release.is_released(linear.weight_scale_inv)
+            assert not release.is_released(model.model.embed_tokens.weight)
+        finally:
+            fp8compile.restore_bf16_weights()
+    assert "lm_head" in _linear_rewrites(freed.report)
+    assert torch.equal(logits, kept)
 
 
 def test_ue8m0_scales_are_read_as_fp32_copies_with_power_of_two_activation_scales(transformers_kernels):

@@ -266,11 +266,13 @@ class PassContext:
         names: Sequence[str],
         sources: Sequence[fx.Node],
         make: Callable[..., tuple[torch.Tensor, ...]],
+        memo: bool = False,
     ) -> tuple[fx.Node, ...]:
         """Placeholders (one per name) for make(*the real tensors behind sources), appended to the graph's
         inputs: made once now (compile time, so the FP8 copy of a weight is ready before any
         call), then by the compiled graph's wrapper per call from the tensors passed. The same
-        key over the same sources gives the same placeholders."""
+        key over the same sources gives the same placeholders. memo: make goes through the
+        weight memo (DerivedInput.memo: its sources may be released)."""
         memo_key = (key, tuple(sources))
         if memo_key in self._derived:
             return self._derived[memo_key][1]
@@ -284,7 +286,7 @@ class PassContext:
             last.meta["val"] = self.fake_mode.from_tensor(value, static_shapes=True)
             nodes.append(last)
         self._derived[memo_key] = (
-            DerivedInput(tuple(self._index[node] for node in sources), make),
+            DerivedInput(tuple(self._index[node] for node in sources), make, memo),
             tuple(nodes),
         )
         return tuple(nodes)

@@ -190,12 +190,14 @@ def fp8_weight_inputs(
             (f"{label}_fp8", f"{label}_fp8_scale"),
             weights,
             lambda w, *more: fp8_weight_scaled(w, recipe, kn, e8m0, more or None, index),
+            memo=True,
         )
     return ctx.derived_inputs(
         ("linear", kn, e8m0, index),
         (f"{label}_fp8", f"{label}_fp8_scale"),
         weights,
         lambda w, *more: fp8_weight(w, kn, e8m0, more or None, index),
+        memo=True,
     )
 
 
