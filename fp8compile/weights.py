@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import release
-from .numerics import FP8_DTYPE, whole_blocks
+from .numerics import BLOCK, FP8_DTYPE, ceil_div, whole_blocks
 
 log = logging.getLogger("fp8compile")
 
@@ -41,8 +41,29 @@ _MEMO: dict[tuple, tuple] = {}
 _BY_ID: dict[tuple, tuple] = {}
 
 
+# Weight elements quantized at once (_quantize, fp8_experts). The quantization works in fp32, with
+# about 12 bytes of temporaries an element: all of Llama-3's lm_head (525 M elements) at once
+# raised a compile's peak by 4.0 GB (H200, 2026-11-29; BENCHMARKS.md), and all 256 of
+# DeepSeek-V3's gate|up experts took 28 GB, which an H100 holding the bf16 block did not have
+# (the experts then stayed bf16). A slab of 64 M elements takes about 0.8 GB.
+QUANT_CHUNK_ELEMENTS = 1 << 26
+
+
 def _quantize(w: torch.Tensor, e8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.ops.fp8compile.quant_weight(w, e8m0)
+    """w (N, K)'s 128x128-block FP8 copy (ops/quant, quant_weight), QUANT_CHUNK_ELEMENTS at a time
+    in whole 128-row blocks: each block is scaled on its own, so the bits are those of the whole."""
+    n, k = w.shape
+    rows = max(1, QUANT_CHUNK_ELEMENTS // (BLOCK * max(k, 1))) * BLOCK
+    if n <= rows:
+        return torch.ops.fp8compile.quant_weight(w, e8m0)
+    kp = whole_blocks(k)
+    w_fp8 = torch.empty(n, kp, dtype=FP8_DTYPE, device=w.device)
+    w_scale = torch.empty(ceil_div(n, BLOCK), kp // BLOCK, dtype=torch.float32, device=w.device)
+    for row in range(0, n, rows):
+        q, scale = torch.ops.fp8compile.quant_weight(w[row : row + rows], e8m0)
+        w_fp8[row : row + q.shape[0]] = q
+        w_scale[row // BLOCK : row // BLOCK + scale.shape[0]] = scale
+    return w_fp8, w_scale
 
 
 def version(w: torch.Tensor) -> int | None:
@@ -208,10 +229,6 @@ def canonical_experts(
     return _gate_up_rows(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], gate_up)
 
 
-# Weight elements quantized at once by fp8_experts (its fp32 working copy: 1 GiB).
-QUANT_CHUNK_ELEMENTS = 1 << 28
-
-
 # an FP8 checkpoint's expert weight (E, N, K) e4m3fn -> its scales (E, N/128, K/128), by identity
 _CHECKPOINT_SCALES = WeakIdKeyDictionary()
 
@@ -262,9 +279,8 @@ def fp8_experts(
         else:
             stacked = _pad_intermediate(stacked, 1, 1 if gate_up == "none" else 2)
         e, n, k = stacked.shape
-        # A few experts at a time: the quantization works in fp32, and all 256 of DeepSeek-V3's
-        # gate|up experts at once took 28 GB more, which an H100 holding the bf16 block did not
-        # have (the experts then stayed bf16). The blocks are per expert, so the result is the same.
+        # A few experts at a time (QUANT_CHUNK_ELEMENTS); the blocks are per expert, so the result
+        # is the same.
         w_fp8 = torch.empty(e, n, k, dtype=FP8_DTYPE, device=stacked.device)
         w_scale = torch.empty(e, n // 128, k // 128, dtype=torch.float32, device=stacked.device)
         step = max(1, QUANT_CHUNK_ELEMENTS // (n * k))

@@ -16,6 +16,7 @@ import torch
 
 import fp8compile
 from fp8compile import registry, weights
+from fp8compile.ops.quant import reference as quant_reference
 from tests.conftest import BF16, GATED_MLP, ONE_GEMM, TWO_GEMMS, randn
 from tests.models import GatedMLP, OddDims
 
@@ -91,6 +92,31 @@ def test_weights_are_quantized_once_at_compile_time_not_per_call(monkeypatch, ca
         assert g.ops(torch.ops.fp8compile.quant_weight.default) == []
         for node in g.ops(torch.ops.fp8compile.qlinear.default):
             assert node.args[1].op == "placeholder"
+
+
+@pytest.mark.parametrize("n, k", [(1000, 300), (512, 256)])
+@pytest.mark.parametrize("e8m0", [False, True])
+def test_a_weight_quantized_in_slabs_of_whole_block_rows_has_the_bits_of_the_whole_at_once(
+    n, k, e8m0, monkeypatch
+):
+    """Weights are quantized QUANT_CHUNK_ELEMENTS at a time (the fp32 temporaries of a slab, not of
+    a whole lm_head), in whole 128-row blocks: the same FP8 values and scales as the reference
+    over the whole weight, a partial last block row and a K of part of a group included."""
+    w = randn(n, k)
+    whole_fp8, whole_scale = quant_reference.quant_weight_block(w, e8m0)
+    monkeypatch.setattr(weights, "QUANT_CHUNK_ELEMENTS", 2 * 128 * k)  # two block rows a slab
+    slabs = []
+    quant = torch.ops.fp8compile.quant_weight
+
+    def counted(x, e8m0=False):
+        slabs.append(x.shape[0])
+        return quant(x, e8m0)
+
+    monkeypatch.setattr(torch.ops.fp8compile, "quant_weight", counted)
+    w_fp8, w_scale = weights._quantize(w, e8m0)
+    assert slabs == [256] * (n // 256) + ([n % 256] if n % 256 else [])
+    assert torch.equal(w_fp8.view(torch.uint8), whole_fp8.view(torch.uint8))
+    assert torch.equal(w_scale, whole_scale)
 
 
 def test_fp8_weights_are_graph_inputs_looked_up_only_when_the_parameters_passed_change(monkeypatch):
