@@ -489,6 +489,28 @@ def test_an_fp8_moe_checkpoints_experts_run_on_fp8compiles_moe_with_their_own_we
     assert calc_diff(logits, bf16) <= 1.15 * calc_diff(theirs, bf16)
 
 
+def test_release_bf16_weights_leaves_an_fp8_moe_checkpoints_tensors_on_the_device(transformers_kernels):
+    """The MoE op reads the checkpoint's experts and scales as its FP8 copies, and the merged q|k|v
+    their scales stacked again at the first call: release_bf16_weights frees none of them (every
+    tensor in memory of its own, as on a GPU), and the logits are the same compile's without it."""
+    model, _, experts = _moe_checkpoint()
+    for p in model.parameters():
+        p.data = p.data.clone()
+    ids = _ids(model)
+    with torch.no_grad():
+        kept = torch.compile(model, backend=fp8compile.backend())(ids).logits
+        torch._dynamo.reset()
+        fp8compile.drop_fp8_weights()
+        freed = fp8compile.backend(release_bf16_weights=True)
+        try:
+            logits = torch.compile(model, backend=freed)(ids).logits
+            assert not [p for p in model.parameters() if release.is_released(p)]
+        finally:
+            fp8compile.restore_bf16_weights()
+    assert freed.report.counts()["moe"] == len(experts)
+    assert torch.equal(logits, kept)
+
+
 def test_fp8_checkpoint_experts_the_moe_fusion_does_not_take_run_the_block_recipes_moe(transformers_kernels):
     model, dequantized, experts = _moe_checkpoint()
     ids = _ids(model)
