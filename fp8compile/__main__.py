@@ -307,6 +307,13 @@ def main(argv: list[str] | None = None) -> int:
         "graph (local, fp8compile.tensor_parallel), or as DTensors (parallelize_module)",
     )
     bench.add_argument(
+        "--isolate",
+        action="store_true",
+        help="`bench model`: each variant in a process of its own, in order, their rows in one table: a "
+        "host-bound step (batch 1) timed without what earlier variants left in the process (there, "
+        "later variants' steps grew slower: BENCHMARKS.md)",
+    )
+    bench.add_argument(
         "--profile",
         action="store_true",
         help="`bench model`: cProfile one more generate() per batch (profile_*.txt: host time by function); "

@@ -11,6 +11,7 @@
 """
 
 import dataclasses
+import json
 import statistics
 
 import pytest
@@ -239,6 +240,29 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path, capsys):
     assert (tmp_path / "bench_model.json").exists()
     # the table after every variant, so that a run cut off by a time limit still shows its rows
     assert capsys.readouterr().out.count("decode tokens/s (ms/step)") == 6
+
+
+def test_bench_model_isolate_runs_each_variant_in_a_process_of_its_own_and_tables_them_as_one_run(
+    tmp_path, capsys
+):
+    from fp8compile.bench.model import bench_model
+    from fp8compile.bench.table import model_table
+
+    rows = bench_model(
+        tmp_path, **TINY_BENCH, variants=["bf16", "fp8"], repeat=1, prefill_batches=[1], isolate=True
+    )
+    # each process wrote its own rows where its name says; the run's are theirs, merged
+    for name in ("bf16", "fp8"):
+        own = json.loads((tmp_path / name / "bench_model.json").read_text())
+        assert {r["variant"] for r in own if r["kind"] == "decode"} == {name}
+    assert json.loads((tmp_path / "bench_model.json").read_text()) == rows
+    decode = {r["variant"]: r for r in rows if r["kind"] == "decode"}
+    assert set(decode) == {"bf16", "fp8"} and {decode[n]["process"] for n in decode} == {"bf16", "fp8"}
+    # both processes computed the composition alike: it is kept once, and bounds the fp8 row
+    (unfused,) = [r for r in rows if r["variant"] == "fp8_unfused_eager"]
+    (fp8,) = [r for r in rows if r["variant"] == "fp8" and r["kind"] == "accuracy"]
+    assert 0 < fp8["calc_diff"] < 1.15 * unfused["calc_diff"]
+    assert model_table(rows) in capsys.readouterr().out  # one table of both
 
 
 def test_bench_model_lean_variants_decode_through_the_lean_loop_and_each_point_has_its_read_bytes(tmp_path):

@@ -41,6 +41,7 @@ def main(args) -> int:
             dtype=args.dtype,
             repeat=args.repeat,
             prefill_batches=args.prefill_batch,
+            isolate=args.isolate,
         )
     else:
         if not torch.cuda.is_available():

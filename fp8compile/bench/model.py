@@ -43,7 +43,9 @@ paid before the first variant, and Inductor's FX graph and AOTAutograd caches ar
 variant reuses what an earlier one compiled. Accuracy: logits of a 64-token forward against
 bf16 eager, in calc_diff, beside the unfused FP8 composition (architectures.composition: every
 linear and expert the passes would take run by the reference block-FP8 linear, eagerly), which
-is the bound the compiled FP8 model answers to.
+is the bound the compiled FP8 model answers to. `--isolate` runs each variant in a process of its
+own (a fresh Python and CUDA context), in order, and merges their rows into one table: a
+host-bound point (batch 1) is then timed without what earlier variants left in the process.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def bench_model(
     repeat: int = 3,
     prefill_batches=None,
     dtype: str = "bfloat16",
+    isolate: bool = False,
 ) -> list[dict]:
     """steps: decode steps timed per point, 0 for none (accuracy and prefill only);
     recipe: the fp8 variants' Fp8Config.recipe (and the unfused composition's); tp: shard the
@@ -97,12 +100,16 @@ def bench_model(
     functional collectives (tp_shards "local": fp8compile/tensor_parallel.py) or as DTensors
     ("dtensor": parallelize_module); repeat: timed generate()
     calls per decode point (their median is reported); prefill_batches: the prefills' batch
-    sizes (default PREFILL_BATCHES); dtype: the models' (bfloat16 or float16), every variant's."""
+    sizes (default PREFILL_BATCHES); dtype: the models' (bfloat16 or float16), every variant's;
+    isolate: each variant in a process of its own (_isolated)."""
     from tqdm import tqdm
 
     options = dict(models=models, layers=layers, batches=batches, context=context, steps=steps)
     options.update(prefill=prefill, variants=variants, profile=profile, recipe=recipe, repeat=repeat)
     options.update(prefill_batches=prefill_batches, dtype=dtype, tp_shards=tp_shards)
+    if isolate:
+        names = variants or list(tp_bench.TP_VARIANTS if tp > 1 else VARIANTS)
+        return _isolated(out_dir, names, dict(options, tp=tp, device=device))
     if tp > 1 and tp_bench.world() == 1:
         return tp_bench.spawn(bench_model, tp, out_dir, device, **options)
     leader = tp_bench.is_main()
@@ -294,10 +301,45 @@ def bench_model(
     return rows
 
 
+def _isolated(out_dir: Path, names: list[str], options: dict) -> list[dict]:
+    """bench_model(**options) for each variant in a process of its own, started fresh (spawn), one
+    after another, each writing to out_dir / its name; their rows as one run's, written and tabled
+    here. Every process computes the compositions' accuracy rows alike: they are kept once. A
+    process that fails (out of memory, a crash) is said, and the next variant runs."""
+    import multiprocessing
+
+    spawn = multiprocessing.get_context("spawn")
+    rows: list[dict] = []
+    kept = set()
+    for name in names:
+        own = out_dir / re.sub(r"[^\w.-]", "_", name)
+        process = spawn.Process(target=bench_model, args=(own,), kwargs=dict(options, variants=[name]))
+        process.start()
+        process.join()
+        if process.exitcode != 0:
+            print(f"{name}: its process exited with code {process.exitcode}; no rows")
+            continue
+        for row in json.loads((own / "bench_model.json").read_text()):
+            if row["variant"].endswith("_unfused_eager"):
+                key = (row["variant"], row.get("model"), row.get("recipe"))
+                if key in kept:
+                    continue
+                kept.add(key)
+            rows.append(dict(row, process=name))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_model.json").write_text(json.dumps(rows, indent=1))
+    print(model_table(rows))
+    plot(rows, out_dir / "bench_model.png")
+    return rows
+
+
 def _warm_up_compiler(device) -> None:
     """Pay the process's one-time compile costs (Inductor's imports, its compile workers, the
     first Triton build) before any variant, so that no variant's first call carries them (the
-    first variant's first call took 20.5 s where the next, bf16 too, took 9.8: H100, 4 layers)."""
+    first variant's first call took 20.5 s where the next, bf16 too, took 9.8: H100, 4 layers).
+    Not on a CPU, where the bench is the tests' plumbing, not a timing: 10 s a run there."""
+    if device.type != "cuda":
+        return
     x = torch.randn(64, 64, device=device)
     torch.compile(lambda t: torch.relu(t @ t) + 1, dynamic=False)(x)
     sync(device)
