@@ -310,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         "--isolate",
         action="store_true",
         help="`bench model`: each variant in a process of its own, in order, their rows in one table: a "
-        "host-bound step (batch 1) timed without what earlier variants left in the process (there, "
-        "later variants' steps grew slower: BENCHMARKS.md)",
+        "host-bound step (batch 1) timed without what earlier variants left in the process (in one "
+        "process, later variants' steps looked slower: docs/performance.md)",
     )
     bench.add_argument(
         "--profile",
