@@ -125,6 +125,37 @@ def test_a_cpu_tensor_takes_the_groups_own_collective_with_the_reason(one_rank_g
     assert torch.equal(out, x) and out.data_ptr() != x.data_ptr()  # a new tensor, as funcol's
 
 
+def test_a_group_made_again_under_the_same_name_gets_a_symmetric_buffer_of_its_own(monkeypatch):
+    """A buffer is rendezvoused with one group's peers: a group destroyed and made again (the
+    default group is "0" each time) must not be handed the old group's buffer, nor its world size,
+    while the group that made a buffer keeps it from call to call."""
+    made = []
+
+    def make(group_name, index):
+        made.append((group_name, dist.get_world_size()))
+        return torch.empty(symmetric.BUFFER_BYTES, dtype=torch.uint8)
+
+    monkeypatch.setattr(symmetric, "_make", make)
+    monkeypatch.setattr(symmetric, "_buffers", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    cuda0 = torch.device("cuda", 0)  # only its index is read
+    buffers = []
+    for _ in range(2):
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            name = dist.group.WORLD.group_name
+            first = symmetric._buffer(name, cuda0)
+            assert symmetric._buffer(name, cuda0) is first
+            assert symmetric.state(name, 0).startswith("symmetric memory, a ")
+            assert symmetric._world(name) == 1
+            buffers.append(first)
+        finally:
+            dist.destroy_process_group()
+        assert symmetric.state(name, 0) == "no call yet"  # its group is gone
+    assert made == [(name, 1), (name, 1)]
+    assert buffers[0] is not buffers[1]
+
+
 def test_the_symmetric_kernels_take_bf16_and_fp32_in_whole_16_byte_units_up_to_the_buffer():
     meta = dict(device="meta")
     # (serves() reads only the tensor's device, dtype and size: a "cuda" meta tensor stands in)

@@ -14,7 +14,7 @@ against 16.1; NCCL 18.7), behind it at 2 MiB (21.5 against 19.0); the two-shot k
 27.4 us for 4 MiB (NCCL 37.6). The multicast (multimem) kernels are not used: they need NVLink
 multicast, which hosts turn off (the GPU kit's does).
 
-One buffer per (group, device), kept for the process (a captured graph holds its address),
+One buffer per (group, device), kept while the group lives (a captured graph holds its address),
 made by prepare() while the all_reduce pass compiles the graph, or else at the first call
 outside any CUDA-graph capture. Not at the first call of a graph under reduce-overhead: Inductor's
 CUDA-graph trees run that call with the device's allocations routed to their own pool, and they
@@ -24,11 +24,15 @@ rank of a group compiles and calls in the same order, as the ranks of one progra
 kernels do not serve (another dtype, an unaligned size, a CPU tensor, no symmetric memory)
 returns None, and the caller takes the group's own collective; every rank decides alike from
 what they share (sizes, dtype, whether the buffer exists, whether a capture is running).
+A group destroyed and made again takes the same name ("0" for the default group): the buffers
+are keyed by name, but each remembers the group object it was made for, and a group of the
+same name that is another object gets a buffer (and a world size) of its own.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch import Tensor
@@ -42,8 +46,8 @@ BUFFER_BYTES = 4 * 2**20
 DTYPES = (torch.bfloat16, torch.float32)
 ALIGN = 16
 
-# (group name, device index) -> the buffer, or the reason it could not be made
-_buffers: dict[tuple[str, int], Tensor | str] = {}
+# (group name, device index) -> (the group it was made for, the buffer or why it could not be made)
+_buffers: dict[tuple[str, int], tuple[weakref.ref, Tensor | str]] = {}
 
 
 def available() -> str | None:
@@ -108,51 +112,73 @@ def prepare(group_name: str, device: torch.device) -> str | None:
     if (reason := available()) is not None:
         return reason
     if _buffer(group_name, device) is None:
-        found = _buffers.get((group_name, _index(device)))
+        found = _found(group_name, _index(device))
         return (
             f"no symmetric memory: {found}" if isinstance(found, str) else "asked during a CUDA-graph capture"
         )
     return None
 
 
-_worlds: dict[str, int] = {}
+def _group(group_name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
 
 
 def _world(group_name: str) -> int:
-    if group_name not in _worlds:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        _worlds[group_name] = _resolve_process_group(group_name).size()
-    return _worlds[group_name]
+    return _group(group_name).size()
 
 
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def _found(group_name: str, index: int) -> Tensor | str | None:
+    """The group's buffer on device `index`, or why there is none; None where nothing was tried
+    for the group of that name that lives now (a buffer of a destroyed group is dropped)."""
+    key = (group_name, index)
+    entry = _buffers.get(key)
+    if entry is None:
+        return None
+    made_for, found = entry
+    try:
+        live = _group(group_name)
+    except RuntimeError:  # no group of that name now
+        live = None
+    if live is None or made_for() is not live:
+        del _buffers[key]  # the name's group was destroyed, or made again: its peers are others
+        return None
+    return found
+
+
 def _buffer(group_name: str, device: torch.device) -> Tensor | None:
-    key = (group_name, _index(device))
-    found = _buffers.get(key)
+    index = _index(device)
+    found = _found(group_name, index)
     if isinstance(found, Tensor):
         return found
     if found is not None or torch.cuda.is_current_stream_capturing():
         return None  # it could not be made; or a capture is running, where nothing may be allocated
-    from torch.distributed import _symmetric_memory as symm_mem
-
     try:
-        if _needs_enable():
-            symm_mem.enable_symm_mem_for_group(group_name)
-        buffer = symm_mem.empty(BUFFER_BYTES, dtype=torch.uint8, device=torch.device("cuda", key[1]))
-        symm_mem.rendezvous(buffer, group_name)
+        found = _make(group_name, index)
     except Exception as error:  # noqa: BLE001 - any failure leaves the group's own collective
-        _buffers[key] = f"{type(error).__name__}: {error}"
+        found = f"{type(error).__name__}: {error}"
         log.warning(
             "fp8compile: no symmetric memory for group %s (%s); its all-reduces take its own collective",
             group_name,
-            _buffers[key],
+            found,
         )
-        return None
-    _buffers[key] = buffer
+    _buffers[(group_name, index)] = (weakref.ref(_group(group_name)), found)
+    return found if isinstance(found, Tensor) else None
+
+
+def _make(group_name: str, index: int) -> Tensor:
+    """A BUFFER_BYTES buffer on device `index` that the group's ranks can all read (a collective)."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    if _needs_enable():
+        symm_mem.enable_symm_mem_for_group(group_name)
+    buffer = symm_mem.empty(BUFFER_BYTES, dtype=torch.uint8, device=torch.device("cuda", index))
+    symm_mem.rendezvous(buffer, group_name)
     return buffer
 
 
@@ -166,7 +192,7 @@ def path() -> str:
 
 def state(group_name: str, device_index: int) -> str:
     """What this process's calls on the group take: the symmetric buffer, or why not."""
-    found = _buffers.get((group_name, device_index))
+    found = _found(group_name, device_index)
     if found is None:
         return "no call yet"
     if isinstance(found, str):
