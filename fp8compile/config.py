@@ -104,9 +104,10 @@ class Fp8Config:
                      functions on the GPU, but no whole-model gain measured (BENCHMARKS.md,
                      2026-11-25 (8aa4d6d)).
     release_bf16_weights: give back the device memory of the bf16 weights no compiled graph reads
-                     (those with an FP8 copy): their values move to host memory (release.py)
-                     and the eager modules holding them refuse to run until
-                     fp8compile.restore_bf16_weights().
+                     (those with an FP8 copy): their values move to host memory (release.py).
+                     An eager call of a module holding one (generate()'s prompt with a
+                     CompileConfig) copies them in for the call and frees them after;
+                     fp8compile.restore_bf16_weights() brings them back for good.
     act_amax:        static activation scales ("rowwise" and "tensor"): {linear module name:
                      calibrated amax of its input} (fp8compile.calibrate), scale = amax / 448;
                      None = dynamic scales, computed per call. A linear the table lacks stays bf16.

@@ -9,18 +9,23 @@ is resized to zero bytes. Nothing is lost: restore() copies the values back into
 tensor (the eager model then runs again), and a graph compiled later that reads a released
 parameter in bf16 gets it back first (the backend calls resident()).
 
-Until then the eager model cannot run (PyTorch would read freed memory): while any parameter
-is released, a module forward pre-hook refuses an eager call of a module that holds one, with
-what to do. Eager code includes the prompt step of transformers' generate() with a
-CompileConfig, which compiles the decode step only: compile the model's forward itself
-(model.forward = torch.compile(model.forward, ...)) to run both through the graphs. A
-parameter some compiled graph reads in bf16 (an embedding tied to the lm_head, the routed
-experts, whose op looks their FP8 copies up per call) is never released (keep_resident).
+Eager code still runs, with the model's own numbers: while any parameter is released, a module
+forward pre-hook lends an eager call of a module that holds one its values, copied in from host
+memory before the module's forward and freed again after it (a forward hook that runs even
+when the forward raises). Each such call pays a host-to-device copy of the bytes it lends, and
+holds them on the device only while it runs, one module at a time; a warning says so once.
+Eager code includes the prompt step of transformers' generate() with a CompileConfig, which
+compiles the decode step only: on an FP8 checkpoint whose bf16 lm_head is released, that is the
+lm_head's bytes once a prompt; on a bf16 model, every linear's. Compile the model's forward
+itself (model.forward = torch.compile(model.forward, ...)) to run both through the graphs, with
+no copy. A parameter some compiled graph reads in bf16 (an embedding tied to the lm_head, the
+routed experts, whose op looks their FP8 copies up per call) is never released (keep_resident).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -28,11 +33,16 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import shards
 
+log = logging.getLogger(__name__)
+
 # parameter -> its values in host memory, while released (by identity: tensors compare elementwise)
 _RELEASED = WeakIdKeyDictionary()
 # parameters a compiled graph reads in bf16: never released
 _PINNED = WeakIdKeyDictionary()
-_hook = None  # the eager-call check, installed while anything is released
+# module -> the released parameters its eager calls running now were lent, a list a call
+_LENT = WeakIdKeyDictionary()
+_hooks: tuple = ()  # the eager-call hooks (lend, give back), installed while anything is released
+_warned = False
 
 
 def is_released(t: torch.Tensor) -> bool:
@@ -110,25 +120,60 @@ def _owns_storage(p: torch.Tensor) -> bool:
     return whole and storage.resizable()
 
 
-def _refuse_eager(module: torch.nn.Module, args) -> None:
+def _lend(module: torch.nn.Module, args) -> None:
+    """Before an eager call of `module`: its released parameters get their values back on the
+    device for the call (the host copy stays; _give_back frees the device's again)."""
     if torch.compiler.is_compiling():
         return
-    for name, p in module._parameters.items():
-        if p is not None and any(t in _RELEASED for t in shards.inner_tensors(p)):  # a DTensor: its shard
-            raise RuntimeError(
-                f"fp8compile released the bf16 values of this {type(module).__name__}'s {name!r} "
-                "(Fp8Config(release_bf16_weights=True)): the compiled graphs read its FP8 copy, "
-                "but an eager call cannot run. Run the model through its compiled graphs (with "
-                "transformers' generate(), compile model.forward itself: a CompileConfig compiles the "
-                "decode step only, the prompt runs eagerly), or call fp8compile.restore_bf16_weights() "
-                "first."
-            )
+    lent = [
+        t
+        for p in module._parameters.values()
+        if p is not None
+        for t in shards.inner_tensors(p)  # a DTensor: its shard
+        if t in _RELEASED and t.untyped_storage().nbytes() == 0  # not lent already (a nested call)
+    ]
+    _LENT.setdefault(module, []).append(lent)
+    if not lent:
+        return
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning(
+            "fp8compile: an eager call of %s, whose bf16 weights were released "
+            "(Fp8Config(release_bf16_weights=True)), copies them in from host memory for the call "
+            "and frees them after, at every such call. With transformers' generate() and a "
+            "CompileConfig the prompt runs eagerly: compile model.forward itself to run it through "
+            "the graphs, with no copy.",
+            type(module).__name__,
+        )
+    with torch.no_grad():
+        for t in lent:
+            storage = t.untyped_storage()
+            host = _RELEASED[t]
+            storage.resize_(host.numel())
+            storage.copy_(host.untyped_storage())  # storage-level: the version counter does not move
+
+
+def _give_back(module: torch.nn.Module, args, output) -> None:
+    """After an eager call of `module` (returned or raised): what _lend lent it leaves the device."""
+    if torch.compiler.is_compiling():
+        return
+    calls = _LENT.get(module)
+    if not calls:
+        return
+    for t in calls.pop():
+        if t in _RELEASED:  # not made resident meanwhile
+            t.untyped_storage().resize_(0)
 
 
 def _check_eager_calls(on: bool) -> None:
-    global _hook
-    if on and _hook is None:
-        _hook = torch.nn.modules.module.register_module_forward_pre_hook(_refuse_eager)
-    elif not on and _hook is not None:
-        _hook.remove()
-        _hook = None
+    global _hooks
+    if on and not _hooks:
+        _hooks = (
+            torch.nn.modules.module.register_module_forward_pre_hook(_lend),
+            torch.nn.modules.module.register_module_forward_hook(_give_back, always_call=True),
+        )
+    elif not on and _hooks:
+        for hook in _hooks:
+            hook.remove()
+        _hooks = ()

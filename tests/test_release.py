@@ -45,17 +45,42 @@ def test_released_weights_give_the_same_numbers_through_recompiles_and_the_embed
         assert torch.equal(a, b)
 
 
-def test_eager_call_of_a_released_module_says_what_to_do_and_restore_brings_it_back():
+def test_an_eager_call_of_a_released_module_is_lent_its_values_for_the_call_and_warns_once(
+    caplog, monkeypatch
+):
+    """generate()'s prompt runs eagerly beside a compiled decode step: an eager call of a module
+    whose bf16 weights were released gets the model's own numbers, its weights copied in from host
+    memory for the call and freed again after it, with one warning that says how to avoid the copy;
+    restore_bf16_weights() brings them back for good."""
     model, ids = _model(), torch.randint(0, 1024, (2, 4))
     with torch.no_grad():
         eager = model(ids)
         compiled = torch.compile(model, backend=fp8compile.backend(release_bf16_weights=True))
         out = compiled(ids)
-        with pytest.raises(RuntimeError, match="restore_bf16_weights"):
-            model(ids)
+        weight = model.lm_head.weight
+        assert release.is_released(weight) and weight.untyped_storage().nbytes() == 0
+        monkeypatch.setattr(release, "_warned", False)  # whichever test ran an eager call before
+        with caplog.at_level("WARNING", logger="fp8compile.release"):
+            assert torch.equal(model(ids), eager)
+            assert torch.equal(model(ids), eager)
+        warnings = [r.getMessage() for r in caplog.records if r.name == "fp8compile.release"]
+        assert len(warnings) == 1 and "compile model.forward itself" in warnings[0]
+        assert release.is_released(weight) and weight.untyped_storage().nbytes() == 0
+        assert torch.equal(compiled(ids), out)
         assert fp8compile.restore_bf16_weights() > 0
         assert torch.equal(model(ids), eager)  # the same values, back in the same tensors
-        assert torch.equal(compiled(ids), out)
+        assert weight.untyped_storage().nbytes() == weight.numel() * weight.element_size()
+
+
+def test_an_eager_call_that_raises_still_frees_what_it_was_lent():
+    model, ids = _model(), torch.randint(0, 1024, (1, 4))
+    with torch.no_grad():
+        torch.compile(model, backend=fp8compile.backend(release_bf16_weights=True))(ids)
+        weight = model.lm_head.weight
+        with pytest.raises(RuntimeError):
+            model.lm_head(torch.randn(3, 7, dtype=BF16))  # the wrong width: the forward raises
+        assert release.is_released(weight) and weight.untyped_storage().nbytes() == 0
+        assert release._LENT.get(model.lm_head) == []
 
 
 def test_a_parameter_read_in_bf16_by_a_later_graph_is_brought_back_and_kept():
