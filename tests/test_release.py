@@ -98,3 +98,36 @@ def test_a_parameter_read_in_bf16_by_a_later_graph_is_brought_back_and_kept():
         assert not release.is_released(model.lm_head.weight)
         assert torch.equal(model.lm_head.weight, _model().lm_head.weight)
     assert fp8compile.calc_diff(out.float(), expected.float()) < 0.02
+
+
+def test_generate_with_a_compile_config_runs_its_eager_prompt_on_released_weights():
+    """transformers' generate() with a CompileConfig compiles the decode step only and runs the
+    prompt eagerly, before the step's first compile (which releases the weights): from the second
+    call on, with release_bf16_weights, that prompt is lent the released weights, and the tokens
+    are those of the same generate() without the release."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    from fp8compile.demo import small_llama
+
+    model = small_llama(layers=1)
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(0, 32000, (2, 6))
+
+    def generate(**options):
+        config = CompileConfig(backend=fp8compile.backend(**options))
+        config._compile_all_devices = True  # transformers compiles generate() on GPUs only otherwise
+        torch._dynamo.reset()
+        fp8compile.drop_fp8_weights()
+        return [
+            model.generate(
+                ids, max_new_tokens=4, do_sample=False, cache_implementation="static", compile_config=config
+            )
+            for _ in range(2)
+        ]
+
+    with torch.no_grad():
+        kept = generate()
+        freed = generate(release_bf16_weights=True)
+    down = model.model.layers[0].mlp.down_proj.weight
+    assert release.is_released(down) and down.untyped_storage().nbytes() == 0
+    assert all(torch.equal(a, b) for a, b in zip(freed, kept))
