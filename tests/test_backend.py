@@ -150,6 +150,28 @@ def test_fp8_weights_are_graph_inputs_looked_up_only_when_the_parameters_passed_
         assert len(lookups) == after_first + 2  # one change: both copies asked for again (the memo makes one)
 
 
+def test_the_derived_inputs_check_reads_inference_tensors_and_forgets_a_source_that_dies():
+    """The per-call check compares the sources' ids and version counters: an inference tensor,
+    which has no version counter, is still checked by identity; and when a source of the last
+    call dies its derived values go with it, so that a new tensor given the dead one's id is
+    never taken for it."""
+    from fp8compile.derived import CallWithDerivedInputs, DerivedInput
+
+    made = []
+    wrapper = CallWithDerivedInputs(
+        lambda full: full, [DerivedInput((0,), lambda w: made.append(w.sum().item()) or (w * 2,))], keep=[1]
+    )
+    with torch.inference_mode():
+        w = torch.ones(4)
+    x = torch.zeros(2)
+    first = wrapper([w, x])
+    assert first[0] is x and torch.equal(first[1], w * 2)
+    assert wrapper([w, x])[1] is first[1] and len(made) == 1  # the same source: nothing made again
+    w = torch.full((4,), 3.0)  # the inference tensor dies
+    assert wrapper._last is None
+    assert torch.equal(wrapper([w, x])[1], w * 2) and len(made) == 2
+
+
 def test_compiled_model_follows_an_in_place_weight_change():
     model = GatedMLP().to(BF16)
     compiled = torch.compile(model, backend="fp8")
