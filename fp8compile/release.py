@@ -20,6 +20,8 @@ lm_head's bytes once a prompt; on a bf16 model, every linear's. Compile the mode
 itself (model.forward = torch.compile(model.forward, ...)) to run both through the graphs, with
 no copy. A parameter some compiled graph reads in bf16 (an embedding tied to the lm_head, the
 routed experts, whose op looks their FP8 copies up per call) is never released (keep_resident).
+Another backend's graphs read the bf16 parameters themselves, and nothing of fp8compile runs
+in them: compile the model with another backend only after restore().
 """
 
 from __future__ import annotations
