@@ -12,8 +12,9 @@ loops (operator.itemgetter, map): the identity by id() (a source that dies drops
 call's inputs through its weak reference's callback, so a live source's id is its own), the
 version counters read once each. After a model's step, with the host's caches cold, reading
 each parameter is most of the wrapper's time: for 32 layers of Llama's linears (225
-parameters, fp8compile.demo.small_llama) it took 113-125 us a call before the graph checked in
-Python, 74-88 us so (a 2-core CPU machine, 2026-11-29, two runs each).
+parameters, fp8compile.demo.small_llama, a one-token call; the time from the wrapper's entry to
+the graph's call, over 100 calls after 3) it took 113-125 us checked in Python, 74-88 us so (a
+2-core CPU machine, 2026-11-29, two runs each).
 
 The appended inputs are static for Inductor's CUDA graphs (static_input_idxs), like the
 parameters: replayed graphs read them where they are, never copied in. Inputs the graph no

@@ -79,12 +79,17 @@ def resident(params: Iterable[torch.Tensor]) -> int:
         host = _RELEASED.pop(p, None)
         if host is None:
             continue
-        storage = p.untyped_storage()
-        storage.resize_(host.numel())
-        storage.copy_(host.untyped_storage())  # storage-level: the tensor's version counter does not move
+        _copy_in(p, host)
         restored += host.numel()
     _check_eager_calls(bool(_RELEASED))
     return restored
+
+
+def _copy_in(p: torch.Tensor, host: torch.Tensor) -> None:
+    """p's device storage back at its size, with its values from host."""
+    storage = p.untyped_storage()
+    storage.resize_(host.numel())
+    storage.copy_(host.untyped_storage())  # storage-level: the tensor's version counter does not move
 
 
 def keep_resident(params: Iterable[torch.Tensor]) -> None:
@@ -148,12 +153,8 @@ def _lend(module: torch.nn.Module, args) -> None:
             "the graphs, with no copy.",
             type(module).__name__,
         )
-    with torch.no_grad():
-        for t in lent:
-            storage = t.untyped_storage()
-            host = _RELEASED[t]
-            storage.resize_(host.numel())
-            storage.copy_(host.untyped_storage())  # storage-level: the version counter does not move
+    for t in lent:
+        _copy_in(t, _RELEASED[t])
 
 
 def _give_back(module: torch.nn.Module, args, output) -> None:
