@@ -5,7 +5,8 @@ routed to) and every live position of the KV cache; at batch sizes up to a few d
 nearly all of its memory traffic, and a step cannot take less than those bytes over the GPU's read
 rate. The rate is measured here, not taken from a data sheet: the plain read of bench/read.py (an
 FP8 weight streamed once, as a decode GEMM must) over `READ_GB` of weights, the fastest of its
-tilings; on an H100 it reaches about 2.9 TB/s of the 3.35 peak (BENCHMARKS.md, W8A8 recipes).
+tilings; on an H200 it reaches 4.54-4.63 TB/s of the 4.8 peak (three processes, 2026-11-29;
+before 8-warp tilings were among them, 3.29: BENCHMARKS.md, "The read limit").
 """
 
 from __future__ import annotations

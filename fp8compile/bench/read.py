@@ -1,11 +1,14 @@
 """A plain read of an FP8 weight: what streaming its bytes costs on this GPU with nothing else to do,
 the reference a decode GEMM (which must read every weight byte once) is measured against in `bench
-gemm` (the `read` column). A reference, not a bound: DeepGEMM's GEMM took less than it on the two
-tallest weights there (BENCHMARKS.md, Linear, "2026-11-26 (c3bf7be)"). Each program XORs its
-[BLOCK_N, BLOCK_K] tiles over its part of K, split over K as the decode kernels are. READ_TILINGS
-were the fastest of 30 tilings on Llama-3-8B's four decode weights (H100; BENCHMARKS.md, W8A8
-recipes, "2026-11-26 (c3bf7be)": 2.14-2.89 TB/s, 64-86% of the HBM peak); `bench gemm` times each on
-every shape and keeps the fastest (fastest_tiling)."""
+gemm` (the `read` column) and `bench model` (its read limit). A reference, not a bound: DeepGEMM's GEMM
+took less than it on the two tallest weights there (BENCHMARKS.md, Linear, "2026-11-26 (c3bf7be)").
+Each program XORs its [BLOCK_N, BLOCK_K] tiles over its part of K, split over K as the decode kernels
+are. READ_TILINGS: (BLOCK_N, BLOCK_K, programs per SM, warps). The 4-warp ones were the fastest of 30
+tilings on Llama-3-8B's four decode weights on an H100 (2.14-2.89 TB/s, 64-86% of its HBM peak); on
+an H200 they read 2 GB at 3.16-3.29 TB/s where 16 x 256 tiles with 8 warps read at 4.54-4.55 TB/s
+(95% of its 4.8 peak; torch's sum of the same bytes 4.27-4.36; 72 tilings, H200, 2026-11-29, a504459;
+benchmarks/read_rate_h200_2026-11-29_a504459.json). `bench gemm` times each on every shape and keeps
+the fastest (fastest_tiling)."""
 
 from __future__ import annotations
 
@@ -16,8 +19,8 @@ import triton.language as tl
 from ..numerics import ceil_div
 from ..ops.launch import num_sms
 
-# (BLOCK_N, BLOCK_K, programs per SM): rows of 512 or 256 contiguous bytes.
-READ_TILINGS = ((16, 512, 1), (16, 512, 4), (32, 256, 4))
+# (BLOCK_N, BLOCK_K, programs per SM, warps): rows of 512 or 256 contiguous bytes.
+READ_TILINGS = ((16, 512, 1, 4), (16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 8), (16, 256, 1, 8))
 
 
 @triton.jit
@@ -42,7 +45,7 @@ def _read_kernel(
 
 
 def plain_read(
-    w: torch.Tensor, block_n: int = 16, block_k: int = 512, programs_per_sm: int = 4
+    w: torch.Tensor, block_n: int = 16, block_k: int = 512, programs_per_sm: int = 4, num_warps: int = 4
 ) -> torch.Tensor:
     """Read every byte of w (N, K), one byte an element (FP8 or int8), rows contiguous: int32
     XORs, one per program (their XOR is the XOR of all of w's bytes)."""
@@ -57,12 +60,20 @@ def plain_read(
     split = max(1, min(ceil_div(k, block_k), round(programs_per_sm * sms / n_tiles)))
     out = torch.empty(n_tiles * split, dtype=torch.int32, device=w.device)
     _read_kernel[(n_tiles, split)](
-        w.view(torch.uint8), out, n, k, w.stride(0), SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k
+        w.view(torch.uint8),
+        out,
+        n,
+        k,
+        w.stride(0),
+        SPLIT_K=split,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
     )
     return out
 
 
-def fastest_tiling(weights: list[torch.Tensor]) -> tuple[int, int, int]:
+def fastest_tiling(weights: list[torch.Tensor]) -> tuple[int, int, int, int]:
     """The READ_TILINGS entry that reads these weight copies (all of one shape) fastest here."""
     from . import harness
 
