@@ -60,7 +60,11 @@ def linear_decode(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     arrivals = triton_gemm.split_k_counters(x.device, n_tiles, split)
-    launch = {} if x.device.type == "cpu" else dict(num_warps=4, num_stages=triton_gemm.SMALL_M_NUM_STAGES)
+    launch = (
+        {}
+        if x.device.type == "cpu"
+        else dict(num_warps=triton_gemm.SMALL_M_NUM_WARPS, num_stages=triton_gemm.SMALL_M_NUM_STAGES)
+    )
     b_ = x if b is None else b
     wrap_triton(triton_gemm._linear_small_m_kernel)[(n_tiles, split)](
         x,

@@ -306,6 +306,12 @@ SMALL_M_PROGRAMS_PER_SM = 2
 SMALL_M_GATED_BLOCK_N = 256
 SMALL_M_GATED_PROGRAMS_PER_SM = 1
 SMALL_M_NUM_STAGES = 3
+# One warpgroup a program. Over Llama-3-8B's five decode shapes (lm_head included) at M = 1 and
+# 16, plain and gated, 4 or 8 warps x 3 or 4 stages x 1, 2 or 4 programs an SM: the best 8-warp
+# config took 0.96-1.08x the default's time, and the default was within 4.5% of the best config
+# at every point (H200, 2026-11-29, a504459;
+# benchmarks/decode_kernel_warps_h200_2026-11-29_a504459.json).
+SMALL_M_NUM_WARPS = 4
 SMALL_M_MAX = 64  # the kernel pads M to 16, 32 or 64 rows
 # Programmatic dependent launch (PDL, Hopper and newer). Every decode kernel lets the next kernel
 # launch as soon as it starts (after its own wait); a kernel launched as a dependent (pdl=True)
@@ -590,7 +596,11 @@ def linear_small_m(
     block_m, block_n, split, n_tiles = _small_m_tiles(m, n, k, gated, x.device, block_n, split_k)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     arrivals = split_k_counters(x.device, n_tiles, split)
-    launch = {} if _interpreting(x2) else dict(num_warps=4, num_stages=num_stages or SMALL_M_NUM_STAGES)
+    launch = (
+        {}
+        if _interpreting(x2)
+        else dict(num_warps=SMALL_M_NUM_WARPS, num_stages=num_stages or SMALL_M_NUM_STAGES)
+    )
     tma = tma_pays_off(x.device) and use_tma(w_fp8) if tma is None else tma
     trigger = pdl_available(x.device)
     if pdl:
