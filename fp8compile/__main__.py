@@ -214,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
         help="`bench gemm`: leave this variant out (e.g. fp8compile_tuned)",
     )
     bench.add_argument(
+        "--warm-l2",
+        action="store_true",
+        help="`bench gemm`: time every call on one weight copy, which stays in L2 where it fits (the "
+        "most an L2 prefetch could give), instead of on copies enough to keep each out of L2",
+    )
+    bench.add_argument(
         "--layer",
         action="extend",
         nargs="+",

@@ -299,7 +299,9 @@ def test_bench_gemm_and_tune_time_the_weight_shapes_the_command_line_names(monke
 
     asked = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(gemm, "bench_gemm", lambda out, shapes, ms, skip: asked.setdefault("gemm", shapes))
+    monkeypatch.setattr(
+        gemm, "bench_gemm", lambda out, shapes, ms, skip, warm_l2: asked.setdefault("gemm", shapes)
+    )
     monkeypatch.setattr(tune, "tune", lambda out, shapes, kernels: asked.setdefault("tune", shapes))
     main(["bench", "gemm", "--shape", "6144x4096", "--shape", "28672X4096"])
     main(["bench", "tune", "--kernels", "small_m"])
@@ -312,13 +314,23 @@ def test_a_bench_list_option_takes_its_values_after_one_flag_or_after_several(mo
 
     asked = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(gemm, "bench_gemm", lambda out, shapes, ms, skip: asked.append((shapes, ms, skip)))
+    monkeypatch.setattr(
+        gemm, "bench_gemm", lambda out, shapes, ms, skip, warm_l2: asked.append((shapes, ms, skip, warm_l2))
+    )
     main(["bench", "gemm", "-m", "1600", "1792", "-m", "2048", "--shape", "6144x4096", "4096x4096"])
-    main(["bench", "gemm", "-m", "1600", "-m", "1792", "--skip", "deep_gemm", "cublas_fp8"])
+    main(["bench", "gemm", "-m", "1600", "-m", "1792", "--skip", "deep_gemm", "cublas_fp8", "--warm-l2"])
     assert asked == [
-        ([(6144, 4096), (4096, 4096)], [1600, 1792, 2048], ()),
-        (gemm.SHAPES, [1600, 1792], ["deep_gemm", "cublas_fp8"]),
+        ([(6144, 4096), (4096, 4096)], [1600, 1792, 2048], (), False),
+        (gemm.SHAPES, [1600, 1792], ["deep_gemm", "cublas_fp8"], True),
     ]
+
+
+def test_the_gemm_table_says_whether_the_weights_were_cold_or_warm_in_l2():
+    from fp8compile.bench.gemm import gemm_table
+
+    row = dict(n=4096, k=4096, m=1, variant="fp8compile", us=8.5)
+    assert "weights cold (copies cycled)" in gemm_table([dict(row, l2="cold")])
+    assert "one weight copy, warm in L2" in gemm_table([dict(row, l2="warm")])
 
 
 @pytest.mark.parametrize("shape", ["6144", "6144x4096x2", "0x4096", "ax4096"])

@@ -57,7 +57,13 @@ def main(args) -> int:
         elif args.what == "gemm":
             from . import gemm
 
-            gemm.bench_gemm(out, shapes=args.shape or gemm.SHAPES, ms=args.m or gemm.MS, skip=args.skip or ())
+            gemm.bench_gemm(
+                out,
+                shapes=args.shape or gemm.SHAPES,
+                ms=args.m or gemm.MS,
+                skip=args.skip or (),
+                warm_l2=args.warm_l2,
+            )
         elif args.what == "mlp":
             from . import mlp
 

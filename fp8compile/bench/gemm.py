@@ -3,7 +3,11 @@ bf16 cuBLAS, cuBLAS FP8, DeepGEMM and FlashInfer, over shapes x M. Inputs are pr
 cuBLAS FP8, DeepGEMM and our Triton GEMM (GEMM alone); FlashInfer, triton_small_m and
 fp8compile (the compiled nn.Linear) take bf16 and quantize themselves. At decode sizes `read`
 is a plain read of the FP8 weight (read.py), what streaming its bytes costs here, and the last
-column the share of the read's speed the compiled linear reaches. Times: harness.py."""
+column the share of the read's speed the compiled linear reaches. Times: harness.py, each call on
+the next of enough weight copies that none is in L2 when its turn comes (what a model's decode
+step meets); with warm_l2 (`--warm-l2`), every call on one copy, which stays in L2 where it fits
+(50 MB on an H100 or H200): what a linear would take had its weight been fetched ahead, the most
+an L2 prefetch could give it."""
 
 from __future__ import annotations
 
@@ -27,12 +31,12 @@ class _Shape:
     modules compiled with backend="fp8" and dynamic M. One compiled graph serves every copy
     (same class, same shapes) and every M >= 2; Dynamo specializes M = 1 into a second graph."""
 
-    def __init__(self, n: int, k: int):
+    def __init__(self, n: int, k: int, warm_l2: bool = False):
         from fp8compile.ops.quant import reference as quant_reference
 
         torch._dynamo.reset()
         self.n, self.k = n, k
-        r8, r16 = harness.copies(n * k), harness.copies(2 * n * k)
+        r8, r16 = (1, 1) if warm_l2 else (harness.copies(n * k), harness.copies(2 * n * k))
         self.w16 = [
             torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(max(r8, r16))
         ]
@@ -97,15 +101,16 @@ class _Shape:
         return v
 
 
-def bench_gemm(out_dir: Path, shapes=SHAPES, ms=MS, skip=()) -> list[dict]:
-    """skip: variant names to leave out (fp8compile_tuned alone times ~100 kernels per shape)."""
+def bench_gemm(out_dir: Path, shapes=SHAPES, ms=MS, skip=(), warm_l2=False) -> list[dict]:
+    """skip: variant names to leave out (fp8compile_tuned alone times ~100 kernels per shape);
+    warm_l2: one weight copy a shape, not copies enough to keep it out of L2 (module docstring)."""
     from tqdm import tqdm
 
     rows = []
     device = torch.cuda.get_device_name(0)
     with torch.no_grad(), tqdm(total=len(shapes) * len(ms), desc="bench gemm") as progress:
         for n, k in shapes:
-            shape = _Shape(n, k)
+            shape = _Shape(n, k, warm_l2)
             for m in ms:
                 for name, fns in shape.variants(m).items():
                     if name in skip:
@@ -118,6 +123,7 @@ def bench_gemm(out_dir: Path, shapes=SHAPES, ms=MS, skip=()) -> list[dict]:
                             k=k,
                             m=m,
                             variant=name,
+                            l2="warm" if warm_l2 else "cold",
                             us=us,
                             tflops=None if us is None or name == "read" else 2 * m * n * k / us / 1e6,
                             weight_tbps=None
@@ -154,7 +160,12 @@ def gemm_table(rows: list[dict]) -> str:
         + " ".join(f"{n:>{width[n]}}" for n in names)
         + "   ours/bf16 ours/best_anchor tri/dg tuned/bf16 read/ours"
     )
-    lines = ["times in us (CUDA-graph replay, median); ratios are speedups (>1 = ours faster)", head]
+    warm = any(r.get("l2") == "warm" for r in rows)
+    weights = "one weight copy, warm in L2 where it fits" if warm else "weights cold (copies cycled)"
+    lines = [
+        f"times in us (CUDA-graph replay, median; {weights}); ratios are speedups (>1 = ours faster)",
+        head,
+    ]
     for n, k, m in sorted({(r["n"], r["k"], r["m"]) for r in rows}):
         t = {name: by.get((n, k, m, name)) for name in names}
         cells = " ".join(f"{t[x]:>{width[x]}.1f}" if t[x] else f"{'-':>{width[x]}}" for x in names)
