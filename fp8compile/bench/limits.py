@@ -6,7 +6,7 @@ nearly all of its memory traffic, and a step cannot take less than those bytes o
 rate. The rate is measured here, not taken from a data sheet: the plain read of bench/read.py (an
 FP8 weight streamed once, as a decode GEMM must) over `READ_GB` of weights, the fastest of its
 tilings; on an H200 it reaches 4.54-4.63 TB/s of the 4.8 peak (three processes, 2026-11-29;
-before 8-warp tilings were among them, 3.29: BENCHMARKS.md, "The read limit").
+before 8-warp tilings were among them, 3.29: BENCHMARKS.md, "The read limit, restated").
 """
 
 from __future__ import annotations
