@@ -6,7 +6,7 @@ import torch
 
 import fp8compile
 from fp8compile import architectures
-from fp8compile.lean_decode import LeanDecoder, Sampling, choose
+from fp8compile.lean_decode import ARGMAX_CHUNK, LeanDecoder, Sampling, argmax_rows, choose
 
 pytest.importorskip("transformers")
 from torch._dynamo.utils import counters  # noqa: E402
@@ -125,6 +125,24 @@ def test_every_sequence_ended_stops_the_loop_at_the_next_check():
         ended = decoder.generate(ids, 40, eos_token_id=eos, stop_every=4, on_step=lambda: calls.append(1))
     assert torch.equal(ended, free[:, : 6 + 3])  # up to and with the end token, as generate() returns it
     assert len(calls) == 3  # steps 2, 3, 4 after the prompt's token; checked at 4 of 40
+
+
+@pytest.mark.parametrize("vocab", [50, 2 * ARGMAX_CHUNK + 1, 128256])
+def test_the_greedy_choice_in_chunks_is_torchs_argmax_ties_and_nans_included_eager_and_compiled(vocab):
+    """argmax_rows reduces a long row in chunks (a program each on the GPU) and must give the index
+    torch.argmax gives: the first of equal maxima even when they sit in different chunks, a NaN
+    where there is one, 0 for a row of -inf; a vocabulary that is not a whole number of chunks."""
+    torch.manual_seed(0)
+    x = torch.randn(5, vocab)
+    x[1] = 0.0
+    x[2, vocab // 2] = x[2, vocab - 1] = 100.0
+    x[3] = float("-inf")
+    x[4, 7] = float("nan")
+    expected = x.argmax(dim=-1)
+    assert expected[2] == vocab // 2 and expected[4] == 7
+    assert torch.equal(argmax_rows(x), expected)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(argmax_rows, backend="inductor", fullgraph=True)(x), expected)
 
 
 def test_sampling_with_top_k_one_or_a_tiny_top_p_is_greedy():
