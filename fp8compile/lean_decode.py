@@ -238,7 +238,7 @@ class LeanDecoder:
         if eos is not None and pad_token_id is None:
             pad_token_id = self.model.generation_config.pad_token_id
             pad_token_id = int(eos[0]) if pad_token_id is None else pad_token_id
-        pad = torch.tensor(pad_token_id or 0, device=device)
+        pad = torch.full((), pad_token_id or 0, dtype=torch.long, device=device)
         cache = self.cache(batch, length)
 
         mask = None
@@ -273,7 +273,10 @@ class LeanDecoder:
         finished = None
         if eos is not None:
             finished = (new[0][:, None] == eos).any(dim=-1)
-        position = torch.tensor([prompt], device=device)
+        # A fill on the device, not a tensor copied from host memory: a copy from pageable memory
+        # waits for the stream's work before it, here the whole prompt, and the host would
+        # launch the first steps only then (a profile showed the GPU idle after that copy).
+        position = torch.full((1,), prompt, dtype=torch.long, device=device)
         # A sliding-window layer of transformers' static cache keeps its position as a Python int.
         # A mask built from it inside the step gives the compiled graph's kernels an int input
         # that moves every step, and CUDA graphs are recorded once per value of an int input (on
