@@ -1,6 +1,8 @@
 """The Triton routed-experts kernels (fp8compile/ops/triton_moe.py) against their definitions:
 on the GPU at real sizes, on the CPU in Triton's interpreter at small sizes."""
 
+import weakref
+
 import pytest
 import torch
 
@@ -216,6 +218,33 @@ def test_moe_triton_equals_its_stages_composed_from_the_reference_gemm(tokens, a
         # tokens 2.60e-4 on an H200 (2026-11-27, 3024af3: five slots, half of top-2's ten, to
         # average a flipped rounding over). 2x the worst.
         assert calc_diff(out.cpu(), ref) < 5.2e-4
+
+
+def test_moe_triton_frees_the_gate_up_products_before_it_makes_the_down_projections(monkeypatch):
+    """The grouped buffers hold a row per slot plus every expert's padding to a block, so at a
+    prompt's size the gate|up products (slots x 2I) and the down projections' (slots x H) are
+    the op's largest tensors: the first is dropped once its activation is quantized, and is
+    gone (with the views of it) when the second GEMM runs, so the two never sit in memory
+    together."""
+    alive = {}
+    real_gemm, real_operands = triton_moe.grouped_gemm, triton_moe.act_operands
+
+    def gemm(*args, **kwargs):
+        if alive:  # the down projection: what the gate|up step made must be gone by now
+            alive["at the second GEMM"] = [ref() is not None for ref in alive["refs"]]
+        return real_gemm(*args, **kwargs)
+
+    def operands(c1, activation):
+        gate, up = real_operands(c1, activation)
+        alive["refs"] = [weakref.ref(t) for t in (c1, gate, up)]
+        return gate, up
+
+    monkeypatch.setattr(triton_moe, "grouped_gemm", gemm)
+    monkeypatch.setattr(triton_moe, "act_operands", operands)
+    args = moe_inputs(5)
+    out = triton_moe.moe_triton(*args, False)
+    assert alive["at the second GEMM"] == [False, False, False]
+    assert calc_diff(out, staged_reference(*args, "silu")) < 1e-4  # and still the op's numbers
 
 
 # Each token count against each program size, top-1 and top-2, with silu; then each other

@@ -51,10 +51,14 @@ def moe_deep_gemm(
     deep_gemm.m_grouped_fp8_gemm_nt_contiguous(
         (x_fp8[token], a_scale), (w13_fp8, w13_scale), c1, row_expert, disable_ue8m0_cast=True
     )
+    del a_scale
     if b13 is not None:
         c1 += b13[row_expert.clamp(min=0).long()]
     gate, up = act_operands(c1, activation)
     h_fp8, h_scale = quant_act(gate, e8m0, "mn_major", b=up, activation=activation, alpha=alpha, limit=limit)
+    # Every row of the layout, padding included (Qwen3-30B-A3B, a prompt of 1024 tokens: 24448
+    # rows; c1 75 MB, c2 100 MB): c1 freed before c2 is made (as triton_moe.moe_triton does).
+    del c1, gate, up
     c2 = torch.empty(slots.numel(), w2_fp8.shape[1], dtype=torch.bfloat16, device=x.device)
     deep_gemm.m_grouped_fp8_gemm_nt_contiguous(
         (h_fp8, h_scale), (w2_fp8, w2_scale), c2, row_expert, disable_ue8m0_cast=True
