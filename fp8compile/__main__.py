@@ -230,9 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         "--kernels",
         nargs="+",
         default=["small_m", "large_m"],
-        choices=["small_m", "large_m", "tiles", "quant", "scaled_small_m", "mqa_paged"],
+        choices=["small_m", "large_m", "tiles", "quant", "scaled_small_m", "mqa_paged", "gqa_decode"],
         help="which Triton kernels `tune` sweeps (quant: the activation quantization; mqa_paged: the "
-        "paged indexer-logits kernel, bench/mqa.py; scaled_small_m: the rowwise decode kernel)",
+        "paged indexer-logits kernel, bench/mqa.py; scaled_small_m: the rowwise decode kernel; "
+        "gqa_decode: the split-KV decode attention's launch, bench/attention.py)",
     )
     from .bench.model import BATCHES, PREFILL_BATCHES
     from .bench.presets import MODELS

@@ -308,6 +308,19 @@ def test_bench_gemm_and_tune_time_the_weight_shapes_the_command_line_names(monke
     assert asked == {"gemm": [(6144, 4096), (28672, 4096)], "tune": gemm.SHAPES}
 
 
+def test_bench_tune_gqa_decode_sweeps_the_attentions_launch_and_no_gemm(monkeypatch):
+    from fp8compile.__main__ import main
+    from fp8compile.bench import attention, tune
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(attention, "tune_gqa_decode", lambda out: asked.append("gqa_decode"))
+    monkeypatch.setattr(tune, "tune", lambda out, shapes, kernels: asked.append(kernels))
+    main(["bench", "tune", "--kernels", "gqa_decode"])
+    main(["bench", "tune", "--kernels", "gqa_decode", "small_m"])
+    assert asked == ["gqa_decode", "gqa_decode", ["small_m"]]
+
+
 def test_a_bench_list_option_takes_its_values_after_one_flag_or_after_several(monkeypatch):
     from fp8compile.__main__ import main
     from fp8compile.bench import gemm

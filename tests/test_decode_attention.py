@@ -179,6 +179,58 @@ def test_chunks_fill_the_gpu_about_twice_and_never_go_below_one_key_step():
         assert chunks(1152, 64) == 1
 
 
+def test_the_op_launched_another_way_computes_the_same_attention():
+    # 128 keys a step, 8 warps, 2 stages, 4 programs an SM: what `bench tune --kernels
+    # gqa_decode` times beside the op's own launch; chunks of 128 over 200 keys (two, the second
+    # partial)
+    q, k, v, mask = inputs(2, 2, 4, 1, 200, 64, "bool")
+    b, h, s, d = q.shape
+    launch = triton_attention.Launch(block_l=128, num_warps=8, num_stages=2, programs_per_sm=4)
+    got = attention_op.split_kv_attention(q.reshape(b, 2, 4 * s, d), k, v, mask, 0.1, 4, 128, launch)
+    assert calc_diff(got.reshape(b, h, s, d), reference(q, k, v, mask, 0.1, 4)) < BF16_ATTENTION
+    with pytest.raises(ValueError, match="multiple of 128"):
+        attention_op.split_kv_attention(q.reshape(b, 2, 4 * s, d), k, v, mask, 0.1, 4, 64, launch)
+
+
+def test_more_programs_an_sm_cut_the_keys_into_more_chunks():
+    cuda = torch.device("cuda", 0)
+    four = triton_attention.Launch(programs_per_sm=4)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_attention, "num_sms", lambda index: 132)
+        assert -(-4096 // triton_attention.chunk_keys(4096, 1, 8, cuda)) == 32
+        assert -(-4096 // triton_attention.chunk_keys(4096, 1, 8, cuda, four)) == 64
+        assert triton_attention.programs_to_fill(cuda, four) == 4 * 132
+
+
+def test_the_launch_sweep_checks_every_launch_against_fp32_and_names_a_wrong_one(
+    tmp_path, monkeypatch, capsys
+):
+    from fp8compile.bench import attention
+
+    launches = [
+        triton_attention.LAUNCH,
+        triton_attention.Launch(block_l=128),
+        triton_attention.Launch(num_warps=8),
+    ]
+    split_kv = attention_op.split_kv_attention
+
+    def broken_at_128(q, k, v, mask, scale, rep, chunk, launch):
+        out = split_kv(q, k, v, mask, scale, rep, chunk, launch)
+        return out.flip(-1) if launch.block_l == 128 else out
+
+    monkeypatch.setattr(attention_op, "split_kv_attention", broken_at_128)
+    rows = attention.tune_gqa_decode(tmp_path, points=[(1, 130)], sweep=launches, device=torch.device(DEVICE))
+    assert [r["launch"] for r in rows] == [
+        "(64, 4, 3, 2)",
+        "(128, 4, 3, 2)",
+        "(64, 8, 3, 2)",
+    ]  # the op's once
+    assert [r["default"] for r in rows] == [True, False, False]
+    assert [r["calc_diff"] < attention.WRONG for r in rows] == [True, False, True]
+    assert "(128, 4, 3, 2) wrong" in capsys.readouterr().out
+    assert (tmp_path / "tune_gqa_decode.json").exists()
+
+
 def test_split_kv_is_a_bool_option_on_by_default():
     assert fp8compile.Fp8Config().split_kv is True
     with pytest.raises(TypeError, match="split_kv"):

@@ -88,7 +88,11 @@ def main(args) -> int:
                 from . import mqa
 
                 mqa.tune_paged(out)
-            gemm_kernels = [k for k in args.kernels if k != "mqa_paged"]
+            if "gqa_decode" in args.kernels:
+                from . import attention
+
+                attention.tune_gqa_decode(out)
+            gemm_kernels = [k for k in args.kernels if k not in ("mqa_paged", "gqa_decode")]
             if gemm_kernels:
                 tune(out, shapes=args.shape or SHAPES, kernels=gemm_kernels)
     print(f"[{time.time() - start:.0f} s] results in {out}")

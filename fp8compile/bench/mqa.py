@@ -21,7 +21,7 @@ import torch
 import fp8compile
 
 from . import harness
-from .output import save
+from .output import best_fixed, save
 
 HEADS, HEAD_DIM, BLOCK = 64, 128, 64
 PREFILL = [4096, 8192]
@@ -197,23 +197,7 @@ def tune_paged(out: Path, decode=DECODE, tiles=PAGED_TILES) -> list[dict]:
             f"best {best['tiles']} {best['us']:.1f} us, DeepGEMM {dg and round(dg, 1)} us",
             flush=True,
         )
-    return save(out, "tune_mqa_paged.json", rows, _paged_ranking)
-
-
-def _paged_ranking(rows: list[dict]) -> str:
-    """The five best fixed tilings by geometric-mean time over the decode points."""
-    import math
-
-    scores: dict[str, list] = {}
-    for r in rows:
-        scores.setdefault(r["tiles"], []).append(r["us"])
-    ranked = sorted(
-        (math.exp(sum(map(math.log, ts)) / len(ts)), name) for name, ts in scores.items() if all(ts)
-    )
-    return "\n".join(
-        ["best fixed tilings by geometric-mean time over the points:"]
-        + [f"   {name}: {score:.1f} us" for score, name in ranked[:5]]
-    )
+    return save(out, "tune_mqa_paged.json", rows, lambda rows: best_fixed(rows, "tiles"))
 
 
 def _deep_gemm_paged(q_fp8, cache, weights, lens, tables, context):

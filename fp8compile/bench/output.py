@@ -41,3 +41,20 @@ def save(out_dir: Path, name: str, rows: list[dict], table) -> list[dict]:
     (out_dir / name).write_text(json.dumps(rows, indent=1))
     print(table(rows))
     return rows
+
+
+def best_fixed(rows: list[dict], key: str, count: int = 5) -> str:
+    """The `count` best values of rows' `key` (a fixed choice, such as a tiling) by geometric-mean
+    time ("us") over the points they were timed at; a choice that failed anywhere is left out."""
+    import math
+
+    times: dict[str, list] = {}
+    for r in rows:
+        times.setdefault(r[key], []).append(r["us"])
+    ranked = sorted(
+        (math.exp(sum(map(math.log, ts)) / len(ts)), name) for name, ts in times.items() if all(ts)
+    )
+    return "\n".join(
+        ["best fixed choices by geometric-mean time over the points:"]
+        + [f"   {name}: {score:.1f} us" for score, name in ranked[:count]]
+    )

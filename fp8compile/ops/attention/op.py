@@ -26,6 +26,21 @@ def gqa_decode_attention(
     r % S); k, v (B, KV, L, D); mask None, or boolean or additive broadcasting to (B, KV * rep,
     S, L) -> (B, KV, R, D) in q's dtype. chunk: keys per program (a multiple of
     triton_attention.BLOCK_L; 0 = triton_attention.chunk_keys's choice)."""
+    return split_kv_attention(q, k, v, mask, scale, rep, chunk, triton_attention.LAUNCH)
+
+
+def split_kv_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    scale: float,
+    rep: int,
+    chunk: int,
+    launch: triton_attention.Launch,
+) -> Tensor:
+    """The op's body, launched as `launch` says (the op: triton_attention.LAUNCH; `bench tune
+    --kernels gqa_decode` times others); chunk a multiple of launch.block_l, or 0."""
     b, kv, rows, d = q.shape
     length = k.shape[2]
     if rows % rep:
@@ -33,9 +48,9 @@ def gqa_decode_attention(
     s = rows // rep
     chunk = int(chunk)  # a constant of the trace (a symbolic one is specialized)
     if chunk == 0:
-        chunk = triton_attention.chunk_keys(size_hint(length), size_hint(b), kv, q.device)
-    elif chunk % triton_attention.BLOCK_L:
-        raise ValueError(f"chunk = {chunk} is not a multiple of {triton_attention.BLOCK_L}")
+        chunk = triton_attention.chunk_keys(size_hint(length), size_hint(b), kv, q.device, launch)
+    elif chunk % launch.block_l:
+        raise ValueError(f"chunk = {chunk} is not a multiple of {launch.block_l}")
     if mask is not None:  # (B, H, S, L) through its strides: 0 where it broadcasts
         mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(b, kv * rep, s, length)
     # The kernel reads the head dimension at unit stride; the pass hands it such keys and values
@@ -49,11 +64,13 @@ def gqa_decode_attention(
     else:
         o = torch.empty(b, kv, chunks, rows, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(b, kv, chunks, rows, dtype=torch.float32, device=q.device)
-    programs = triton_attention.programs_to_fill(q.device)
+    programs = triton_attention.programs_to_fill(q.device, launch)
     grid, args, constexprs = triton_attention.gqa_decode_arguments(
-        q, k, v, mask, o, lse, scale, rep, chunk, programs
+        q, k, v, mask, o, lse, scale, rep, chunk, programs, launch.block_l
     )
-    wrap_triton(triton_attention._gqa_decode_kernel)[grid](*args, **constexprs, num_warps=4)
+    wrap_triton(triton_attention._gqa_decode_kernel)[grid](
+        *args, **constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages
+    )
     if one:
         return o
     out = torch.empty(b, kv, rows, d, dtype=q.dtype, device=q.device)

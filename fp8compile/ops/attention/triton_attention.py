@@ -29,6 +29,8 @@ rows per K/V head, L keys, D head size, C chunks.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -38,7 +40,27 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ...numerics import next_pow2
 from ..launch import num_sms
 
-BLOCK_L = 64  # keys a step
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How _gqa_decode_kernel is launched: keys a step (BLOCK_L), warps, pipeline stages, and
+    persistent programs an SM, which also sets how many chunks the keys are cut into
+    (chunk_keys)."""
+
+    block_l: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 2
+
+
+# `bench tune --kernels gqa_decode` on an H200 (2026-11-29): 24 launches (64 or 128 keys a step,
+# 4 or 8 warps, 2, 3 or 4 stages, 2 or 4 programs an SM) at batch 1, 16, 64 and 1088 keys, batch
+# 1 and 16 at 4096, Llama-3-8B's heads, keys and values cold: this one is the best fixed launch
+# by geometric mean, within 1.9% of each point's best, the best at batch 16; the slowest launch
+# took 1.06-1.35x its time (BENCHMARKS.md, "Decode attention";
+# benchmarks/tune_gqa_decode_h200_2026-11-29.json).
+LAUNCH = Launch()
+BLOCK_L = LAUNCH.block_l  # keys a step
 # Chunks the combine kernel reads a step. Not tuned: chunk_keys makes about 2 x SMs / (B x KV)
 # chunks at the batch a graph is compiled for (33 for Llama-3-8B at batch 1 on an H100 or H200),
 # a few steps.
@@ -160,19 +182,23 @@ def _gqa_decode_kernel(
             tl.store(lse_ptr + ((b * KV + g) * num_chunks + c) * (REP * S) + r, lse, mask=row_ok)
 
 
-def chunk_keys(length: int, batch: int, kv: int, device: torch.device) -> int:
-    """Keys per chunk: enough chunks that B x KV x C programs fill the GPU about twice, each
-    at least one BLOCK_L step (length and batch: sizes or their hints)."""
+def chunk_keys(length: int, batch: int, kv: int, device: torch.device, launch: Launch = LAUNCH) -> int:
+    """Keys per chunk: enough chunks that B x KV x C work items fill the launch's programs (two
+    an SM: the GPU about twice), each at least one step of keys (length and batch: sizes or
+    their hints)."""
     programs = max(1, batch * kv)
-    chunks = max(1, programs_to_fill(device) // programs)
-    return triton.cdiv(triton.cdiv(length, chunks), BLOCK_L) * BLOCK_L
+    chunks = max(1, programs_to_fill(device, launch) // programs)
+    return triton.cdiv(triton.cdiv(length, chunks), launch.block_l) * launch.block_l
 
 
-def programs_to_fill(device: torch.device) -> int:
-    """Two programs per SM on a GPU; a few in Triton's CPU interpreter."""
+def programs_to_fill(device: torch.device, launch: Launch = LAUNCH) -> int:
+    """The persistent grid: launch.programs_per_sm an SM on a GPU; a few in Triton's CPU
+    interpreter."""
     if device.type != "cuda":
         return 4
-    return 2 * num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return launch.programs_per_sm * num_sms(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
 
 
 def mask_code(mask: Tensor | None) -> int:
@@ -181,10 +207,12 @@ def mask_code(mask: Tensor | None) -> int:
     return MASK_BOOL if mask.dtype == torch.bool else MASK_ADD
 
 
-def gqa_decode_arguments(q, k, v, mask, o, lse, scale: float, rep: int, chunk: int, programs: int):
+def gqa_decode_arguments(
+    q, k, v, mask, o, lse, scale: float, rep: int, chunk: int, programs: int, block_l: int = BLOCK_L
+):
     """(grid, args, constexprs) of _gqa_decode_kernel: q (B, KV, R, D), k and v (B, KV, L, D),
     mask broadcast to (B, H, S, L) or None, o (B, KV, C, R, D) (C = 1: (B, KV, R, D) in q's dtype),
-    lse (B, KV, C, R) fp32 or None."""
+    lse (B, KV, C, R) fp32 or None; block_l keys a step."""
     b, kv, rows, d = q.shape
     length = k.shape[2]
     chunks = o.shape[2] if o.dim() == 5 else 1
@@ -229,7 +257,7 @@ def gqa_decode_arguments(q, k, v, mask, o, lse, scale: float, rep: int, chunk: i
         D=d,
         BLOCK_R=max(16, next_pow2(rows)),
         BLOCK_D=max(16, next_pow2(d)),
-        BLOCK_L=BLOCK_L,
+        BLOCK_L=block_l,
         MASK=mask_code(mask),
         WRITE_LSE=lse is not None,
         # Triton's CPU interpreter multiplies bf16 dot operands wrongly (3.9): fp32 operands there,
