@@ -481,6 +481,37 @@ def test_bench_model_counts_gpu_idle_time_between_the_kernels_it_falls_between()
     assert idle_spans([]) == []
 
 
+def test_bench_model_profile_names_each_top_kernels_launches_per_step():
+    from fp8compile.bench.decode import kernel_split
+    from fp8compile.bench.table import model_table
+
+    # 32 steps of an 8-layer model: the attention ran once a layer, the linear four times
+    row = dict(
+        device="cpu",
+        model="tiny-llama",
+        layers=8,
+        variant="fp8_ro_lean",
+        kind="decode",
+        batch=16,
+        recompiles=0,
+    )
+    row.update(tokens_per_s=12500.0, ms_per_step=1.28)
+    kernel_split(
+        row,
+        {"_gqa_decode_kernel": 32 * 0.30, "_linear_small_m_kernel": 32 * 0.80},
+        32,
+        {"_gqa_decode_kernel": 32 * 8, "_linear_small_m_kernel": 32 * 32},
+    )
+    assert row["top_kernels_ms_per_step"] == [
+        ["_linear_small_m_kernel", "linear", 0.80, 32.0],
+        ["_gqa_decode_kernel", "attention", 0.30, 8.0],
+    ]
+    assert "_gqa_decode_kernel (attention) 0.300 x8" in model_table([row])
+    # rows written before launches were counted still table
+    row["top_kernels_ms_per_step"] = [entry[:3] for entry in row["top_kernels_ms_per_step"]]
+    assert "_gqa_decode_kernel (attention) 0.300;" in model_table([row]) + ";"
+
+
 def test_bench_model_gives_gpu_idle_time_to_the_innermost_host_range_that_names_an_owner():
     from fp8compile.bench.decode import CALLER, host_owners
 

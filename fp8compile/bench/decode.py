@@ -96,22 +96,25 @@ CALLER = "caller's Python"
 
 def gpu_profile(fn) -> dict:
     """One profiled run of fn (CPU and GPU activity): "kernels", the GPU time of its kernels by
-    kernel name, ms; "idle", the GPU's idle time by where it falls, "previous kernel -> next
-    kernel" (idle_spans; the names cut to 50 characters), ms; "owners" and "host_ranges", that
-    idle time by what the host thread was doing meanwhile (HOST_OWNERS; and by its innermost
-    profiler range's name), ms. The profiler's own cost per host op lengthens the host's part."""
+    kernel name, ms; "calls", how many times each ran; "idle", the GPU's idle time by where it
+    falls, "previous kernel -> next kernel" (idle_spans; the names cut to 50 characters), ms;
+    "owners" and "host_ranges", that idle time by what the host thread was doing meanwhile
+    (HOST_OWNERS; and by its innermost profiler range's name), ms. The profiler's own cost per
+    host op lengthens the host's part."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     totals: dict[str, float] = {}
+    calls: dict[str, int] = {}
     for event in prof.key_averages():
         us = getattr(event, "self_device_time_total", None)
         if us is None:
             us = getattr(event, "self_cuda_time_total", 0.0)
         if us and event.device_type == torch.autograd.DeviceType.CUDA:
             totals[event.key] = totals.get(event.key, 0.0) + us / 1e3
+            calls[event.key] = calls.get(event.key, 0) + event.count
     events = prof.events()
     gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     spans = idle_spans((e.time_range.start, e.time_range.end, e.name[:50]) for e in gpu)
@@ -123,7 +126,7 @@ def gpu_profile(fn) -> dict:
         [(start, end) for start, end, _ in spans],
         [(e.time_range.start, e.time_range.end, e.name, e.thread) for e in host],
     )
-    return dict(kernels=totals, idle=idle, owners=owners, host_ranges=ranges)
+    return dict(kernels=totals, calls=calls, idle=idle, owners=owners, host_ranges=ranges)
 
 
 def idle_spans(spans) -> list[tuple[float, float, str]]:
@@ -284,7 +287,12 @@ def decode(
             def per_step(key):  # the steps' share: the whole call's less the prompt's, over the steps
                 return {k: (ms - prompt[key].get(k, 0.0)) / steps for k, ms in every[key].items()}
 
-            kernel_split(row, {name: ms * steps for name, ms in per_step("kernels").items()}, steps)
+            kernel_split(
+                row,
+                {name: ms * steps for name, ms in per_step("kernels").items()},
+                steps,
+                {name: n * steps for name, n in per_step("calls").items()},
+            )
             idle = per_step("idle")
             row["gpu_idle_ms_per_step"] = sum(idle.values())
             top = sorted(idle.items(), key=lambda item: -item[1])[:8]
@@ -316,9 +324,15 @@ def _lean_generate(model, variant: Variant, ids, steps: int):
     return generate
 
 
-def kernel_split(row: dict, kernel_ms: dict[str, float], steps: int) -> None:
-    """row gets the GPU time per step by kernel kind and its top kernels by name."""
+def kernel_split(
+    row: dict, kernel_ms: dict[str, float], steps: int, calls: dict[str, float] | None = None
+) -> None:
+    """row gets the GPU time per step by kernel kind and its top kernels by name: [name, kind, ms
+    per step, launches per step] (calls: launches by name over the steps; the count tells a slow
+    kernel from one that runs more often than the model has layers)."""
     per_step = {name: ms / steps for name, ms in kernel_ms.items()}
     row["kernel_ms_per_step"] = by_kind(per_step)
     top = sorted(per_step.items(), key=lambda item: -item[1])[:12]
-    row["top_kernels_ms_per_step"] = [[name[:120], kernel_kind(name), ms] for name, ms in top]
+    row["top_kernels_ms_per_step"] = [
+        [name[:120], kernel_kind(name), ms, (calls or {}).get(name, 0) / steps] for name, ms in top
+    ]

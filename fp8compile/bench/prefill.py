@@ -76,6 +76,7 @@ def prefill_and_accuracy(
         if profile is not None and batch == batches[0]:
             profiled(step, profile)
             if device.type == "cuda":
-                kernel_split(row, gpu_profile(step)["kernels"], 1)
+                kernels = gpu_profile(step)
+                kernel_split(row, kernels["kernels"], 1, kernels["calls"])
         rows.append(row)
     return rows

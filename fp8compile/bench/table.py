@@ -124,10 +124,10 @@ def model_table(rows: list[dict]) -> str:
             ]
             for r in split:
                 lines.append(
-                    f"top kernels, {r['variant']} {_step_name(r)}, ms per step: "
+                    f"top kernels, {r['variant']} {_step_name(r)}, ms per step (x launches per step): "
                     + "; ".join(
-                        f"{name[:60]} ({kind}) {ms:.3f}"
-                        for name, kind, ms in r.get("top_kernels_ms_per_step", [])[:6]
+                        f"{name[:60]} ({kind}) {ms:.3f}" + "".join(f" x{n:g}" for n in launches[:1] if n)
+                        for name, kind, ms, *launches in r.get("top_kernels_ms_per_step", [])[:6]
                     )
                 )
             for r in split:
