@@ -85,14 +85,14 @@ def _models(args) -> int:
     if args.in_process:  # one architecture, its row as JSON on the last line
         (arch,) = args.arch
         row = architectures.run(
-            arch, device=args.device, modes=tuple(args.generate), dtype=dtype, null=args.null
+            arch, device=args.device, modes=tuple(args.generate), dtype=dtype, null=args.null, lean=args.lean
         )
         print(json.dumps(dataclasses.asdict(row)))
         return 0
     archs = args.arch or architectures.causal_lm_architectures()
     rows = []
     modes = tuple(args.generate)
-    print(architectures.table([], modes))
+    print(architectures.table([], modes, args.lean))
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # each its own process
         run = functools.partial(
             architectures.run_isolated,
@@ -101,10 +101,11 @@ def _models(args) -> int:
             modes=modes,
             dtype=dtype,
             null=args.null,
+            lean=args.lean,
         )
         for row in pool.map(run, archs):
             rows.append(row)
-            print(architectures.table([row], modes).splitlines()[-1], flush=True)
+            print(architectures.table([row], modes, args.lean).splitlines()[-1], flush=True)
             if args.out:  # after every row: a matrix cut off by a time limit keeps the rows it has
                 out = Path(args.out)
                 out.mkdir(parents=True, exist_ok=True)
@@ -168,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --generate: time bf16 Inductor on both sides, the ratio the timing reads where "
         "nothing differs (its noise floor)",
+    )
+    models.add_argument(
+        "--lean",
+        action="store_true",
+        help="also decode through fp8compile.LeanDecoder on the fp8 backend, greedy and sampled "
+        "(reduce-overhead on a GPU): an exception fails the row; a model without a static cache is refused",
     )
     models.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # one arch, JSON out
     bench = sub.add_parser(

@@ -112,6 +112,7 @@ class Row:
     seconds: float = 0.0
     dtype: str = "bfloat16"  # the model's
     decode: list = dataclasses.field(default_factory=list)  # generate_check.Decode per mode, as dicts
+    lean: str = ""  # LeanDecoder on the fp8 backend (--lean): "ran", "refused: ..." or the error
 
     @property
     def within_bound(self) -> bool:
@@ -305,13 +306,15 @@ def run(
     modes: tuple[str, ...] = (),
     dtype: torch.dtype = torch.bfloat16,
     null: bool = False,
+    lean: bool = False,
 ) -> Row:
     """One architecture through the matrix (module docstring), its model in `dtype` (float16: the
     bound is its own float16 composition's). On "cuda" the compiled model runs the GPU kernels the
     registry picks, and eager and the composition run there too.
     modes: also generate() in these compile modes, bf16 Inductor beside fp8 (generate_check;
     timed on a GPU): an exception of fp8's side there makes the row "failed". null: time bf16
-    Inductor on both sides instead (generate_check.decode), the ratio's noise floor."""
+    Inductor on both sides instead (generate_check.decode), the ratio's noise floor. lean: also
+    decode through fp8compile.LeanDecoder on the fp8 backend (_lean)."""
     import fp8compile
 
     begin = time.perf_counter()
@@ -355,6 +358,8 @@ def run(
     else:
         row.status = "over bound"
     _decode(row, model, device, modes, null)
+    if lean:
+        _lean(row, model, device)
     row.seconds = time.perf_counter() - begin
     return row
 
@@ -369,6 +374,47 @@ def _decode(row: Row, model, device: str, modes: tuple[str, ...], null: bool = F
             row.status, row.note = "failed", f"generate() in {mode}: {result.error}"
 
 
+LEAN_PROMPT, LEAN_NEW_TOKENS = 12, 6
+
+
+def _lean(row: Row, model, device: str) -> None:
+    """LeanDecoder on the fp8 backend (reduce-overhead on a GPU, no compile mode on the CPU):
+    two left-padded sequences, greedy, then drawn with temperature and top-p. A model it refuses
+    (no static cache) is a row's note, not a failure; an exception, or tokens of the wrong shape
+    or outside the vocabulary, fails the row."""
+    import fp8compile
+
+    from .lean_decode import LeanDecoder
+
+    try:
+        decoder = LeanDecoder(
+            model, backend=fp8compile.backend(), mode="reduce-overhead" if device != "cpu" else None
+        )
+    except ValueError as refused:  # a model without a static cache: LeanDecoder says so
+        row.lean = f"refused: {str(refused).splitlines()[0][:160]}"
+        return
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, LEAN_PROMPT), device=device)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # the second sequence left-padded
+    try:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            for options in ({}, dict(do_sample=True, temperature=0.7, top_p=0.9)):
+                tokens = decoder.generate(ids, LEAN_NEW_TOKENS, attention_mask=mask, **options)
+                if (
+                    tokens.shape != (2, LEAN_PROMPT + LEAN_NEW_TOKENS)
+                    or not ((tokens >= 0) & (tokens < model.config.vocab_size)).all()
+                ):
+                    raise ValueError(f"tokens of shape {tuple(tokens.shape)}, or outside the vocabulary")
+        row.lean = "ran"
+    except Exception as error:  # noqa: BLE001  a row of the matrix: a crash is what it must show
+        row.lean = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        row.status, row.note = "failed", f"LeanDecoder: {row.lean}"
+    finally:
+        torch._dynamo.reset()
+
+
 def run_isolated(
     arch: str,
     timeout: float = 600,
@@ -376,6 +422,7 @@ def run_isolated(
     modes: tuple[str, ...] = (),
     dtype: torch.dtype = torch.bfloat16,
     null: bool = False,
+    lean: bool = False,
 ) -> Row:
     """run(arch) in a fresh Python process: an architecture that exhausts memory, hangs or kills
     its process becomes a "failed" row instead of ending the matrix (and compiled graphs do not
@@ -387,7 +434,7 @@ def run_isolated(
     begin = time.perf_counter()
     command = [sys.executable, "-m", "fp8compile", "models", "--in-process", "--device", device, arch]
     command += ["--dtype", dtypes.name(dtype)]
-    command += [f"--generate={mode}" for mode in modes] + ["--null"] * null
+    command += [f"--generate={mode}" for mode in modes] + ["--null"] * null + ["--lean"] * lean
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -411,16 +458,19 @@ def run_isolated(
     return Row(**json.loads(lines[-1]))
 
 
-def table(rows: list[Row], modes: tuple[str, ...] = ()) -> str:
-    """The matrix as a Markdown table; a generate() column per mode (those of the rows' by default)."""
+def table(rows: list[Row], modes: tuple[str, ...] = (), lean: bool | None = None) -> str:
+    """The matrix as a Markdown table; a generate() column per mode (those of the rows' by
+    default), and a LeanDecoder one with lean (by default where a row ran it)."""
     modes = list(modes) or list(dict.fromkeys(d["mode"] for r in rows for d in r.decode))
+    lean = any(r.lean for r in rows) if lean is None else lean
     lines = [
         "| architecture | status | rewritten | median token calc_diff, x composition | pooled, x composition "
         + "".join(
             f"| generate(), {mode}: fp8 / bf16 Inductor tokens/s, recompiles, CUDA graphs " for mode in modes
         )
+        + "| LeanDecoder, fp8 " * lean
         + "| kept bf16 |",
-        "|---|---|---|---|---|---|" + "---|" * len(modes),
+        "|---|---|---|---|---|---|" + "---|" * (len(modes) + lean),
     ]
     for r in rows:
         counts = ", ".join(f"{kind} {n}" for kind, n in r.counts.items()) or "-"
@@ -431,6 +481,7 @@ def table(rows: list[Row], modes: tuple[str, ...] = ()) -> str:
         kept = "; ".join(f"{n} x {reason}" for reason, n in r.kept.items()) or r.note or "-"
         arch = f"{r.arch} ({r.experts})" if r.experts else r.arch
         decode = "".join(f"| {_decode_cell(r, mode)} " for mode in modes)
+        decode += f"| {(r.lean or '-').replace('|', '/')} " * lean
         kept = kept.replace("|", "/")
         lines.append(f"| {arch} | {r.status} | {counts} | {median} | {pooled} {decode}| {kept} |")
     return "\n".join(lines)

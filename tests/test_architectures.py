@@ -271,6 +271,49 @@ def test_generate_in_the_matrix_tells_a_crash_of_fp8_from_the_models_own(monkeyp
     assert header.count("|") == line.count("|")
 
 
+def test_lean_in_the_matrix_decodes_greedy_and_sampled_and_fails_the_row_on_a_crash(monkeypatch):
+    from fp8compile import lean_decode
+
+    model = architectures.build("llama")
+    row = architectures.Row("llama", "rewritten", counts={"linear": 14})
+    architectures._lean(row, model, "cpu")
+    assert (row.status, row.lean) == ("rewritten", "ran")
+    header, _, line = architectures.table([row]).splitlines()
+    assert "| LeanDecoder, fp8 |" in header and "| ran |" in line and header.count("|") == line.count("|")
+
+    model._can_compile_fullgraph = False  # transformers' mark of a model without a static cache
+    refused = architectures.Row("llama", "rewritten", counts={"linear": 14})
+    architectures._lean(refused, model, "cpu")
+    assert refused.status == "rewritten" and refused.lean.startswith(
+        "refused: LlamaForCausalLM cannot decode"
+    )
+
+    def crash(self, *args, **kwargs):
+        raise IndexError("index 12 is out of bounds")
+
+    monkeypatch.setattr(lean_decode.LeanDecoder, "generate", crash)
+    model._can_compile_fullgraph = True
+    crashed = architectures.Row("llama", "rewritten", counts={"linear": 14})
+    architectures._lean(crashed, model, "cpu")
+    assert crashed.status == "failed" and crashed.note == "LeanDecoder: IndexError: index 12 is out of bounds"
+
+
+def test_lean_reaches_the_architectures_own_process(monkeypatch):
+    commands = []
+
+    def run(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(
+            command, 0, stdout='{"arch": "llama", "status": "rewritten", "lean": "ran"}\n'
+        )
+
+    monkeypatch.setattr(subprocess, "run", run)
+    row = architectures.run_isolated("llama", lean=True)
+    assert row.lean == "ran" and "--lean" in commands[0]
+    architectures.run_isolated("llama")
+    assert "--lean" not in commands[1]
+
+
 def test_generate_in_the_matrix_gives_tokens_per_second_on_both_sides_dropping_the_first_block(monkeypatch):
     from fp8compile import generate_check
 
