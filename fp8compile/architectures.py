@@ -379,9 +379,9 @@ LEAN_PROMPT, LEAN_NEW_TOKENS = 12, 6
 
 def _lean(row: Row, model, device: str) -> None:
     """LeanDecoder on the fp8 backend (reduce-overhead on a GPU, no compile mode on the CPU):
-    two left-padded sequences, greedy, then drawn with temperature and top-p. A model it refuses
-    (no static cache) is a row's note, not a failure; an exception, or tokens of the wrong shape
-    or outside the vocabulary, fails the row."""
+    two sequences, one left-padded, greedy, then drawn with temperature and top-p. A model it
+    refuses (no static cache) is a row's note, not a failure; an exception, or tokens of the
+    wrong shape or past the lm_head's outputs, fails the row."""
     import fp8compile
 
     from .lean_decode import LeanDecoder
@@ -398,15 +398,19 @@ def _lean(row: Row, model, device: str) -> None:
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # the second sequence left-padded
     try:
+        head = getattr(model.get_output_embeddings(), "weight", None)  # its rows: the logits' width
+        vocab = max(model.config.vocab_size, head.shape[0] if head is not None else 0)
         torch._dynamo.reset()
         with torch.no_grad():
             for options in ({}, dict(do_sample=True, temperature=0.7, top_p=0.9)):
                 tokens = decoder.generate(ids, LEAN_NEW_TOKENS, attention_mask=mask, **options)
                 if (
                     tokens.shape != (2, LEAN_PROMPT + LEAN_NEW_TOKENS)
-                    or not ((tokens >= 0) & (tokens < model.config.vocab_size)).all()
+                    or not ((tokens >= 0) & (tokens < vocab)).all()
                 ):
-                    raise ValueError(f"tokens of shape {tuple(tokens.shape)}, or outside the vocabulary")
+                    raise ValueError(
+                        f"tokens of shape {tuple(tokens.shape)}, or past the lm_head's {vocab} outputs"
+                    )
         row.lean = "ran"
     except Exception as error:  # noqa: BLE001  a row of the matrix: a crash is what it must show
         row.lean = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
