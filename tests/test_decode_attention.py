@@ -74,6 +74,28 @@ def test_split_kv_attention_is_the_attention_over_repeated_kv(mask_kind, s, chun
     assert calc_diff(got, reference(q, k, v, mask, 0.1, 4)) < BF16_ATTENTION
 
 
+@pytest.mark.parametrize("mask_kind", ["additive", "bool"])
+@pytest.mark.parametrize("length", [197, 208])
+def test_a_mask_every_query_row_shares_is_read_a_row_a_step_where_its_rows_are_unaligned(mask_kind, length):
+    # A (B, 1, 1, L) mask at one query token: every row of a work item reads the same mask row.
+    # Over 197 keys the rows of the (B, H, S, L) tile do not start on 16 bytes, whether bool or
+    # bf16, and the kernel loads the one row instead; over 208 they do and it loads the tile.
+    q, k, v, mask = inputs(3, 2, 4, 1, length, 64, mask_kind)
+    mask[1, ..., :70] = False if mask_kind == "bool" else float("-inf")  # left padding, one sequence
+    assert triton_attention.one_mask_row(mask.expand(3, 8, 1, length), 1) == (length == 197)
+    got = grouped(q, k, v, mask, 0.1, 4, chunk=64)
+    assert calc_diff(got, reference(q, k, v, mask, 0.1, 4)) < BF16_ATTENTION
+
+
+def test_the_mask_is_read_as_a_tile_where_its_rows_differ():
+    # per head, or per query token of several: the rows of a work item read different mask rows
+    per_head = torch.zeros(1, 8, 1, 197, dtype=torch.bool)
+    tokens = torch.zeros(1, 1, 3, 197, dtype=torch.bool).expand(1, 8, 3, 197)
+    assert not triton_attention.one_mask_row(per_head, 1)
+    assert not triton_attention.one_mask_row(tokens, 3)
+    assert not triton_attention.one_mask_row(None, 1)
+
+
 def test_one_chunk_writes_the_output_itself_and_agrees_with_many():
     q, k, v, mask = inputs(1, 2, 4, 1, 130, 32, "additive")
     one, many = grouped(q, k, v, mask, 0.2, 4, chunk=192), grouped(q, k, v, mask, 0.2, 4, chunk=64)

@@ -105,6 +105,7 @@ def _gqa_decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr,
     MASK: tl.constexpr,
+    MASK_ROW: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
@@ -136,6 +137,8 @@ def _gqa_decode_kernel(
             keys = start + tl.arange(0, BLOCK_L)
             key_ok = keys < hi
             kv_mask = key_ok[:, None] & d_ok[None, :]
+            if MASK_ROW:  # one mask row serves every query row: BLOCK_L loads, not BLOCK_R x BLOCK_L
+                m_row = tl.load(mask_ptr + b * stride_mb + keys * stride_ml, mask=key_ok, other=0)
             k = tl.load(
                 k_ptr + b * stride_kb + g * stride_kg + keys[:, None] * stride_kl + d[None, :],
                 mask=kv_mask,
@@ -144,7 +147,12 @@ def _gqa_decode_kernel(
             if DOT_F32:
                 k = k.to(tl.float32)
             scores = tl.dot(q, tl.trans(k)) * SCALE
-            if MASK != 0:
+            if MASK_ROW:
+                if MASK == 1:
+                    scores += m_row.to(tl.float32)[None, :]
+                else:
+                    key_ok = key_ok & (m_row != 0)
+            elif MASK != 0:
                 m_ptrs = (
                     mask_ptr
                     + b * stride_mb
@@ -207,6 +215,23 @@ def mask_code(mask: Tensor | None) -> int:
     return MASK_BOOL if mask.dtype == torch.bool else MASK_ADD
 
 
+def one_mask_row(mask: Tensor | None, s: int) -> bool:
+    """Whether the kernel loads one mask row a key step for all of a work item's query rows
+    (BLOCK_L values) instead of a BLOCK_R x BLOCK_L tile: where every row reads the same mask row
+    (one query token, the mask broadcast over heads: a static cache's (B, 1, 1, L) mask at decode)
+    and the tile's rows do not all start on 16 bytes, which leaves its loads unvectorized.
+
+    Llama-3-8B's heads on an H200, keys and values cold, the combine included (BENCHMARKS.md,
+    "Decode attention", 2026-11-29): at 1057 keys, rows unaligned, the tile took 35.5 / 37.5 us
+    at batch 16 with a boolean / bf16 per-sequence mask, the row 29.3 / 26.2 (batch 64: 115 / 111
+    against 75 / 74); at 1088 keys, rows aligned, the tile was as fast or faster (batch 16, a
+    boolean mask: 26.1 us against the row's 28.3)."""
+    if mask is None or s != 1 or not statically_known_true(mask.stride(1) == 0):
+        return False
+    size = mask.element_size()
+    return not all(statically_known_true(st * size % 16 == 0) for st in mask.stride()[:3])
+
+
 def gqa_decode_arguments(
     q, k, v, mask, o, lse, scale: float, rep: int, chunk: int, programs: int, block_l: int = BLOCK_L
 ):
@@ -259,6 +284,7 @@ def gqa_decode_arguments(
         BLOCK_D=max(16, next_pow2(d)),
         BLOCK_L=block_l,
         MASK=mask_code(mask),
+        MASK_ROW=one_mask_row(mask, rows // rep),
         WRITE_LSE=lse is not None,
         # Triton's CPU interpreter multiplies bf16 dot operands wrongly (3.9): fp32 operands there,
         # the same bf16 values.
