@@ -22,9 +22,11 @@ code generation. With the fixed kernel the first call took 27.1 s, with sdpa's k
 (BENCHMARKS.md, "2026-11-26 (9414b3b)").
 
 The mask is sdpa's: additive (float, -inf for a masked key) or boolean (True = attend), any
-shape that broadcasts to (B, H, S, L), read through its strides (0 where it broadcasts). Shape
-letters: B sequences, KV K/V heads, rep query heads per K/V head, S query tokens, R = rep * S
-rows per K/V head, L keys, D head size, C chunks.
+shape that broadcasts to (B, H, S, L), read through its strides (0 where it broadcasts): as a
+tile of a work item's rows a key step, or, where they all share one mask row and the tile's rows
+are not 16-byte aligned, as that one row (one_mask_row). Shape letters: B sequences, KV K/V
+heads, rep query heads per K/V head, S query tokens, R = rep * S rows per K/V head, L keys, D
+head size, C chunks.
 """
 
 from __future__ import annotations
