@@ -3,7 +3,10 @@
 also sets the chunk count) against the op's own (triton_attention.LAUNCH).
 
 Llama-3-8B's heads (8 K/V heads of 4 query heads, D = 128), one query token a sequence, the
-boolean (B, 1, 1, L) mask a static cache gives with its last positions not written yet. Each
+boolean (B, 1, 1, L) mask a static cache gives, a row per sequence, its last positions not
+written yet. At 1057 keys (`bench model`'s cache: prompt 1024, 32 steps and one) the mask's rows
+do not start on 16 bytes and the kernel reads one row a step, at 1088 a tile of rows
+(triton_attention.one_mask_row); a sweep at 1088 alone missed the in-model time at 1057. Each
 timed call reads its keys and values from a copy of its own, the copies together larger than
 L2 (harness.copies), so every call reads them cold, as each layer of a model does; the combine
 kernel is timed with the split one. A launch whose output strays from the fp32 attention is
@@ -24,8 +27,9 @@ from . import harness
 from .output import best_fixed, save
 
 KV_HEADS, REP, HEAD_DIM = 8, 4, 128
-# (batch, keys): a 1024-token prompt and 64 steps, and a 4096-key context.
-POINTS = [(1, 1088), (16, 1088), (64, 1088), (1, 4096), (16, 4096)]
+# (batch, keys): a 1024-token prompt and 64 steps, and 32 steps and one (the mask's rows
+# unaligned); a 4096-key context.
+POINTS = [(1, 1088), (16, 1088), (64, 1088), (1, 1057), (16, 1057), (64, 1057), (1, 4096), (16, 4096)]
 # calc_diff against the fp32 attention above which a launch's output counts as wrong: the op
 # measures about 1e-5 (bf16 probabilities and output; tests/test_decode_attention.py), a lost
 # chunk 0.15 and more.
@@ -43,13 +47,14 @@ def launches():
 
 
 def _case(batch: int, keys: int, device: torch.device):
-    """One sequence-batch's query, keys, values and mask (the last 16 positions masked)."""
+    """One sequence-batch's query, keys, values and mask (a row per sequence, the last 16
+    positions masked)."""
     q = torch.randn(batch, KV_HEADS, REP, HEAD_DIM, device=device, dtype=torch.bfloat16)
     k = torch.randn(batch, KV_HEADS, keys, HEAD_DIM, device=device, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    mask = torch.ones(1, 1, 1, keys, dtype=torch.bool, device=device)
+    mask = torch.ones(batch, 1, 1, keys, dtype=torch.bool, device=device)
     mask[..., keys - 16 :] = False
-    return q, k, v, mask.expand(batch, 1, 1, keys)
+    return q, k, v, mask
 
 
 def _reference(q, k, v, mask):
