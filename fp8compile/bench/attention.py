@@ -37,12 +37,13 @@ WRONG = 1e-3
 
 
 def launches():
-    """The sweep: every combination around the op's launch."""
+    """The sweep: every combination around the op's launch. One program an SM halves the chunks:
+    at Llama-3-8B's batch 16 the keys stay whole, with no combine kernel."""
     from fp8compile.ops.attention.triton_attention import Launch
 
     return [
         Launch(block_l, warps, stages, per_sm)
-        for block_l, warps, stages, per_sm in itertools.product((64, 128), (4, 8), (2, 3, 4), (2, 4))
+        for block_l, warps, stages, per_sm in itertools.product((64, 128), (4, 8), (2, 3, 4), (1, 2, 4))
     ]
 
 
