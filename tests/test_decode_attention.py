@@ -260,7 +260,7 @@ def test_split_kv_is_a_bool_option_on_by_default():
 
 
 @gpu
-@pytest.mark.parametrize("length", [1152, 4096])
+@pytest.mark.parametrize("length", [1057, 1152, 4096])  # 1057: the mask read a row a step
 @pytest.mark.parametrize("batch", [1, 4, 64])
 @pytest.mark.parametrize("mask_kind", ["additive", "bool"])
 def test_on_the_gpu_split_kv_is_as_accurate_as_cudnn_at_llama_sizes(length, batch, mask_kind):
