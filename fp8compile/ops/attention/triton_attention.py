@@ -221,7 +221,7 @@ def one_mask_row(mask: Tensor | None, s: int) -> bool:
     """Whether the kernel loads one mask row a key step for all of a work item's query rows
     (BLOCK_L values) instead of a BLOCK_R x BLOCK_L tile: where every row reads the same mask row
     (one query token, the mask broadcast over heads: a static cache's (B, 1, 1, L) mask at decode)
-    and the tile's rows do not all start on 16 bytes: then the tile comes in as single-byte loads,
+    and the tile's rows do not all start on 16 bytes: then the tile comes in one element a load,
     not pipelined, where aligned rows come by cp.async with the keys (the sm_90 code, Triton 3.7).
 
     Llama-3-8B's heads on an H200, keys and values cold, the combine included (BENCHMARKS.md,
