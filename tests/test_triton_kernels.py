@@ -188,6 +188,19 @@ def test_small_m_kernel_with_fused_quantization_matches_the_reference(m, split_k
     assert_bf16_close(out, reference_linear(x, w_fp8, w_scale, b, e8m0))
 
 
+@pytest.mark.parametrize("block_n", [32, 128, 256])
+@pytest.mark.parametrize("n", [100, 200, 384])
+def test_small_m_kernel_scales_each_row_of_a_tile_by_its_own_weight_scale_block(block_n, n):
+    """A tile of 32 or 128 rows lies inside one 128-row weight-scale block, one of 256 spans two
+    (the second partial, or past N, where N = 100 or 200 ends inside the tile). The scales differ
+    block by block and group by group; split-K into two."""
+    x = activation(17, 256)
+    w_fp8, w_scale = quant_reference.quant_weight_block(randn(n, 256, scale=0.02, device=DEVICE))
+    w_scale = w_scale * torch.arange(1, w_scale.numel() + 1, device=DEVICE).view_as(w_scale)
+    out = triton_gemm.linear_small_m(x, w_fp8, w_scale, block_n=block_n, split_k=2)
+    assert_bf16_close(out, reference_linear(x, w_fp8, w_scale, None))
+
+
 @pytest.mark.parametrize("m, max_m", [(1, 16), (5, 16), (17, 32), (64, 64)])
 @pytest.mark.parametrize("e8m0", [False, True])
 def test_linear_decode_op_is_the_decode_kernel_on_prequantized_weights(m, max_m, e8m0):

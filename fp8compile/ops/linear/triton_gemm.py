@@ -179,10 +179,23 @@ def _linear_small_m_kernel(
         # one kernel runs ahead); one launched plainly still waits for us to finish.
         tl.extra.cuda.gdc_launch_dependents()
     w_ptrs = w_ptr + safe_n[:, None] * stride_wn + (g0 * GROUP + offs_k)[None, :]
-    w_s_ptrs = w_s_ptr + (safe_n // GROUP) * stride_wsn
+    # The tile's weight scales are one or two scalars a group (a 128-row scale block, or two for
+    # 256-row tiles), each loaded one group ahead: the load's latency overlaps a group's wait
+    # for its tiles, and the scalars broadcast over the accumulator with no layout conversion.
+    tl.static_assert(BLOCK_N <= 2 * GROUP, "a tile spans at most two weight-scale blocks")
+    s_ptr = w_s_ptr + (pid_n * BLOCK_N // GROUP) * stride_wsn
+    s2_ptr = w_s_ptr + tl.minimum(pid_n * BLOCK_N // GROUP + 1, (N - 1) // GROUP) * stride_wsn
+    ahead = tl.minimum(g0, groups - 1)
+    s_next = tl.load(s_ptr + ahead * stride_wsg)
+    s2_next = tl.load(s2_ptr + ahead * stride_wsg) if BLOCK_N > GROUP else s_next
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # swapAB: out^T tile
     for g in range(g0, g1):
+        s, s2 = s_next, s2_next
+        ahead = tl.minimum(g + 1, groups - 1)
+        s_next = tl.load(s_ptr + ahead * stride_wsg)
+        if BLOCK_N > GROUP:
+            s2_next = tl.load(s2_ptr + ahead * stride_wsg)
         if ACT_TMA:  # pipelined with the weight tiles; rows past M arrive as zeros
             tl.static_assert(ACT == 0, "TMA activation tiles serve plain linears only")
             x = x_desc.load([0, g * GROUP]).to(tl.float32)
@@ -206,8 +219,11 @@ def _linear_small_m_kernel(
             w = w_desc.load([pid_n * BLOCK_N, g * GROUP])
         else:
             w = tl.load(w_ptrs)
-        w_s = tl.load(w_s_ptrs + g * stride_wsg)
-        acc += tl.dot(w, tl.trans(x_fp8)) * w_s[:, None] * x_s[None, :]
+        if BLOCK_N > GROUP:
+            w_s = tl.where(tl.arange(0, BLOCK_N) < GROUP, s, s2)
+            acc += tl.dot(w, tl.trans(x_fp8)) * w_s[:, None] * x_s[None, :]
+        else:
+            acc += tl.dot(w, tl.trans(x_fp8)) * s * x_s[None, :]
         w_ptrs += GROUP
 
     arrivals_ptr = counters_ptr(arrivals_hi, arrivals_lo)
