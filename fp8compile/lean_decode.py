@@ -181,15 +181,13 @@ class LeanDecoder:
         attention layers give them (an MLA model's keys and values differ in width); with
         compile_prefill, or for a model of local shards (fp8compile.tensor_parallel), before it,
         from the config's head counts (this rank's) and width."""
-        from transformers import StaticCache
-
         key = (batch, length)
         if key not in self._caches:
             # a model tensor_parallel.shard sharded: this rank's KV heads, whatever the
             # transformers version sizes its cache by (5.24: the first keys stored)
             kv_heads = tensor_parallel.local_kv_heads(self.model)
             if self.prefill is self.model and kv_heads is None:
-                self._caches[key] = StaticCache(config=self.model.config, max_cache_len=length)
+                self._caches[key] = static_cache(self.model, length)
             else:
                 device = next(self.model.parameters()).device
                 self._caches[key] = static_cache_made_now(self.model, batch, length, device, kv_heads)
@@ -282,7 +280,9 @@ class LeanDecoder:
         # that moves every step, and CUDA graphs are recorded once per value of an int input (on
         # the second call, a recording a step: 105 ms a step for Mistral-7B-v0.1 on an H200). Such
         # a model gets its masks built eagerly before each step, as generate() builds them, and
-        # the graph takes them as tensors.
+        # the graph takes them as tensors. That host work outlasted a batch-1 step's kernels
+        # (Gemma-2-9B), so only a window shorter than the cache still has such a layer
+        # (static_cache).
         eager_masks = any(
             not isinstance(layer.get_seq_length(), torch.Tensor)
             for layer in cache.layers
@@ -323,18 +323,38 @@ class LeanDecoder:
         return torch.cat([input_ids, new], dim=1)
 
 
+def static_cache(model, length: int):
+    """transformers' StaticCache for the model, `length` tokens long, its tensors not yet made, with
+    each sliding-window layer whose window holds all `length` tokens made a plain static layer.
+
+    A window that holds the whole sequence excludes no key, so the layers compute the same:
+    both write each step's keys at the tensor position the cache keeps, and the sliding mask
+    (built from the model's config, not from the layer) still applies the window. But the
+    static layer gives its position to the masks as that tensor, where the sliding one gives a
+    Python int that moves every step, which LeanDecoder.generate must then keep out of the
+    compiled step by building its masks eagerly (tests/test_lean_decode.py pins the tokens to
+    generate()'s)."""
+    from transformers import StaticCache
+    from transformers import cache_utils
+
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    sliding = getattr(cache_utils, "StaticSlidingWindowLayer", None)
+    for i, layer in enumerate(cache.layers):
+        if sliding is not None and type(layer) is sliding and layer.max_cache_len >= length:
+            cache.layers[i] = cache_utils.StaticLayer(max_cache_len=length)
+    return cache
+
+
 def static_cache_made_now(model, batch: int, length: int, device, kv_heads: int | None = None):
     """A transformers StaticCache for `batch` sequences of up to `length` tokens, its tensors made
     now, outside any compiled call, from the config's head counts and width (kv_heads: a
     sharded model's per-rank count): for a prompt that runs compiled, where the cache would
     otherwise be made inside the graph and not be static addresses."""
-    from transformers import StaticCache
-
     config = model.config.get_text_config(decoder=True)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = kv_heads or getattr(config, "num_key_value_heads", None) or heads
-    cache = StaticCache(config=model.config, max_cache_len=length)
+    cache = static_cache(model, length)
     cache.early_initialization(batch, kv_heads, head_dim, model.dtype, device)
     return cache
 

@@ -24,6 +24,15 @@ def _prompt(model, batch=2, length=10):
     return ids, mask
 
 
+def _built(config):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def _generate(model, ids, backend, **options):
     """model.generate() as a user runs it: static cache, its decode step compiled with backend."""
     config = CompileConfig(backend=backend, mode="default", dynamic=None)
@@ -84,6 +93,47 @@ def test_lean_decode_gives_generates_tokens_whatever_the_cache_and_positions(arc
         )
         got = LeanDecoder(model, backend="eager", mode=None).generate(ids, 6, attention_mask=mask)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("arch, fp8", [("mistral", True), ("gemma2", False)])
+def test_inside_its_windows_a_sliding_model_builds_its_masks_in_the_one_compiled_step(arch, fp8, monkeypatch):
+    # The window (64) holds the prompt and every new token: the cache's layers are plain static
+    # ones, and each step builds its masks in the graph, from the cache's tensor position. A
+    # window shorter than the sequences is the test above (SMALL's 16): masks built before each
+    # step, from the sliding layers' int position.
+    from transformers.cache_utils import StaticLayer
+
+    config = architectures.small_config(arch)
+    config.sliding_window = 64
+    model = _built(config)
+    ids, mask = _prompt(model)
+    backend = fp8compile.backend() if fp8 else "eager"
+    decoder = LeanDecoder(model, backend=backend, mode=None)
+    built = []
+    monkeypatch.setattr(decoder, "_masks", lambda *args: built.append(args))
+    with torch.no_grad():
+        expected = _generate(model, ids, backend, attention_mask=mask, max_new_tokens=20)
+        torch._dynamo.reset()
+        before = _graphs()
+        got = decoder.generate(ids, 20, attention_mask=mask)
+        again = decoder.generate(ids, 20, attention_mask=mask)
+    assert torch.equal(got, expected) and torch.equal(again, expected)
+    assert not built
+    assert _graphs() - before == 1  # no recompile as the position moves
+    assert all(type(layer) is StaticLayer for layer in decoder.cache(2, 30).layers)
+
+
+def test_a_window_shorter_than_the_cache_keeps_its_sliding_layers():
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    from fp8compile.lean_decode import static_cache
+
+    config = architectures.small_config("gemma2")
+    config.sliding_window = 64
+    model = _built(config)
+    kinds = [type(layer) for layer in static_cache(model, 65).layers]
+    assert StaticSlidingWindowLayer in kinds and StaticLayer in kinds  # Gemma-2's global layers
+    assert {type(layer) for layer in static_cache(model, 64).layers} == {StaticLayer}
 
 
 def test_a_second_call_of_the_same_shape_compiles_nothing_and_the_step_is_one_graph():
