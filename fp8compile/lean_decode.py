@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import tensor_parallel
+from . import ring_window, tensor_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,12 +107,18 @@ def choose(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return argmax_rows(probs / race)
 
 
-def _decode_step(model, cache, tokens, position, offsets, mask, finished, eos, pad, names, sampling):
+def _decode_step(model, cache, tokens, position, offsets, mask, finished, eos, pad, names, sampling, ring):
     """One decode step: the model's forward on each sequence's last token at cache `position`,
     then the next tokens; with eos, sequences already finished get `pad`, and `finished` grows.
-    names: the forward's keyword for the cache, and whether it takes logits_to_keep."""
+    names: the forward's keyword for the cache, and whether it takes logits_to_keep. ring: for
+    a cache with ring_window layers, the model's mask maker and their window; the step builds
+    the masks and puts the sliding ones in slot order."""
     cache_name, keep = names
     more = {"logits_to_keep": 1} if keep else {}
+    if ring is not None:
+        make, window = ring
+        made = make(cache, tokens.shape[0], tokens.device, mask, (position + offsets)[:, None])
+        mask = ring_window.masks_in_ring_order(made, position, window)
     out = model(
         input_ids=tokens[:, None],
         attention_mask=mask,
@@ -281,13 +287,18 @@ class LeanDecoder:
         # the second call, a recording a step: 105 ms a step for Mistral-7B-v0.1 on an H200). Such
         # a model gets its masks built eagerly before each step, as generate() builds them, and
         # the graph takes them as tensors. That host work outlasted a batch-1 step's kernels
-        # (Gemma-2-9B), so only a window shorter than the cache still has such a layer
-        # (static_cache).
+        # (Gemma-2-9B), so static_cache leaves such a layer only to a model whose masks
+        # ring_window cannot reorder.
         eager_masks = any(
             not isinstance(layer.get_seq_length(), torch.Tensor)
             for layer in cache.layers
             if hasattr(layer, "get_seq_length")  # a hybrid model's linear-attention layers have none
         )
+        # A window shorter than the cache: ring_window's layers, the masks built in the step.
+        rings = [layer for layer in cache.layers if isinstance(layer, ring_window.layer_class())]
+        for layer in rings:
+            layer.decoding = True
+        ring = (self._masks, rings[0].window) if rings else None
         steps = 1
         for i in range(1, max_new_tokens):
             step_mask = (
@@ -306,6 +317,7 @@ class LeanDecoder:
                 pad,
                 self._names,
                 sampling,
+                ring,
             )
             new[i].copy_(chosen)
             position.add_(1)
@@ -325,7 +337,8 @@ class LeanDecoder:
 
 def static_cache(model, length: int):
     """transformers' StaticCache for the model, `length` tokens long, its tensors not yet made, with
-    each sliding-window layer whose window holds all `length` tokens made a plain static layer.
+    each sliding-window layer whose window holds all `length` tokens made a plain static layer,
+    and shorter windows ring_window's layers where the model's masks allow it.
 
     A window that holds the whole sequence excludes no key, so the layers compute the same:
     both write each step's keys at the tensor position the cache keeps, and the sliding mask
@@ -342,6 +355,7 @@ def static_cache(model, length: int):
     for i, layer in enumerate(cache.layers):
         if sliding is not None and type(layer) is sliding and layer.max_cache_len >= length:
             cache.layers[i] = cache_utils.StaticLayer(max_cache_len=length)
+    ring_window.ring_layers(cache, model, length)
     return cache
 
 

@@ -184,11 +184,11 @@ def test_generate_with_a_static_cache_in_cuda_graphs_does_not_recompile_after_wa
         ), backend.report.cuda_graphs
 
 
-def mistral_with_a_window():
+def mistral_with_a_window(window: int = 4096):
     """Mistral-7B-v0.1's sliding window, longer than the sequences below: transformers' static
     cache then passes the position of its sliding layers to the compiled decode step as an int
     that moves every step (StaticSlidingWindowLayer.cumulative_length_int)."""
-    config = transformers.MistralConfig(**SMALL, intermediate_size=1024, sliding_window=4096)
+    config = transformers.MistralConfig(**SMALL, intermediate_size=1024, sliding_window=window)
     torch.manual_seed(0)
     return transformers.MistralForCausalLM(config).to(torch.bfloat16).cuda().eval()
 
@@ -265,22 +265,31 @@ def test_lean_decode_in_cuda_graphs_gives_generates_tokens_and_compiles_nothing_
     assert all(state.startswith("on:") for state in backend.report.cuda_graphs.values())
 
 
-def test_lean_decode_of_a_sliding_window_records_its_cuda_graphs_once(monkeypatch):
+@pytest.mark.parametrize("window", [4096, 16])  # holding the 48-token cache, and not
+def test_lean_decode_of_a_sliding_window_records_its_cuda_graphs_once(monkeypatch, window):
     # Built inside the compiled step, the masks of a sliding-window layer take its position, a
     # Python int that moves every step, into the graph's kernels: CUDA graphs were then recorded
     # once per value, every step of the second call (Mistral-7B-v0.1, 32 layers, H200: 105 ms a
-    # step). LeanDecoder builds such a model's masks before each step, as generate() does.
+    # step). LeanDecoder's cache has no such layer (a plain static one, or a ring_window one).
+    from transformers.generation.configuration_utils import CompileConfig
+
     from fp8compile.lean_decode import LeanDecoder
 
-    model = mistral_with_a_window()
+    model = mistral_with_a_window(window)
+    model.generation_config.eos_token_id = None
     recorded = _cuda_graph_recordings(monkeypatch)
     ids = torch.randint(0, 32000, (1, 24), device="cuda")
     with torch.no_grad():
         for backend in ("inductor", fp8compile.backend()):
             torch._dynamo.reset()
             decoder = LeanDecoder(model, backend=backend, mode="reduce-overhead")
-            decoder.generate(ids, 24)
+            first = decoder.generate(ids, 24)
             recorded.clear()
             for _ in range(2):
-                decoder.generate(ids, 24)
+                assert torch.equal(decoder.generate(ids, 24), first)
             assert not recorded, f"{backend}: {len(recorded)} CUDA graphs recorded after the first call"
+            config = CompileConfig(backend=backend, mode="reduce-overhead")
+            expected = model.generate(
+                ids, max_new_tokens=24, do_sample=False, cache_implementation="static", compile_config=config
+            )
+            assert torch.equal(first, expected)

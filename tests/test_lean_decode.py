@@ -123,17 +123,68 @@ def test_inside_its_windows_a_sliding_model_builds_its_masks_in_the_one_compiled
     assert all(type(layer) is StaticLayer for layer in decoder.cache(2, 30).layers)
 
 
-def test_a_window_shorter_than_the_cache_keeps_its_sliding_layers():
+@pytest.mark.parametrize("arch, fp8", [("mistral", True), ("gemma2", False)])
+@pytest.mark.parametrize("prompt", [10, 20])  # shorter and longer than the window (16)
+def test_a_window_shorter_than_the_cache_is_a_ring_written_one_slot_a_step(arch, fp8, prompt):
+    # SMALL's 16-token window, a 30- or 40-token cache: transformers' layer would roll the
+    # window every step once it is full, and build the masks on the host; the ring layer
+    # writes one slot, and the step builds its masks, one graph from the first step past the
+    # prompt to the last, across the window's filling.
+    from fp8compile import ring_window
+
+    model = architectures.build(arch).eval()
+    model.generation_config.eos_token_id = None
+    ids, mask = _prompt(model, length=prompt)
+    backend = fp8compile.backend() if fp8 else "eager"
+    decoder = LeanDecoder(model, backend=backend, mode=None)
+    with torch.no_grad():
+        expected = _generate(model, ids, backend, attention_mask=mask, max_new_tokens=20)
+        torch._dynamo.reset()
+        before = _graphs()
+        got = decoder.generate(ids, 20, attention_mask=mask)
+        again = decoder.generate(ids, 20, attention_mask=mask)
+    assert torch.equal(got, expected) and torch.equal(again, expected)
+    assert _graphs() - before == 1
+    layers = decoder.cache(2, prompt + 20).layers
+    rings = [layer for layer in layers if isinstance(layer, ring_window.layer_class())]
+    assert rings and all(layer.keys.shape[2] == 16 for layer in rings)
+
+
+def test_a_model_whose_masks_cannot_be_reordered_keeps_transformers_sliding_layers():
     from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
     from fp8compile.lean_decode import static_cache
+    from fp8compile.ring_window import layer_class
 
     config = architectures.small_config("gemma2")
     config.sliding_window = 64
     model = _built(config)
-    kinds = [type(layer) for layer in static_cache(model, 65).layers]
-    assert StaticSlidingWindowLayer in kinds and StaticLayer in kinds  # Gemma-2's global layers
+    kinds = {type(layer) for layer in static_cache(model, 65).layers}
+    assert kinds == {layer_class(), StaticLayer}  # Gemma-2's global layers stay static
     assert {type(layer) for layer in static_cache(model, 64).layers} == {StaticLayer}
+    model.config._attn_implementation = "flex_attention"  # block masks: no gather
+    kinds = {type(layer) for layer in static_cache(model, 65).layers}
+    assert kinds == {StaticSlidingWindowLayer, StaticLayer}
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_the_ring_takes_each_slots_column_of_the_mask_over_positions(dtype):
+    from fp8compile.ring_window import ring_order
+
+    # two sequences, a cache of 12 positions, the second left-padded by 3; a window of 4
+    over = torch.rand(2, 1, 1, 12) < 0.7
+    over[1, ..., :3] = False
+    if dtype is not torch.bool:
+        over = torch.where(over, 0.0, torch.finfo(dtype).min).to(dtype)
+    minimum = torch.finfo(dtype).min if dtype is not torch.bool else False
+    for position in range(12):
+        ring = ring_order(over, torch.tensor([position]), 4)
+        for slot in range(4):
+            held = [p for p in range(position + 1) if p % 4 == slot and p > position - 4]
+            if held:  # the position this slot holds, the newest one written there
+                assert torch.equal(ring[..., slot], over[..., held[0]])
+            else:  # not written yet
+                assert (ring[..., slot] == minimum).all()
 
 
 def test_a_second_call_of_the_same_shape_compiles_nothing_and_the_step_is_one_graph():
