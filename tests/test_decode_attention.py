@@ -241,14 +241,12 @@ def test_the_launch_sweep_checks_every_launch_against_fp32_and_names_a_wrong_one
         return out.flip(-1) if launch.block_l == 128 else out
 
     monkeypatch.setattr(attention_op, "split_kv_attention", broken_at_128)
-    rows = attention.tune_gqa_decode(tmp_path, points=[(1, 130)], sweep=launches, device=torch.device(DEVICE))
-    assert [r["launch"] for r in rows] == [
-        "(64, 4, 3, 2)",
-        "(128, 4, 3, 2)",
-        "(64, 8, 3, 2)",
-    ]  # the op's once
-    assert [r["default"] for r in rows] == [True, False, False]
-    assert [r["calc_diff"] < attention.WRONG for r in rows] == [True, False, True]
+    points = [(1, 130), (1, 70, attention.GEMMA)]  # Llama's heads, then Gemma's (D = 256)
+    rows = attention.tune_gqa_decode(tmp_path, points=points, sweep=launches, device=torch.device(DEVICE))
+    assert [r["launch"] for r in rows] == ["(64, 4, 3, 2)", "(128, 4, 3, 2)", "(64, 8, 3, 2)"] * 2
+    assert [r["heads"] for r in rows] == [str(attention.LLAMA)] * 3 + [str(attention.GEMMA)] * 3
+    assert [r["default"] for r in rows] == [True, False, False] * 2  # the op's once a point
+    assert [r["calc_diff"] < attention.WRONG for r in rows] == [True, False, True] * 2
     assert "(128, 4, 3, 2) wrong" in capsys.readouterr().out
     assert (tmp_path / "tune_gqa_decode.json").exists()
 
