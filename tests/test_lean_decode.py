@@ -33,6 +33,17 @@ def _built(config):
     return model
 
 
+def _twice_against_generate(model, decoder, ids, mask, backend):
+    """generate()'s tokens (20 new ones), LeanDecoder's from two calls, and the graphs Dynamo
+    compiled for those two calls."""
+    with torch.no_grad():
+        expected = _generate(model, ids, backend, attention_mask=mask, max_new_tokens=20)
+        torch._dynamo.reset()
+        before = _graphs()
+        calls = [decoder.generate(ids, 20, attention_mask=mask) for _ in range(2)]
+    return expected, calls, _graphs() - before
+
+
 def _generate(model, ids, backend, **options):
     """model.generate() as a user runs it: static cache, its decode step compiled with backend."""
     config = CompileConfig(backend=backend, mode="default", dynamic=None)
@@ -110,15 +121,10 @@ def test_inside_its_windows_a_sliding_model_builds_its_masks_in_the_one_compiled
     decoder = LeanDecoder(model, backend=backend, mode=None)
     built = []
     monkeypatch.setattr(decoder, "_masks", lambda *args: built.append(args))
-    with torch.no_grad():
-        expected = _generate(model, ids, backend, attention_mask=mask, max_new_tokens=20)
-        torch._dynamo.reset()
-        before = _graphs()
-        got = decoder.generate(ids, 20, attention_mask=mask)
-        again = decoder.generate(ids, 20, attention_mask=mask)
-    assert torch.equal(got, expected) and torch.equal(again, expected)
+    expected, calls, graphs = _twice_against_generate(model, decoder, ids, mask, backend)
+    assert all(torch.equal(got, expected) for got in calls)
     assert not built
-    assert _graphs() - before == 1  # no recompile as the position moves
+    assert graphs == 1  # no recompile as the position moves
     assert all(type(layer) is StaticLayer for layer in decoder.cache(2, 30).layers)
 
 
@@ -136,14 +142,9 @@ def test_a_window_shorter_than_the_cache_is_a_ring_written_one_slot_a_step(arch,
     ids, mask = _prompt(model, length=prompt)
     backend = fp8compile.backend() if fp8 else "eager"
     decoder = LeanDecoder(model, backend=backend, mode=None)
-    with torch.no_grad():
-        expected = _generate(model, ids, backend, attention_mask=mask, max_new_tokens=20)
-        torch._dynamo.reset()
-        before = _graphs()
-        got = decoder.generate(ids, 20, attention_mask=mask)
-        again = decoder.generate(ids, 20, attention_mask=mask)
-    assert torch.equal(got, expected) and torch.equal(again, expected)
-    assert _graphs() - before == 1
+    expected, calls, graphs = _twice_against_generate(model, decoder, ids, mask, backend)
+    assert all(torch.equal(got, expected) for got in calls)
+    assert graphs == 1
     layers = decoder.cache(2, prompt + 20).layers
     rings = [layer for layer in layers if isinstance(layer, ring_window.layer_class())]
     assert rings and all(layer.keys.shape[2] == 16 for layer in rings)
