@@ -8,12 +8,12 @@ was 0.90 ms of an 8-layer Gemma-3-12B step on an H200, in bf16 Inductor as in FP
 "Decode kernels in whole models"). It also keeps its position as a Python int, so LeanDecoder
 built such a model's masks eagerly before each step.
 
-The ring layer (layer_class) writes position p's key at slot p % window and leaves the others where they are:
-one key written a step. Attention does not care where a key sits (the keys are stored after
-their rotary embedding), only the mask must follow it: slot s holds position
-p - ((p - s) mod window). ring_order takes the sliding mask transformers builds over the cache's
-absolute positions (its own window, causality and padding rules) and gathers each slot's
-column, inside the compiled step: no int input, no mask built on the host.
+The ring layer (layer_class) writes position p's key at slot p % window and leaves the others
+where they are: one key written a step. Attention does not care where a key sits (the keys are
+stored after their rotary embedding), only the mask must follow it: slot s holds position p -
+((p - s) mod window). ring_order takes the sliding mask transformers builds over the cache's
+absolute positions (its own window, causality and padding rules) and gathers each slot's column,
+inside the compiled step: no int input, no mask built on the host.
 
 The layer assumes LeanDecoder's use: reset, one prompt from position 0, then one token a step.
 """
