@@ -346,7 +346,8 @@ def static_cache(model, length: int):
     static layer gives its position to the masks as that tensor, where the sliding one gives a
     Python int that moves every step, which LeanDecoder.generate must then keep out of the
     compiled step by building its masks eagerly (tests/test_lean_decode.py pins the tokens to
-    generate()'s)."""
+    generate()'s). A shorter window keeps only its last positions: ring_window says how a ring
+    of them does without the int."""
     from transformers import StaticCache
     from transformers import cache_utils
 
