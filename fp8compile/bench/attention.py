@@ -28,7 +28,6 @@ from .output import best_fixed, save
 
 # (K/V heads, query heads each, head width): Llama-3-8B's; Gemma-2-9B's and Gemma-3-12B's
 LLAMA, GEMMA = (8, 4, 128), (8, 2, 256)
-KV_HEADS, REP, HEAD_DIM = LLAMA
 # (batch, keys[, heads]), Llama's heads unless named: a 1024-token prompt and 64 steps, and 32
 # steps and one (the mask's rows unaligned); a 4096-key context; Gemma's heads at 1057 keys,
 # and at 1024, Gemma-3's window (LeanDecoder's ring, fp8compile/ring_window.py).
@@ -75,7 +74,7 @@ def _case(batch: int, keys: int, device: torch.device, heads=LLAMA):
 
 
 def _reference(q, k, v, mask):
-    """The fp32 attention of one query token over repeat_kv'd keys and values: (B, KV, REP, D)."""
+    """The fp32 attention of one query token over repeat_kv'd keys and values: (B, KV, rep, D)."""
     b, kv, rep, d = q.shape
 
     def repeated(t):
