@@ -224,6 +224,104 @@ def test_more_programs_an_sm_cut_the_keys_into_more_chunks():
         assert triton_attention.programs_to_fill(cuda, four) == 4 * 132
 
 
+# Compiles _gqa_decode_kernel for sm_90 (no GPU needed) at each launch of a JSON list on stdin
+# and prints the shared memory each asks for. Its own process: Triton's compiler does not run
+# where the interpreter (TRITON_INTERPRET=1, the CPU tests') has patched triton.language.
+SM90_SHARED = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fp8compile.ops.attention import triton_attention as ta
+
+def shared(block_l, warps, stages, rep, s, d, mask_type):
+    kernel = ta._gqa_decode_kernel
+    constexprs = dict(SCALE=d**-0.5, KV=8, REP=rep, S=s, D=d, BLOCK_R=max(16, ta.next_pow2(rep * s)),
+                      BLOCK_D=max(16, ta.next_pow2(d)), BLOCK_L=block_l,
+                      MASK=ta.MASK_BOOL if mask_type == "*i1" else ta.MASK_ADD, MASK_ROW=False,
+                      WRITE_LSE=True, DOT_F32=False)
+    pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", mask_ptr=mask_type, o_ptr="*fp32",
+                    lse_ptr="*fp32")
+    signature, constants, attrs = {}, {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name], constants[(i,)] = "constexpr", constexprs[name]
+        elif name in pointers:
+            signature[name], attrs[(i,)] = pointers[name], [["tt.divisibility", 16]]
+        elif name == "stride_ml":
+            signature[name], constants[(i,)] = "constexpr", 1
+        else:  # every size and stride a multiple of 16: loads pipelined, the most shared memory
+            signature[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
+    source = ASTSource(kernel, signature, constants, attrs)
+    options = dict(num_warps=warps, num_stages=stages)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+
+print(json.dumps([shared(*case) for case in json.load(sys.stdin)]))
+"""
+
+
+def test_the_shared_memory_bound_covers_what_triton_compiles_for_sm_90():
+    # A launch whose bound is under what the kernel asks for would crash on the GPU it was
+    # fitted to. Triton 3.7.1 asks 6-12% under the bound at these launches, 33% under at one stage.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    Launch = triton_attention.Launch
+    cases = [
+        (triton_attention.LAUNCH, 4, 1, 128, "*i1"),  # Llama-3-8B at decode
+        (triton_attention.LAUNCH, 2, 1, 256, "*bf16"),  # Gemma at decode
+        (triton_attention.LAUNCH, 2, 32, 256, "*i1"),  # Gemma, 32 query tokens
+        (triton_attention.LAUNCH, 8, 8, 256, "*i1"),  # 8 query heads a K/V head, 8 tokens
+        (Launch(num_stages=2), 8, 8, 256, "*i1"),  # what fitted() gives it there
+        (Launch(block_l=128, num_stages=4), 4, 4, 64, "*fp32"),
+        (Launch(block_l=32, num_stages=1), 8, 8, 128, "*bf16"),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    asked = json.dumps(
+        [(la.block_l, la.num_warps, la.num_stages, rep, s, d, m) for la, rep, s, d, m in cases]
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", SM90_SHARED], input=asked, capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    sizes = {"*i1": 1, "*bf16": 2, "*fp32": 4}
+    bounds = [triton_attention.shared_bytes(la, rep * s, d, sizes[m]) for la, rep, s, d, m in cases]
+    assert all(g <= b for g, b in zip(got, bounds)), list(zip(cases, got, bounds))
+    # 32 query tokens of Gemma's heads, and 8 of 8 heads, ask 237568 bytes: more than an H100 or
+    # H200 has (232448); the launch fitted() gives them fits
+    assert got[2] == got[3] > 232448 >= got[4]
+
+
+def test_a_launch_is_fitted_to_the_gpus_shared_memory_stages_first_then_keys_a_step():
+    fitted, launch = triton_attention.fitted, triton_attention.LAUNCH
+    h100, a100, ada = 232448, 166912, 101376  # bytes one block may opt in to
+    assert fitted(launch, 4, 128, 1, ada) == launch  # Llama's heads fit everywhere
+    assert fitted(launch, 2, 256, 2, h100) == launch  # Gemma's on Hopper: the tuned launch
+    assert fitted(launch, 64, 256, 1, h100) == triton_attention.Launch(num_stages=2)
+    assert fitted(launch, 64, 256, 2, ada) == triton_attention.Launch(block_l=16, num_stages=2)
+    for budget in (h100, a100, ada):
+        for rows in (1, 16, 64):
+            for d in (64, 128, 256):
+                got = fitted(launch, rows, d, 4, budget)
+                assert triton_attention.shared_bytes(got, rows, d, 4) <= budget
+                assert launch.block_l % got.block_l == 0  # a chunk of the op's launch still divides
+    assert fitted(launch, 64, 256, 4, 16384) is None
+
+
+def test_the_ops_launch_on_a_gpu_is_fitted_to_its_shared_memory_and_none_when_none_fits():
+    cuda = torch.device("cuda", 0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_attention, "shared_memory", lambda index: 101376)  # an Ada GPU
+        assert triton_attention.launch_on(cuda, 2, 256, None) == triton_attention.Launch(num_stages=2)
+        patch.setattr(triton_attention, "shared_memory", lambda index: 16384)
+        assert triton_attention.launch_on(cuda, 2, 256, None) is None  # supports() then says why
+    assert triton_attention.launch_on(torch.device("cpu"), 64, 256, None) == triton_attention.LAUNCH
+
+
 def test_the_launch_sweep_checks_every_launch_against_fp32_and_names_a_wrong_one(
     tmp_path, monkeypatch, capsys
 ):
@@ -270,6 +368,15 @@ def test_on_the_gpu_split_kv_is_as_accurate_as_cudnn_at_llama_sizes(length, batc
     # Measured on an H200 at these sizes (BENCHMARKS.md, 2026-11-26 (01816bf)): relative error
     # 0.0022-0.0025 against cuDNN's 0.0024-0.0025, so at most cuDNN's; 1.5x leaves room for seeds.
     assert calc_diff(got, want) <= 1.5 * calc_diff(cudnn, want) + 1e-7
+
+
+@gpu
+@pytest.mark.parametrize("rep, s", [(2, 32), (8, 8)])
+def test_on_the_gpu_64_query_rows_of_width_256_take_a_launch_that_fits_its_shared_memory(rep, s):
+    # The op's own launch asks 237568 bytes here (Triton 3.7.1), more than an H100 or H200 has.
+    q, k, v, mask = inputs(2, 2, rep, s, 1057, 256, "bool")
+    got = grouped(q, k, v, mask, 256**-0.5, rep)
+    assert calc_diff(got, reference(q, k, v, mask, 256**-0.5, rep)) < BF16_ATTENTION
 
 
 @gpu

@@ -26,7 +26,12 @@ def gqa_decode_attention(
     r % S); k, v (B, KV, L, D); mask None, or boolean or additive broadcasting to (B, KV * rep,
     S, L) -> (B, KV, R, D) in q's dtype. chunk: keys per program (a multiple of
     triton_attention.BLOCK_L; 0 = triton_attention.chunk_keys's choice)."""
-    return split_kv_attention(q, k, v, mask, scale, rep, chunk, triton_attention.LAUNCH)
+    launch = triton_attention.launch_on(q.device, q.shape[2], q.shape[3], mask)
+    if launch is None:  # the pass asks triton_attention.supports first
+        raise ValueError(
+            f"no launch of the split-KV kernel fits this GPU's shared memory at D = {q.shape[3]}"
+        )
+    return split_kv_attention(q, k, v, mask, scale, rep, chunk, launch)
 
 
 def split_kv_attention(
@@ -39,8 +44,8 @@ def split_kv_attention(
     chunk: int,
     launch: triton_attention.Launch,
 ) -> Tensor:
-    """The op's body, launched as `launch` says (the op: triton_attention.LAUNCH; `bench tune
-    --kernels gqa_decode` times others); chunk a multiple of launch.block_l, or 0."""
+    """The op's body, launched as `launch` says (the op: triton_attention.launch_on's; `bench
+    tune --kernels gqa_decode` times others); chunk a multiple of launch.block_l, or 0."""
     b, kv, rows, d = q.shape
     length = k.shape[2]
     if rows % rep:

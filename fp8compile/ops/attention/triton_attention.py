@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...numerics import next_pow2
-from ..launch import num_sms
+from ..launch import num_sms, shared_memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +209,53 @@ def programs_to_fill(device: torch.device, launch: Launch = LAUNCH) -> int:
     return launch.programs_per_sm * num_sms(
         device.index if device.index is not None else torch.cuda.current_device()
     )
+
+
+def shared_bytes(launch: Launch, rows: int, d: int, mask_size: int) -> int:
+    """An upper bound of the shared memory _gqa_decode_kernel asks for, in bytes, launched as
+    `launch` for `rows` query rows per K/V head of width d, over a mask of mask_size-byte
+    elements (0: none): the key and value tiles in flight (one at one stage; at s stages, s - 1
+    of each), the mask tiles in flight, and the query tile and the probability and layout
+    conversion buffers. Compiled for sm_90 by Triton 3.7.1, with every size and stride a
+    multiple of 16, the kernel asked 6-12% less at the launches tests/test_decode_attention.py
+    compiles, a third less at one stage."""
+    block_r, block_d, block_l = max(16, next_pow2(rows)), max(16, next_pow2(d)), launch.block_l
+    stages = launch.num_stages
+    kv_tiles = max(1, 2 * (stages - 1))
+    return (
+        kv_tiles * block_l * block_d * 2
+        + (stages - 1) * block_r * block_l * mask_size
+        + block_r * block_d * 2
+        + block_r * block_l * (4 + block_d // 16)
+    )
+
+
+def fitted(launch: Launch, rows: int, d: int, mask_size: int, budget: int) -> Launch | None:
+    """`launch`, or the nearest launch whose shared memory (shared_bytes) fits in budget bytes:
+    down to two stages first, then fewer keys a step (down to 16), then one stage; None if even
+    that does not fit. At D = 256 the op's launch fits an H100's or H200's 227 KiB for up to 32
+    query rows; for 64 Triton 3.7.1 asks 237568 bytes, more than the 232448 there, and the
+    fitted launch has two stages. On an Ada GPU (99 KiB) D = 256 takes a smaller launch too."""
+    while shared_bytes(launch, rows, d, mask_size) > budget:
+        if launch.num_stages > 2:
+            launch = dataclasses.replace(launch, num_stages=launch.num_stages - 1)
+        elif launch.block_l > 16:
+            launch = dataclasses.replace(launch, block_l=launch.block_l // 2)
+        elif launch.num_stages > 1:
+            launch = dataclasses.replace(launch, num_stages=1)
+        else:
+            return None
+    return launch
+
+
+def launch_on(device: torch.device, rows: int, d: int, mask: Tensor | None) -> Launch | None:
+    """The op's launch (LAUNCH) fitted to the device's shared memory; LAUNCH itself in Triton's
+    CPU interpreter. Its keys a step divide BLOCK_L, so a chunk of BLOCK_L's serves it too."""
+    if device.type != "cuda":
+        return LAUNCH
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    size = 0 if mask is None else mask.element_size()
+    return fitted(LAUNCH, rows, d, size, shared_memory(index))
 
 
 def mask_code(mask: Tensor | None) -> int:
@@ -384,4 +431,6 @@ def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rep: int) -> 
         return "keys or values not contiguous along the head dimension"
     if mask is not None and (mask.dim() > 4 or not statically_known_true(mask.shape[-1] == k.shape[2])):
         return f"mask of shape {tuple(mask.shape)} for {k.shape[2]} keys"
+    if launch_on(q.device, rep * q.shape[2], q.shape[-1], mask) is None:
+        return f"no launch fits the GPU's shared memory for head size {q.shape[-1]}"
     return None
