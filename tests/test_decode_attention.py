@@ -224,49 +224,10 @@ def test_more_programs_an_sm_cut_the_keys_into_more_chunks():
         assert triton_attention.programs_to_fill(cuda, four) == 4 * 132
 
 
-# Compiles _gqa_decode_kernel for sm_90 (no GPU needed) at each launch of a JSON list on stdin
-# and prints the shared memory each asks for. Its own process: Triton's compiler does not run
-# where the interpreter (TRITON_INTERPRET=1, the CPU tests') has patched triton.language.
-SM90_SHARED = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from fp8compile.ops.attention import triton_attention as ta
-
-def shared(block_l, warps, stages, rep, s, d, mask_type):
-    kernel = ta._gqa_decode_kernel
-    constexprs = dict(SCALE=d**-0.5, KV=8, REP=rep, S=s, D=d, BLOCK_R=max(16, ta.next_pow2(rep * s)),
-                      BLOCK_D=max(16, ta.next_pow2(d)), BLOCK_L=block_l,
-                      MASK=ta.MASK_BOOL if mask_type == "*i1" else ta.MASK_ADD, MASK_ROW=False,
-                      WRITE_LSE=True, DOT_F32=False)
-    pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", mask_ptr=mask_type, o_ptr="*fp32",
-                    lse_ptr="*fp32")
-    signature, constants, attrs = {}, {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name], constants[(i,)] = "constexpr", constexprs[name]
-        elif name in pointers:
-            signature[name], attrs[(i,)] = pointers[name], [["tt.divisibility", 16]]
-        elif name == "stride_ml":
-            signature[name], constants[(i,)] = "constexpr", 1
-        else:  # every size and stride a multiple of 16: loads pipelined, the most shared memory
-            signature[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
-    source = ASTSource(kernel, signature, constants, attrs)
-    options = dict(num_warps=warps, num_stages=stages)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
-
-print(json.dumps([shared(*case) for case in json.load(sys.stdin)]))
-"""
-
-
 def test_the_shared_memory_bound_covers_what_triton_compiles_for_sm_90():
     # A launch whose bound is under what the kernel asks for would crash on the GPU it was
     # fitted to. Triton 3.7.1 asks 6-12% under the bound at these launches, 33% under at one stage.
-    import json
-    import os
-    import subprocess
-    import sys
+    from tests import sm_compile
 
     pytest.importorskip("triton.backends.nvidia")
     Launch = triton_attention.Launch
@@ -279,15 +240,37 @@ def test_the_shared_memory_bound_covers_what_triton_compiles_for_sm_90():
         (Launch(block_l=128, num_stages=4), 4, 4, 64, "*fp32"),
         (Launch(block_l=32, num_stages=1), 8, 8, 128, "*bf16"),
     ]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    asked = json.dumps(
-        [(la.block_l, la.num_warps, la.num_stages, rep, s, d, m) for la, rep, s, d, m in cases]
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", SM90_SHARED], input=asked, capture_output=True, text=True, env=env, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    got = json.loads(result.stdout.strip().splitlines()[-1])
+
+    def launch(la, rep, s, d, mask_type):
+        mask = triton_attention.MASK_BOOL if mask_type == "*i1" else triton_attention.MASK_ADD
+        constexprs = dict(
+            SCALE=d**-0.5,
+            KV=8,
+            REP=rep,
+            S=s,
+            D=d,
+            BLOCK_R=max(16, triton_attention.next_pow2(rep * s)),
+            BLOCK_D=max(16, triton_attention.next_pow2(d)),
+            BLOCK_L=la.block_l,
+            MASK=mask,
+            MASK_ROW=False,
+            WRITE_LSE=True,
+            DOT_F32=False,
+        )
+        pointers = dict(
+            q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", mask_ptr=mask_type, o_ptr="*fp32", lse_ptr="*fp32"
+        )
+        return dict(
+            kernel="fp8compile.ops.attention.triton_attention:_gqa_decode_kernel",
+            capability=90,
+            pointers=pointers,
+            constexprs=constexprs,
+            ones=["stride_ml"],
+            num_warps=la.num_warps,
+            num_stages=la.num_stages,
+        )
+
+    got = sm_compile.shared_bytes([launch(*case) for case in cases])
     sizes = {"*i1": 1, "*bf16": 2, "*fp32": 4}
     bounds = [triton_attention.shared_bytes(la, rep * s, d, sizes[m]) for la, rep, s, d, m in cases]
     assert all(g <= b for g, b in zip(got, bounds)), list(zip(cases, got, bounds))

@@ -1,0 +1,66 @@
+"""The shared memory a Triton kernel asks for, compiled for a GPU this machine need not have.
+
+`python -m tests.sm_compile` reads a JSON list of launches on stdin, each {"kernel":
+"module:name", "capability": 90, "pointers": {argument: Triton pointer type}, "constexprs":
+{...}, "ones": [integer arguments specialized to 1], "num_warps": 4, "num_stages": 3}, compiles
+each with Triton's compiler for that target (ptxas included, no GPU) and prints the list of
+bytes each asks for. Every other integer argument is taken as a multiple of 16, as a model's
+sizes and strides are: loads pipelined, the most shared memory. It runs in a process of its
+own: the CPU tests' Triton interpreter (TRITON_INTERPRET=1) patches triton.language, and the
+compiler does not run under it (run() removes that variable).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+
+def shared_bytes(launches: list[dict]) -> list[int]:
+    """What each launch asks for, from a fresh process (the tests' entry point)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.sm_compile"],
+        input=json.dumps(launches),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    if result.returncode:
+        raise RuntimeError(result.stderr[-3000:])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _compile(launch: dict) -> int:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module, _, name = launch["kernel"].partition(":")
+    kernel = getattr(importlib.import_module(module), name)
+    constexprs, pointers, ones = launch["constexprs"], launch["pointers"], set(launch.get("ones", ()))
+    signature, constants, attrs = {}, {}, {}
+    for i, arg in enumerate(kernel.arg_names):
+        if arg in constexprs:
+            signature[arg], constants[(i,)] = "constexpr", constexprs[arg]
+        elif arg in pointers:
+            signature[arg] = pointers[arg]
+            if pointers[arg].startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif arg in ones:
+            signature[arg], constants[(i,)] = "constexpr", 1
+        else:
+            signature[arg], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
+    options = dict(num_warps=launch["num_warps"], num_stages=launch["num_stages"])
+    target = GPUTarget("cuda", launch["capability"], 32)
+    return triton.compile(
+        ASTSource(kernel, signature, constants, attrs), target=target, options=options
+    ).metadata.shared
+
+
+if __name__ == "__main__":
+    print(json.dumps([_compile(launch) for launch in json.load(sys.stdin)]))
