@@ -201,6 +201,98 @@ def test_small_m_kernel_scales_each_row_of_a_tile_by_its_own_weight_scale_block(
     assert_bf16_close(out, reference_linear(x, w_fp8, w_scale, None))
 
 
+def test_the_decode_kernels_shared_memory_bound_covers_what_triton_compiles_for_sm_89_and_sm_90():
+    # Pointer loads (TMA off), as the traced op launches the kernel; the bound less its 8 KiB of
+    # room is what Triton 3.7.1 asks at these tiles, and the gated 32- and 64-row tiles' three
+    # stages do not fit an Ada GPU's 101376 bytes.
+    from tests import sm_compile
+
+    pytest.importorskip("triton.backends.nvidia")
+    tiles = [
+        (16, 128, False, 3),
+        (64, 128, False, 3),
+        (32, 256, True, 3),
+        (64, 256, True, 3),
+        (64, 256, True, 2),
+    ]
+    pointers = dict(
+        x_ptr="*bf16",
+        x_desc="*bf16",
+        b_ptr="*bf16",
+        w_ptr="*fp8e4nv",
+        w_desc="*fp8e4nv",
+        w_s_ptr="*fp32",
+        bias_ptr="*fp32",
+        out_ptr="*bf16",
+        partial_ptr="*fp32",
+        arrivals_hi="*i32",
+        arrivals_lo="*i32",
+        eps="fp32",
+        fp8_max="fp32",
+        alpha="fp32",
+        limit="fp32",
+    )
+
+    def launch(block_m, block_n, gated, stages, major):
+        constexprs = dict(
+            E8M0=False,
+            ACT=int(gated),
+            HAS_BIAS=False,
+            TMA=False,
+            ACT_TMA=False,
+            PDL=False,
+            TRIGGER=False,
+            PREFETCH=1,
+            SPLIT_K=2,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            GROUP=128,
+        )
+        return dict(
+            kernel="fp8compile.ops.linear.triton_gemm:_linear_small_m_kernel",
+            capability={8: 89, 9: 90}[major],
+            pointers=pointers,
+            constexprs=constexprs,
+            ones=["stride_xk", "stride_bk"],
+            num_warps=4,
+            num_stages=stages,
+        )
+
+    cases = [(*tile, major) for major in (8, 9) for tile in tiles]
+    got = sm_compile.shared_bytes([launch(*case) for case in cases])
+    bounds = [triton_gemm.small_m_shared_bytes(*case) for case in cases]
+    assert all(g <= b for g, b in zip(got, bounds)), list(zip(cases, got, bounds))
+    ada = 101376
+    assert [g > ada for g in got[:5]] == [False, False, True, True, False]
+
+
+@pytest.fixture
+def stages_forgotten():
+    """small_m_stages's cache emptied before and after: its answers for a pretended GPU must not
+    reach the tests that run on a real one."""
+    triton_gemm.small_m_stages.cache_clear()
+    yield
+    triton_gemm.small_m_stages.cache_clear()
+
+
+def test_the_decode_kernel_drops_stages_on_a_gpu_whose_shared_memory_cannot_hold_three(
+    monkeypatch, stages_forgotten
+):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(triton_gemm, "capability", lambda index: (8, 9))
+    monkeypatch.setattr(triton_gemm, "shared_memory", lambda index: 101376)  # an Ada GPU
+    assert triton_gemm.small_m_stages(16, 128, False, cuda) == 3
+    assert triton_gemm.small_m_stages(64, 256, True, cuda) == 2
+    triton_gemm.small_m_stages.cache_clear()
+    monkeypatch.setattr(triton_gemm, "capability", lambda index: (9, 0))
+    monkeypatch.setattr(triton_gemm, "shared_memory", lambda index: 232448)  # an H100 or H200
+    assert all(
+        triton_gemm.small_m_stages(block_m, block_n, gated, cuda) == triton_gemm.SMALL_M_NUM_STAGES
+        for block_m in (16, 32, 64)
+        for block_n, gated in ((128, False), (256, True))
+    )
+
+
 @pytest.mark.parametrize("m, max_m", [(1, 16), (5, 16), (17, 32), (64, 64)])
 @pytest.mark.parametrize("e8m0", [False, True])
 def test_linear_decode_op_is_the_decode_kernel_on_prequantized_weights(m, max_m, e8m0):

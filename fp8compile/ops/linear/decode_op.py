@@ -63,7 +63,10 @@ def linear_decode(
     launch = (
         {}
         if x.device.type == "cpu"
-        else dict(num_warps=triton_gemm.SMALL_M_NUM_WARPS, num_stages=triton_gemm.SMALL_M_NUM_STAGES)
+        else dict(
+            num_warps=triton_gemm.SMALL_M_NUM_WARPS,
+            num_stages=triton_gemm.small_m_stages(block_m, block_n, gated, x.device),
+        )
     )
     b_ = x if b is None else b
     wrap_triton(triton_gemm._linear_small_m_kernel)[(n_tiles, split)](

@@ -29,7 +29,7 @@ import triton.language as tl
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...numerics import AMAX_EPS, BLOCK, FP8_MAX, ceil_div
-from ..launch import Launcher, num_sms
+from ..launch import Launcher, capability, num_sms, shared_memory
 from ..quant.triton_quant import activation_code, load_activation, quant_act, quant_group
 
 
@@ -577,6 +577,35 @@ def _small_m_tiles(
     return block_m, block_n, split, ceil_div(n, block_n)
 
 
+def small_m_shared_bytes(block_m: int, block_n: int, gated: bool, stages: int, major: int) -> int:
+    """An upper bound of the decode kernel's shared memory with pointer loads (TMA off, as the
+    traced op launches it), in bytes: the weight tiles (block_n x 128 FP8) and activation tiles
+    (block_m x 128 bf16, two when gated) in flight, a scratch of block_m x 128 bytes, and 8 KiB
+    of room. Compiled by Triton 3.7.1 the kernel asks exactly that less the room: for sm_90
+    (compute capability 9 and above here) `stages` weight tiles and stages - 1 activation
+    tiles, for sm_89 stages - 1 of each (tests/test_triton_kernels.py)."""
+    weight, activation = block_n * BLOCK, (2 if gated else 1) * block_m * BLOCK * 2
+    in_flight = max(1, stages - 1)
+    weights = stages if major >= 9 else in_flight
+    return weights * weight + in_flight * activation + block_m * BLOCK + 8192
+
+
+@functools.lru_cache(maxsize=256)
+def small_m_stages(block_m: int, block_n: int, gated: bool, device: torch.device) -> int:
+    """SMALL_M_NUM_STAGES, or fewer where the GPU's shared memory cannot hold them: on an Ada GPU
+    (99 KiB a block) the gated kernel's 3 stages at 32 and 64 rows ask 100 and 136 KiB, more than
+    Triton can load (cached: the eager decode path asks on every call). On an H100 or H200
+    (227 KiB) every tile of the kernel takes all three (168 KiB at most)."""
+    if device.type != "cuda":
+        return SMALL_M_NUM_STAGES
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, budget = capability(index)[0], shared_memory(index)
+    stages = SMALL_M_NUM_STAGES
+    while stages > 1 and small_m_shared_bytes(block_m, block_n, gated, stages, major) > budget:
+        stages -= 1
+    return stages
+
+
 def linear_small_m(
     x,
     w_fp8,
@@ -615,7 +644,10 @@ def linear_small_m(
     launch = (
         {}
         if _interpreting(x2)
-        else dict(num_warps=SMALL_M_NUM_WARPS, num_stages=num_stages or SMALL_M_NUM_STAGES)
+        else dict(
+            num_warps=SMALL_M_NUM_WARPS,
+            num_stages=num_stages or small_m_stages(block_m, block_n, gated, x.device),
+        )
     )
     tma = tma_pays_off(x.device) and use_tma(w_fp8) if tma is None else tma
     trigger = pdl_available(x.device)
