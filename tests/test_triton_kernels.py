@@ -202,9 +202,9 @@ def test_small_m_kernel_scales_each_row_of_a_tile_by_its_own_weight_scale_block(
 
 
 def test_the_decode_kernels_shared_memory_bound_covers_what_triton_compiles_for_sm_89_and_sm_90():
-    # Pointer loads (TMA off), as the traced op launches the kernel; the bound less its 8 KiB of
-    # room is what Triton 3.7.1 asks at these tiles, and the gated 32- and 64-row tiles' three
-    # stages do not fit an Ada GPU's 101376 bytes.
+    # Pointer loads (TMA off), as the traced ops launch the kernels; the bound less its 8 KiB of
+    # room is what Triton 3.7.1 asks at the block-scaled kernel's tiles, and the gated 32- and
+    # 64-row tiles' three stages do not fit an Ada GPU's 101376 bytes.
     from tests import sm_compile
 
     pytest.importorskip("triton.backends.nvidia")
@@ -258,12 +258,44 @@ def test_the_decode_kernels_shared_memory_bound_covers_what_triton_compiles_for_
             num_stages=stages,
         )
 
+    def scaled_launch(block_m, block_n, gated, stages, major):
+        """The rowwise and per-tensor decode kernel (triton_scaled.py), which small_m_stages also
+        fits: 128 weight rows a program, gated or not."""
+        scaled_pointers = dict(pointers, x_s_ptr="*fp32", amax_ub="fp32")
+        for unused in ("x_desc", "w_desc"):
+            scaled_pointers.pop(unused)
+        constexprs = dict(
+            ACT=int(gated),
+            W_ROWWISE=True,
+            X_QUANTIZED=False,
+            ACT_SCALE=1,
+            CAP=False,
+            E8M0=False,
+            HAS_BIAS=False,
+            EVEN_K=True,
+            SPLIT_K=2,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=128,
+        )
+        return dict(
+            launch(block_m, block_n, gated, stages, major),
+            kernel="fp8compile.ops.linear.triton_scaled:_scaled_small_m_kernel",
+            pointers=scaled_pointers,
+            constexprs=constexprs,
+        )
+
     cases = [(*tile, major) for major in (8, 9) for tile in tiles]
-    got = sm_compile.shared_bytes([launch(*case) for case in cases])
-    bounds = [triton_gemm.small_m_shared_bytes(*case) for case in cases]
-    assert all(g <= b for g, b in zip(got, bounds)), list(zip(cases, got, bounds))
+    scaled = [
+        (block_m, 128, gated, 3, major) for major in (8, 9) for block_m, gated in ((16, False), (64, True))
+    ]
+    launches = [launch(*case) for case in cases] + [scaled_launch(*case) for case in scaled]
+    got = sm_compile.shared_bytes(launches)
+    bounds = [triton_gemm.small_m_shared_bytes(*case) for case in cases + scaled]
+    assert all(g <= b for g, b in zip(got, bounds)), list(zip(cases + scaled, got, bounds))
     ada = 101376
     assert [g > ada for g in got[:5]] == [False, False, True, True, False]
+    assert got[len(cases) + 1] > ada  # the scaled kernel, gated, 64 rows, sm_89
 
 
 @pytest.fixture

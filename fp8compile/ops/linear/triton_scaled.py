@@ -35,7 +35,7 @@ from ..activations import gated
 from .reference_scaled import check_recipe
 from .triton_gemm import (
     SMALL_M_MAX,
-    SMALL_M_NUM_STAGES,
+    small_m_stages,
     split_k_counters,
     _interpreting,
     _small_m_tiles,
@@ -330,7 +330,8 @@ def _small_m(
     grid, args, constexprs = _launch_arguments(
         x2, b2, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, out, tiles, traced=False
     )
-    launch = {} if _interpreting(x2) else dict(num_warps=4, num_stages=num_stages or SMALL_M_NUM_STAGES)
+    stages = num_stages or small_m_stages(tiles[0], tiles[1], b is not None, x.device)
+    launch = {} if _interpreting(x2) else dict(num_warps=4, num_stages=stages)
     _launch(grid, args, constexprs, **launch)
     return out.reshape(*x.shape[:-1], n)
 
@@ -416,6 +417,7 @@ def linear_scaled_decode(
     grid, args, constexprs = _launch_arguments(
         x, b, act, w_fp8, w_scale, bias, recipe, x_scale, amax_ub, e8m0, out, tiles, traced=True
     )
-    launch = {} if x.device.type == "cpu" else dict(num_warps=4, num_stages=SMALL_M_NUM_STAGES)
+    stages = small_m_stages(tiles[0], tiles[1], b is not None, x.device)  # the decode GEMM's bound holds
+    launch = {} if x.device.type == "cpu" else dict(num_warps=4, num_stages=stages)
     wrap_triton(_scaled_small_m_kernel)[grid](*args, **constexprs, **launch)
     return out
