@@ -303,6 +303,24 @@ def test_a_decode_steps_read_bytes_count_fp8_linears_at_a_byte_and_sliding_windo
     assert kv_bytes(model, 2, 100) == 2 * 2 * 2 * 100 * 2 * 64 * 2
 
 
+def test_a_tied_lm_head_is_read_whole_beside_the_embeddings_looked_up_rows():
+    # Gemma's, and every model with tie_word_embeddings: one parameter, two reads a step.
+    from fp8compile.bench.limits import step_bytes
+
+    model = architectures.build("mistral")
+    model.lm_head.weight = model.model.embed_tokens.weight
+    linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    other = sum(
+        p.numel()
+        for n, p in model.named_parameters()
+        if "proj" not in n and "lm_head" not in n and "embed" not in n
+    )
+    embedding_rows = 2 * model.config.hidden_size * 2
+    bf16 = step_bytes(model, batch=2, context=100, fp8=False)
+    assert bf16["weights_gb"] * 1e9 == pytest.approx(2 * linears + 2 * other + embedding_rows)
+    assert linears > model.lm_head.weight.numel() > 0  # the tied weight among the linears
+
+
 def test_bench_model_repeats_each_point_profiles_it_and_prefills_each_batch(tmp_path):
     # The measurement options on one variant (every variant runs them the same way).
     from fp8compile.bench.model import bench_model

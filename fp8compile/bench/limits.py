@@ -24,27 +24,31 @@ READ_GB = 2.0  # enough weights that no L2 holds any part of them between reads
 def step_bytes(model: torch.nn.Module, batch: int, context: int, fp8: bool) -> dict[str, float]:
     """The bytes (GB) one decode step at `batch` sequences of `context` positions must read:
     weights (the linears the linear pass takes in FP8 with their block scales where fp8, else in
-    the model's dtype; the embedding's looked-up rows only; of experts stacked in one parameter,
-    the expected share hit by batch x top-k uniform routings) and the KV cache's live positions
-    (a sliding-window layer's window at most)."""
+    the model's dtype; the embedding's looked-up rows only, and an lm_head tied to it whole, as the
+    linear it is; of experts stacked in one parameter, the expected share hit by batch x top-k
+    uniform routings) and the KV cache's live positions (a sliding-window layer's window at most)."""
     config = model.config.get_text_config(decoder=True)
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     top_k = getattr(config, "num_experts_per_tok", None) or 1
     hit = 1.0 if not experts else 1 - (1 - min(top_k, experts) / experts) ** batch
-    counted: set[int] = set()
+    # A tied lm_head shares the embedding's parameter but reads all of it: the two are counted
+    # apart (when the embedding's rows stood for both, Gemma-3-12B's 1.0 GB lm_head was left out
+    # of its step).
+    linears: set[int] = set()
+    embeddings: set[int] = set()
     weights = 0.0
     for module in model.modules():
         w = architectures._linear_weight(module)
-        if w is not None and id(module.weight) not in counted:
-            counted.add(id(module.weight))
+        if w is not None and id(module.weight) not in linears:
+            linears.add(id(module.weight))
             n, k = w.shape
             scales = -(-n // BLOCK) * -(-k // BLOCK) * 4
             weights += n * k + scales if fp8 else w.numel() * w.element_size()
-        elif isinstance(module, torch.nn.Embedding):
-            counted.add(id(module.weight))
+        elif isinstance(module, torch.nn.Embedding) and id(module.weight) not in embeddings:
+            embeddings.add(id(module.weight))
             weights += batch * module.weight.shape[1] * module.weight.element_size()
     for p in model.parameters():
-        if id(p) in counted:
+        if id(p) in linears or id(p) in embeddings:
             continue
         share = hit if experts and p.dim() == 3 and p.shape[0] == experts else 1.0
         weights += share * p.numel() * p.element_size()
