@@ -332,6 +332,30 @@ def test_the_launch_sweep_checks_every_launch_against_fp32_and_names_a_wrong_one
     assert (tmp_path / "tune_gqa_decode.json").exists()
 
 
+def test_the_launch_sweep_reports_a_launch_too_big_for_the_gpu_and_times_the_rest(
+    tmp_path, monkeypatch, capsys
+):
+    from triton.runtime.errors import OutOfResources
+
+    from fp8compile.bench import attention
+
+    split_kv = attention_op.split_kv_attention
+
+    def short_of_shared_memory(q, k, v, mask, scale, rep, chunk, launch):
+        if launch.block_l == 128:  # as Triton refuses to load a kernel that asks too much
+            raise OutOfResources(274432, 232448, "shared memory")
+        return split_kv(q, k, v, mask, scale, rep, chunk, launch)
+
+    monkeypatch.setattr(attention_op, "split_kv_attention", short_of_shared_memory)
+    sweep = [triton_attention.LAUNCH, triton_attention.Launch(block_l=128)]
+    rows = attention.tune_gqa_decode(
+        tmp_path, points=[(1, 70, attention.GEMMA)], sweep=sweep, device=torch.device(DEVICE)
+    )
+    assert [r["calc_diff"] is None for r in rows] == [False, True]
+    assert rows[0]["calc_diff"] < attention.WRONG
+    assert "(128, 4, 3, 2) does not fit" in capsys.readouterr().out
+
+
 def test_split_kv_is_a_bool_option_on_by_default():
     assert fp8compile.Fp8Config().split_kv is True
     with pytest.raises(TypeError, match="split_kv"):
