@@ -216,9 +216,9 @@ def shared_bytes(launch: Launch, rows: int, d: int, mask_size: int) -> int:
     `launch` for `rows` query rows per K/V head of width d, over a mask of mask_size-byte
     elements (0: none): the key and value tiles in flight (one at one stage; at s stages, s - 1
     of each), the mask tiles in flight, and the query tile and the probability and layout
-    conversion buffers. Compiled for sm_90 by Triton 3.7.1, with every size and stride a
-    multiple of 16, the kernel asked 6-12% less at the launches tests/test_decode_attention.py
-    compiles, a third less at one stage."""
+    conversion buffers. Compiled by Triton 3.7.1, with every size and stride a multiple of 16,
+    the kernel asked 6-12% less for sm_90 at the launches tests/test_decode_attention.py
+    compiles, a third less at one stage, and 11-19% less for sm_89."""
     block_r, block_d, block_l = max(16, next_pow2(rows)), max(16, next_pow2(d)), launch.block_l
     stages = launch.num_stages
     kv_tiles = max(1, 2 * (stages - 1))
@@ -235,7 +235,8 @@ def fitted(launch: Launch, rows: int, d: int, mask_size: int, budget: int) -> La
     down to two stages first, then fewer keys a step (down to 16), then one stage; None if even
     that does not fit. At D = 256 the op's launch fits an H100's or H200's 227 KiB for up to 32
     query rows; for 64 Triton 3.7.1 asks 237568 bytes, more than the 232448 there, and the
-    fitted launch has two stages. On an Ada GPU (99 KiB) D = 256 takes a smaller launch too."""
+    fitted launch has two stages. On an Ada GPU (99 KiB) Gemma's heads at decode ask 145408
+    bytes (sm_89), and the fitted launch's two stages 77824."""
     while shared_bytes(launch, rows, d, mask_size) > budget:
         if launch.num_stages > 2:
             launch = dataclasses.replace(launch, num_stages=launch.num_stages - 1)
