@@ -40,6 +40,11 @@ _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 MAX_SIGNATURES = 1024
 
 
+def device_index(device: torch.device) -> int:
+    """The CUDA device's index; the current device's for a bare "cuda"."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def capability(device_index: int) -> tuple[int, int]:
     """The GPU's compute capability, asked of the driver once (what a kernel's why_not checks

@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...numerics import next_pow2
-from ..launch import num_sms, shared_memory
+from ..launch import device_index, num_sms, shared_memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,9 +206,7 @@ def programs_to_fill(device: torch.device, launch: Launch = LAUNCH) -> int:
     interpreter."""
     if device.type != "cuda":
         return 4
-    return launch.programs_per_sm * num_sms(
-        device.index if device.index is not None else torch.cuda.current_device()
-    )
+    return launch.programs_per_sm * num_sms(device_index(device))
 
 
 def shared_bytes(launch: Launch, rows: int, d: int, mask_size: int) -> int:
@@ -254,9 +252,8 @@ def launch_on(device: torch.device, rows: int, d: int, mask: Tensor | None) -> L
     CPU interpreter. Its keys a step divide BLOCK_L, so a chunk of BLOCK_L's serves it too."""
     if device.type != "cuda":
         return LAUNCH
-    index = device.index if device.index is not None else torch.cuda.current_device()
     size = 0 if mask is None else mask.element_size()
-    return fitted(LAUNCH, rows, d, size, shared_memory(index))
+    return fitted(LAUNCH, rows, d, size, shared_memory(device_index(device)))
 
 
 def mask_code(mask: Tensor | None) -> int:

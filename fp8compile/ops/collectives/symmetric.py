@@ -37,6 +37,8 @@ import weakref
 import torch
 from torch import Tensor
 
+from ..launch import device_index
+
 log = logging.getLogger(__name__)
 
 # The one-shot kernel while what each rank reads (world x bytes) stays within this; two-shot above.
@@ -112,7 +114,7 @@ def prepare(group_name: str, device: torch.device) -> str | None:
     if (reason := available()) is not None:
         return reason
     if _buffer(group_name, device) is None:
-        found = _found(group_name, _index(device))
+        found = _found(group_name, device_index(device))
         return (
             f"no symmetric memory: {found}" if isinstance(found, str) else "asked during a CUDA-graph capture"
         )
@@ -127,10 +129,6 @@ def _group(group_name: str):
 
 def _world(group_name: str) -> int:
     return _group(group_name).size()
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _found(group_name: str, index: int) -> Tensor | str | None:
@@ -152,7 +150,7 @@ def _found(group_name: str, index: int) -> Tensor | str | None:
 
 
 def _buffer(group_name: str, device: torch.device) -> Tensor | None:
-    index = _index(device)
+    index = device_index(device)
     found = _found(group_name, index)
     if isinstance(found, Tensor):
         return found

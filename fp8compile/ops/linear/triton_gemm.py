@@ -29,7 +29,7 @@ import triton.language as tl
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...numerics import AMAX_EPS, BLOCK, FP8_MAX, ceil_div
-from ..launch import Launcher, capability, num_sms, shared_memory
+from ..launch import Launcher, capability, device_index, num_sms, shared_memory
 from ..quant.triton_quant import activation_code, load_activation, quant_act, quant_group
 
 
@@ -598,7 +598,7 @@ def small_m_stages(block_m: int, block_n: int, gated: bool, device: torch.device
     (227 KiB) every tile of the kernel takes all three (168 KiB at most)."""
     if device.type != "cuda":
         return SMALL_M_NUM_STAGES
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     major, budget = capability(index)[0], shared_memory(index)
     stages = SMALL_M_NUM_STAGES
     while stages > 1 and small_m_shared_bytes(block_m, block_n, gated, stages, major) > budget:
