@@ -37,8 +37,6 @@ import weakref
 import torch
 from torch import Tensor
 
-from ..launch import device_index
-
 log = logging.getLogger(__name__)
 
 # The one-shot kernel while what each rank reads (world x bytes) stays within this; two-shot above.
@@ -114,7 +112,7 @@ def prepare(group_name: str, device: torch.device) -> str | None:
     if (reason := available()) is not None:
         return reason
     if _buffer(group_name, device) is None:
-        found = _found(group_name, device_index(device))
+        found = _found(group_name, _index(device))
         return (
             f"no symmetric memory: {found}" if isinstance(found, str) else "asked during a CUDA-graph capture"
         )
@@ -129,6 +127,12 @@ def _group(group_name: str):
 
 def _world(group_name: str) -> int:
     return _group(group_name).size()
+
+
+def _index(device: torch.device) -> int:
+    # ops/launch.device_index's, spelled out: importing ops/launch imports Triton, and this
+    # module is imported with fp8compile (tests/test_backend.py keeps that import free of it)
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _found(group_name: str, index: int) -> Tensor | str | None:
@@ -150,7 +154,7 @@ def _found(group_name: str, index: int) -> Tensor | str | None:
 
 
 def _buffer(group_name: str, device: torch.device) -> Tensor | None:
-    index = device_index(device)
+    index = _index(device)
     found = _found(group_name, index)
     if isinstance(found, Tensor):
         return found
