@@ -2,6 +2,8 @@
 GPU: the attention over repeat_kv'd keys and values, whatever the chunks, masks and layouts.
 On the CPU in Triton's interpreter at small sizes; on the GPU at Llama-3-8B's, against cuDNN."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -233,15 +235,17 @@ def test_the_shared_memory_bound_covers_what_triton_compiles_for_sm_90_and_sm_89
     Launch = triton_attention.Launch
     cases = [
         (triton_attention.LAUNCH, 4, 1, 128, "*i1"),  # Llama-3-8B at decode
-        (triton_attention.LAUNCH, 2, 1, 256, "*bf16"),  # Gemma at decode
-        (triton_attention.LAUNCH, 2, 32, 256, "*i1"),  # Gemma, 32 query tokens
-        (triton_attention.LAUNCH, 8, 8, 256, "*i1"),  # 8 query heads a K/V head, 8 tokens
-        (Launch(num_stages=2), 8, 8, 256, "*i1"),  # what fitted() gives it there
+        (triton_attention.WIDE_LAUNCH, 2, 1, 256, "*bf16"),  # Gemma at decode
+        (triton_attention.LAUNCH, 2, 1, 256, "*bf16"),
+        (triton_attention.WIDE_LAUNCH, 2, 32, 256, "*i1"),  # Gemma, 32 query tokens
+        (triton_attention.WIDE_LAUNCH, 8, 8, 256, "*i1"),  # 8 query heads a K/V head, 8 tokens
+        (Launch(num_warps=8, num_stages=2, programs_per_sm=1), 8, 8, 256, "*i1"),  # fitted() there
         (Launch(block_l=128, num_stages=4), 4, 4, 64, "*fp32"),
         (Launch(block_l=32, num_stages=1), 8, 8, 128, "*bf16"),
     ]
     # An Ada GPU (sm_89, 101376 bytes a block): Gemma's heads at decode, and what fitted() gives them
-    ada = [(triton_attention.LAUNCH, 2, 1, 256, "*bf16"), (Launch(num_stages=2), 2, 1, 256, "*bf16")]
+    wide = triton_attention.WIDE_LAUNCH
+    ada = [(wide, 2, 1, 256, "*bf16"), (dataclasses.replace(wide, num_stages=2), 2, 1, 256, "*bf16")]
 
     def launch(la, rep, s, d, mask_type, capability=90):
         mask = triton_attention.MASK_BOOL if mask_type == "*i1" else triton_attention.MASK_ADD
@@ -278,8 +282,8 @@ def test_the_shared_memory_bound_covers_what_triton_compiles_for_sm_90_and_sm_89
     assert all(g <= b for g, b in zip(got, bounds)), list(zip(cases + ada, got, bounds))
     # 32 query tokens of Gemma's heads, and 8 of 8 heads, ask 237568 bytes: more than an H100 or
     # H200 has (232448); the launch fitted() gives them fits
-    assert got[2] == got[3] > 232448 >= got[4]
-    assert triton_attention.fitted(triton_attention.LAUNCH, 2, 256, 2, 101376) == ada[1][0]
+    assert got[3] == got[4] > 232448 >= got[5]
+    assert triton_attention.fitted(wide, 2, 256, 2, 101376) == ada[1][0]
     assert got[-2] > 101376 >= got[-1]  # on Ada, Gemma's decode: 145408 bytes, fitted 77824
 
 
@@ -303,10 +307,12 @@ def test_the_ops_launch_on_a_gpu_is_fitted_to_its_shared_memory_and_none_when_no
     cuda = torch.device("cuda", 0)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(triton_attention, "shared_memory", lambda index: 101376)  # an Ada GPU
-        assert triton_attention.launch_on(cuda, 2, 256, None) == triton_attention.Launch(num_stages=2)
+        wide = triton_attention.WIDE_LAUNCH
+        assert triton_attention.launch_on(cuda, 2, 256, None) == dataclasses.replace(wide, num_stages=2)
         patch.setattr(triton_attention, "shared_memory", lambda index: 16384)
         assert triton_attention.launch_on(cuda, 2, 256, None) is None  # supports() then says why
-    assert triton_attention.launch_on(torch.device("cpu"), 64, 256, None) == triton_attention.LAUNCH
+    assert triton_attention.launch_on(torch.device("cpu"), 64, 256, None) == triton_attention.WIDE_LAUNCH
+    assert triton_attention.launch_on(torch.device("cpu"), 4, 128, None) == triton_attention.LAUNCH
 
 
 def test_the_launch_sweep_checks_every_launch_against_fp32_and_names_a_wrong_one(
@@ -328,10 +334,11 @@ def test_the_launch_sweep_checks_every_launch_against_fp32_and_names_a_wrong_one
     monkeypatch.setattr(attention_op, "split_kv_attention", broken_at_128)
     points = [(1, 130), (1, 70, attention.GEMMA)]  # Llama's heads, then Gemma's (D = 256)
     rows = attention.tune_gqa_decode(tmp_path, points=points, sweep=launches, device=torch.device(DEVICE))
-    assert [r["launch"] for r in rows] == ["(64, 4, 3, 2)", "(128, 4, 3, 2)", "(64, 8, 3, 2)"] * 2
-    assert [r["heads"] for r in rows] == [str(attention.LLAMA)] * 3 + [str(attention.GEMMA)] * 3
-    assert [r["default"] for r in rows] == [True, False, False] * 2  # the op's once a point
-    assert [r["calc_diff"] < attention.WRONG for r in rows] == [True, False, True] * 2
+    llama = ["(64, 4, 3, 2)", "(128, 4, 3, 2)", "(64, 8, 3, 2)"]
+    assert [r["launch"] for r in rows] == llama + ["(64, 8, 3, 1)"] + llama  # D = 256: WIDE_LAUNCH first
+    assert [r["heads"] for r in rows] == [str(attention.LLAMA)] * 3 + [str(attention.GEMMA)] * 4
+    assert [r["default"] for r in rows] == [True, False, False] + [True, False, False, False]
+    assert [r["calc_diff"] < attention.WRONG for r in rows] == [True, False, True] + [True, True, False, True]
     assert "(128, 4, 3, 2) wrong" in capsys.readouterr().out
     assert (tmp_path / "tune_gqa_decode.json").exists()
 
@@ -355,8 +362,9 @@ def test_the_launch_sweep_reports_a_launch_too_big_for_the_gpu_and_times_the_res
     rows = attention.tune_gqa_decode(
         tmp_path, points=[(1, 70, attention.GEMMA)], sweep=sweep, device=torch.device(DEVICE)
     )
-    assert [r["calc_diff"] is None for r in rows] == [False, True]
-    assert rows[0]["calc_diff"] < attention.WRONG
+    # the op's launch at D = 256 (WIDE_LAUNCH) leads the sweep
+    assert [r["calc_diff"] is None for r in rows] == [False, False, True]
+    assert rows[0]["default"] and rows[0]["calc_diff"] < attention.WRONG
     assert "(128, 4, 3, 2) does not fit" in capsys.readouterr().out
 
 

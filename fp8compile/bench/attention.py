@@ -1,6 +1,6 @@
 """`python -m fp8compile bench tune --kernels gqa_decode`: the split-KV decode attention
 (ops/attention/) at every launch of a sweep (keys a step, warps, stages, programs an SM, which
-also sets the chunk count) against the op's own (triton_attention.LAUNCH).
+also sets the chunk count) against the op's own (triton_attention.launch_for).
 
 Llama-3-8B's heads (8 K/V heads of 4 query heads, D = 128; Gemma's 8 of 2, D = 256, at three
 points), one query token a sequence, the boolean (B, 1, 1, L) mask a static cache gives, a row
@@ -96,11 +96,11 @@ def tune_gqa_decode(out: Path, points=POINTS, sweep=None, device: torch.device |
 
     device = device or torch.device("cuda")
     sweep = sweep or launches()
-    default = triton_attention.LAUNCH
     rows = []
     for batch, keys, *named in points:
         heads = named[0] if named else LLAMA
         kv, rep, d = heads
+        default = triton_attention.launch_for(d)
         kv_bytes = 2 * batch * kv * keys * d * 2
         cases = [
             _case(batch, keys, device, heads)

@@ -259,7 +259,8 @@ def _batch_invariant_chunk(key: torch.Tensor) -> int:
     default choice follows the batch, and a row's sum order with it)."""
     from ..ops.attention import triton_attention
 
-    return triton_attention.chunk_keys(size_hint(key.shape[2]), 1, key.shape[1], key.device)
+    launch = triton_attention.launch_for(key.shape[3])
+    return triton_attention.chunk_keys(size_hint(key.shape[2]), 1, key.shape[1], key.device, launch)
 
 
 def _same_element_layout(new: torch.Tensor, old: torch.Tensor) -> bool:

@@ -62,6 +62,17 @@ class Launch:
 # took 1.06-1.35x its time (BENCHMARKS.md, "Decode attention";
 # benchmarks/tune_gqa_decode_h200_2026-11-29.json).
 LAUNCH = Launch()
+# Heads wider than 128 (Gemma-2's and Gemma-3's 256): the same sweep with Gemma's heads (8 K/V
+# heads of 2 query heads) at batch 1 and 16 over 1057 keys and batch 16 over 1024 (Gemma-3's
+# window), H200, 2026-11-29, Triton 3.6: the best fixed launch by geometric mean, 11.2 / 43.4 /
+# 35.9 us where LAUNCH takes 14.0 / 53.6 / 43.0, and LAUNCH with one program an SM 11.6 / 47.6 /
+# 36.5 (benchmarks/tune_gqa_decode_gemma_heads_h200_2026-11-29_8c2499f.json). One program an SM
+# is what fits: at D = 256 a program asks 138 KiB of shared memory (Triton 3.7.1, sm_90), and an
+# SM holds 228, so LAUNCH's second program an SM cannot be resident beside the first (inferred
+# from the compile; the times above agree). In Gemma-3-12B's 8-layer batch-16 decode step its
+# attention took 0.86x LAUNCH's time and the step 0.95x (BENCHMARKS.md, "The wide-head attention
+# launch in Gemma-3").
+WIDE_LAUNCH = Launch(num_warps=8, programs_per_sm=1)
 BLOCK_L = LAUNCH.block_l  # keys a step
 # Chunks the combine kernel reads a step. Not tuned: chunk_keys makes about 2 x SMs / (B x KV)
 # chunks at the batch a graph is compiled for (33 for Llama-3-8B at batch 1 on an H100 or H200),
@@ -247,13 +258,18 @@ def fitted(launch: Launch, rows: int, d: int, mask_size: int, budget: int) -> La
     return launch
 
 
+def launch_for(d: int) -> Launch:
+    """The tuned launch for heads of width d: LAUNCH up to 128, WIDE_LAUNCH beyond."""
+    return LAUNCH if d <= 128 else WIDE_LAUNCH
+
+
 def launch_on(device: torch.device, rows: int, d: int, mask: Tensor | None) -> Launch | None:
-    """The op's launch (LAUNCH) fitted to the device's shared memory; LAUNCH itself in Triton's
-    CPU interpreter. Its keys a step divide BLOCK_L, so a chunk of BLOCK_L's serves it too."""
+    """The op's launch (launch_for(d)) fitted to the device's shared memory; unfitted in
+    Triton's CPU interpreter. Its keys a step divide BLOCK_L, so a chunk of BLOCK_L's serves it."""
     if device.type != "cuda":
-        return LAUNCH
+        return launch_for(d)
     size = 0 if mask is None else mask.element_size()
-    return fitted(LAUNCH, rows, d, size, shared_memory(device_index(device)))
+    return fitted(launch_for(d), rows, d, size, shared_memory(device_index(device)))
 
 
 def mask_code(mask: Tensor | None) -> int:
