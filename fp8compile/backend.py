@@ -113,6 +113,8 @@ def compile_graph(
         dump.dynamo(gm)
 
     cuda_graphs = bool(patches.get("triton.cudagraphs"))
+    # a replayed CUDA graph pays no host time per call site: the branches' functions stay there
+    inline_conds = config.inline_conds if config.inline_conds is not None else not cuda_graphs
 
     def inductor_compile(aten_gm: fx.GraphModule, aten_inputs: Sequence[Any], **kwargs: Any):
         if not config.inductor:
@@ -214,7 +216,7 @@ def compile_graph(
         torch._functorch.config.patch(enable_autograd_cache=False),
         size_conds.keep_cuda_graphs(),
         kernel_analysis.memoized(),
-        size_conds.inline_branches() if config.inline_conds else contextlib.nullcontext(),
+        size_conds.inline_branches() if inline_conds else contextlib.nullcontext(),
     ):
         compiled = compile_fx(gm, example_inputs, inner_compile=fp8_inner_compile, config_patches=patches)
     log.info("fp8compile graph %d: %s", graph_index, report.counts())

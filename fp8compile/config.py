@@ -44,7 +44,6 @@ SWITCHES = (
     "e8m0",
     "batch_invariant",
     "autotune",
-    "inline_conds",
     "release_bf16_weights",
     "split_kv",
     "inductor",
@@ -52,7 +51,7 @@ SWITCHES = (
     "quantize_checkpoint_bf16",
 )
 # The switches that may also be None: the default picked for the recipe or the mode.
-AUTO_SWITCHES = ("inductor_launch", "fast_accum")
+AUTO_SWITCHES = ("inductor_launch", "fast_accum", "inline_conds")
 
 
 def _debug_dir_from_env() -> str | None:
@@ -100,9 +99,10 @@ class Fp8Config:
                      are not asked for (there every call pays the host's cost).
     inline_conds:    emit the M dispatch's torch.cond branches inline in Inductor's generated code
                      instead of as a function per branch (size_conds.py): less host time per
-                     call site outside CUDA graphs. Experimental and off: the same bits as the
-                     functions on the GPU, but no whole-model gain measured (BENCHMARKS.md,
-                     2026-11-25 (8aa4d6d)).
+                     call site, the same bits. None = where CUDA graphs are not asked for (a
+                     replayed graph pays no host time per call site): Gemma-2-9B's 8 layers,
+                     128-token prefill in default mode, went 0.86x -> 1.18x bf16 Inductor
+                     (BENCHMARKS.md, "Default mode at 8 layers", H200, 2026-11-29).
     release_bf16_weights: give back the device memory of the bf16 weights no compiled graph reads
                      (those with an FP8 copy): their values move to host memory (release.py).
                      An eager call of a module holding one (generate()'s prompt with a
@@ -154,7 +154,7 @@ class Fp8Config:
     fusions: tuple[str, ...] = FUSIONS
     debug_dir: str | None = dataclasses.field(default_factory=_debug_dir_from_env)
     inductor_launch: bool | None = None
-    inline_conds: bool = False
+    inline_conds: bool | None = None
     release_bf16_weights: bool = False
     act_amax: Mapping[str, float] | None = None
     act_amax_ub: float = 0.0

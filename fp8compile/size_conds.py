@@ -10,8 +10,8 @@ tensor's data, keep Inductor's behaviour):
   Its CUDA graphs record one graph per value of the graph's int inputs (M among them), and each
   recording takes the one branch that is right for its M, so a size cond leaves the decision
   as it was.
-- inline_branches (Fp8Config.inline_conds; off by default: on an H100 it gives the functions'
-  bits, but no whole model ran faster with it; BENCHMARKS.md, 2026-11-25 (8aa4d6d)):
+- inline_branches (Fp8Config.inline_conds; by default outside CUDA graphs, where the host's
+  time per call site shows: on the GPU it gives the functions' bits):
   Inductor's Python wrapper emits each branch as a function of its own, and a call of it costs
   the host an argument list, a size assert per tensor operand, a device guard and
   torch.cuda.set_device, then asserts on its output: 15-23 us per call site a decode step

@@ -42,9 +42,9 @@ def test_the_m_dispatchs_branches_are_emitted_inline_with_the_numbers_of_branch_
     options = dict(backends=ranged_references, **RANGES)
     inline_outs, inline_code = compile_and_run(model, xs, inline_conds=True, **options)
     torch._dynamo.reset()
-    function_outs, function_code = compile_and_run(model, xs, **options)
+    function_outs, function_code = compile_and_run(model, xs, inline_conds=False, **options)
 
-    # Inductor's own emission (the default): each branch a function the graph calls.
+    # Inductor's own emission: each branch a function the graph calls.
     assert {"_fp8_0_m_le_32", "_fp8_0_m_gt_32"} <= set(BRANCH_FUNCTION.findall(function_code))
     # inline_conds: the graph's `call` is the only function; the branches are blocks under an
     # `if` on M, at each of the two call sites (which share their branches).
@@ -58,6 +58,24 @@ def test_the_m_dispatchs_branches_are_emitted_inline_with_the_numbers_of_branch_
     for x, got, want in zip(xs, inline_outs, function_outs):
         assert torch.equal(got, want)
         assert fp8compile.calc_diff(got, model(x)) < GATED_MLP
+
+
+def test_the_branches_are_inline_by_default_outside_cuda_graphs_and_functions_under_them(ranged_references):
+    # Outside CUDA graphs every call of a branch function costs the host its checks; a replayed
+    # CUDA graph pays none, and there the branches stay as Inductor emits them.
+    fp8 = fp8compile.backend(backends=ranged_references, **RANGES)
+    codes = {}
+    for mode in (None, "reduce-overhead"):
+        torch._dynamo.reset()
+        compiled = torch.compile(two_linears(), backend=fp8, mode=mode, dynamic=True)
+        with torch.no_grad():
+            _, (codes[mode], *_) = run_and_get_code(compiled, randn(4, 256))
+    assert BRANCH_FUNCTION.findall(codes[None]) == []
+    assert len(re.findall(r"^ +if s\d+ <= 32:$", codes[None], re.M)) == 2
+    assert {"_fp8_0_m_le_32", "_fp8_0_m_gt_32"} <= set(BRANCH_FUNCTION.findall(codes["reduce-overhead"]))
+    assert fp8compile.Fp8Config().inline_conds is None
+    with pytest.raises(TypeError, match="inline_conds"):
+        fp8compile.Fp8Config(inline_conds="yes")
 
 
 class RecordingWrapper:
