@@ -337,6 +337,9 @@ def test_bench_model_repeats_each_point_profiles_it_and_prefills_each_batch(tmp_
     assert set(prefill) == {1, 2}
     tokens = TINY_BENCH["prefill"]
     assert all(r["tokens_per_s"] == r["batch"] * tokens * 1e3 / r["ms"] for r in prefill.values())
+    # each prefill the median of five calls, every one kept
+    for r in prefill.values():
+        assert len(r["ms_runs"]) == 5 and r["ms"] == statistics.median(r["ms_runs"])
     assert "2x prefill" in model_table(rows)
     assert (
         "generate" in (tmp_path / "profile_tiny-llama_fp8_b2.txt").read_text()

@@ -17,7 +17,8 @@ from .output import profiled
 from .variants import Variant
 
 
-def time_ms(fn, device, repeat: int) -> float:
+def time_ms(fn, device, repeat: int) -> list[float]:
+    """fn's time in ms, each of `repeat` calls (a host-bound call moves by the call)."""
     times = []
     for _ in range(repeat):
         if device.type == "cuda":
@@ -31,7 +32,7 @@ def time_ms(fn, device, repeat: int) -> float:
             start = time.perf_counter()
             fn()
             times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return times
 
 
 def prefill_and_accuracy(
@@ -45,8 +46,9 @@ def prefill_and_accuracy(
     batches=(1,),
 ) -> list[dict]:
     """Logits calc_diff against bf16 eager (64 tokens), then a prefill of `tokens` tokens at each
-    of `batches`, timed (median of 5); if asked, one more of the first batch under cProfile
-    (written to `profile`) and, on a GPU, its GPU time by kind of kernel."""
+    of `batches`, timed (the median of 5 calls, each kept in `ms_runs`); if asked, one more of
+    the first batch under cProfile (written to `profile`) and, on a GPU, its GPU time by kind of
+    kernel."""
     compiled = (
         model
         if variant.backend is None
@@ -71,8 +73,10 @@ def prefill_and_accuracy(
 
         for _ in range(2):
             step()
-        ms = time_ms(step, device, repeat=5)
-        row = dict(kind="prefill", batch=batch, tokens=tokens, ms=ms, tokens_per_s=batch * tokens * 1e3 / ms)
+        runs = time_ms(step, device, repeat=5)
+        ms = statistics.median(runs)
+        row = dict(kind="prefill", batch=batch, tokens=tokens, ms=ms, ms_runs=runs)
+        row["tokens_per_s"] = batch * tokens * 1e3 / ms
         if profile is not None and batch == batches[0]:
             profiled(step, profile)
             if device.type == "cuda":
