@@ -8,10 +8,11 @@ the wall time per call (the same with a sync at the end), layer by layer of the 
     bf16_eager        F.linear (one cuBLAS call through the C++ dispatcher): the floor
     bf16_inductor     nn.Linear compiled by Inductor, default mode
     fp8compile        nn.Linear compiled with backend="fp8", default mode: the decode side of the
-                      dispatch launched by Inductor (passes/inline.py)
+                      dispatch launched by Inductor (passes/inline.py), the cond's branches inline
+                      in Inductor's generated code (Fp8Config.inline_conds, on outside CUDA graphs)
     fp8compile_op_launch  the same with inductor_launch=False: cond, op, kernel
-    fp8compile_inline_conds  fp8compile with Fp8Config(inline_conds=True): the cond's branches
-                      inline in Inductor's generated code, not a function per branch
+    fp8compile_cond_functions  fp8compile with Fp8Config(inline_conds=False): a function per
+                      branch, as Inductor emits a cond
     fp8_inductor_launch  fp8compile::linear_decode (ops/linear/decode_op.py) compiled by Inductor, the
                       FP8 weight a module buffer: Inductor launches the decode kernel itself
     fp8_op            torch.ops.fp8compile.linear with the decode backend: dispatcher + op body
@@ -104,7 +105,7 @@ def bench_host(
     inductor = torch.compile(model, dynamic=True)
     fp8 = torch.compile(model, backend=fp8compile.backend(), dynamic=True)
     fp8_op_launch = torch.compile(model, backend=fp8compile.backend(inductor_launch=False), dynamic=True)
-    fp8_inline = torch.compile(model, backend=fp8compile.backend(inline_conds=True), dynamic=True)
+    fp8_functions = torch.compile(model, backend=fp8compile.backend(inline_conds=False), dynamic=True)
     decode = torch.compile(_DecodeChain(linears, max(ms)), dynamic=True)
     launcher = triton_gemm._small_m_launch
     rows = []
@@ -116,7 +117,7 @@ def bench_host(
                 "bf16_inductor": lambda: inductor(x),
                 "fp8compile": lambda: fp8(x),
                 "fp8compile_op_launch": lambda: fp8_op_launch(x),
-                "fp8compile_inline_conds": lambda: fp8_inline(x),
+                "fp8compile_cond_functions": lambda: fp8_functions(x),
                 "fp8_inductor_launch": lambda: decode(x),
                 "fp8_op": lambda: torch.ops.fp8compile.linear(x, w, backend="triton_small_m"),
                 "fp8_kernel": lambda: triton_gemm.linear_small_m(x, w_fp8, w_scale),
@@ -125,7 +126,7 @@ def bench_host(
                 "bf16_inductor",
                 "fp8compile",
                 "fp8compile_op_launch",
-                "fp8compile_inline_conds",
+                "fp8compile_cond_functions",
                 "fp8_inductor_launch",
             )
             timed = {name: [] for name in variants}
@@ -157,7 +158,8 @@ def bench_host(
                     value=calc_diff(out, fp8(x).float()),
                 )
             )
-            rows.append(dict(m=m, variant="inline_conds_same_bits", value=torch.equal(fp8_inline(x), fp8(x))))
+            same = torch.equal(fp8_functions(x), fp8(x))
+            rows.append(dict(m=m, variant="cond_functions_same_bits", value=same))
             relaunched = launcher.relaunch and bool(launcher.compiled)
             launcher.relaunch = False
             try:
@@ -187,7 +189,7 @@ def bench_host(
         [r["value"] for r in rows if r["variant"].endswith("calc_diff")],
     )
     print(
-        "fp8compile_inline_conds gives fp8compile's bits:",
-        [r["value"] for r in rows if r["variant"] == "inline_conds_same_bits"],
+        "fp8compile_cond_functions gives fp8compile's bits:",
+        [r["value"] for r in rows if r["variant"] == "cond_functions_same_bits"],
     )
     return rows
