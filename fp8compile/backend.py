@@ -325,12 +325,16 @@ def _collectives(gm: fx.GraphModule) -> dict[str, int]:
                     found[target.removeprefix("_c10d_functional::")] += 1
                 elif target == "fp8compile::all_reduce":
                     found[FP8COMPILE_ALL_REDUCE] += 1
+                elif target == "fp8compile::all_reduce_rms_norm":
+                    found[FP8COMPILE_ALL_REDUCE_NORM] += 1
     return dict(found)
 
 
 # the report's name for fp8compile::all_reduce (passes/all_reduce.py; which kernels it runs:
 # Report.all_reduce_paths)
 FP8COMPILE_ALL_REDUCE = "all_reduce (fp8compile's)"
+# and fp8compile::all_reduce_rms_norm's (passes/all_reduce_norm.py)
+FP8COMPILE_ALL_REDUCE_NORM = "all_reduce with the residual add and RMSNorm (fp8compile's)"
 
 
 def _release_weights(ctx, dropped: list[torch.Tensor]) -> None:

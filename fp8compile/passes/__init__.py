@@ -4,6 +4,7 @@ recording every rewrite and every candidate it leaves in bf16 on the context's r
 from __future__ import annotations
 
 from .all_reduce import all_reduce_pass
+from .all_reduce_norm import all_reduce_norm_pass
 from .checkpoint_experts import checkpoint_experts_pass
 from .checkpoint_linear import checkpoint_linear_pass
 from .checkpoint_merge import checkpoint_merge_pass
@@ -38,6 +39,7 @@ FUSION_PASSES = {
     "qkv": qkv_pass,
     "silu_mul": silu_mul_pass,
     "all_reduce": all_reduce_pass,
+    "all_reduce_norm": all_reduce_norm_pass,  # on all_reduce's op
 }
 CHECKPOINT_PASSES = (
     ("checkpoint_experts", checkpoint_experts_pass),

@@ -1,7 +1,13 @@
-"""fp8compile::all_reduce (torch.library, ops/library.py), with its fake below it: the sum of x
-over a process group's ranks, on symmetric memory's kernels where they serve the call
-(symmetric.py), else on the group's own collective (reference.py). The all_reduce pass puts it
-where a sharded model's graph held a functional sum all-reduce and its wait."""
+"""fp8compile's collectives (torch.library, ops/library.py), each with its fake below it:
+
+- all_reduce: the sum of x over a process group's ranks, on symmetric memory's kernels where they
+  serve the call (symmetric.py), else on the group's own collective (reference.py); the
+  all_reduce pass puts it where a sharded model's graph held a functional sum all-reduce.
+- all_reduce_rms_norm: that sum added to the residual stream and normalized, in one kernel of
+  ours on symmetric memory (triton_norm.py) where it serves the call, else all_reduce and the
+  same arithmetic (reference.py); the all_reduce_norm pass puts it where a graph's all-reduce
+  fed the residual add and an RMSNorm.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,11 @@ from torch import Tensor
 
 from ..library import fake, op
 from . import reference, symmetric
+
+# The fused kernel holds a row in registers (8 warps: 64 fp32 values a thread for each of the
+# sum and the weight at this width), and takes the dtypes an RMSNorm's input comes in.
+NORM_MAX_WIDTH = 16384
+NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @op
@@ -22,3 +33,69 @@ def all_reduce(x: Tensor, group_name: str) -> Tensor:
 @fake(all_reduce)
 def _(x: Tensor, group_name: str) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@op
+def all_reduce_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, group_name: str
+) -> tuple[Tensor, Tensor]:
+    """(weight * rms_norm(s), s) for s = residual + x summed over the group's ranks: transformers'
+    residual add and RMSNorm after a row-sharded linear, each rounded as there. x and residual
+    of one shape and dtype, weight the last dimension's; two new tensors of residual's shape."""
+    h = x.shape[-1]
+    rows = x.numel() // h if h else 0
+    if (
+        residual.shape == x.shape
+        and residual.dtype == x.dtype == weight.dtype
+        and weight.shape == (h,)
+        and fused_norm_refuses(rows, h, x.dtype, x.device, group_name) is None
+        and (peers := symmetric.peers(group_name, x.device)) is not None
+    ):
+        from . import triton_norm  # Triton, imported where a GPU runs the kernel
+
+        normed, summed = triton_norm.all_reduce_rms_norm(
+            x.reshape(rows, h).contiguous(),
+            residual.reshape(rows, h).contiguous(),
+            weight.contiguous(),
+            eps,
+            peers.buffers,
+            peers.pads,
+            peers.rank,
+            peers.world,
+        )
+        return normed.view(x.shape), summed.view(x.shape)
+    return reference.add_rms_norm(all_reduce(x, group_name), residual, weight, eps)
+
+
+@fake(all_reduce_rms_norm)
+def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float, group_name: str) -> tuple[Tensor, Tensor]:
+    out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    return out, torch.empty_like(out)
+
+
+def fused_norm_refuses(
+    rows: int, width: int, dtype: torch.dtype, device: torch.device, group_name: str
+) -> str | None:
+    """None where all_reduce_rms_norm's kernel serves (rows, width) of dtype on this device for
+    the group (its symmetric buffer made now if need be: a collective, as all ranks compile
+    alike), else why not. Every rank decides alike: from sizes, dtype and the buffer."""
+    nbytes = rows * width * dtype.itemsize
+    if device.type != "cuda":
+        return f"symmetric memory serves CUDA tensors; these are {device.type}"
+    if dtype not in NORM_DTYPES:
+        return f"{dtype} (the kernel takes {', '.join(map(str, NORM_DTYPES))})"
+    if width > NORM_MAX_WIDTH:
+        return f"rows of {width}, past the {NORM_MAX_WIDTH} the kernel holds in registers"
+    if rows == 0 or nbytes % symmetric.ALIGN or nbytes > symmetric.BUFFER_BYTES:
+        return f"{nbytes} bytes a rank: not a whole number of {symmetric.ALIGN}-byte units in the buffer"
+    peers = symmetric.peers(group_name, device)
+    if peers is None:
+        return "no symmetric buffer with its peers known here (the all-reduces' path says why)"
+    if peers.world * nbytes > symmetric.ONE_SHOT_READ_BYTES:
+        return (
+            f"{peers.world * nbytes} bytes read a rank, past the {symmetric.ONE_SHOT_READ_BYTES} "
+            "one-shot bound (the two-shot kernel or NCCL serve it)"
+        )
+    if rows * peers.world * 4 > peers.pad_bytes:
+        return f"{rows} rows: more signal words than the {peers.pad_bytes}-byte pad holds"
+    return None

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -48,6 +49,21 @@ ALIGN = 16
 
 # (group name, device index) -> (the group it was made for, the buffer or why it could not be made)
 _buffers: dict[tuple[str, int], tuple[weakref.ref, Tensor | str]] = {}
+# a buffer's peers, for kernels of ours that read them (triton_norm.py), by the buffer's address
+_peers: dict[int, Peers] = {}
+
+
+@dataclass(frozen=True)
+class Peers:
+    """Where a group's symmetric buffer lies on every rank, for a kernel that reads the peers'
+    copies itself: each rank's buffer and signal pad address (int64 tensors on this device,
+    made with the buffer, outside any capture), this rank, the world, the signal pad's bytes."""
+
+    buffers: Tensor
+    pads: Tensor
+    rank: int
+    world: int
+    pad_bytes: int
 
 
 def available() -> str | None:
@@ -179,9 +195,27 @@ def _make(group_name: str, index: int) -> Tensor:
 
     if _needs_enable():
         symm_mem.enable_symm_mem_for_group(group_name)
-    buffer = symm_mem.empty(BUFFER_BYTES, dtype=torch.uint8, device=torch.device("cuda", index))
-    symm_mem.rendezvous(buffer, group_name)
+    device = torch.device("cuda", index)
+    buffer = symm_mem.empty(BUFFER_BYTES, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(buffer, group_name)
+    try:
+        _peers[buffer.data_ptr()] = Peers(
+            torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device),
+            torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device),
+            handle.rank,
+            handle.world_size,
+            handle.signal_pad_size,
+        )
+    except (AttributeError, RuntimeError) as error:  # a torch whose handle does not say them
+        log.warning("fp8compile: symmetric memory's peers are not known here (%s)", error)
     return buffer
+
+
+def peers(group_name: str, device: torch.device) -> Peers | None:
+    """Where the group's buffer on this device lies on every rank, the buffer made now if need
+    be (as for all_reduce_sum); None where there is none, or its peers are not known."""
+    buffer = _buffer(group_name, device) if device.type == "cuda" else None
+    return None if buffer is None else _peers.get(buffer.data_ptr())
 
 
 def path() -> str:

@@ -1,0 +1,309 @@
+"""The all_reduce_norm pass and fp8compile::all_reduce_rms_norm (ops/collectives/): a sharded
+decoder's all-reduce, the residual add after it and the RMSNorm of the sum become one op, one
+Triton kernel on symmetric memory where it serves the graph's sizes.
+
+On the CPU, over a gloo group of one rank: what the pass matches and leaves, the report's words,
+and the op's fallback rounding as transformers' RMSNorm does. Symmetric memory serves CUDA
+tensors only, so the CPU tests that rewrite stand in for the kernel's yes (kernel_refuses
+patched): the op then runs its fallback, the group's all-reduce and the same arithmetic. The
+kernel itself, on two GPUs, is the gpu test at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fp8compile
+from fp8compile.backend import FP8COMPILE_ALL_REDUCE, FP8COMPILE_ALL_REDUCE_NORM
+from fp8compile.config import DEFAULT_FUSIONS, FUSIONS
+from fp8compile.ops.collectives import op as collectives, reference, symmetric
+from fp8compile.passes import all_reduce_norm
+from tests.conftest import golden_text
+
+transformers = pytest.importorskip("transformers")
+from fp8compile.demo import small_llama  # noqa: E402
+
+BF16 = torch.bfloat16
+WITHOUT_NORM = tuple(f for f in FUSIONS if f != "all_reduce_norm")
+
+
+@pytest.fixture
+def one_rank_group():
+    """The default group as one gloo rank (a functional collective over it returns its input)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def kernel_serves(monkeypatch):
+    """The pass rewrites as on GPUs whose symmetric memory serves every site (on the CPU it
+    serves none): the op's fallback then runs."""
+    monkeypatch.setattr(all_reduce_norm, "kernel_refuses", lambda site: None)
+
+
+class ShardedBlock(nn.Module):
+    """A row-sharded projection's partial, summed over the ranks, added to the residual, and the
+    sum normalized by `norm` (transformers' LlamaRMSNorm unless given)."""
+
+    def __init__(self, norm: nn.Module | None = None):
+        super().__init__()
+        self.proj = nn.Linear(256, 256, bias=False)
+        self.norm = norm or transformers.models.llama.modeling_llama.LlamaRMSNorm(256, eps=1e-5)
+        with torch.no_grad():
+            self.norm.weight.normal_(1.0, 0.1)
+
+    def forward(self, x, residual):
+        from torch.distributed import _functional_collectives as funcol
+
+        summed = residual + funcol.all_reduce(self.proj(x), "sum", dist.group.WORLD)
+        return self.norm(summed), summed
+
+
+class GemmaStyleNorm(nn.Module):
+    """An RMSNorm of another form: Gemma's, scaled by 1 + weight in fp32."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def _compiled(module, *args, dynamic=False, fusions=FUSIONS, **options):
+    """module compiled by the fp8 backend in reduce-overhead (the fusion opted in unless
+    `fusions` says otherwise), run on args."""
+    fp8 = fp8compile.backend(fusions=fusions, **options)
+    with torch.no_grad():
+        out = torch.compile(module, backend=fp8, dynamic=dynamic, mode="reduce-overhead")(*args)
+    return out, fp8.report
+
+
+def _inputs(rows=4):
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(rows, 256, generator=gen).to(BF16), torch.randn(rows, 256, generator=gen).to(BF16)
+
+
+@pytest.mark.inductor
+def test_each_all_reduce_a_residual_add_and_an_rmsnorm_follow_becomes_one_op(one_rank_group, kernel_serves):
+    """A tiny sharded Llama (two layers): o's all-reduce feeds the post-attention norm, down's
+    the next layer's input norm or the final norm: four sites, all fused; the logits as unfused."""
+    from fp8compile import tensor_parallel
+
+    model = small_llama(vocab=512, hidden=256, intermediate=512, layers=2)
+    tensor_parallel.shard(model)
+    ids = torch.randint(0, 512, (1, 4), generator=torch.Generator().manual_seed(0))
+    fused, report = _compiled(model, ids)
+    torch._dynamo.reset()
+    unfused, unfused_report = _compiled(model, ids, fusions=WITHOUT_NORM)
+    assert report.collectives[0] == {FP8COMPILE_ALL_REDUCE_NORM: 4, "all_gather_into_tensor": 1}
+    assert unfused_report.collectives[0] == {FP8COMPILE_ALL_REDUCE: 4, "all_gather_into_tensor": 1}
+    words = "4 of 4 all-reduces with the residual add and RMSNorm after them in one kernel"
+    assert report.all_reduce_paths["graph 0, with the RMSNorm after"] == words
+    assert f"all-reduces, graph 0, with the RMSNorm after: {words}" in str(report)
+    with torch.no_grad():
+        eager = model(ids).logits
+    # the fused op rounds as the eager model (the sum, then the normalized row); Inductor's one
+    # kernel for the add and norm keeps fp32 between them: FP8's linears see either, within 1.15x
+    fused_diff, unfused_diff = (fp8compile.calc_diff(o.logits, eager) for o in (fused, unfused))
+    assert fused_diff <= 1.15 * unfused_diff, (fused_diff, unfused_diff)
+
+
+def test_the_ops_fallback_sums_adds_and_normalizes_as_transformers_rmsnorm(one_rank_group):
+    x, residual = _inputs()
+    norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(256, eps=1e-5).to(BF16)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+        normed, summed = torch.ops.fp8compile.all_reduce_rms_norm(
+            x, residual, norm.weight, 1e-5, one_rank_group
+        )
+        assert torch.equal(summed, residual + x)  # one rank's sum is its partial
+        assert torch.equal(normed, norm(residual + x))
+    assert collectives.fused_norm_refuses(4, 256, BF16, x.device, one_rank_group).startswith(
+        "symmetric memory serves CUDA tensors"
+    )
+
+
+GOLDEN = Path(__file__).parent / "golden" / "all_reduce_norm.diff"
+
+
+def test_golden_graph_diff_of_an_all_reduce_with_its_residual_add_and_rmsnorm(
+    one_rank_group, kernel_serves, pass_diffs
+):
+    """The functional all_reduce and its wait, the add and the RMSNorm's eight nodes leave;
+    fp8compile.all_reduce_rms_norm takes the partial, the residual, the norm's weight and eps, and
+    its two outputs take the norm's place and the sum's (the projection left bf16: skip="*").
+    Regenerate with FP8COMPILE_UPDATE_GOLDEN=1 after an intended change, and read the diff."""
+    module = ShardedBlock().to(BF16)
+    x, residual = _inputs()
+    (normed, summed), _ = _compiled(
+        module, x, residual, fusions=("all_reduce", "all_reduce_norm"), skip=("*",)
+    )
+    with torch.no_grad():
+        expected = module(x, residual)
+    assert torch.equal(summed, expected[1]) and torch.equal(normed, expected[0])
+    (diff,) = pass_diffs
+    assert diff == golden_text(GOLDEN, diff)
+
+
+def test_on_the_cpu_the_pass_leaves_the_three_and_the_report_says_why(one_rank_group):
+    _, report = _compiled(ShardedBlock().to(BF16), *_inputs())
+    assert report.collectives == {0: {FP8COMPILE_ALL_REDUCE: 1}}
+    assert report.all_reduce_paths["graph 0, with the RMSNorm after"] == (
+        "0 of 1 all-reduces with the residual add and RMSNorm after them in one kernel; the rest as they "
+        "were: 1: symmetric memory serves CUDA tensors; these are cpu"
+    )
+
+
+def test_a_graph_of_symbolic_rows_keeps_the_three_the_kernel_could_not_size(one_rank_group):
+    """Fused at every call or nowhere: a graph whose row count is a symbol would fall back to the
+    eager arithmetic at sizes the kernel does not serve, slower than Inductor's one kernel."""
+    _, report = _compiled(ShardedBlock().to(BF16), *_inputs(5), dynamic=True)
+    assert (
+        "the rest as they were: 1: the rows are not a known number"
+        in report.all_reduce_paths["graph 0, with the RMSNorm after"]
+    )
+
+
+def test_a_norm_of_another_form_is_not_matched(one_rank_group, kernel_serves):
+    _, report = _compiled(ShardedBlock(GemmaStyleNorm(256)).to(BF16), *_inputs())
+    assert report.collectives == {0: {FP8COMPILE_ALL_REDUCE: 1}}
+    assert "graph 0, with the RMSNorm after" not in report.all_reduce_paths
+
+
+def test_the_fusion_is_opt_in_by_default_the_all_reduce_stays_and_inductor_keeps_the_norm(
+    one_rank_group, kernel_serves
+):
+    """Measured slower than the all-reduce and Inductor's norm kernel (config.OPT_IN_FUSIONS)."""
+    assert "all_reduce_norm" not in fp8compile.Fp8Config().fusions
+    assert DEFAULT_FUSIONS == WITHOUT_NORM
+    _, report = _compiled(ShardedBlock().to(BF16), *_inputs(), fusions=DEFAULT_FUSIONS)
+    assert report.collectives == {0: {FP8COMPILE_ALL_REDUCE: 1}}
+
+
+def test_the_kernel_refuses_what_it_cannot_hold_before_looking_for_a_buffer():
+    cuda = torch.device("cuda", 0)  # only its type is read before the buffer
+    assert collectives.fused_norm_refuses(1, 4096, torch.float8_e4m3fn, cuda, "0").startswith(
+        "torch.float8_e4m3fn"
+    )
+    assert collectives.fused_norm_refuses(1, 32768, BF16, cuda, "0") == (
+        "rows of 32768, past the 16384 the kernel holds in registers"
+    )
+    too_many = symmetric.BUFFER_BYTES // (2 * 4096) + 1
+    assert "not a whole number of 16-byte units in the buffer" in collectives.fused_norm_refuses(
+        too_many, 4096, BF16, cuda, "0"
+    )
+    assert "not a whole number" in collectives.fused_norm_refuses(1, 4095, BF16, cuda, "0")
+
+
+def test_the_kernel_on_one_rank_stages_its_row_meets_itself_and_leaves_the_pads_clear():
+    """The Triton kernel itself on the CPU (Triton's interpreter, one rank: its buffer and pad are
+    plain tensors). Integers whose sums bf16 holds exactly, as the interpreter rounds to bf16 by
+    dropping bits: the sum exact, the norm within two bf16 units, the row staged in the buffer, and
+    both barriers leaving the pad as they found it."""
+    pytest.importorskip("triton")
+    from fp8compile.ops.collectives import triton_norm
+
+    gen = torch.Generator().manual_seed(0)
+    x, residual = (torch.randint(-8, 9, (3, 320), generator=gen).to(BF16) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(320, generator=gen)).to(BF16)
+    buffer, pad = torch.zeros(3, 320, dtype=BF16), torch.zeros(64, dtype=torch.int32)
+    pointers = [torch.tensor([t.data_ptr()], dtype=torch.int64) for t in (buffer, pad)]
+    normed, summed = triton_norm.all_reduce_rms_norm(x, residual, weight, EPS, *pointers, rank=0, world=1)
+    expected = reference.add_rms_norm(x, residual, weight, EPS)
+    assert torch.equal(summed, expected[1])
+    assert _relative(normed, expected[0]) <= 2**-6  # two roundings, each dropping bits here
+    assert torch.equal(buffer, x) and not pad.any()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+EPS = 1e-5
+
+
+def _two_gpu_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2)
+    group = dist.group.WORLD.group_name
+    results = {"refuses": collectives.fused_norm_refuses(1, 4096, BF16, torch.device("cuda", rank), group)}
+    try:
+        for m in (1, 16, 64):
+            gen = torch.Generator("cuda").manual_seed(rank)
+            x = torch.randn(m, 4096, dtype=BF16, device="cuda", generator=gen)
+            shared = torch.Generator("cuda").manual_seed(100)  # residual and weight as every rank has them
+            residual = torch.randn(m, 4096, dtype=BF16, device="cuda", generator=shared)
+            weight = (1 + 0.1 * torch.randn(4096, device="cuda", generator=shared)).to(BF16)
+            expected = reference.add_rms_norm(reference.all_reduce_sum(x, group), residual, weight, EPS)
+            normed, summed = torch.ops.fp8compile.all_reduce_rms_norm(x, residual, weight, EPS, group)
+            for _ in range(200):  # back to back: each call's barriers leave the pads for the next
+                again = torch.ops.fp8compile.all_reduce_rms_norm(x, residual, weight, EPS, group)
+            graph, static_x = torch.cuda.CUDAGraph(), x.clone()
+            with torch.cuda.graph(graph):
+                captured = torch.ops.fp8compile.all_reduce_rms_norm(static_x, residual, weight, EPS, group)
+            static_x.copy_(x * 2)  # exact in bf16
+            graph.replay()
+            doubled = reference.add_rms_norm(reference.all_reduce_sum(x * 2, group), residual, weight, EPS)
+            results[m] = dict(
+                summed=torch.equal(summed, expected[1]),
+                normed=_relative(normed, expected[0]),
+                again=torch.equal(again[0], normed) and torch.equal(again[1], summed),
+                replayed_summed=torch.equal(captured[1], doubled[1]),
+                replayed_normed=_relative(captured[0], doubled[0]),
+                normed_bits=normed.cpu(),
+            )
+        results["state"] = symmetric.state(group, rank)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference relative to the reference's magnitude (bf16's unit: 2**-8)."""
+    return ((a.float() - b.float()).abs() / b.float().abs().clamp_min(1e-3)).max().item()
+
+
+@pytest.mark.gpu
+def test_on_two_gpus_the_kernel_sums_as_nccl_and_normalizes_within_a_bf16_unit(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs of one host")
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(_two_gpu_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=False)
+    deadline = time.monotonic() + 300  # a barrier that never meets hangs: fail instead
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the ranks did not finish in 300 s: a barrier never met")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for rank in ranks:
+        assert rank["refuses"] is None
+        assert rank["state"].startswith("symmetric memory")
+        for m in (1, 16, 64):
+            # the partials added in fp32 and rounded once, as NCCL at two ranks; the residual added
+            assert rank[m]["summed"] and rank[m]["replayed_summed"], (m, rank[m])
+            # normalized in fp32 as the reference, its sum of squares in another order: a bf16 unit
+            assert rank[m]["normed"] <= 2**-7 and rank[m]["replayed_normed"] <= 2**-7, (m, rank[m])
+            assert rank[m]["again"]
+    for m in (1, 16, 64):  # every rank the same bits
+        assert torch.equal(ranks[0][m]["normed_bits"], ranks[1][m]["normed_bits"])
