@@ -27,8 +27,9 @@ FUSIONS = (
     "all_reduce_norm",
 )
 # Asked for by name, not run by default: all_reduce_norm's kernel made a tensor-parallel step
-# slower (Llama-3-8B widths, 32 layers, TP2 on two H200s: 2.84 ms at batch 1 against 2.74
-# without it; BENCHMARKS.md, "Tensor parallel at 32 layers").
+# slower (0668a6a's, reading a peer one bf16 a load; Llama-3-8B widths, 32 layers, TP2 on two
+# H200s: 2.84 ms at batch 1 against 2.74 without it; BENCHMARKS.md, "Tensor parallel at 32
+# layers"). Its 16-byte reads since have not been measured.
 OPT_IN_FUSIONS = ("all_reduce_norm",)
 DEFAULT_FUSIONS = tuple(f for f in FUSIONS if f not in OPT_IN_FUSIONS)
 

@@ -11,8 +11,11 @@ kernel itself, on two GPUs, is the gpu test at the end.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -222,12 +225,83 @@ def test_the_kernel_on_one_rank_stages_its_row_meets_itself_and_leaves_the_pads_
     x, residual = (torch.randint(-8, 9, (3, 320), generator=gen).to(BF16) for _ in range(2))
     weight = (1 + 0.1 * torch.randn(320, generator=gen)).to(BF16)
     buffer, pad = torch.zeros(3, 320, dtype=BF16), torch.zeros(64, dtype=torch.int32)
-    pointers = [torch.tensor([t.data_ptr()], dtype=torch.int64) for t in (buffer, pad)]
-    normed, summed = triton_norm.all_reduce_rms_norm(x, residual, weight, EPS, *pointers, rank=0, world=1)
+    pads = torch.tensor([pad.data_ptr()], dtype=torch.int64)
+    normed, summed = triton_norm.all_reduce_rms_norm(
+        x, residual, weight, EPS, (buffer.view(-1),), pads, rank=0
+    )
     expected = reference.add_rms_norm(x, residual, weight, EPS)
     assert torch.equal(summed, expected[1])
     assert _relative(normed, expected[0]) <= 2**-6  # two roundings, each dropping bits here
     assert torch.equal(buffer, x) and not pad.any()
+    assert collectives.NORM_MAX_WORLD == triton_norm.MAX_WORLD
+
+
+# The kernel compiled for sm_90 (PTX, no GPU needed), in a process of its own: this one runs
+# Triton's interpreter (tests/conftest.py), whose kernels do not compile.
+HOPPER_LOADS = """
+import json, re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fp8compile.ops.collectives import triton_norm
+
+pointers = ["x_ptr", "residual_ptr", "weight_ptr", "normed_ptr", "summed_ptr", "own_ptr"]
+pointers += [f"b{i}" for i in range(triton_norm.MAX_WORLD)]
+signature = {**dict.fromkeys(pointers, "*bf16"), "pads": "*i64", "rank": "i32", "H": "i32", "eps": "fp32"}
+aligned = [*range(len(pointers) + 1), len(pointers) + 2]  # the pointers, pads and H
+source = ASTSource(
+    triton_norm._all_reduce_rms_norm_kernel,
+    {**signature, "WORLD": "constexpr", "BLOCK": "constexpr"},
+    constexprs={"WORLD": 2, "BLOCK": 4096},
+    attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
+)
+ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+print(json.dumps(re.findall(r"\\bld\\.global\\.[a-z0-9.]+", ptx)))
+"""
+
+
+def test_the_kernel_compiled_for_hopper_reads_each_peers_row_16_bytes_a_load_past_l1():
+    """The property its first GPU run lacked: given the buffers as integers, Triton read a peer's
+    row one bf16 a load (ld.volatile.global.b16; the fused step 1.04x slower than unfused on two
+    H200s). As pointer arguments aligned to 16 bytes (what Triton's launcher sees in a symmetric
+    buffer and a width of 4096) each thread reads a peer 16 bytes a load, through L2 only (.cg:
+    an earlier call's row may sit in this SM's L1)."""
+    triton = pytest.importorskip("triton")
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        pytest.skip("this Triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", HOPPER_LOADS], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    loads = json.loads(done.stdout.strip().splitlines()[-1])
+    # 4096 bf16 over 256 threads: 32 bytes a thread a row, two 16-byte loads, from each of 2 peers
+    assert loads.count("ld.global.cg.v4.b32") == 4, loads
+    assert not [load for load in loads if load.endswith(".b16")], loads
+
+
+def test_past_the_buffer_the_pads_or_eight_ranks_the_kernel_refuses_and_says_which(monkeypatch):
+    def peers_of(world: int, pad_bytes: int = 9216):
+        found = symmetric.Peers(None, torch.zeros(world, dtype=torch.int64), 0, world, pad_bytes)
+        monkeypatch.setattr(symmetric, "peers", lambda group_name, device: found)
+
+    cuda = torch.device("cuda", 0)
+    peers_of(2)
+    assert collectives.fused_norm_refuses(16, 4096, BF16, cuda, "0") is None
+    # 2 ranks x 128 rows of 8 KB: 2 MiB read a rank, the one-shot bound; 256 rows are past it
+    assert collectives.fused_norm_refuses(128, 4096, BF16, cuda, "0") is None
+    assert "4194304 bytes read a rank, past the 2097152" in collectives.fused_norm_refuses(
+        256, 4096, BF16, cuda, "0"
+    )
+    peers_of(2, pad_bytes=64)  # 8 rows x 2 ranks x 4 bytes of signal words
+    assert collectives.fused_norm_refuses(8, 4096, BF16, cuda, "0") is None
+    assert "9 rows: more signal words than the 64-byte pad holds" in collectives.fused_norm_refuses(
+        9, 4096, BF16, cuda, "0"
+    )
+    peers_of(16)
+    assert (
+        collectives.fused_norm_refuses(1, 4096, BF16, cuda, "0")
+        == "16 ranks; the kernel reads at most 8 buffers"
+    )
 
 
 def _free_port() -> int:

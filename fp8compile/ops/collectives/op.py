@@ -21,6 +21,7 @@ from . import reference, symmetric
 # sum and the weight at this width), and takes the dtypes an RMSNorm's input comes in.
 NORM_MAX_WIDTH = 16384
 NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+NORM_MAX_WORLD = 8  # triton_norm.MAX_WORLD (that module imports Triton)
 
 
 @op
@@ -58,10 +59,9 @@ def all_reduce_rms_norm(
             residual.reshape(rows, h).contiguous(),
             weight.contiguous(),
             eps,
-            peers.buffers,
+            peers.views(x.dtype),
             peers.pads,
             peers.rank,
-            peers.world,
         )
         return normed.view(x.shape), summed.view(x.shape)
     return reference.add_rms_norm(all_reduce(x, group_name), residual, weight, eps)
@@ -91,6 +91,8 @@ def fused_norm_refuses(
     peers = symmetric.peers(group_name, device)
     if peers is None:
         return "no symmetric buffer with its peers known here (the all-reduces' path says why)"
+    if peers.world > NORM_MAX_WORLD:
+        return f"{peers.world} ranks; the kernel reads at most {NORM_MAX_WORLD} buffers"
     if peers.world * nbytes > symmetric.ONE_SHOT_READ_BYTES:
         return (
             f"{peers.world * nbytes} bytes read a rank, past the {symmetric.ONE_SHOT_READ_BYTES} "

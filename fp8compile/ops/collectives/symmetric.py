@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -53,17 +53,28 @@ _buffers: dict[tuple[str, int], tuple[weakref.ref, Tensor | str]] = {}
 _peers: dict[int, Peers] = {}
 
 
-@dataclass(frozen=True)
+@dataclass
 class Peers:
-    """Where a group's symmetric buffer lies on every rank, for a kernel that reads the peers'
-    copies itself: each rank's buffer and signal pad address (int64 tensors on this device,
-    made with the buffer, outside any capture), this rank, the world, the signal pad's bytes."""
+    """Where a group's symmetric buffer lies on every rank, for a kernel of ours that reads the
+    peers' copies itself: every rank's signal pad address (an int64 tensor on this device, made
+    with the buffer, outside any capture), this rank, the world, the pad's bytes, and every
+    rank's buffer as a tensor of this device (views(dtype))."""
 
-    buffers: Tensor
+    handle: object  # the rendezvous's _SymmetricMemory
     pads: Tensor
     rank: int
     world: int
     pad_bytes: int
+    _views: dict = field(default_factory=dict)
+
+    def views(self, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        """Every rank's buffer, in rank order, as a flat tensor of dtype this device can read:
+        real tensors, so a kernel gets them as pointers whose alignment Triton knows (16-byte
+        loads), not as integers (one element a load). Made once a dtype, host metadata only."""
+        if dtype not in self._views:
+            numel = BUFFER_BYTES // dtype.itemsize
+            self._views[dtype] = tuple(self.handle.get_buffer(r, (numel,), dtype) for r in range(self.world))
+        return self._views[dtype]
 
 
 def available() -> str | None:
@@ -199,8 +210,9 @@ def _make(group_name: str, index: int) -> Tensor:
     buffer = symm_mem.empty(BUFFER_BYTES, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buffer, group_name)
     try:
+        handle.get_buffer  # noqa: B018 - Peers.views needs it
         _peers[buffer.data_ptr()] = Peers(
-            torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device),
+            handle,
             torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device),
             handle.rank,
             handle.world_size,

@@ -29,6 +29,11 @@ from torch import Tensor
 from ...numerics import next_pow2
 
 NUM_WARPS = 8
+# The kernel takes each rank's buffer as a pointer argument of its own (b0 ... b7): Triton then
+# knows their alignment and reads a peer's row 16 bytes a load. Passed as integers from a table,
+# the buffers were read one bf16 a load (ld.volatile.global.b16 in the PTX; 2 x H200, 2026-11-29:
+# the step 1.04x slower fused than not, BENCHMARKS.md, "Tensor parallel at 32 layers").
+MAX_WORLD = 8
 
 
 @triton.jit
@@ -48,13 +53,42 @@ def _meet(pads, slot, rank, WORLD: tl.constexpr):
 
 
 @triton.jit
+def _buffer(b0, b1, b2, b3, b4, b5, b6, b7, RANK: tl.constexpr):
+    """Rank RANK's buffer among the arguments (RANK known when the kernel compiles)."""
+    if RANK == 0:
+        return b0
+    elif RANK == 1:
+        return b1
+    elif RANK == 2:
+        return b2
+    elif RANK == 3:
+        return b3
+    elif RANK == 4:
+        return b4
+    elif RANK == 5:
+        return b5
+    elif RANK == 6:
+        return b6
+    else:
+        return b7
+
+
+@triton.jit
 def _all_reduce_rms_norm_kernel(
     x_ptr,
     residual_ptr,
     weight_ptr,
     normed_ptr,
     summed_ptr,
-    buffers,
+    own_ptr,
+    b0,
+    b1,
+    b2,
+    b3,
+    b4,
+    b5,
+    b6,
+    b7,
     pads,
     rank,
     H,
@@ -66,14 +100,14 @@ def _all_reduce_rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     offsets = row.to(tl.int64) * H + cols
-    dtype = x_ptr.dtype.element_ty
-    mine = tl.load(buffers + rank).to(tl.pointer_type(dtype))
-    tl.store(mine + offsets, tl.load(x_ptr + offsets, mask=mask), mask=mask)
+    tl.store(own_ptr + offsets, tl.load(x_ptr + offsets, mask=mask), mask=mask)
     _meet(pads, row, rank, WORLD)
     total = tl.zeros([BLOCK], tl.float32)
     for peer in tl.static_range(WORLD):  # rank order on every rank: the same bits everywhere
-        theirs = tl.load(buffers + peer).to(tl.pointer_type(dtype))
-        total += tl.load(theirs + offsets, mask=mask, other=0.0, volatile=True).to(tl.float32)
+        theirs = _buffer(b0, b1, b2, b3, b4, b5, b6, b7, peer)
+        # .cg: past this SM's L1, which may hold the row an earlier call read
+        total += tl.load(theirs + offsets, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
     reduced = total.to(dtype).to(tl.float32)
     summed = (tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + reduced).to(dtype)
     tl.store(summed_ptr + offsets, summed, mask=mask)
@@ -89,17 +123,21 @@ def all_reduce_rms_norm(
     residual: Tensor,
     weight: Tensor,
     eps: float,
-    buffers: Tensor,
+    buffers: tuple[Tensor, ...],
     pads: Tensor,
     rank: int,
-    world: int,
 ) -> tuple[Tensor, Tensor]:
     """(weight * rms_norm(residual + sum over ranks of x), residual + that sum) for x and residual
-    (M, H) contiguous, on symmetric memory whose buffers and signal pads every rank's pointers in
-    `buffers` and `pads` (int64, on x's device) address; every rank of the group calls it with the
-    same M and H. The caller checks that the rows fit the buffer and the pads (symmetric.py)."""
+    (M, H) contiguous. buffers: every rank's symmetric buffer as a tensor of x's dtype on x's
+    device, in rank order (at most MAX_WORLD); pads: every rank's signal pad address (int64, on
+    x's device). Every rank of the group calls it with the same M and H; the caller checks that
+    the rows fit the buffer and the pads (op.py)."""
     m, h = x.shape
+    world = len(buffers)
+    if not 1 <= world <= MAX_WORLD:
+        raise ValueError(f"all_reduce_rms_norm takes 1 to {MAX_WORLD} ranks, got {world}")
     normed, summed = torch.empty_like(x), torch.empty_like(x)
+    peers = (*buffers, *(buffers[0],) * (MAX_WORLD - world))
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
         _all_reduce_rms_norm_kernel[(m,)](
             x,
@@ -107,7 +145,8 @@ def all_reduce_rms_norm(
             weight,
             normed,
             summed,
-            buffers,
+            buffers[rank],
+            *peers,
             pads,
             rank,
             h,
