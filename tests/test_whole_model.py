@@ -502,6 +502,26 @@ def test_bench_model_counts_gpu_idle_time_between_the_kernels_it_falls_between()
     assert idle_spans([]) == []
 
 
+def test_bench_model_profiles_a_sharded_step_only_once_every_rank_is_there(monkeypatch):
+    """A rank that starts a profiled call before its peer times its first collective's wait as
+    GPU work (bench/decode.py, meet_ranks): under torch.distributed the ranks meet first."""
+    import torch.distributed as dist
+
+    from fp8compile.bench import decode
+
+    met = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: met.append("barrier"))
+    decode.meet_ranks()
+    assert met == []  # one process: nothing to meet
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        decode.meet_ranks()
+    finally:
+        dist.destroy_process_group()
+    assert met == ["barrier"]
+
+
 def test_bench_model_profile_names_each_top_kernels_launches_per_step():
     from fp8compile.bench.decode import kernel_split
     from fp8compile.bench.table import model_table

@@ -103,6 +103,7 @@ def gpu_profile(fn) -> dict:
     host op lengthens the host's part."""
     from torch.profiler import ProfilerActivity, profile
 
+    meet_ranks()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
@@ -127,6 +128,21 @@ def gpu_profile(fn) -> dict:
         [(e.time_range.start, e.time_range.end, e.name, e.thread) for e in host],
     )
     return dict(kernels=totals, calls=calls, idle=idle, owners=owners, host_ranges=ranges)
+
+
+def meet_ranks() -> None:
+    """Under torch.distributed, every rank here before any goes on, its GPU idle. A profiled call
+    right after a rank's own host work (a cProfile run, the last profile's analysis) otherwise
+    starts with its first collective waiting for the slower rank, and that wait counts as the
+    collective's GPU time: on two H200s a TP2 step's collective time came out at -43 ms, the
+    prompt-only call's collectives 1.4 s longer than the whole call's, which only such a wait
+    explains (2026-11-29, efcd642)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        torch.cuda.synchronize()
+        dist.barrier()
+        torch.cuda.synchronize()
 
 
 def idle_spans(spans) -> list[tuple[float, float, str]]:
