@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..ops.collectives import op as collectives
 from .context import PassContext
@@ -128,7 +129,8 @@ def kernel_refuses(site: Site) -> str | None:
     rows = x.numel() // x.shape[-1] if x.dim() else 1
     if not isinstance(rows, int) or not isinstance(x.shape[-1], int):
         return "the rows are not a known number (a graph per batch size has them)"
-    return collectives.fused_norm_refuses(rows, x.shape[-1], x.dtype, x.device, site.all_reduce.args[1])
+    with unset_fake_temporarily():  # a buffer not made yet is made now, of real memory
+        return collectives.fused_norm_refuses(rows, x.shape[-1], x.dtype, x.device, site.all_reduce.args[1])
 
 
 def _rewrite(ctx: PassContext, site: Site) -> None:
