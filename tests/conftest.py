@@ -338,3 +338,15 @@ RANGES = dict(small_m=32, large_m=64)  # the ranges ranged_references serves
 # accuracy call's 64 tokens: a prefill of another length recompiles every variant at dynamic
 # shapes (the two bench_model tests of test_whole_model.py: 128 s, 92 s at 64 tokens, 2026-11-28)
 TINY_BENCH = dict(models=["tiny-llama"], layers=1, batches=[2], context=4, steps=2, prefill=64, device="cpu")
+
+
+@pytest.fixture
+def one_rank_group():
+    """The default group as one gloo rank, its name (a functional collective over it returns its input)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()

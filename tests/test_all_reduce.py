@@ -27,16 +27,6 @@ from tests.conftest import golden_text
 BF16 = torch.bfloat16
 
 
-@pytest.fixture
-def one_rank_group():
-    """The default group as one gloo rank (a functional collective over it returns its input)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
-
-
 class RowShardedLinear(nn.Module):
     """What fp8compile.tensor_parallel makes of an o or down projection: this rank's partial
     product, summed over the ranks, then the residual added."""

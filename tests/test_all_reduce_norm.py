@@ -39,16 +39,6 @@ WITHOUT_NORM = tuple(f for f in FUSIONS if f != "all_reduce_norm")
 
 
 @pytest.fixture
-def one_rank_group():
-    """The default group as one gloo rank (a functional collective over it returns its input)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
 def kernel_serves(monkeypatch):
     """The pass rewrites as on GPUs whose symmetric memory serves every site (on the CPU it
     serves none): the op's fallback then runs."""
