@@ -1,10 +1,12 @@
-"""The shared memory a Triton kernel asks for, compiled for a GPU this machine need not have.
+"""The shared memory a Triton kernel asks for, and the global loads its PTX makes, compiled for a
+GPU this machine need not have.
 
-`python -m tests.sm_compile` reads a JSON list of launches on stdin, each {"kernel":
-"module:name", "capability": 90, "pointers": {argument: Triton pointer type}, "constexprs":
-{...}, "ones": [integer arguments specialized to 1], "num_warps": 4, "num_stages": 3}, compiles
-each with Triton's compiler for that target (ptxas included, no GPU) and prints the list of
-bytes each asks for. Every other integer argument is taken as a multiple of 16, as a model's
+`python -m tests.sm_compile [shared|loads]` reads a JSON list of launches on stdin, each
+{"kernel": "module:name", "capability": 90, "pointers": {argument: Triton type, pointer or
+scalar}, "constexprs": {...}, "ones": [integer arguments specialized to 1], "num_warps": 4,
+"num_stages": 3}, compiles each with Triton's compiler for that target (ptxas included, no GPU)
+and prints, for each, the bytes it asks for (shared) or its PTX's global load instructions
+(loads). Every other integer argument is taken as a multiple of 16, as a model's
 sizes and strides are: loads pipelined, the most shared memory. It runs in a process of its
 own: the CPU tests' Triton interpreter (TRITON_INTERPRET=1) patches triton.language, and the
 compiler does not run under it (run() removes that variable).
@@ -15,15 +17,25 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 
 
 def shared_bytes(launches: list[dict]) -> list[int]:
     """What each launch asks for, from a fresh process (the tests' entry point)."""
+    return _run(launches, "shared")
+
+
+def global_loads(launches: list[dict]) -> list[list[str]]:
+    """Each launch's global load instructions ("ld.global.cg.v4.b32", ...), in PTX order."""
+    return _run(launches, "loads")
+
+
+def _run(launches: list[dict], what: str) -> list:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, "-m", "tests.sm_compile"],
+        [sys.executable, "-m", "tests.sm_compile", what],
         input=json.dumps(launches),
         capture_output=True,
         text=True,
@@ -35,7 +47,7 @@ def shared_bytes(launches: list[dict]) -> list[int]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _compile(launch: dict) -> int:
+def _compile(launch: dict):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -57,10 +69,16 @@ def _compile(launch: dict) -> int:
             signature[arg], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
     options = dict(num_warps=launch["num_warps"], num_stages=launch["num_stages"])
     target = GPUTarget("cuda", launch["capability"], 32)
-    return triton.compile(
-        ASTSource(kernel, signature, constants, attrs), target=target, options=options
-    ).metadata.shared
+    return triton.compile(ASTSource(kernel, signature, constants, attrs), target=target, options=options)
+
+
+def _answer(launch: dict, what: str):
+    compiled = _compile(launch)
+    if what == "loads":
+        return re.findall(r"\bld\.global\.[a-z0-9.]+", compiled.asm["ptx"])
+    return compiled.metadata.shared
 
 
 if __name__ == "__main__":
-    print(json.dumps([_compile(launch) for launch in json.load(sys.stdin)]))
+    what = sys.argv[1] if len(sys.argv) > 1 else "shared"
+    print(json.dumps([_answer(launch, what) for launch in json.load(sys.stdin)]))
