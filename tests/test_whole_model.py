@@ -242,6 +242,29 @@ def test_bench_model_plumbing_runs_every_cpu_variant(tmp_path, capsys):
     assert capsys.readouterr().out.count("decode tokens/s (ms/step)") == 6
 
 
+def test_bench_model_cut_off_mid_variant_keeps_every_point_it_measured_on_disk(tmp_path, monkeypatch):
+    import fp8compile.bench.model as model_bench
+
+    measured = model_bench.decode
+
+    def killed_at_the_second_batch(subject, variant, batch, *args):
+        if batch == 2:  # as a time limit's kill would land: after the first point, mid-variant
+            raise KeyboardInterrupt
+        return measured(subject, variant, batch, *args)
+
+    monkeypatch.setattr(model_bench, "decode", killed_at_the_second_batch)
+    with pytest.raises(KeyboardInterrupt):
+        model_bench.bench_model(
+            tmp_path, **dict(TINY_BENCH, batches=[1, 2]), variants=["fp8"], repeat=1, prefill_batches=[1]
+        )
+    kept = json.loads((tmp_path / "bench_model.json").read_text())
+    assert {(r["kind"], r.get("batch")) for r in kept if r["variant"] == "fp8"} >= {
+        ("prefill", 1),
+        ("decode", 1),
+    }
+    assert not [r for r in kept if r["kind"] == "decode" and r["batch"] == 2]
+
+
 def test_bench_model_isolate_runs_each_variant_in_a_process_of_its_own_and_tables_them_as_one_run(
     tmp_path, capsys
 ):

@@ -248,6 +248,8 @@ def bench_model(
                     ):
                         rows.append(dict(own_base, variant=name, **row))
                     progress.update()
+                    if leader:  # a run cut off by a time limit keeps every point it measured
+                        _write(out_dir, rows)
                     if variant.own:
                         subject.forward = torch.compile(
                             type(subject).forward.__get__(subject),
@@ -261,6 +263,8 @@ def bench_model(
                             decoded = decode(subject, variant, batch, context, steps, device, path, repeat)
                             rows.append(dict(own_base, variant=name, **decoded))
                             progress.update()
+                            if leader:
+                                _write(out_dir, rows)
                     finally:
                         if variant.own:
                             del subject.forward
@@ -291,7 +295,7 @@ def bench_model(
                     for kind, reason in dict.fromkeys((skip.kind, skip.reason) for skip in report.skips):
                         say(f"  kept bf16 ({kind}): {reason}")
                 if leader:  # a cut-off run (a lease's time limit) keeps its rows and its table so far
-                    (out_dir / "bench_model.json").write_text(json.dumps(rows, indent=1))
+                    _write(out_dir, rows)
                     if index + 1 < len(ordered) or model_name != models[-1]:
                         print(model_table(rows))
             del model, checkpoint
@@ -299,6 +303,12 @@ def bench_model(
         print(model_table(rows))
         plot(rows, out_dir / "bench_model.png")
     return rows
+
+
+def _write(out_dir: Path, rows: list[dict]) -> None:
+    """The rows so far, as bench_model.json: written whole each time, so that a run killed at any
+    point leaves a complete file of what it measured."""
+    (out_dir / "bench_model.json").write_text(json.dumps(rows, indent=1))
 
 
 def _isolated(out_dir: Path, names: list[str], options: dict) -> list[dict]:
@@ -327,7 +337,7 @@ def _isolated(out_dir: Path, names: list[str], options: dict) -> list[dict]:
                 kept.add(key)
             rows.append(dict(row, process=name))
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_model.json").write_text(json.dumps(rows, indent=1))
+    _write(out_dir, rows)
     print(model_table(rows))
     plot(rows, out_dir / "bench_model.png")
     return rows
