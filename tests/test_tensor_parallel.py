@@ -555,7 +555,10 @@ def test_bench_model_tp_plumbing_shards_decodes_and_writes_rank_zeros_rows(scena
     assert set(decode) == {"bf16", "fp8_ro_own"} and all(r["tp"] == 2 for r in rows)
     assert all(r["recompiles"] == 0 and r["tokens_per_s"] > 0 for r in decode.values())
     accuracy = {r["variant"]: r["calc_diff"] for r in rows if r["kind"] == "accuracy"}
-    # against the sharded model's bf16 eager
-    assert accuracy["bf16"] == 0 and 0 < accuracy["fp8_ro_own"] < 2e-2
+    # against the sharded model's bf16 eager; bounded by the same sharded model's unfused
+    # composition, each rank's linears on the reference block-FP8 linear over its own shard (measured
+    # 1.01x)
+    assert accuracy["bf16"] == 0 and 0 < accuracy["fp8_ro_own"] <= 1.15 * accuracy["fp8_unfused_eager"]
+    assert {r["tp"] for r in rows if r["variant"] == "fp8_unfused_eager"} == {2}
     assert "x 2 (tensor parallel)" in model_table(rows)
     assert [(r["variant"], r["kind"]) for r in other["rows"]] == [(r["variant"], r["kind"]) for r in rows]

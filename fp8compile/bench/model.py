@@ -164,7 +164,9 @@ def bench_model(
             # matmuls) for the reference FP8 linear on whole weights: one per recipe the fp8
             # variants run, each variant's calc_diff bound. A MoE model's routing turns small
             # differences into other experts' outputs, so its bound is its own composition's.
-            if tp == 1:
+            # Under TP on local shards each rank's linears run the reference on its own shard, as
+            # the compiled graph's do: the same model's composition. DTensor weights have none.
+            if tp == 1 or local:
                 for r in composition_recipes(names, recipe):
                     with architectures.composition(model, r):
                         logits = model(ids_acc, use_cache=False).logits.float()
