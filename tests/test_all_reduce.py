@@ -9,7 +9,6 @@ the two-rank sums on the CPU are in test_tensor_parallel.py, on two GPUs in the 
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from fp8compile.backend import FP8COMPILE_ALL_REDUCE
 from fp8compile.config import FUSIONS
 from fp8compile.ops.collectives import reference, symmetric
 from fp8compile.passes.all_reduce import NO_CUDA_GRAPHS
+from tests import ranks
 from tests.conftest import golden_text
 
 BF16 = torch.bfloat16
@@ -178,18 +178,13 @@ def _on_cuda(t: torch.Tensor):
     return OnCuda()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_gpu_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=2)
     group = dist.group.WORLD.group_name
     results = {}
+    ranks.mark(out_dir, rank, "joined the group")
     try:
         # First, before any eager call could make the buffer: compiled in reduce-overhead, where
         # the graph's first call runs inside CUDA-graph trees' pool (the pass makes the buffer)
@@ -204,14 +199,19 @@ def _two_gpu_worker(rank: int, port: int, out_dir: str) -> None:
                 backend_report = backend.report
             compiled = torch.compile(module, backend=backend, mode="reduce-overhead")
             with torch.no_grad():
-                outs[name] = [compiled(x).clone() for _ in range(3)]
+                outs[name] = []
+                for call in ("warm-up", "capture", "replay"):
+                    ranks.mark(out_dir, rank, f"{name}'s compiled module, its {call} call")
+                    outs[name].append(compiled(x).clone())
         results["compiled"] = all(torch.equal(a, b) for a, b in zip(outs["fp8compile"], outs["nccl"]))
         results["path"] = backend_report.all_reduce_paths
         for m in (1, 16, 64, 512):  # one-shot up to 1 MiB a rank at 2 ranks (m = 128 at 4096), two-shot past
             gen = torch.Generator("cuda").manual_seed(rank)
             x = torch.randn(m, 4096, dtype=BF16, device="cuda", generator=gen)
+            ranks.mark(out_dir, rank, f"the op's eager call at m={m}")
             expected = reference.all_reduce_sum(x, group)
             out = torch.ops.fp8compile.all_reduce(x, group)
+            ranks.mark(out_dir, rank, f"the op in a CUDA graph at m={m}")
             graph, static_x = torch.cuda.CUDAGraph(), x.clone()
             with torch.cuda.graph(graph):
                 captured = torch.ops.fp8compile.all_reduce(static_x, group)
@@ -232,9 +232,7 @@ def _two_gpu_worker(rank: int, port: int, out_dir: str) -> None:
 def test_on_two_gpus_fp8compiles_all_reduce_sums_as_nccl_compiled_eager_and_in_a_cuda_graph(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs of one host")
-    import torch.multiprocessing as mp
-
-    mp.spawn(_two_gpu_worker, args=(_free_port(), str(tmp_path)), nprocs=2)
+    ranks.spawn(_two_gpu_worker, 2, tmp_path, deadline_s=240)
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         assert results["state"].startswith("symmetric memory"), results["state"]

@@ -12,8 +12,6 @@ kernel itself, on two GPUs, is the gpu test at the end.
 from __future__ import annotations
 
 import os
-import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ from fp8compile.backend import FP8COMPILE_ALL_REDUCE, FP8COMPILE_ALL_REDUCE_NORM
 from fp8compile.config import DEFAULT_FUSIONS, FUSIONS
 from fp8compile.ops.collectives import op as collectives, reference, symmetric
 from fp8compile.passes import all_reduce_norm
+from tests import ranks
 from tests.conftest import golden_text
 
 transformers = pytest.importorskip("transformers")
@@ -277,12 +276,6 @@ def test_past_the_buffer_the_pads_or_eight_ranks_the_kernel_refuses_and_says_whi
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 EPS = 1e-5
 
 
@@ -294,6 +287,7 @@ def _two_gpu_worker(rank: int, port: int, out_dir: str) -> None:
     results = {"refuses": collectives.fused_norm_refuses(1, 4096, BF16, torch.device("cuda", rank), group)}
     try:
         for m in (1, 16, 64):
+            ranks.mark(out_dir, rank, f"the op's eager calls at m={m}")
             gen = torch.Generator("cuda").manual_seed(rank)
             x = torch.randn(m, 4096, dtype=BF16, device="cuda", generator=gen)
             shared = torch.Generator("cuda").manual_seed(100)  # residual and weight as every rank has them
@@ -303,6 +297,7 @@ def _two_gpu_worker(rank: int, port: int, out_dir: str) -> None:
             normed, summed = torch.ops.fp8compile.all_reduce_rms_norm(x, residual, weight, EPS, group)
             for _ in range(200):  # back to back: each call's barriers leave the pads for the next
                 again = torch.ops.fp8compile.all_reduce_rms_norm(x, residual, weight, EPS, group)
+            ranks.mark(out_dir, rank, f"the op in a CUDA graph at m={m}")
             graph, static_x = torch.cuda.CUDAGraph(), x.clone()
             with torch.cuda.graph(graph):
                 captured = torch.ops.fp8compile.all_reduce_rms_norm(static_x, residual, weight, EPS, group)
@@ -333,17 +328,9 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_on_two_gpus_the_kernel_sums_as_nccl_and_normalizes_within_a_bf16_unit(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs of one host")
-    import torch.multiprocessing as mp
-
-    context = mp.spawn(_two_gpu_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + 300  # a barrier that never meets hangs: fail instead
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the ranks did not finish in 300 s: a barrier never met")
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    for rank in ranks:
+    ranks.spawn(_two_gpu_worker, 2, tmp_path, deadline_s=240)  # a barrier that never meets: fail
+    by_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for rank in by_rank:
         assert rank["refuses"] is None
         assert rank["state"].startswith("symmetric memory")
         for m in (1, 16, 64):
@@ -353,4 +340,4 @@ def test_on_two_gpus_the_kernel_sums_as_nccl_and_normalizes_within_a_bf16_unit(t
             assert rank[m]["normed"] <= 2**-7 and rank[m]["replayed_normed"] <= 2**-7, (m, rank[m])
             assert rank[m]["again"]
     for m in (1, 16, 64):  # every rank the same bits
-        assert torch.equal(ranks[0][m]["normed_bits"], ranks[1][m]["normed_bits"])
+        assert torch.equal(by_rank[0][m]["normed_bits"], by_rank[1][m]["normed_bits"])

@@ -14,7 +14,6 @@ compiled with backend="fp8", on 2 CPU processes over gloo.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from fp8compile.passes.all_reduce import NO_CUDA_GRAPHS
 
 pytest.importorskip("transformers")
 from fp8compile.demo import GatedMLP, small_llama  # noqa: E402
+from tests import ranks  # noqa: E402
 from tests.conftest import TINY_BENCH  # noqa: E402
 from tests.test_llama import fp8_simulated  # noqa: E402
 
@@ -36,12 +36,6 @@ from tests.test_llama import fp8_simulated  # noqa: E402
 # command runs each file on one xdist worker (--dist loadfile), so that the spawn runs once.
 WORLD = 2
 SEQ_LENS = (1, 3, 17, 40)  # M = 2 * S rows: across the small-M threshold and back
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, fn, port: int, out_dir: str, args: tuple) -> None:
@@ -63,7 +57,7 @@ def run_ranks(fn, tmp_path, *args) -> list[dict]:
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
-        mp.spawn(_entry, args=(fn, _free_port(), str(tmp_path), args), nprocs=WORLD)
+        mp.spawn(_entry, args=(fn, ranks.free_port(), str(tmp_path), args), nprocs=WORLD)
     finally:
         if hidden is None:
             del os.environ["CUDA_VISIBLE_DEVICES"]

@@ -1,0 +1,46 @@
+"""Ranks in processes of their own for the multi-process tests, with a deadline that says where
+each rank stood when it passed.
+
+A collective that one rank never reaches hangs the others, and a hang killed from outside (a
+lease's time limit) leaves nothing to read. So each worker marks its stages as it goes
+(`mark`), and `spawn` fails the test at its deadline naming each rank's last stage.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mark(out_dir: str | Path, rank: int, stage: str) -> None:
+    """Rank `rank` has reached `stage` (what spawn names if the deadline passes)."""
+    (Path(out_dir) / f"rank{rank}.stage").write_text(stage)
+
+
+def spawn(worker, nprocs: int, out_dir: Path, deadline_s: float) -> None:
+    """worker(rank, port, out_dir) in nprocs processes; a failing rank's error raised here, and
+    ranks still running after deadline_s killed and the test failed with each one's last mark."""
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=nprocs, join=False)
+    deadline = time.monotonic() + deadline_s
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            where = ", ".join(f"rank {r} at {_last_mark(out_dir, r)}" for r in range(nprocs))
+            pytest.fail(f"the ranks did not finish in {deadline_s:.0f} s: {where}")
+
+
+def _last_mark(out_dir: Path, rank: int) -> str:
+    path = Path(out_dir) / f"rank{rank}.stage"
+    return repr(path.read_text()) if path.exists() else "no mark (before its first)"
