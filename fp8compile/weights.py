@@ -21,9 +21,10 @@ lookup answers with the checkpoint's own tensors.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -39,6 +40,8 @@ log = logging.getLogger("fp8compile")
 # _BY_ID by the tensor objects' identity (the per-call lookup).
 _MEMO: dict[tuple, tuple] = {}
 _BY_ID: dict[tuple, tuple] = {}
+# The keys of entries made while a compile's passes run (made_during): a list per compile running.
+_RECORDING: list[list[tuple]] = []
 
 
 # Weight elements quantized at once (_quantize, fp8_experts). The quantization works in fp32, with
@@ -107,12 +110,42 @@ def _memoized(sources: tuple[torch.Tensor, ...], tag: tuple, make: Callable[[], 
             _MEMO.pop(key, None)
 
         _MEMO[key] = (tuple(weakref.ref(w, forget) for w in sources), versions, value)
+        for made in _RECORDING:
+            made.append(key)
     _BY_ID[fast_key] = (
         tuple(weakref.ref(w, lambda _, k=fast_key: _BY_ID.pop(k, None)) for w in sources),
         versions,
         value,
     )
     return value
+
+
+@contextlib.contextmanager
+def made_during() -> Iterator[list[tuple]]:
+    """The keys of the entries made within the block, in a list filled as they are made."""
+    made: list[tuple] = []
+    _RECORDING.append(made)
+    try:
+        yield made
+    finally:
+        _RECORDING.remove(made)
+
+
+def forget_made(made: list[tuple]) -> int:
+    """Drop the entries of `made` (made_during's keys): the copies made by a run of the passes
+    that failed and was taken back (passes/guard.py), which nothing reads, each a weight's size in
+    FP8 held as long as the model lives. The run after it makes again what it rewrites. Returns
+    the bytes given back."""
+    freed = 0
+    for key in dict.fromkeys(made):
+        entry = _MEMO.pop(key, None)
+        if entry is None:
+            continue
+        for fast_key, hit in list(_BY_ID.items()):
+            if hit[2] is entry[2]:
+                del _BY_ID[fast_key]
+        freed += sum(t.numel() * t.element_size() for t in entry[2] if isinstance(t, torch.Tensor))
+    return freed
 
 
 def forget() -> int:

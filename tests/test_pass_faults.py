@@ -191,3 +191,58 @@ def test_a_graph_inductor_cannot_compile_as_rewritten_is_compiled_as_dynamo_gave
     assert "a lowering Inductor lacks" in skip.reason and "kept as the model wrote it" in skip.reason
     with torch.no_grad():
         assert calc_diff(out, model(x)) < 1e-5  # bf16: no FP8 error
+
+
+class _FourLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(256, 256, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).relu()
+        return x
+
+
+def _device_of_limited_memory(monkeypatch, model: nn.Module, room_for_copies: float) -> None:
+    """Quantization raises the device's out-of-memory error where the model's bf16 weights still
+    resident, the FP8 copies held and the one being made would pass the bf16 weights' bytes plus
+    `room_for_copies` copies of a weight: a GPU that the model fills, simulated on the CPU."""
+    from fp8compile import weights
+
+    params = list(model.parameters())
+    copy_bytes = params[0].numel()  # a weight's FP8 copy: a byte an element (scales aside)
+    limit = sum(p.numel() * p.element_size() for p in params) + room_for_copies * copy_bytes
+    quantize = weights._quantize
+
+    def _quantize(w, e8m0):
+        resident = sum(p.untyped_storage().nbytes() for p in params)
+        held = sum(entry[2][0].numel() for entry in weights._MEMO.values())
+        if resident + held + w.numel() > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated: the device holds the model)")
+        return quantize(w, e8m0)
+
+    monkeypatch.setattr(weights, "_quantize", _quantize)
+
+
+def test_out_of_memory_quantizing_keeps_the_linears_bf16_drops_the_copies_and_names_the_way_out(monkeypatch):
+    from fp8compile import weights
+
+    torch.manual_seed(0)
+    model, x = _FourLinears().to(BF16), randn(4, 256)
+    weights.forget()
+    _device_of_limited_memory(monkeypatch, model, room_for_copies=2.5)  # two copies fit, not three
+    fp8 = fp8compile.backend()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = torch.compile(model, backend=fp8)(x)
+        eager = model(x)
+    # Two runs of the passes failed at the third copy; the linear pass was then left out
+    report = fp8.report
+    assert report.counts()["linear"] == 0
+    out_of_memory = [s for s in report.skips if "OutOfMemoryError" in s.reason]
+    assert len(out_of_memory) == 2
+    assert all("release_bf16_weights=True" in s.reason for s in out_of_memory)
+    # The copies those runs made went with them: none holds the memory the bf16 model runs in
+    assert not weights._MEMO
+    assert calc_diff(out, eager) < 1e-4

@@ -6,7 +6,10 @@ pass and the site; one raised elsewhere in a pass names the pass alone. `run_gua
 the graph and what the passes recorded back as they were before the first pass (Snapshot), and
 runs the passes again without that site, or without that pass on this graph where it failed
 outside a site or at MAX_SITE_FAILURES sites (an error that repeats at every layer would
-otherwise cost one run of the passes per layer). So a half-rewritten site never reaches Inductor.
+otherwise cost one run of the passes per layer). So a half-rewritten site never reaches Inductor,
+and the FP8 copies a run made go with it (an out-of-memory error while making them would
+otherwise leave them holding the memory the model then runs in; its reason names
+release_bf16_weights, which makes them one at a time).
 Each fault is one Skip on the report, with the pass, the site and the exception, and the backend
 warns once per graph (backend.py). Fp8Config(strict=True) re-raises instead.
 """
@@ -19,13 +22,19 @@ from collections.abc import Callable
 
 import torch.fx as fx
 
-from .. import registry
+from .. import registry, weights
 from .context import PassContext, SiteFailure
 
 log = logging.getLogger("fp8compile")
 
 # Sites one pass may fail at in one graph before it is left out of that graph altogether.
 MAX_SITE_FAILURES = 2
+# What a site's out-of-memory error says besides: where the FP8 copies do not fit beside the bf16
+# weights, releasing each bf16 weight as its copy is made needs room for one weight's copy at a time.
+OUT_OF_MEMORY_HINT = (
+    "the device ran out of memory making the FP8 copies beside the bf16 weights; "
+    "Fp8Config(release_bf16_weights=True) moves each bf16 weight to host memory as its copy is made"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +47,10 @@ class Fault:
 
     def reason(self) -> str:
         where = "at this site" if self.site else "on this graph, so the pass was left out of it"
-        return f"{self.pass_name} pass error {where} ({self.error}): kept as the model wrote it"
+        said = f"{self.pass_name} pass error {where} ({self.error}): kept as the model wrote it"
+        if self.error.startswith("OutOfMemoryError"):
+            said += f"; {OUT_OF_MEMORY_HINT}"
+        return said
 
 
 @dataclasses.dataclass
@@ -109,10 +121,11 @@ def run_guarded(ctx: PassContext, passes: list[tuple[str, Callable[[PassContext]
     faults: list[Fault] = []
     while True:
         try:
-            for name, run in passes:
-                if name not in ctx.passes_left_out:
-                    ctx.current_pass = name
-                    run(ctx)
+            with weights.made_during() as made:
+                for name, run in passes:
+                    if name not in ctx.passes_left_out:
+                        ctx.current_pass = name
+                        run(ctx)
             break
         except Exception as error:
             if ctx.config.strict or isinstance(getattr(error, "error", error), registry.UnservableBackends):
@@ -121,6 +134,9 @@ def run_guarded(ctx: PassContext, passes: list[tuple[str, Callable[[PassContext]
             log.warning("fp8compile: %s", fault.reason(), exc_info=True)
             faults.append(fault)
             snapshot.restore(ctx)
+            # The FP8 copies this run made go with it: after an out-of-memory error above all,
+            # the copies made before it would otherwise hold the memory the model runs in.
+            weights.forget_made(made)
         finally:
             ctx.current_pass = None
     for fault in faults:
