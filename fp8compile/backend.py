@@ -163,7 +163,11 @@ def compile_graph(
             dump.before(aten_gm)
         # As Dynamo gave it, for Inductor alone should it fail on the graph the passes made
         as_written = (_copy_graph_module(aten_gm), list(aten_inputs), dict(kwargs))
-        faults = run_passes(ctx)
+        try:
+            faults = run_passes(ctx)
+        except BaseException:
+            _bring_back_released(ctx)
+            raise
         if faults:
             _warn_faults(graph_index, faults)
         if dump:
@@ -192,6 +196,7 @@ def compile_graph(
         try:
             compiled = inductor_compile(aten_gm, aten_inputs, **kwargs)
         except Exception as error:
+            _bring_back_released(ctx)  # the graph as written reads every weight in bf16
             if config.strict or _control_flow(error) or len(report.rewrites) == rewrites_before:
                 raise
             return _compile_as_written(
@@ -335,6 +340,19 @@ def _collectives(gm: fx.GraphModule) -> dict[str, int]:
 FP8COMPILE_ALL_REDUCE = "all_reduce (fp8compile's)"
 # and fp8compile::all_reduce_rms_norm's (passes/all_reduce_norm.py)
 FP8COMPILE_ALL_REDUCE_NORM = "all_reduce with the residual add and RMSNorm (fp8compile's)"
+
+
+def _bring_back_released(ctx) -> None:
+    """The parameters the passes released as they quantized (release_bf16_weights,
+    passes/context.py) back on their device: a compile that fails, or falls back to the graph as
+    written, leaves the model's weights where they were."""
+    if ctx.released:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        from . import release
+
+        with unset_fake_temporarily():
+            release.resident(ctx.released)
 
 
 def _release_weights(ctx, dropped: list[torch.Tensor]) -> None:

@@ -122,9 +122,11 @@ class Fp8Config:
                      128-token prefill in default mode, went 0.86x -> 1.18x bf16 Inductor
                      (BENCHMARKS.md, "Default mode at 8 layers", H200, 2026-11-29).
     release_bf16_weights: give back the device memory of the bf16 weights no compiled graph reads
-                     (those with an FP8 copy): their values move to host memory (release.py).
-                     An eager call of a module holding one (generate()'s prompt with a
-                     CompileConfig) copies them in for the call and frees them after;
+                     (those with an FP8 copy): their values move to host memory (release.py),
+                     each as its copy is made, so a compile needs room for one copy beside
+                     the bf16 model, not for all of them. An eager call of a module holding
+                     one (generate()'s prompt with a CompileConfig) copies them in for the
+                     call and frees them after;
                      fp8compile.restore_bf16_weights() brings them back for good.
     act_amax:        static activation scales ("rowwise" and "tensor"): {linear module name:
                      calibrated amax of its input} (fp8compile.calibrate), scale = amax / 448;

@@ -7,7 +7,11 @@ Released, a parameter keeps its tensor object, shape, strides, dtype and device 
 guards and the compiled graphs check), and its values move to host memory: its device storage
 is resized to zero bytes. Nothing is lost: restore() copies the values back into the same
 tensor (the eager model then runs again), and a graph compiled later that reads a released
-parameter in bf16 gets it back first (the backend calls resident()).
+parameter in bf16 gets it back first (the backend calls resident()). The passes release each
+weight as soon as its FP8 copy is made (passes/context.py), so compiling a model whose bf16
+weights and FP8 copies do not fit on the device together needs room for one copy at a time;
+what the compiled graph still reads in bf16 comes back before it runs, and a compile that
+fails gives every weight back.
 
 Eager code still runs, with the model's own numbers: while any parameter is released, a module
 forward pre-hook lends an eager call of a module that holds one its values, copied in from host

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8compile
-from fp8compile import architectures, calc_diff
+from fp8compile import architectures, calc_diff, release
 from fp8compile.passes.context import PassContext
 from tests.conftest import BF16, randn
 from tests.models import GatedMLP
@@ -246,3 +246,25 @@ def test_out_of_memory_quantizing_keeps_the_linears_bf16_drops_the_copies_and_na
     # The copies those runs made went with them: none holds the memory the bf16 model runs in
     assert not weights._MEMO
     assert calc_diff(out, eager) < 1e-4
+
+
+def test_released_as_each_copy_is_made_a_model_that_fills_the_device_compiles_in_fp8(monkeypatch):
+    from fp8compile import weights
+
+    torch.manual_seed(0)
+    model, x = _FourLinears().to(BF16), randn(4, 256)
+    weights.forget()
+    _device_of_limited_memory(monkeypatch, model, room_for_copies=1.5)  # one copy beside the model
+    fp8 = fp8compile.backend(release_bf16_weights=True)
+    try:
+        with torch.no_grad():
+            eager = model(x)
+            with architectures.composition(model):
+                unfused = model(x)
+            out = torch.compile(model, backend=fp8)(x)
+            assert torch.equal(model(x), eager)  # the eager model is lent its released weights back
+        assert fp8.report.counts()["linear"] == 4 and not fp8.report.skips
+        assert all(release.is_released(p) for p in model.parameters())
+        assert calc_diff(out, eager) < 1.15 * calc_diff(unfused, eager)
+    finally:
+        fp8compile.restore_bf16_weights()

@@ -210,6 +210,9 @@ class PassContext:
         self.current_pass: str | None = None
         self.failed_sites: dict[str, set[str]] = {}
         self.passes_left_out: set[str] = set()
+        # Parameters given back as their FP8 copies were made (release_bf16_weights), across runs
+        # of the passes: the backend makes resident again those the compiled graph reads in bf16.
+        self.released: list[torch.Tensor] = []
         self.start_over()
 
     def start_over(self) -> None:
@@ -267,16 +270,20 @@ class PassContext:
         sources: Sequence[fx.Node],
         make: Callable[..., tuple[torch.Tensor, ...]],
         memo: bool = False,
+        sources_read: bool = False,
     ) -> tuple[fx.Node, ...]:
         """Placeholders (one per name) for make(*the real tensors behind sources), appended to the graph's
         inputs: made once now (compile time, so the FP8 copy of a weight is ready before any
         call), then by the compiled graph's wrapper per call from the tensors passed. The same
         key over the same sources gives the same placeholders. memo: make goes through the
-        weight memo (DerivedInput.memo: its sources may be released)."""
+        weight memo (DerivedInput.memo: its sources may be released, and are at once under
+        release_bf16_weights, unless sources_read: the rewritten op reads them in bf16 too)."""
         memo_key = (key, tuple(sources))
         if memo_key in self._derived:
             return self._derived[memo_key][1]
         values = make(*[self.inputs[node][0] for node in sources])
+        if memo and self.config.release_bf16_weights and not sources_read:
+            self._release_sources(sources)
         graph = self.gm.graph
         last = list(graph.find_nodes(op="placeholder"))[-1]
         nodes = []
@@ -298,6 +305,20 @@ class PassContext:
                 for node in nodes:
                     self.gm.graph.erase_node(node)
                 del self._derived[memo_key]
+
+    def _release_sources(self, sources: Sequence[fx.Node]) -> None:
+        """release_bf16_weights: the parameters among sources give their device memory back now,
+        their FP8 copies made, so that a model whose bf16 weights and FP8 copies do not fit on the
+        device together is quantized one weight at a time, not all of them beside all the copies.
+        Whatever the compiled graph still reads in bf16 comes back before it runs (backend.py)."""
+        from .. import release
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        params = [self.inputs[node][0] for node in sources if node in self.parameters]
+        fresh = [p for p in params if not release.is_released(p)]
+        with unset_fake_temporarily():  # real host buffers, not the compiler's fakes
+            release.release(fresh)
+        self.released.extend(p for p in fresh if release.is_released(p))
 
     def drop_unused_inputs(self) -> tuple[list[int], list[torch.Tensor]]:
         """Remove the tensor inputs (of those Dynamo passes) that no node reads any more, the bf16

@@ -634,6 +634,7 @@ def _fp8_expert_inputs(ctx: PassContext, m: MoeMatch, w_kn: bool, name: str, pad
         [m.w13] + ([m.w3] if m.w3 is not None else []),
         lambda w, w3=None: fp8_experts(w, w_kn, e8m0, gate_up, w3),
         memo=True,
+        sources_read=True,  # the op takes the bf16 experts too (its eager sides look their copies up)
     )
     w2 = ctx.derived_inputs(
         ("experts", w_kn, e8m0),
@@ -641,6 +642,7 @@ def _fp8_expert_inputs(ctx: PassContext, m: MoeMatch, w_kn: bool, name: str, pad
         [m.w2],
         lambda w: fp8_experts(w, w_kn, e8m0),
         memo=True,
+        sources_read=True,
     )
     b13 = m.b13
     if b13 is not None and (gate_up == "interleave" or padded):  # the bias rows follow the weight's rows
