@@ -26,12 +26,13 @@ def mark(out_dir: str | Path, rank: int, stage: str) -> None:
     (Path(out_dir) / f"rank{rank}.stage").write_text(stage)
 
 
-def spawn(worker, nprocs: int, out_dir: Path, deadline_s: float) -> None:
-    """worker(rank, port, out_dir) in nprocs processes; a failing rank's error raised here, and
-    ranks still running after deadline_s killed and the test failed with each one's last mark."""
+def spawn(worker, nprocs: int, out_dir: Path, deadline_s: float, *args) -> None:
+    """worker(rank, port, out_dir, *args) in nprocs processes; a failing rank's error raised here,
+    and ranks still running after deadline_s killed and the test failed with each one's last mark.
+    Tensors among args made with share_memory_() are the same memory in every rank."""
     import torch.multiprocessing as mp
 
-    context = mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=nprocs, join=False)
+    context = mp.spawn(worker, args=(free_port(), str(out_dir), *args), nprocs=nprocs, join=False)
     deadline = time.monotonic() + deadline_s
     while not context.join(timeout=5):
         if time.monotonic() > deadline:

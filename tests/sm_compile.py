@@ -1,15 +1,15 @@
-"""The shared memory a Triton kernel asks for, and the global loads its PTX makes, compiled for a
-GPU this machine need not have.
+"""The shared memory a Triton kernel asks for, and the global loads and atomics its PTX makes,
+compiled for a GPU this machine need not have.
 
-`python -m tests.sm_compile [shared|loads]` reads a JSON list of launches on stdin, each
+`python -m tests.sm_compile [shared|loads|atomics]` reads a JSON list of launches on stdin, each
 {"kernel": "module:name", "capability": 90, "pointers": {argument: Triton type, pointer or
 scalar}, "constexprs": {...}, "ones": [integer arguments specialized to 1], "num_warps": 4,
 "num_stages": 3}, compiles each with Triton's compiler for that target (ptxas included, no GPU)
-and prints, for each, the bytes it asks for (shared) or its PTX's global load instructions
-(loads). Every other integer argument is taken as a multiple of 16, as a model's
-sizes and strides are: loads pipelined, the most shared memory. It runs in a process of its
-own: the CPU tests' Triton interpreter (TRITON_INTERPRET=1) patches triton.language, and the
-compiler does not run under it (run() removes that variable).
+and prints, for each, the bytes it asks for (shared), its PTX's global load instructions
+(loads) or its atomic instructions (atomics). Every other integer argument is taken as a
+multiple of 16, as a model's sizes and strides are: loads pipelined, the most shared memory. It
+runs in a process of its own: the CPU tests' Triton interpreter (TRITON_INTERPRET=1) patches
+triton.language, and the compiler does not run under it (run() removes that variable).
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ def shared_bytes(launches: list[dict]) -> list[int]:
 def global_loads(launches: list[dict]) -> list[list[str]]:
     """Each launch's global load instructions ("ld.global.cg.v4.b32", ...), in PTX order."""
     return _run(launches, "loads")
+
+
+def atomics(launches: list[dict]) -> list[list[str]]:
+    """Each launch's atomic instructions ("atom.global.release.sys.cas.b32", ...), in PTX order."""
+    return _run(launches, "atomics")
 
 
 def _run(launches: list[dict], what: str) -> list:
@@ -76,6 +81,8 @@ def _answer(launch: dict, what: str):
     compiled = _compile(launch)
     if what == "loads":
         return re.findall(r"\bld\.global\.[a-z0-9.]+", compiled.asm["ptx"])
+    if what == "atomics":
+        return re.findall(r"\batom\.[a-z0-9.]+", compiled.asm["ptx"])
     return compiled.metadata.shared
 
 

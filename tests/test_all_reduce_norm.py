@@ -222,6 +222,45 @@ def test_the_kernel_on_one_rank_stages_its_row_meets_itself_and_leaves_the_pads_
     assert collectives.NORM_MAX_WORLD == triton_norm.MAX_WORLD
 
 
+def _interpreted_rank(rank, port, out_dir, xs, residual, weight, buffers, pad_words, summed):
+    """One rank of the kernel under Triton's interpreter: the buffers and signal pads are host
+    memory every rank's process maps (shared tensors), each rank addressing them at its own
+    addresses, as symmetric memory's ranks do their peers'."""
+    from fp8compile.ops.collectives import triton_norm
+
+    pads = torch.tensor([p.data_ptr() for p in pad_words], dtype=torch.int64)
+    for call in range(summed[rank].shape[0]):  # back to back: each call's barriers free the next
+        ranks.mark(out_dir, rank, f"call {call}")
+        _, out = triton_norm.all_reduce_rms_norm(
+            xs[rank] * (call + 1), residual, weight, EPS, tuple(buffers), pads, rank
+        )
+        summed[rank][call].copy_(out)
+    ranks.mark(out_dir, rank, "done")
+
+
+def test_on_three_interpreted_ranks_the_kernel_meets_sums_in_rank_order_and_frees_the_pads(tmp_path):
+    """The barrier's protocol across ranks on the CPU: three processes (a world that is no power
+    of two: the kernel's fourth lane stands for no rank), three rows, three calls back to back.
+    Each rank's sum is the partials added in fp32 and rounded once (integers: exact in bf16), and
+    the pads are clear after every call."""
+    pytest.importorskip("triton")
+    world, m, h, calls = 3, 3, 320, 3
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randint(-8, 9, (m, h), generator=gen).to(BF16).share_memory_() for _ in range(world)]
+    residual = torch.randint(-8, 9, (m, h), generator=gen).to(BF16).share_memory_()
+    weight = (1 + 0.1 * torch.randn(h, generator=gen)).to(BF16).share_memory_()
+    buffers = [torch.zeros(m * h, dtype=BF16).share_memory_() for _ in range(world)]
+    pad_words = [torch.zeros(m * world, dtype=torch.int32).share_memory_() for _ in range(world)]
+    summed = [torch.zeros(calls, m, h, dtype=BF16).share_memory_() for _ in range(world)]
+    args = (xs, residual, weight, buffers, pad_words, summed)
+    ranks.spawn(_interpreted_rank, world, tmp_path, 120, *args)
+    for call in range(calls):
+        partials = sum(x.float() * (call + 1) for x in xs)
+        expected = (residual.float() + partials.to(BF16).float()).to(BF16)
+        assert all(torch.equal(summed[rank][call], expected) for rank in range(world)), call
+    assert not any(p.any() for p in pad_words)
+
+
 def test_the_kernel_compiled_for_hopper_reads_each_peers_row_16_bytes_a_load_past_l1():
     """The property its first GPU run lacked: given the buffers as integers, Triton read a peer's
     row one bf16 a load (ld.volatile.global.b16; the fused step 1.04x slower than unfused on two
@@ -241,7 +280,7 @@ def test_the_kernel_compiled_for_hopper_reads_each_peers_row_16_bytes_a_load_pas
         kernel="fp8compile.ops.collectives.triton_norm:_all_reduce_rms_norm_kernel",
         capability=90,
         pointers={**dict.fromkeys(pointers, "*bf16"), "pads": "*i64", "rank": "i32", "eps": "fp32"},
-        constexprs=dict(WORLD=2, BLOCK=4096),
+        constexprs=dict(WORLD=2, PEERS=2, BLOCK=4096),
         num_warps=triton_norm.NUM_WARPS,
         num_stages=1,
     )
@@ -249,6 +288,32 @@ def test_the_kernel_compiled_for_hopper_reads_each_peers_row_16_bytes_a_load_pas
     # 4096 bf16 over 256 threads: 32 bytes a thread a row, two 16-byte loads, from each of 2 peers
     assert loads.count("ld.global.cg.v4.b32") == 4, loads
     assert not [load for load in loads if load.endswith(".b16")], loads
+
+
+def test_the_kernels_barriers_signal_every_peer_at_once_one_atomic_instruction_a_step():
+    """Each barrier signals every peer, then waits on every peer, one lane a peer: compiled for
+    sm_90 at eight ranks, two barriers make four compare-and-swaps in the PTX (a signal and a wait
+    each, every peer's lane in the one instruction), where a peer after peer made 2 x (8 + 8), each
+    a round trip over NVLink behind the last (the fused step 1.04x and 1.01x slower than unfused on
+    two H200s with those, BENCHMARKS.md)."""
+    triton = pytest.importorskip("triton")
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        pytest.skip("this Triton has no NVIDIA backend")
+    from fp8compile.ops.collectives import triton_norm
+    from tests import sm_compile
+
+    pointers = ["x_ptr", "residual_ptr", "weight_ptr", "normed_ptr", "summed_ptr", "own_ptr"]
+    pointers += [f"b{i}" for i in range(triton_norm.MAX_WORLD)]
+    launch = dict(
+        kernel="fp8compile.ops.collectives.triton_norm:_all_reduce_rms_norm_kernel",
+        capability=90,
+        pointers={**dict.fromkeys(pointers, "*bf16"), "pads": "*i64", "rank": "i32", "eps": "fp32"},
+        constexprs=dict(WORLD=8, PEERS=8, BLOCK=4096),
+        num_warps=triton_norm.NUM_WARPS,
+        num_stages=1,
+    )
+    (atomics,) = sm_compile.atomics([launch])
+    assert atomics == ["atom.global.release.sys.cas.b32", "atom.global.acquire.sys.cas.b32"] * 2, atomics
 
 
 def test_past_the_buffer_the_pads_or_eight_ranks_the_kernel_refuses_and_says_which(monkeypatch):

@@ -11,7 +11,8 @@ normalizes the row; a second barrier keeps the buffer's row until every peer has
 
 The barrier is the one PyTorch's symmetric-memory kernels use on the same signal pads: a program
 sets its word in each peer's pad from 0 to 1 (spinning while a peer has not yet taken the
-previous one) and takes each peer's word in its own pad from 1 back to 0; every barrier leaves
+previous one) and takes each peer's word in its own pad from 1 back to 0, every peer at once, a
+thread each (one after another, the round trips added up); every barrier leaves
 the pads as it found them, so these kernels and PyTorch's may share one buffer on one stream.
 Rounding follows the eager model: the reduced partials rounded to the dtype, the residual sum
 rounded, the normalized row rounded before the weight multiplies it (transformers' RMSNorm).
@@ -36,19 +37,42 @@ NUM_WARPS = 8
 MAX_WORLD = 8
 
 
+# A value no signal word holds: a CAS that compares with it changes nothing (the lanes of _meet
+# that are done, or that stand for no rank).
+_NEVER: tl.constexpr = tl.constexpr(7)
+
+
 @triton.jit
-def _meet(pads, slot, rank, WORLD: tl.constexpr):
+def _meet(pads, slot, rank, WORLD: tl.constexpr, PEERS: tl.constexpr):
     """Every rank's program `slot` gets here before any goes on; what each wrote before is
-    visible to every peer after."""
-    tl.debug_barrier()  # the program's writes are done before its signal releases them
-    for peer in tl.static_range(WORLD):
-        theirs = tl.load(pads + peer).to(tl.pointer_type(tl.int32))
-        while tl.atomic_cas(theirs + slot * WORLD + rank, 0, 1, sem="release", scope="sys") != 0:
-            pass
+    visible to every peer after. One lane a peer (PEERS: WORLD rounded up to a power of two), so
+    the signals to all peers, and then the waits on them, go out at once rather than one peer
+    after another: each is a round trip over NVLink."""
+    tl.debug_barrier()  # the program's writes are done before its signals release them
+    lanes = tl.arange(0, PEERS)
+    peer = tl.minimum(lanes, WORLD - 1)  # a lane past the world repeats the last rank, as a no-op
+    theirs = tl.load(pads + peer).to(tl.pointer_type(tl.int32))
+    signalled = lanes >= WORLD
+    while tl.min(signalled.to(tl.int32), axis=0) == 0:  # this rank's word in each peer's pad, 0 -> 1
+        old = tl.atomic_cas(
+            theirs + slot * WORLD + rank,
+            tl.where(signalled, _NEVER, 0),
+            tl.where(signalled, _NEVER, 1),
+            sem="release",
+            scope="sys",
+        )
+        signalled = signalled | (old == 0)
     mine = tl.load(pads + rank).to(tl.pointer_type(tl.int32))
-    for peer in tl.static_range(WORLD):
-        while tl.atomic_cas(mine + slot * WORLD + peer, 1, 0, sem="acquire", scope="sys") != 1:
-            pass
+    heard = lanes >= WORLD
+    while tl.min(heard.to(tl.int32), axis=0) == 0:  # each peer's word in this rank's pad, 1 -> 0
+        old = tl.atomic_cas(
+            mine + slot * WORLD + peer,
+            tl.where(heard, _NEVER, 1),
+            tl.where(heard, _NEVER, 0),
+            sem="acquire",
+            scope="sys",
+        )
+        heard = heard | (old == 1)
     tl.debug_barrier()
 
 
@@ -94,6 +118,7 @@ def _all_reduce_rms_norm_kernel(
     H,
     eps,
     WORLD: tl.constexpr,
+    PEERS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -101,7 +126,7 @@ def _all_reduce_rms_norm_kernel(
     mask = cols < H
     offsets = row.to(tl.int64) * H + cols
     tl.store(own_ptr + offsets, tl.load(x_ptr + offsets, mask=mask), mask=mask)
-    _meet(pads, row, rank, WORLD)
+    _meet(pads, row, rank, WORLD, PEERS)
     total = tl.zeros([BLOCK], tl.float32)
     for peer in tl.static_range(WORLD):  # rank order on every rank: the same bits everywhere
         theirs = _buffer(b0, b1, b2, b3, b4, b5, b6, b7, peer)
@@ -115,7 +140,8 @@ def _all_reduce_rms_norm_kernel(
     normalized = (h * tl.rsqrt(tl.sum(h * h, axis=0) / H + eps)).to(dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(normed_ptr + offsets, (weight * normalized.to(tl.float32)).to(dtype), mask=mask)
-    _meet(pads, row, rank, WORLD)  # every peer has read this rank's row: the buffer may be written again
+    # every peer has read this rank's row: the buffer may be written again
+    _meet(pads, row, rank, WORLD, PEERS)
 
 
 def all_reduce_rms_norm(
@@ -152,6 +178,7 @@ def all_reduce_rms_norm(
             h,
             eps,
             WORLD=world,
+            PEERS=max(2, next_pow2(world)),
             BLOCK=next_pow2(h),
             num_warps=NUM_WARPS,
         )
