@@ -261,6 +261,26 @@ def test_on_three_interpreted_ranks_the_kernel_meets_sums_in_rank_order_and_free
     assert not any(p.any() for p in pad_words)
 
 
+def _hopper_launch(world: int) -> dict:
+    """The kernel at `world` ranks and a width of 4096 for tests/sm_compile (sm_90, PTX only);
+    skips where this Triton has no NVIDIA backend to compile it with."""
+    triton = pytest.importorskip("triton")
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        pytest.skip("this Triton has no NVIDIA backend")
+    from fp8compile.ops.collectives import triton_norm
+
+    pointers = ["x_ptr", "residual_ptr", "weight_ptr", "normed_ptr", "summed_ptr", "own_ptr"]
+    pointers += [f"b{i}" for i in range(triton_norm.MAX_WORLD)]
+    return dict(
+        kernel="fp8compile.ops.collectives.triton_norm:_all_reduce_rms_norm_kernel",
+        capability=90,
+        pointers={**dict.fromkeys(pointers, "*bf16"), "pads": "*i64", "rank": "i32", "eps": "fp32"},
+        constexprs=dict(WORLD=world, PEERS=world, BLOCK=4096),
+        num_warps=triton_norm.NUM_WARPS,
+        num_stages=1,
+    )
+
+
 def test_the_kernel_compiled_for_hopper_reads_each_peers_row_16_bytes_a_load_past_l1():
     """The property its first GPU run lacked: given the buffers as integers, Triton read a peer's
     row one bf16 a load (ld.volatile.global.b16; the fused step 1.04x slower than unfused on two
@@ -268,23 +288,9 @@ def test_the_kernel_compiled_for_hopper_reads_each_peers_row_16_bytes_a_load_pas
     buffer and a width of 4096) each thread reads a peer 16 bytes a load, through L2 only (.cg:
     an earlier call's row may sit in this SM's L1). Compiled for sm_90 on the CPU: PTX only
     (H, taken as a multiple of 16, as 4096 is)."""
-    triton = pytest.importorskip("triton")
-    if "nvidia" not in getattr(triton.backends, "backends", {}):
-        pytest.skip("this Triton has no NVIDIA backend")
-    from fp8compile.ops.collectives import triton_norm
     from tests import sm_compile
 
-    pointers = ["x_ptr", "residual_ptr", "weight_ptr", "normed_ptr", "summed_ptr", "own_ptr"]
-    pointers += [f"b{i}" for i in range(triton_norm.MAX_WORLD)]
-    launch = dict(
-        kernel="fp8compile.ops.collectives.triton_norm:_all_reduce_rms_norm_kernel",
-        capability=90,
-        pointers={**dict.fromkeys(pointers, "*bf16"), "pads": "*i64", "rank": "i32", "eps": "fp32"},
-        constexprs=dict(WORLD=2, PEERS=2, BLOCK=4096),
-        num_warps=triton_norm.NUM_WARPS,
-        num_stages=1,
-    )
-    (loads,) = sm_compile.global_loads([launch])
+    (loads,) = sm_compile.global_loads([_hopper_launch(world=2)])
     # 4096 bf16 over 256 threads: 32 bytes a thread a row, two 16-byte loads, from each of 2 peers
     assert loads.count("ld.global.cg.v4.b32") == 4, loads
     assert not [load for load in loads if load.endswith(".b16")], loads
@@ -296,23 +302,9 @@ def test_the_kernels_barriers_signal_every_peer_at_once_one_atomic_instruction_a
     each, every peer's lane in the one instruction), where a peer after peer made 2 x (8 + 8), each
     a round trip over NVLink behind the last (the fused step 1.04x and 1.01x slower than unfused on
     two H200s with those, BENCHMARKS.md)."""
-    triton = pytest.importorskip("triton")
-    if "nvidia" not in getattr(triton.backends, "backends", {}):
-        pytest.skip("this Triton has no NVIDIA backend")
-    from fp8compile.ops.collectives import triton_norm
     from tests import sm_compile
 
-    pointers = ["x_ptr", "residual_ptr", "weight_ptr", "normed_ptr", "summed_ptr", "own_ptr"]
-    pointers += [f"b{i}" for i in range(triton_norm.MAX_WORLD)]
-    launch = dict(
-        kernel="fp8compile.ops.collectives.triton_norm:_all_reduce_rms_norm_kernel",
-        capability=90,
-        pointers={**dict.fromkeys(pointers, "*bf16"), "pads": "*i64", "rank": "i32", "eps": "fp32"},
-        constexprs=dict(WORLD=8, PEERS=8, BLOCK=4096),
-        num_warps=triton_norm.NUM_WARPS,
-        num_stages=1,
-    )
-    (atomics,) = sm_compile.atomics([launch])
+    (atomics,) = sm_compile.atomics([_hopper_launch(world=8)])
     assert atomics == ["atom.global.release.sys.cas.b32", "atom.global.acquire.sys.cas.b32"] * 2, atomics
 
 

@@ -52,28 +52,21 @@ def _meet(pads, slot, rank, WORLD: tl.constexpr, PEERS: tl.constexpr):
     lanes = tl.arange(0, PEERS)
     peer = tl.minimum(lanes, WORLD - 1)  # a lane past the world repeats the last rank, as a no-op
     theirs = tl.load(pads + peer).to(tl.pointer_type(tl.int32))
-    signalled = lanes >= WORLD
-    while tl.min(signalled.to(tl.int32), axis=0) == 0:  # this rank's word in each peer's pad, 0 -> 1
-        old = tl.atomic_cas(
-            theirs + slot * WORLD + rank,
-            tl.where(signalled, _NEVER, 0),
-            tl.where(signalled, _NEVER, 1),
-            sem="release",
-            scope="sys",
-        )
-        signalled = signalled | (old == 0)
+    _swap_each(theirs + slot * WORLD + rank, lanes < WORLD, 0, 1, "release")  # this rank's word in theirs
     mine = tl.load(pads + rank).to(tl.pointer_type(tl.int32))
-    heard = lanes >= WORLD
-    while tl.min(heard.to(tl.int32), axis=0) == 0:  # each peer's word in this rank's pad, 1 -> 0
-        old = tl.atomic_cas(
-            mine + slot * WORLD + peer,
-            tl.where(heard, _NEVER, 1),
-            tl.where(heard, _NEVER, 0),
-            sem="acquire",
-            scope="sys",
-        )
-        heard = heard | (old == 1)
+    _swap_each(mine + slot * WORLD + peer, lanes < WORLD, 1, 0, "acquire")  # each peer's word in this pad
     tl.debug_barrier()
+
+
+@triton.jit
+def _swap_each(words, live, expect, new, SEM: tl.constexpr):
+    """Each live lane's word from `expect` to `new` (sys-scope compare-and-swap, spinning until
+    it holds `expect`); a lane done, or not live, compares with a value no word holds."""
+    done = live == 0
+    while tl.min(done.to(tl.int32), axis=0) == 0:
+        unchanged = tl.where(done, _NEVER, expect)
+        old = tl.atomic_cas(words, unchanged, tl.where(done, _NEVER, new), sem=SEM, scope="sys")
+        done = done | (old == expect)
 
 
 @triton.jit
