@@ -131,3 +131,35 @@ def test_generate_with_a_compile_config_runs_its_eager_prompt_on_released_weight
     down = model.model.layers[0].mlp.down_proj.weight
     assert release.is_released(down) and down.untyped_storage().nbytes() == 0
     assert all(torch.equal(a, b) for a, b in zip(freed, kept))
+
+
+def test_a_stacked_experts_parameter_goes_to_host_memory_once_not_once_an_expert(monkeypatch):
+    """Dense experts split into one FP8 linear per expert (passes/moe_dense.py) quantize one
+    expert's slice of a stacked parameter at a time. Released as each copy is made, the whole
+    parameter would come back and go again once an expert: it is released once, after the
+    passes, and the numbers are those of the same model compiled without releasing."""
+    pytest.importorskip("transformers")
+    from fp8compile import weights
+    from tests.conftest import randn
+    from tests.test_moe import DenseMixture, compile_block
+
+    torch.manual_seed(0)
+    model, x = DenseMixture(experts=4).to(BF16), randn(9, 256)
+    kept, _, _ = compile_block(model, x.clone())
+    released = []
+    release_once = release.release
+
+    def counted(params):
+        params = list(params)
+        released.extend(id(p) for p in params if not release.is_released(p))
+        return release_once(params)
+
+    monkeypatch.setattr(release, "release", counted)
+    torch._dynamo.reset()
+    weights.forget()  # each expert quantized again, as in a first compile
+    out, eager, report = compile_block(model, x.clone(), release_bf16_weights=True)
+    assert report.counts()["linear"] == 8  # 4 experts x (gate|up, down)
+    stacked = (model.gate_up_proj, model.down_proj)
+    assert all(release.is_released(p) for p in stacked)
+    assert [released.count(id(p)) for p in stacked] == [1, 1]
+    assert torch.equal(out, kept)

@@ -270,19 +270,20 @@ class PassContext:
         sources: Sequence[fx.Node],
         make: Callable[..., tuple[torch.Tensor, ...]],
         memo: bool = False,
-        sources_read: bool = False,
+        release_now: bool = True,
     ) -> tuple[fx.Node, ...]:
         """Placeholders (one per name) for make(*the real tensors behind sources), appended to the graph's
         inputs: made once now (compile time, so the FP8 copy of a weight is ready before any
         call), then by the compiled graph's wrapper per call from the tensors passed. The same
         key over the same sources gives the same placeholders. memo: make goes through the
-        weight memo (DerivedInput.memo: its sources may be released, and are at once under
-        release_bf16_weights, unless sources_read: the rewritten op reads them in bf16 too)."""
+        weight memo (DerivedInput.memo: its sources may be released; under release_bf16_weights
+        they are at once, unless not release_now: the op reads them in bf16 too, or each is
+        one expert of a stacked parameter, which would go back and forth once an expert)."""
         memo_key = (key, tuple(sources))
         if memo_key in self._derived:
             return self._derived[memo_key][1]
         values = make(*[self.inputs[node][0] for node in sources])
-        if memo and self.config.release_bf16_weights and not sources_read:
+        if memo and release_now and self.config.release_bf16_weights:
             self._release_sources(sources)
         graph = self.gm.graph
         last = list(graph.find_nodes(op="placeholder"))[-1]

@@ -191,6 +191,7 @@ def fp8_weight_inputs(
             weights,
             lambda w, *more: fp8_weight_scaled(w, recipe, kn, e8m0, more or None, index),
             memo=True,
+            release_now=index is None,
         )
     return ctx.derived_inputs(
         ("linear", kn, e8m0, index),
@@ -198,6 +199,7 @@ def fp8_weight_inputs(
         weights,
         lambda w, *more: fp8_weight(w, kn, e8m0, more or None, index),
         memo=True,
+        release_now=index is None,  # one expert of a stacked parameter: the whole goes at the end
     )
 
 

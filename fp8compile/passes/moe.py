@@ -634,7 +634,7 @@ def _fp8_expert_inputs(ctx: PassContext, m: MoeMatch, w_kn: bool, name: str, pad
         [m.w13] + ([m.w3] if m.w3 is not None else []),
         lambda w, w3=None: fp8_experts(w, w_kn, e8m0, gate_up, w3),
         memo=True,
-        sources_read=True,  # the op takes the bf16 experts too (its eager sides look their copies up)
+        release_now=False,  # the op takes the bf16 experts too (its eager sides look their copies up)
     )
     w2 = ctx.derived_inputs(
         ("experts", w_kn, e8m0),
@@ -642,7 +642,7 @@ def _fp8_expert_inputs(ctx: PassContext, m: MoeMatch, w_kn: bool, name: str, pad
         [m.w2],
         lambda w: fp8_experts(w, w_kn, e8m0),
         memo=True,
-        sources_read=True,
+        release_now=False,
     )
     b13 = m.b13
     if b13 is not None and (gate_up == "interleave" or padded):  # the bias rows follow the weight's rows
