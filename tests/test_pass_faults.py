@@ -245,7 +245,7 @@ def test_out_of_memory_quantizing_keeps_the_linears_bf16_drops_the_copies_and_na
     assert all("release_bf16_weights=True" in s.reason for s in out_of_memory)
     # The copies those runs made went with them: none holds the memory the bf16 model runs in
     assert not weights._MEMO
-    assert calc_diff(out, eager) < 1e-4
+    assert calc_diff(out, eager) < 1e-5  # bf16: no FP8 error
 
 
 def test_released_as_each_copy_is_made_a_model_that_fills_the_device_compiles_in_fp8(monkeypatch):

@@ -21,8 +21,9 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from .. import shards
+from .. import release, shards
 from . import dtypes
 from ..config import Fp8Config
 from ..derived import DerivedInput
@@ -312,9 +313,6 @@ class PassContext:
         their FP8 copies made, so that a model whose bf16 weights and FP8 copies do not fit on the
         device together is quantized one weight at a time, not all of them beside all the copies.
         Whatever the compiled graph still reads in bf16 comes back before it runs (backend.py)."""
-        from .. import release
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
         params = [self.inputs[node][0] for node in sources if node in self.parameters]
         fresh = [p for p in params if not release.is_released(p)]
         with unset_fake_temporarily():  # real host buffers, not the compiler's fakes

@@ -64,8 +64,9 @@ def _swap_each(words, live, expect, new, SEM: tl.constexpr):
     it holds `expect`); a lane done, or not live, compares with a value no word holds."""
     done = live == 0
     while tl.min(done.to(tl.int32), axis=0) == 0:
-        unchanged = tl.where(done, _NEVER, expect)
-        old = tl.atomic_cas(words, unchanged, tl.where(done, _NEVER, new), sem=SEM, scope="sys")
+        old = tl.atomic_cas(
+            words, tl.where(done, _NEVER, expect), tl.where(done, _NEVER, new), sem=SEM, scope="sys"
+        )
         done = done | (old == expect)
 
 
