@@ -506,7 +506,7 @@ def test_bench_model_rowwise_variants_run_the_rowwise_recipe_beside_the_block_on
 
 
 def test_bench_model_counts_gpu_idle_time_between_the_kernels_it_falls_between():
-    from fp8compile.bench.decode import idle_spans
+    from fp8compile.bench.gpu_time import idle_spans
 
     spans = [  # us; the third overlaps the second, so the GPU is busy from 10 to 40
         (0.0, 10.0, "a"),
@@ -525,28 +525,74 @@ def test_bench_model_counts_gpu_idle_time_between_the_kernels_it_falls_between()
     assert idle_spans([]) == []
 
 
+def test_bench_model_profile_counts_a_kernel_once_not_again_for_the_annotation_drawn_over_it():
+    from fp8compile.bench.gpu_time import GpuProfile, gpu_activities, summary
+
+    # NCCL's kernel and the "nccl:all_reduce" range its record_function draws over it on the GPU
+    events = [
+        (20.0, 30.0, "ncclDevKernel_AllReduce", False),
+        (0.0, 10.0, "_linear_small_m_kernel", False),
+        (19.0, 31.0, "nccl:all_reduce", True),
+    ]
+    activities = gpu_activities(events)
+    assert activities == [(0.0, 10.0, "_linear_small_m_kernel"), (20.0, 30.0, "ncclDevKernel_AllReduce")]
+    part = summary(GpuProfile(activities, host=[]))
+    assert part["kernels"] == {"_linear_small_m_kernel": 0.01, "ncclDevKernel_AllReduce": 0.01}
+    assert part["idle"] == {"_linear_small_m_kernel -> ncclDevKernel_AllReduce": 0.01}
+
+
+def test_bench_model_profile_takes_the_steps_after_the_prompt_not_the_prompts_collective_waits():
+    """A sharded prompt's all-reduces wait on the slower rank for as long as the ranks' eager
+    Python differs: another time in each call. The steps' part is what follows the prompt's own
+    activities in the whole call, so none of that wait lands in it (subtracting the prompt-only
+    call's times left it there)."""
+    from fp8compile.bench.gpu_time import GpuProfile, decode_steps
+
+    def prompt(nccl_us):  # the prompt: a linear, then an all-reduce that waited nccl_us
+        return [(0.0, 10.0, "linear"), (10.0, 10.0 + nccl_us, "nccl")]
+
+    step = [(0.0, 8.0, "linear"), (8.0, 10.0, "one_shot")]
+    steps = [(1000.0 + 20 * i + s, 1000.0 + 20 * i + e, n) for i in range(4) for s, e, n in step]
+    alone = GpuProfile(prompt(nccl_us=50.0), host=[])
+    whole = GpuProfile(prompt(nccl_us=450.0) + steps, host=[])
+    part, method = decode_steps(whole, alone, steps=4)
+    assert method == "window"
+    assert part["kernels"] == {"linear": 0.008, "one_shot": 0.002}  # ms a step
+    assert part["calls"] == {"linear": 1, "one_shot": 1}
+    # over 4 steps: the gap from the prompt's end (460 us) to the first step (1000 us), and the
+    # 10 us after each step but the last
+    idle_ms = {"nccl -> linear": 540 / 4 / 1e3, "one_shot -> linear": 30 / 4 / 1e3}
+    assert part["idle"] == pytest.approx(idle_ms)
+
+    # a whole call that does not begin with the prompt's kernels: the prompt-only call's subtracted
+    other = GpuProfile([(0.0, 10.0, "linear"), (10.0, 20.0, "copy")] + steps, host=[])
+    part, method = decode_steps(other, alone, steps=4)
+    assert method == "subtracted"
+    assert part["kernels"]["one_shot"] == pytest.approx(0.002)
+
+
 def test_bench_model_profiles_a_sharded_step_only_once_every_rank_is_there(monkeypatch):
     """A rank that starts a profiled call before its peer times its first collective's wait as
-    GPU work (bench/decode.py, meet_ranks): under torch.distributed the ranks meet first."""
+    GPU work (bench/gpu_time.py, meet_ranks): under torch.distributed the ranks meet first."""
     import torch.distributed as dist
 
-    from fp8compile.bench import decode
+    from fp8compile.bench import gpu_time
 
     met = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: met.append("barrier"))
-    decode.meet_ranks()
+    gpu_time.meet_ranks()
     assert met == []  # one process: nothing to meet
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        decode.meet_ranks()
+        gpu_time.meet_ranks()
     finally:
         dist.destroy_process_group()
     assert met == ["barrier"]
 
 
 def test_bench_model_profile_names_each_top_kernels_launches_per_step():
-    from fp8compile.bench.decode import kernel_split
+    from fp8compile.bench.gpu_time import kernel_split
     from fp8compile.bench.table import model_table
 
     # 32 steps of an 8-layer model: the attention ran once a layer, the linear four times
@@ -577,7 +623,7 @@ def test_bench_model_profile_names_each_top_kernels_launches_per_step():
 
 
 def test_bench_model_gives_gpu_idle_time_to_the_innermost_host_range_that_names_an_owner():
-    from fp8compile.bench.decode import CALLER, host_owners
+    from fp8compile.bench.gpu_time import CALLER, host_owners
 
     gaps = [(100.0, 200.0), (300.0, 320.0)]  # us the GPU idles
     ranges = [  # (start, end, name, thread): the launching thread, and a compile worker's range
@@ -602,7 +648,7 @@ def test_bench_model_gives_gpu_idle_time_to_the_innermost_host_range_that_names_
 
 
 def test_bench_model_splits_gpu_time_by_kernel_kind_attention_and_experts_before_gemm_names():
-    from fp8compile.bench.decode import kernel_kind
+    from fp8compile.bench.gpu_time import kernel_kind
 
     kinds = {
         name: kernel_kind(name)

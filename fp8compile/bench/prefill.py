@@ -12,7 +12,8 @@ import torch
 import fp8compile
 
 from ..architectures import median_token_diff
-from .decode import gpu_profile, kernel_split, sync
+from .decode import sync
+from .gpu_time import gpu_profile, kernel_split, summary
 from .output import profiled
 from .variants import Variant
 
@@ -80,7 +81,7 @@ def prefill_and_accuracy(
         if profile is not None and batch == batches[0]:
             profiled(step, profile)
             if device.type == "cuda":
-                kernels = gpu_profile(step)
-                kernel_split(row, kernels["kernels"], 1, kernels["calls"])
+                part = summary(gpu_profile(step))
+                kernel_split(row, part["kernels"], 1, part["calls"])
         rows.append(row)
     return rows
