@@ -208,22 +208,30 @@ def _two_gpu_worker(rank: int, port: int, out_dir: str) -> None:
         for m in (1, 16, 64, 512):  # one-shot up to 1 MiB a rank at 2 ranks (m = 128 at 4096), two-shot past
             gen = torch.Generator("cuda").manual_seed(rank)
             x = torch.randn(m, 4096, dtype=BF16, device="cuda", generator=gen)
-            ranks.mark(out_dir, rank, f"the op's eager call at m={m}")
+            # each stage waits for its kernels before the next mark: a hang is named where it is
+            ranks.mark(out_dir, rank, f"NCCL's eager call at m={m}")
             expected = reference.all_reduce_sum(x, group)
+            torch.cuda.synchronize()
+            ranks.mark(out_dir, rank, f"the op's eager call at m={m}")
             out = torch.ops.fp8compile.all_reduce(x, group)
-            ranks.mark(out_dir, rank, f"the op in a CUDA graph at m={m}")
+            torch.cuda.synchronize()
+            ranks.mark(out_dir, rank, f"the op's capture in a CUDA graph at m={m}")
             graph, static_x = torch.cuda.CUDAGraph(), x.clone()
             with torch.cuda.graph(graph):
                 captured = torch.ops.fp8compile.all_reduce(static_x, group)
             static_x.copy_(x * 2)
+            ranks.mark(out_dir, rank, f"the graph's replay at m={m}")
             graph.replay()
+            torch.cuda.synchronize()
             results[m] = dict(
                 eager=(out.float() - expected.float()).abs().max().item(),
                 replayed=(captured.float() - 2 * expected.float()).abs().max().item(),
             )
         results["state"] = symmetric.state(group, rank)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        ranks.mark(out_dir, rank, "the closing barrier")
         dist.barrier()
+        ranks.mark(out_dir, rank, "the group's destruction")
     finally:
         dist.destroy_process_group()
 
