@@ -50,6 +50,18 @@ def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module
     return model
 
 
+def all_reduces(model: nn.Module) -> list[tuple[str, int]]:
+    """The all-reduces a forward of a model shard() sharded runs: (group name, width) for each
+    row-sharded linear, whose output of `width` features is summed over the group's ranks; empty
+    for a model not so sharded."""
+    return [
+        (hook.group_name, module.out_features)
+        for module in model.modules()
+        for hook in module._forward_hooks.values()
+        if isinstance(hook, _AllReduce)
+    ]
+
+
 def check(model: nn.Module, world: int) -> nn.ModuleList:
     """The decoder layers of a model this layout shards over `world` ranks (every layer checked
     before any is sharded); a ValueError saying why not."""

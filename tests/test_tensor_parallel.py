@@ -539,6 +539,17 @@ def _bench_worker(out_dir: str) -> dict:
     return {"rows": rows, "written": (Path(out_dir) / "bench_model.json").exists()}
 
 
+def test_a_sharded_model_says_its_all_reduces_one_for_each_row_sharded_linear(one_rank_group):
+    """What bench model's limit counts for a sharded step (limits.all_reduce_ms): o and down of
+    every layer, each summing hidden features; the lm_head's gather is not an all-reduce."""
+    from fp8compile import tensor_parallel
+
+    model = small_llama(vocab=512, hidden=256, intermediate=512, layers=3)
+    assert tensor_parallel.all_reduces(model) == []
+    tensor_parallel.shard(model)
+    assert tensor_parallel.all_reduces(model) == [(one_rank_group, 256)] * 6
+
+
 def test_bench_model_tp_plumbing_shards_decodes_and_writes_rank_zeros_rows(scenario_ranks):
     from fp8compile.bench.table import model_table
 

@@ -344,6 +344,39 @@ def test_a_tied_lm_head_is_read_whole_beside_the_embeddings_looked_up_rows():
     assert linears > model.lm_head.weight.numel() > 0  # the tied weight among the linears
 
 
+def test_a_sharded_steps_limit_adds_its_all_reduces_each_at_its_time_alone():
+    """Under tensor parallelism a step cannot take less than its reads plus its all-reduces (the
+    issue's limit for TP): the row says both, and the table prints the second beside the first."""
+    from fp8compile.bench.limits import limit_columns
+    from fp8compile.bench.table import model_table
+
+    base = dict(device="cpu", model="tiny-llama", layers=8, recipe="block", tp=4, dtype="bfloat16")
+    row = dict(base, variant="fp8_ro_lean", kind="decode", batch=1, ms_per_step=9.0, recompiles=0)
+    row["tokens_per_s"] = 1e3 / 9.0
+    # 18 GB at 4.5 TB/s: 4 ms of reading; 160 all-reduces of 7.5 us: 1.2 ms
+    limit_columns(row, dict(weights_gb=17.5, kv_gb=0.5), 4.5, all_reduces_ms=1.2)
+    assert row["read_limit_ms"] == pytest.approx(4.0)
+    assert row["limit_with_all_reduces_ms"] == pytest.approx(5.2)
+    assert row["wall_of_limit"] == pytest.approx(4.0 / 9.0)
+    assert row["wall_of_limit_with_all_reduces"] == pytest.approx(5.2 / 9.0)
+    table = model_table([row])
+    assert "and with the step's all-reduces" in table
+    assert [line.split() for line in table.splitlines() if line.startswith("fp8_ro_lean")][-1] == [
+        "fp8_ro_lean",
+        "B=1",
+        "1.20",
+        "5.20",
+        "58%",
+    ]
+
+    unsharded = dict(row)
+    for key in ("all_reduces_ms", "limit_with_all_reduces_ms", "wall_of_limit_with_all_reduces"):
+        del unsharded[key]
+    limit_columns(unsharded, dict(weights_gb=17.5, kv_gb=0.5), 4.5)
+    assert "limit_with_all_reduces_ms" not in unsharded
+    assert "all-reduces" not in model_table([unsharded])
+
+
 def test_bench_model_repeats_each_point_profiles_it_and_prefills_each_batch(tmp_path):
     # The measurement options on one variant (every variant runs them the same way).
     from fp8compile.bench.model import bench_model

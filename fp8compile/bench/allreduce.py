@@ -53,7 +53,7 @@ def bench_allreduce(
                     row[name] = None  # past the symmetric buffer
                     continue
                 row[f"{name}_max_diff"] = (got.float() - expected.float()).abs().max().item()
-                row[name] = _time_us(fn, x)
+                row[name] = time_us(fn, x)
             rows.append(row)
     if tp_bench.is_main():
         save(out_dir, "bench_allreduce.json", rows, _table)
@@ -66,8 +66,9 @@ def _seeded(rank: int, device) -> torch.Generator:
     return gen
 
 
-def _time_us(fn, x) -> float:
-    """us per call of fn(x): CALLS calls in one CUDA graph, replayed REPLAYS times."""
+def time_us(fn, x) -> float:
+    """us per call of fn(x): CALLS calls in one CUDA graph, replayed REPLAYS times. A collective:
+    every rank of the default group calls it alike."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up off the default stream, as capture wants

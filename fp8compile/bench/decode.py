@@ -78,16 +78,18 @@ def decode(
     device,
     profile: Path | None = None,
     repeat: int = 1,
+    all_reduces_ms: float | None = None,
 ) -> dict:
     """A generate() call at this batch size to warm up, then `repeat` timed ones (a *_lean variant:
     LeanDecoder.generate(), lean_decode.py, in its place): ms per step is
     their median (each run's in `ms_per_step_runs`: a lease's host moves a host-bound step between
     calls); if asked, one more under cProfile (host time by function, written to `profile`) and,
-    on a GPU, the GPU time per step by kind of kernel (a generate() of `steps` steps minus one of
-    a single step, which leaves the prompt out, over the steps between), and the GPU's idle
-    time per step by the kernels it falls between and by what the host did meanwhile (gpu_profile,
-    the prompt left out the same way). Every point gets the bytes its step must read and, on a
-    GPU, their read limit and the share of it the step reaches (limits.py)."""
+    on a GPU, the GPU time per step by kind of kernel, and the GPU's idle time per step by the
+    kernels it falls between and by what the host did meanwhile (gpu_time.py: in a generate() of
+    `steps` steps, what follows the kernels of a generate() of the prompt alone, over the steps).
+    Every point gets the bytes its step must read and, on a GPU, their read limit and the share
+    of it the step reaches (limits.py); a sharded step's with all_reduces_ms, its all-reduces'
+    time alone, added."""
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
     kwargs = dict(
         attention_mask=torch.ones_like(ids),
@@ -158,7 +160,10 @@ def decode(
     # the mean step's live cache: the prompt and half the new tokens
     fp8 = variant.name.startswith(("fp8", "torchao"))
     limits.limit_columns(
-        row, limits.step_bytes(model, batch, context + steps // 2, fp8), limits.read_rate_tbps(device)
+        row,
+        limits.step_bytes(model, batch, context + steps // 2, fp8),
+        limits.read_rate_tbps(device),
+        all_reduces_ms,
     )
     return row
 

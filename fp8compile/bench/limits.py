@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from .. import architectures
+from .. import architectures, tensor_parallel
 from ..numerics import BLOCK
 
 READ_GB = 2.0  # enough weights that no L2 holds any part of them between reads
@@ -88,9 +88,36 @@ def read_rate_tbps(device: torch.device) -> float | None:
     return rows * cols / best / 1e6
 
 
-def limit_columns(row: dict, step: dict[str, float], rate_tbps: float | None) -> None:
+def all_reduce_ms(model: torch.nn.Module, batches, device: torch.device) -> dict[int, float]:
+    """For a model sharded on local shards (fp8compile.tensor_parallel), the time a decode step's
+    all-reduces take at each batch: one a row-sharded linear, each timed alone as `bench
+    allreduce` times fp8compile::all_reduce (back to back in a CUDA graph), ms; the part of a
+    sharded step's least time that is not reading. Empty for a model not so sharded, or off the
+    GPU. A collective: every rank calls it at the same point, before any graph is compiled (a
+    capture of its own beside CUDA-graph trees' is not what `bench allreduce` measured)."""
+    sums = tensor_parallel.all_reduces(model)
+    if not sums or device.type != "cuda":
+        return {}
+    from ..ops.collectives import op  # noqa: F401 - registers fp8compile::all_reduce
+    from .allreduce import time_us
+
+    dtype = next(model.parameters()).dtype
+    out = {}
+    for batch in batches:
+        each = {}
+        for group, width in dict.fromkeys(sums):  # one timing a kind of all-reduce
+            x = torch.randn(batch, width, dtype=dtype, device=device)
+            each[group, width] = time_us(lambda t, g=group: torch.ops.fp8compile.all_reduce(t, g), x)
+        out[batch] = sum(each[kind] for kind in sums) / 1e3
+    return out
+
+
+def limit_columns(
+    row: dict, step: dict[str, float], rate_tbps: float | None, all_reduces_ms: float | None = None
+) -> None:
     """row (a decode point) gets the bytes its step must read, the read limit at rate_tbps, and
-    the share of that limit its wall time reaches (its GPU time too, where profiled)."""
+    the share of that limit its wall time reaches (its GPU time too, where profiled); for a
+    sharded step, all_reduces_ms (all_reduce_ms's at its batch) added to the limit as well."""
     row["step_read_gb"] = step["weights_gb"] + step["kv_gb"]
     row["step_weights_gb"], row["step_kv_gb"] = step["weights_gb"], step["kv_gb"]
     if rate_tbps is None:
@@ -98,6 +125,10 @@ def limit_columns(row: dict, step: dict[str, float], rate_tbps: float | None) ->
     limit = row["step_read_gb"] / rate_tbps  # GB / (TB/s) = ms
     row["read_tbps"], row["read_limit_ms"] = rate_tbps, limit
     row["wall_of_limit"] = limit / row["ms_per_step"]
+    if all_reduces_ms is not None:
+        row["all_reduces_ms"] = all_reduces_ms
+        row["limit_with_all_reduces_ms"] = limit + all_reduces_ms
+        row["wall_of_limit_with_all_reduces"] = (limit + all_reduces_ms) / row["ms_per_step"]
     gpu = sum(row.get("kernel_ms_per_step", {}).values())
     if gpu:
         row["gpu_ms_per_step"] = gpu

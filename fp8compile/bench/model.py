@@ -62,7 +62,7 @@ import fp8compile
 
 from .. import architectures
 from . import tp as tp_bench
-from . import fp8_checkpoint
+from . import fp8_checkpoint, limits
 from .decode import decode, sync
 from .prefill import prefill_and_accuracy
 from .presets import MODELS, build
@@ -154,6 +154,8 @@ def bench_model(
             )
             if tp > 1 and not local:
                 tp_bench.shard(model, tp, device, tp_shards)
+            # a sharded step's all-reduces, each timed alone: part of its least time (limits.py)
+            all_reduces = limits.all_reduce_ms(model, batches, device)
             ids_acc = torch.randint(0, model.config.vocab_size, (1, 64), device=device)
             eager_logits = model(ids_acc, use_cache=False).logits.float()
             base = dict(device=device_name, model=model_name, layers=n_layers, recipe=recipe, tp=tp)
@@ -262,7 +264,8 @@ def bench_model(
                     try:
                         for batch in batches:
                             path = out_dir / f"{stem}_b{batch}.txt" if profile else None
-                            decoded = decode(subject, variant, batch, context, steps, device, path, repeat)
+                            timing = (steps, device, path, repeat, all_reduces.get(batch))
+                            decoded = decode(subject, variant, batch, context, *timing)
                             rows.append(dict(own_base, variant=name, **decoded))
                             progress.update()
                             if leader:

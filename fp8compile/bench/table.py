@@ -111,6 +111,17 @@ def model_table(rows: list[dict]) -> str:
                 f"{r['wall_of_limit']:>8.0%}" + (f"{r['gpu_of_limit']:>8.0%}" if "gpu_of_limit" in r else "")
                 for r in limited
             ]
+            sharded = [r for r in limited if r.get("all_reduces_ms") is not None]
+            if sharded:
+                lines.append(
+                    "and with the step's all-reduces, each at its time alone (bench allreduce's timing): "
+                    "their ms, the limit with them, the share of it reached by wall time"
+                )
+                lines += [
+                    f"{r['variant']:<20}{_step_name(r):>8}{r['all_reduces_ms']:>8.2f}"
+                    f"{r['limit_with_all_reduces_ms']:>8.2f}{r['wall_of_limit_with_all_reduces']:>8.0%}"
+                    for r in sharded
+                ]
         split = [r for r in mine if r.get("kernel_ms_per_step")]
         if split:
             kinds = list(split[0]["kernel_ms_per_step"])
