@@ -574,6 +574,18 @@ def test_bench_model_profile_counts_a_kernel_once_not_again_for_the_annotation_d
     assert part["idle"] == {"_linear_small_m_kernel -> ncclDevKernel_AllReduce": 0.01}
 
 
+def test_bench_model_owns_a_gap_between_queued_kernels_to_the_boundary_not_to_the_hosts_python():
+    """The GPU idles a microsecond between two kernels of one CUDA graph whatever the host does
+    meanwhile: such gaps are the kernel boundaries'; a longer one is owned by the host's work."""
+    from fp8compile.bench.gpu_time import BOUNDARY, CALLER, GpuProfile, summary
+
+    activities = [(0.0, 10.0, "a"), (11.0, 20.0, "b"), (21.0, 30.0, "c"), (130.0, 140.0, "a")]
+    host = [(0.0, 200.0, "the caller's loop", 1)]  # no owner in its name: the caller's Python
+    part = summary(GpuProfile(activities, host))
+    assert part["owners"] == pytest.approx({BOUNDARY: 0.002, CALLER: 0.1})
+    assert sum(part["idle"].values()) == pytest.approx(0.102)
+
+
 def test_bench_model_profile_takes_the_steps_after_the_prompt_not_the_prompts_collective_waits():
     """A sharded prompt's all-reduces wait on the slower rank for as long as the ranks' eager
     Python differs: another time in each call. The steps' part is what follows the prompt's own

@@ -43,6 +43,13 @@ HOST_OWNERS = (
     ("wait for the GPU", re.compile(r"Synchronize|aten::item|_local_scalar_dense", re.I)),
 )
 CALLER = "caller's Python"
+# A gap this short lies between two kernels the GPU already had (one CUDA graph's, or a stream the
+# host keeps ahead of it): the GPU's own time from one kernel to the next, whatever the host was
+# doing meanwhile. In the TP decode profiles of 2026-11-29 the gaps at the kernel boundaries of a
+# layer came to 0.85-0.87 us each (2 and 4 x H200, LeanDecoder, every step one CUDA graph); their
+# host owner had been read as "caller's Python", which it was not.
+BOUNDARY_US = 4.0
+BOUNDARY = f"kernel boundaries (gaps under {BOUNDARY_US:g} us)"
 
 
 @dataclass
@@ -87,8 +94,9 @@ def summary(profile: GpuProfile, skip: int = 0) -> dict:
     """The profile's GPU work past its first `skip` activities: "kernels", GPU time by name, ms;
     "calls", launches by name; "idle", the GPU's idle time by where it falls, "previous ->
     next" (idle_spans, the names cut to 50 characters; the gap after the last activity skipped
-    counts), ms; "owners" and "host_ranges", that idle time by what the host thread was doing
-    meanwhile (host_owners), ms."""
+    counts), ms; "owners", that idle time by what the host thread was doing meanwhile
+    (host_owners), gaps under BOUNDARY_US as BOUNDARY, and "host_ranges", the longer gaps by the
+    host's innermost range, ms."""
     kept = profile.activities[skip:]
     kernels: dict[str, float] = {}
     calls: dict[str, int] = {}
@@ -100,7 +108,11 @@ def summary(profile: GpuProfile, skip: int = 0) -> dict:
     idle: dict[str, float] = {}
     for start, end, where in spans:
         idle[where] = idle.get(where, 0.0) + (end - start) / 1e3
-    owners, ranges = host_owners([(start, end) for start, end, _ in spans], profile.host)
+    waits = [(start, end) for start, end, _ in spans if end - start >= BOUNDARY_US]
+    owners, ranges = host_owners(waits, profile.host)
+    boundaries = sum(end - start for start, end, _ in spans if end - start < BOUNDARY_US)
+    if boundaries:
+        owners[BOUNDARY] = boundaries / 1e3
     return dict(kernels=kernels, calls=calls, idle=idle, owners=owners, host_ranges=ranges)
 
 
