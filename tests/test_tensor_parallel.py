@@ -550,6 +550,34 @@ def test_a_sharded_model_says_its_all_reduces_one_for_each_row_sharded_linear(on
     assert tensor_parallel.all_reduces(model) == [(one_rank_group, 256)] * 6
 
 
+def test_bench_models_limit_counts_every_all_reduce_of_a_step_and_goes_on_where_timing_fails(
+    one_rank_group, caplog
+):
+    """limits.all_reduce_ms: the six all-reduces of a 3-layer step, each at its kind's time alone
+    at the step's batch; a timing that fails leaves the limit without them, said, not the bench."""
+    from fp8compile import tensor_parallel
+    from fp8compile.bench.limits import all_reduce_ms
+
+    model = tensor_parallel.shard(small_llama(vocab=512, hidden=256, intermediate=512, layers=3))
+    timed = []
+
+    def timer(batch, kind, dtype, device):  # us: 7.5 a call at batch 1, 10 at batch 16
+        timed.append((batch, kind, dtype))
+        return 7.5 if batch == 1 else 10.0
+
+    gpu = torch.device("cuda", 0)  # the timer stands in for the GPU's timing: nothing runs there
+    assert all_reduce_ms(model, [1, 16], gpu, timer) == pytest.approx({1: 6 * 7.5e-3, 16: 6 * 10e-3})
+    bf16 = torch.bfloat16  # the model's dtype: what its all-reduces sum
+    assert timed == [(1, (one_rank_group, 256), bf16), (16, (one_rank_group, 256), bf16)]
+    assert all_reduce_ms(model, [1, 16], torch.device("cpu"), timer) == {}  # the limit's rate is the GPU's
+
+    def fails(*args):
+        raise RuntimeError("no symmetric memory here")
+
+    assert all_reduce_ms(model, [1], gpu, fails) == {}
+    assert "the all-reduces were not timed (RuntimeError: no symmetric memory here)" in caplog.text
+
+
 def test_bench_model_tp_plumbing_shards_decodes_and_writes_rank_zeros_rows(scenario_ranks):
     from fp8compile.bench.table import model_table
 

@@ -12,11 +12,14 @@ before 8-warp tilings were among them, 3.29: BENCHMARKS.md, "The read limit, res
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from .. import architectures, tensor_parallel
 from ..numerics import BLOCK
+
+log = logging.getLogger(__name__)
 
 READ_GB = 2.0  # enough weights that no L2 holds any part of them between reads
 
@@ -88,28 +91,37 @@ def read_rate_tbps(device: torch.device) -> float | None:
     return rows * cols / best / 1e6
 
 
-def all_reduce_ms(model: torch.nn.Module, batches, device: torch.device) -> dict[int, float]:
+def all_reduce_ms(model: torch.nn.Module, batches, device: torch.device, timer=None) -> dict[int, float]:
     """For a model sharded on local shards (fp8compile.tensor_parallel), the time a decode step's
     all-reduces take at each batch: one a row-sharded linear, each timed alone as `bench
     allreduce` times fp8compile::all_reduce (back to back in a CUDA graph), ms; the part of a
     sharded step's least time that is not reading. Empty for a model not so sharded, or off the
-    GPU. A collective: every rank calls it at the same point, before any graph is compiled (a
-    capture of its own beside CUDA-graph trees' is not what `bench allreduce` measured)."""
+    GPU, or where the timing fails (said; the limit then goes without them). A collective: every
+    rank calls it at the same point, before any graph is compiled (a capture of its own beside
+    CUDA-graph trees' is not what `bench allreduce` measured). timer(batch, (group name, width),
+    dtype, device) -> us: _time_all_reduce unless given."""
     sums = tensor_parallel.all_reduces(model)
     if not sums or device.type != "cuda":
         return {}
+    timer = timer or _time_all_reduce
+    dtype = next(model.parameters()).dtype
+    kinds = list(dict.fromkeys(sums))
+    try:  # one timing a kind of all-reduce and batch
+        us = {(batch, kind): timer(batch, kind, dtype, device) for batch in batches for kind in kinds}
+    except Exception as error:  # noqa: BLE001 - every rank alike: the bench goes on without them
+        log.warning("bench model: the all-reduces were not timed (%s: %s)", type(error).__name__, error)
+        return {}
+    return {batch: sum(us[batch, kind] for kind in sums) / 1e3 for batch in batches}
+
+
+def _time_all_reduce(batch: int, kind: tuple[str, int], dtype: torch.dtype, device: torch.device) -> float:
+    """us per fp8compile::all_reduce of (batch, width) over the group, as `bench allreduce` times it."""
     from ..ops.collectives import op  # noqa: F401 - registers fp8compile::all_reduce
     from .allreduce import time_us
 
-    dtype = next(model.parameters()).dtype
-    out = {}
-    for batch in batches:
-        each = {}
-        for group, width in dict.fromkeys(sums):  # one timing a kind of all-reduce
-            x = torch.randn(batch, width, dtype=dtype, device=device)
-            each[group, width] = time_us(lambda t, g=group: torch.ops.fp8compile.all_reduce(t, g), x)
-        out[batch] = sum(each[kind] for kind in sums) / 1e3
-    return out
+    group, width = kind
+    x = torch.randn(batch, width, dtype=dtype, device=device)
+    return time_us(lambda t: torch.ops.fp8compile.all_reduce(t, group), x)
 
 
 def limit_columns(
