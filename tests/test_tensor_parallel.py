@@ -539,6 +539,74 @@ def _bench_worker(out_dir: str) -> dict:
     return {"rows": rows, "written": (Path(out_dir) / "bench_model.json").exists()}
 
 
+def test_a_model_whose_own_code_does_not_run_on_split_shapes_is_refused_before_any_weight_moves():
+    """OLMo-2 normalizes q and k over the whole projection, StableLM reshapes by the heads of its
+    config: split by heads, their forward fails deep inside. check() runs the layout on the meta
+    device first and refuses them, saying why; Llama, Qwen3 (q and k normalized per head) and
+    Gemma-2 pass. A config without the sizes the layout splits is refused by name."""
+    from fp8compile import architectures, tensor_parallel
+
+    for arch in ("olmo2", "stablelm"):
+        model = architectures.build(arch)
+        q_proj = model.model.layers[0].self_attn.q_proj.weight
+        with pytest.raises(ValueError, match="sharded over 2 ranks does not run: RuntimeError"):
+            tensor_parallel.check(model, 2)
+        assert model.model.layers[0].self_attn.q_proj.weight is q_proj  # nothing sharded
+    for arch in ("llama", "qwen3", "gemma2"):
+        model = architectures.build(arch)
+        assert tensor_parallel.check(model, 2) is model.model.layers
+    with pytest.raises(ValueError, match="GPT2LMHeadModel's config has no intermediate_size"):
+        tensor_parallel.check(architectures.build("gpt2"), 2)
+
+
+def _every_architecture(rank: int) -> dict:
+    """Every causal LM of the installed transformers built small (architectures.build) that runs
+    whole on 2 x 16 tokens: sharded over the ranks, ("ran", its logits' calc_diff against the
+    whole model's), ("refused", shard()'s ValueError) or ("crashed", the error)."""
+    from fp8compile import architectures, tensor_parallel
+
+    out = {}
+    for arch in architectures.causal_lm_architectures():
+        try:  # not built small, or failing whole (the architecture matrix says why): not this test's
+            model = architectures.build(arch)
+            vocab = model.config.get_text_config(decoder=True).vocab_size
+            ids = torch.randint(0, min(vocab, 512), (2, 16), generator=torch.Generator().manual_seed(0))
+            with torch.no_grad():
+                whole = model(ids).logits.float()
+        except Exception:  # noqa: BLE001
+            continue
+        try:
+            tensor_parallel.shard(model)
+        except ValueError as error:
+            out[arch] = ("refused", str(error))
+            continue
+        try:
+            with torch.no_grad():
+                out[arch] = ("ran", calc_diff(model(ids).logits.float(), whole))
+        except Exception as error:  # noqa: BLE001
+            out[arch] = ("crashed", f"{type(error).__name__}: {error}")
+    return out
+
+
+def test_every_architecture_shards_and_runs_as_the_whole_model_or_is_refused_with_why(tmp_path):
+    """tensor_parallel.shard over two ranks on every causal LM of the installed transformers that
+    runs whole at the matrix's small sizes: none crashes. Each sharded one gives the whole model's
+    logits up to bf16 rounding (the o and down partials summed over the ranks: at most 6.1e-5 of
+    26 with transformers 5.24, 2026-11-29); every other is refused with a ValueError before a
+    weight moves."""
+    from transformers import CONFIG_MAPPING
+
+    outcomes = run_ranks(_every_architecture, tmp_path)[0]
+    crashed = {arch: why for arch, (kind, why) in outcomes.items() if kind == "crashed"}
+    assert not crashed
+    ran = {arch: diff for arch, (kind, diff) in outcomes.items() if kind == "ran"}
+    assert all(diff < 5e-4 for diff in ran.values()), ran
+    # the layouts the sharding is for run, not refused
+    assert {"llama", "qwen2", "mistral", "gemma2", "qwen3"} & set(CONFIG_MAPPING) <= set(ran)
+    if "olmo2" in outcomes:
+        assert outcomes["olmo2"][0] == "refused" and "does not run" in outcomes["olmo2"][1]
+
+
 def test_a_sharded_model_says_its_all_reduces_one_for_each_row_sharded_linear(one_rank_group):
     """What bench model's limit counts for a sharded step (limits.all_reduce_ms): o and down of
     every layer, each summing hidden features; the lm_head's gather is not an all-reduce."""
