@@ -662,6 +662,9 @@ def test_bench_model_profile_names_each_top_kernels_launches_per_step():
         ["_gqa_decode_kernel", "attention", 0.30, 8.0],
     ]
     assert "_gqa_decode_kernel (attention) 0.300 x8" in model_table([row])
+    assert "less a prompt-only call's" not in model_table([row])
+    # a profile whose whole call did not begin with the prompt's kernels says how it was split
+    assert "less a prompt-only call's" in model_table([dict(row, gpu_profile_steps="subtracted")])
     # rows written before launches were counted still table
     row["top_kernels_ms_per_step"] = [entry[:3] for entry in row["top_kernels_ms_per_step"]]
     assert "_gqa_decode_kernel (attention) 0.300;" in model_table([row]) + ";"

@@ -141,6 +141,11 @@ def model_table(rows: list[dict]) -> str:
                         for name, kind, ms, *launches in r.get("top_kernels_ms_per_step", [])[:6]
                     )
                 )
+                if r.get("gpu_profile_steps") == "subtracted":  # gpu_time.decode_steps's fallback
+                    lines.append(
+                        "  (the steps' kernels as the whole call's less a prompt-only call's: the whole "
+                        "call did not begin with the prompt's kernels, and collective waits may not cancel)"
+                    )
             for r in split:
                 if "gpu_idle_ms_per_step" in r:
                     lines.append(
@@ -151,8 +156,8 @@ def model_table(rows: list[dict]) -> str:
                 if "gpu_idle_ms_per_step_by_owner" in r:
                     owners = sorted(r["gpu_idle_ms_per_step_by_owner"].items(), key=lambda item: -item[1])
                     lines.append(
-                        "  the host meanwhile, ms per step: "
-                        + "; ".join(f"{who} {ms:.3f}" for who, ms in owners)
+                        "  by owner (what the host did meanwhile; a short gap, the kernel boundaries), ms "
+                        "per step: " + "; ".join(f"{who} {ms:.3f}" for who, ms in owners)
                     )
     return "\n".join(lines)
 
