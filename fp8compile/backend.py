@@ -369,7 +369,7 @@ def _release_weights(ctx, dropped: list[torch.Tensor]) -> None:
         release.keep_resident(
             value for node, (value, _) in ctx.inputs.items() if node in ctx.parameters and node.users
         )
-        freed = release.release(p for p in dropped if id(p) in with_copies)
+        freed = release.release(p for p in dropped if id(p) in with_copies and not ctx.is_shared(p))
     if freed:
         log.info("fp8compile graph %d: released %.2f GB of bf16 weights", ctx.graph_index, freed / 2**30)
 

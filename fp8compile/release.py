@@ -23,7 +23,8 @@ compiles the decode step only: on an FP8 checkpoint whose bf16 lm_head is releas
 lm_head's bytes once a prompt; on a bf16 model, every linear's. Compile the model's forward
 itself (model.forward = torch.compile(model.forward, ...)) to run both through the graphs, with
 no copy. A parameter some compiled graph reads in bf16 (an embedding tied to the lm_head, the
-routed experts, whose op looks their FP8 copies up per call) is never released (keep_resident).
+routed experts, whose op looks their FP8 copies up per call) is never released (keep_resident),
+nor is one that two modules hold (shared): a tied embedding may run outside every such graph.
 Another backend's graphs read the bf16 parameters themselves, and nothing of fp8compile runs
 in them: compile the model with another backend only after restore().
 """
@@ -120,6 +121,27 @@ def temporarily_resident(params: Iterable[torch.Tensor]) -> Iterator[None]:
 def restore() -> int:
     """Every released parameter back on its device (the eager model runs again); returns the bytes."""
     return resident(list(_RELEASED.keys()))
+
+
+def shared(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Those of params that more than one dict holds: a parameter two modules register (an lm_head
+    tied to the embedding), which the module that is not the rewritten linear reads in bf16,
+    maybe outside every graph fp8compile compiles (JetMoE's embedding runs where Dynamo falls
+    back to eager). One scan of the objects the garbage collector tracks (50-85 ms with a small
+    JetMoE loaded, before and after its compile, when only its tied lm_head came out shared);
+    what else holds a parameter in a dict makes it shared too, which only keeps it resident."""
+    import gc
+
+    params = list(params)
+    referrers = gc.get_referrers(*params)  # before the dict below, which holds them all too
+    by_id = {id(p): p for p in params}
+    holders: dict[int, int] = {}
+    for referrer in referrers:
+        if isinstance(referrer, dict):
+            for value in referrer.values():
+                if id(value) in by_id:
+                    holders[id(value)] = holders.get(id(value), 0) + 1
+    return [by_id[i] for i, n in holders.items() if n > 1]
 
 
 def _owns_storage(p: torch.Tensor) -> bool:

@@ -214,6 +214,7 @@ class PassContext:
         # Parameters given back as their FP8 copies were made (release_bf16_weights), across runs
         # of the passes: the backend makes resident again those the compiled graph reads in bf16.
         self.released: list[torch.Tensor] = []
+        self._shared: set[int] | None = None  # release.shared's among the parameters, once asked
         self.start_over()
 
     def start_over(self) -> None:
@@ -314,10 +315,20 @@ class PassContext:
         device together is quantized one weight at a time, not all of them beside all the copies.
         Whatever the compiled graph still reads in bf16 comes back before it runs (backend.py)."""
         params = [self.inputs[node][0] for node in sources if node in self.parameters]
-        fresh = [p for p in params if not release.is_released(p)]
+        fresh = [p for p in params if not release.is_released(p) and not self.is_shared(p)]
         with unset_fake_temporarily():  # real host buffers, not the compiler's fakes
             release.release(fresh)
         self.released.extend(p for p in fresh if release.is_released(p))
+
+    def is_shared(self, p: torch.Tensor) -> bool:
+        """Whether another module holds parameter p too (release.shared, over this graph's
+        parameters, once): it stays resident, and is never released (keep_resident)."""
+        if self._shared is None:
+            with unset_fake_temporarily():
+                found = release.shared(self.inputs[node][0] for node in self.parameters)
+                release.keep_resident(found)
+            self._shared = {id(p) for p in found}
+        return id(p) in self._shared
 
     def drop_unused_inputs(self) -> tuple[list[int], list[torch.Tensor]]:
         """Remove the tensor inputs (of those Dynamo passes) that no node reads any more, the bf16
