@@ -32,6 +32,7 @@ in them: compile the model with another backend only after restore().
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from collections.abc import Iterable, Iterator
 
@@ -130,8 +131,6 @@ def shared(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     back to eager). One scan of the objects the garbage collector tracks (50-85 ms with a small
     JetMoE loaded, before and after its compile, when only its tied lm_head came out shared);
     what else holds a parameter in a dict makes it shared too, which only keeps it resident."""
-    import gc
-
     params = list(params)
     referrers = gc.get_referrers(*params)  # before the dict below, which holds them all too
     by_id = {id(p): p for p in params}
