@@ -109,7 +109,7 @@ def _probe(model: nn.Module, world: int) -> str | None:
     normalized over the whole projection), BitNet (norms inside attention and MLP), StableLM and
     Mllama (heads counted from the config), DiffLlama, Doge and Granite-SWA ran whole and failed
     sharded, here as on two ranks; 26 others ran sharded within bf16 rounding of the whole
-    model (2026-11-29, two gloo ranks on the CPU)."""
+    model (2026-11-29, 098ac8f, two gloo ranks on the CPU)."""
     ids = torch.zeros(1, 4, dtype=torch.long, device="meta")
     try:
         with torch.device("meta"):

@@ -599,7 +599,7 @@ def test_every_architecture_shards_and_runs_as_the_whole_model_or_is_refused_wit
     """tensor_parallel.shard over two ranks on every causal LM of the installed transformers that
     runs whole at the matrix's small sizes: none crashes. Each sharded one gives the whole model's
     logits up to bf16 rounding (the o and down partials summed over the ranks: at most 6.1e-5 of
-    26 with transformers 5.24, 2026-11-29), and compiled by the fp8 backend on its shards stays
+    26 with transformers 5.24, 2026-11-29, 098ac8f), and compiled by the fp8 backend on its shards stays
     within 1.15x of its own unfused FP8 composition (0.98-1.02x of it, measured); every other is
     refused with a ValueError before a weight moves."""
     from transformers import CONFIG_MAPPING
