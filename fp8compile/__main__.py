@@ -237,10 +237,28 @@ def main(argv: list[str] | None = None) -> int:
         "--kernels",
         nargs="+",
         default=["small_m", "large_m"],
-        choices=["small_m", "large_m", "tiles", "quant", "scaled_small_m", "mqa_paged", "gqa_decode"],
+        choices=[
+            "small_m",
+            "large_m",
+            "tiles",
+            "quant",
+            "scaled_small_m",
+            "small_m_depth",
+            "mqa_paged",
+            "gqa_decode",
+        ],
         help="which Triton kernels `tune` sweeps (quant: the activation quantization; mqa_paged: the "
         "paged indexer-logits kernel, bench/mqa.py; scaled_small_m: the rowwise decode kernel; "
+        "small_m_depth: the decode kernel's split of K against its pipeline depth, bench/tune_depth.py; "
         "gqa_decode: the split-KV decode attention's launch, bench/attention.py)",
+    )
+    bench.add_argument(
+        "--gated-shape",
+        type=_shape,
+        action="extend",
+        nargs="+",
+        default=[],
+        help="`bench tune --kernels small_m_depth`: a down projection's NxK, timed with act(gate, up) fused",
     )
     from .bench.model import BATCHES, PREFILL_BATCHES
     from .bench.presets import MODELS

@@ -98,6 +98,43 @@ def test_the_quantization_tuned_by_rows_per_program_keeps_the_references_bits(ro
     assert scale.stride() == (1, 70)  # the cuBLAS side's column-major scales
 
 
+def test_the_depth_sweep_times_each_decode_tiling_that_gives_the_defaults_output(tmp_path, monkeypatch):
+    """`bench tune --kernels small_m_depth` runs each candidate tiling (rows a program, programs an
+    SM, stages) plain and gated at M = 1 and 16, times the ones whose output is the default's, and
+    keeps a tiling the compiler refuses as a row without a time."""
+    import json
+
+    from fp8compile.bench import tune_depth
+
+    run = triton_gemm.linear_small_m
+
+    def refuses_16_rows(*args, block_n=None, **kwargs):
+        if block_n == 16:
+            raise RuntimeError("out of resource: shared memory")
+        return run(*args, block_n=block_n, **kwargs)
+
+    monkeypatch.setattr(triton_gemm, "linear_small_m", refuses_16_rows)
+    timed = []
+    candidates = ((64, 1, 3), (32, 2, 4), (16, 1, 3))
+    rows = tune_depth.sweep(
+        tmp_path,
+        [(128, 256)],
+        [(64, 256)],
+        plain=candidates,
+        gated_sweep=candidates,
+        device=torch.device(DEVICE),
+        time_us=lambda fns: timed.append(len(fns)) or 7.0,
+    )
+    assert [(r["gated"], r["m"], r["block_n"]) for r in rows] == [
+        (gated, m, block_n) for gated in (False, True) for m in (1, 16) for block_n in (64, 32, 16)
+    ]
+    works = [r for r in rows if r["block_n"] != 16]
+    assert all(r["calc_diff"] < tune_depth.DIFF_BOUND and r["us"] == 7.0 for r in works)
+    assert all(r["calc_diff"] is None and r["us"] is None for r in rows if r["block_n"] == 16)
+    assert len(timed) == len(works) + (2 if ON_GPU else 0)  # and the plain read of each weight, on a GPU
+    assert json.loads((tmp_path / "tune_depth.json").read_text()) == rows
+
+
 LARGE_M_LOADS = {
     "pointer_loads": dict(tma=False),
     "tma_loads": dict(tma=True),

@@ -4,9 +4,10 @@ One module per bench: model.py times whole transformers models (what users judge
 host cost of one decode linear outside CUDA graphs, layer by layer of the FP8 path; gemm.py,
 mlp.py, moe.py and mqa.py single linears, gated MLPs, MoE layers and indexer logits against the
 anchors; allreduce.py a tensor-parallel step's all-reduce against NCCL; tune.py sweeps
-our kernels' tiles. harness.py is the kernel benches' timing (CUDA-graph replay, weights past
-L2); output.py what they all write (JSON with its table, plots, host profiles). Vendor
-libraries and triton are imported by the benchmark that uses them, never here.
+our kernels' tiles, tune_depth.py the decode kernel's split of K against its pipeline depth.
+harness.py is the kernel benches' timing (CUDA-graph replay, weights past L2); output.py what
+they all write (JSON with its table, plots, host profiles). Vendor libraries and triton are imported by
+the benchmark that uses them, never here.
 """
 
 from __future__ import annotations
@@ -92,7 +93,11 @@ def main(args) -> int:
                 from . import attention
 
                 attention.tune_gqa_decode(out)
-            gemm_kernels = [k for k in args.kernels if k not in ("mqa_paged", "gqa_decode")]
+            if "small_m_depth" in args.kernels:
+                from . import tune_depth
+
+                tune_depth.sweep(out, args.shape or SHAPES, args.gated_shape)
+            gemm_kernels = [k for k in args.kernels if k not in ("mqa_paged", "gqa_decode", "small_m_depth")]
             if gemm_kernels:
                 tune(out, shapes=args.shape or SHAPES, kernels=gemm_kernels)
     print(f"[{time.time() - start:.0f} s] results in {out}")
