@@ -8,6 +8,7 @@ the two-rank sums on the CPU are in test_tensor_parallel.py, on two GPUs in the 
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -231,6 +232,13 @@ def _two_gpu_worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         ranks.mark(out_dir, rank, "the closing barrier")
         dist.barrier()
+        # NCCL's teardown waits until every CUDA graph that captured one of its calls is destroyed
+        # (pytorch/pytorch#115388): the NCCL module's graphs live in CUDA-graph trees until reset.
+        # On 2 x H200 (torch 2.11) the group's destruction waited for good without this.
+        ranks.mark(out_dir, rank, "the CUDA graphs' release")
+        del compiled, graph, captured
+        torch._dynamo.reset()
+        gc.collect()
         ranks.mark(out_dir, rank, "the group's destruction")
     finally:
         dist.destroy_process_group()
