@@ -26,12 +26,12 @@ FUSIONS = (
     "all_reduce",
     "all_reduce_norm",
 )
-# Asked for by name, not run by default: all_reduce_norm's kernel made a tensor-parallel step
-# slower (0668a6a's, reading a peer one bf16 a load; Llama-3-8B widths, 32 layers, TP2 on two
-# H200s: 2.84 ms at batch 1 against 2.74 without it; BENCHMARKS.md, "Tensor parallel at 32
-# layers"). Its 16-byte reads since have not been measured.
-OPT_IN_FUSIONS = ("all_reduce_norm",)
-DEFAULT_FUSIONS = tuple(f for f in FUSIONS if f not in OPT_IN_FUSIONS)
+# Every fusion runs by default. all_reduce_norm was opt-in while its kernel made a tensor-parallel
+# step slower; since its 16-byte reads (416ab1c) and barriers that meet every peer at once
+# (8db3f8a) it makes it faster: Llama-3-8B widths, 32 layers, TP2 on two H200s, each variant in a
+# process of its own, 2.61 / 3.37 ms a step at batch 1 / 16 against 2.74 / 3.55 without it
+# (BENCHMARKS.md, "Tensor parallel at 32 layers").
+DEFAULT_FUSIONS = FUSIONS
 
 # Small/large-M threshold for the torch.cond dispatch: M <= SMALL_M takes the decode path.
 # 32 is where the anchors' decode kernels stop streaming weights and start being compute-bound
@@ -99,14 +99,14 @@ class Fp8Config:
                      small_m / large_m ranges and the default order; linears and gated linears.
     backends:        kernel backends in preference order; None = the measured default order.
     skip:            module-name globs left unchanged, e.g. ("lm_head", "*.mlp.down_proj").
-    fusions:         fusion passes to run (default: all but OPT_IN_FUSIONS); () runs the plain
-                     linear pass only.
+    fusions:         fusion passes to run (default: all of them); () runs the plain linear pass
+                     only.
                      "gqa_attention" is not FP8: grouped-query attention over a KV cache without
                      repeat_kv's copy (passes/gqa_attention.py). "all_reduce" is not FP8 either:
                      a sharded model's sum all-reduces on symmetric memory's one-shot and
                      two-shot kernels at decode sizes, NCCL above (passes/all_reduce.py).
-                     "all_reduce_norm" (opt-in): such an all-reduce, the residual add after it
-                     and the RMSNorm of the sum in one kernel of ours (passes/all_reduce_norm.py).
+                     "all_reduce_norm": such an all-reduce, the residual add after it and the
+                     RMSNorm of the sum in one kernel of ours (passes/all_reduce_norm.py).
     debug_dir:       write graphs before/after our passes and depyf-decompiled code here
                      (default: $FP8COMPILE_DEBUG_DIR).
     inductor_launch: the decode kernel, the quantization and cuBLAS call of the cuBLAS side, and

@@ -21,7 +21,7 @@ from torch import nn
 
 import fp8compile
 from fp8compile.backend import FP8COMPILE_ALL_REDUCE, FP8COMPILE_ALL_REDUCE_NORM
-from fp8compile.config import DEFAULT_FUSIONS, FUSIONS
+from fp8compile.config import FUSIONS
 from fp8compile.ops.collectives import op as collectives, reference, symmetric
 from fp8compile.passes import all_reduce_norm
 from tests import ranks
@@ -74,8 +74,8 @@ class GemmaStyleNorm(nn.Module):
 
 
 def _compiled(module, *args, dynamic=False, fusions=FUSIONS, **options):
-    """module compiled by the fp8 backend in reduce-overhead (the fusion opted in unless
-    `fusions` says otherwise), run on args."""
+    """module compiled by the fp8 backend in reduce-overhead (every fusion unless `fusions` says
+    otherwise), run on args."""
     fp8 = fp8compile.backend(fusions=fusions, **options)
     with torch.no_grad():
         out = torch.compile(module, backend=fp8, dynamic=dynamic, mode="reduce-overhead")(*args)
@@ -174,14 +174,12 @@ def test_a_norm_of_another_form_is_not_matched(one_rank_group, kernel_serves):
     assert "graph 0, with the RMSNorm after" not in report.all_reduce_paths
 
 
-def test_the_fusion_is_opt_in_by_default_the_all_reduce_stays_and_inductor_keeps_the_norm(
-    one_rank_group, kernel_serves
-):
-    """Measured slower than the all-reduce and Inductor's norm kernel (config.OPT_IN_FUSIONS)."""
-    assert "all_reduce_norm" not in fp8compile.Fp8Config().fusions
-    assert DEFAULT_FUSIONS == WITHOUT_NORM
-    _, report = _compiled(ShardedBlock().to(BF16), *_inputs(), fusions=DEFAULT_FUSIONS)
-    assert report.collectives == {0: {FP8COMPILE_ALL_REDUCE: 1}}
+def test_the_fusion_runs_by_default(one_rank_group, kernel_serves):
+    """Measured faster than the all-reduce and Inductor's norm kernel (config.DEFAULT_FUSIONS)."""
+    defaults = fp8compile.Fp8Config().fusions
+    assert "all_reduce_norm" in defaults
+    _, report = _compiled(ShardedBlock().to(BF16), *_inputs(), fusions=defaults)
+    assert report.collectives == {0: {FP8COMPILE_ALL_REDUCE_NORM: 1}}
 
 
 def test_the_kernel_refuses_what_it_cannot_hold_before_looking_for_a_buffer():
