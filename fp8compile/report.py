@@ -76,6 +76,18 @@ class Report:
     def skipped(self, kind: str | None = None) -> list[Skip]:
         return [s for s in self.skips if kind is None or s.kind == kind]
 
+    def collective_lines(self) -> list[str]:
+        """Under torch.distributed: each graph's collectives and where they run, and what each
+        all-reduce runs on (the report's lines; `bench model --tp` prints them)."""
+        lines = [
+            f"graph {g}'s collectives: {_collective_list(found)}, {self._where(g)}"
+            for g, found in sorted(self.collectives.items())
+            if found
+        ]
+        for where, path in sorted(self.all_reduce_paths.items()):
+            lines.append(f"all-reduces, {'' if where.startswith('graph') else 'group '}{where}: {path}")
+        return lines
+
     def __str__(self) -> str:
         head = (
             f"fp8compile report: {len(self.rewrites)} rewritten, {len(self.skips)} left unchanged, "
@@ -91,11 +103,7 @@ class Report:
         if self.rank is not None:
             digests = ", ".join(f"{g}: {d}" for g, d in sorted(self.digests.items()))
             head += f"\nrank {self.rank[0]} of {self.rank[1]} (torch.distributed); graph digests {digests}"
-            for g, found in sorted(self.collectives.items()):
-                if found:
-                    head += f"\ngraph {g}'s collectives: {_collective_list(found)}, {self._where(g)}"
-            for where, path in sorted(self.all_reduce_paths.items()):
-                head += f"\nall-reduces, {'' if where.startswith('graph') else 'group '}{where}: {path}"
+            head += "".join(f"\n{line}" for line in self.collective_lines())
         lines = [head]
         if self.rewrites:
             sharded = any(r.shard for r in self.rewrites)

@@ -687,5 +687,8 @@ def test_bench_model_tp_plumbing_shards_decodes_and_writes_rank_zeros_rows(scena
     # 1.01x)
     assert accuracy["bf16"] == 0 and 0 < accuracy["fp8_ro_own"] <= 1.15 * accuracy["fp8_unfused_eager"]
     assert {r["tp"] for r in rows if r["variant"] == "fp8_unfused_eager"} == {2}
+    # what each graph's collectives are and run on, as the report says them (printed, and kept)
+    (fp8_accuracy,) = (r for r in rows if r["variant"] == "fp8_ro_own" and r["kind"] == "accuracy")
+    assert any("collectives: " in line and "all_reduce" in line for line in fp8_accuracy["collectives"])
     assert "x 2 (tensor parallel)" in model_table(rows)
     assert [(r["variant"], r["kind"]) for r in other["rows"]] == [(r["variant"], r["kind"]) for r in rows]

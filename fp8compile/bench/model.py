@@ -299,6 +299,13 @@ def bench_model(
                     # Why candidates stayed bf16, once per kind and reason (a user's next question).
                     for kind, reason in dict.fromkeys((skip.kind, skip.reason) for skip in report.skips):
                         say(f"  kept bf16 ({kind}): {reason}")
+                    # sharded: each graph's collectives, and what its all-reduces run on (this rank's)
+                    collectives = report.collective_lines()
+                    for line in collectives:
+                        say(f"  {line}")
+                    for row in rows:
+                        if collectives and row["variant"] == name and row["kind"] == "accuracy":
+                            row["collectives"] = collectives
                 if leader:  # a cut-off run (a lease's time limit) keeps its rows and its table so far
                     _write(out_dir, rows)
                     if index + 1 < len(ordered) or model_name != models[-1]:
