@@ -3,6 +3,7 @@ kernel, large-M GEMM, its 64- against 128-row tiles). Times: harness.py."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -116,7 +117,7 @@ def _scaled_small_m_sweep(n: int, k: int, results: list) -> None:
     """Every SCALED_SMALL_M_SWEEP candidate on a rowwise weight (n, k), dynamic per-token scales
     (the row-amax launch included, as the eager op runs it), M = 1 and 16, plain and gated;
     a candidate whose output is not the default tiles' within 1e-6 calc_diff is not timed."""
-    from fp8compile.ops.linear import reference_scaled, triton_scaled
+    from fp8compile.ops.linear import reference_scaled, triton_gemm, triton_scaled
 
     w8 = [
         reference_scaled.quant_weight_scaled(
@@ -124,7 +125,6 @@ def _scaled_small_m_sweep(n: int, k: int, results: list) -> None:
         )
         for _ in range(harness.copies(n * k))
     ]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for m, gated in itertools.product((1, 16), (False, True)):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) if gated else None
@@ -134,26 +134,12 @@ def _scaled_small_m_sweep(n: int, k: int, results: list) -> None:
                 return triton_scaled.gated_linear_scaled_small_m(x, b, *q, **tiles)
             return triton_scaled.linear_scaled_small_m(x, *q, **tiles)
 
-        default = run(w8[0])
-        for block_n, ppsm, stages in SCALED_SMALL_M_SWEEP:
-            split = max(1, min(k // 128, round(ppsm * sms / math.ceil(n / block_n))))
-            tiles = dict(block_n=block_n, split_k=split, num_stages=stages)
-            agrees = fp8compile.calc_diff(run(w8[0], **tiles), default) < 1e-6
-            us = agrees and harness.time_us([lambda q=q: run(q, **tiles) for q in w8]) or None
+        split_of = functools.partial(
+            triton_gemm.small_m_split, n, k, torch.device("cuda", torch.cuda.current_device())
+        )
+        for row in decode_tilings(run, w8, SCALED_SMALL_M_SWEEP, split_of, 1e-6, harness.time_us):
             results.append(
-                dict(
-                    n=n,
-                    k=k,
-                    m=m,
-                    gated=gated,
-                    block_n=block_n,
-                    ppsm=ppsm,
-                    stages=stages,
-                    split=split,
-                    agrees=agrees,
-                    us=us,
-                    weight_tbps=us and n * k / us / 1e6,
-                )
+                dict(n=n, k=k, m=m, gated=gated, **row, weight_tbps=row["us"] and n * k / row["us"] / 1e6)
             )
         mine = [r for r in results if (r["n"], r["k"], r["m"], r["gated"]) == (n, k, m, gated) and r["us"]]
         best = min(mine, key=lambda r: r["us"], default=None)
@@ -163,6 +149,32 @@ def _scaled_small_m_sweep(n: int, k: int, results: list) -> None:
                 f"{best['ppsm']} per SM (split {best['split']}), {best['stages']} stages: "
                 f"{best['us']:.1f} us ({best['weight_tbps']:.2f} TB/s)"
             )
+
+
+def decode_tilings(run, weights, candidates, split_of, bound: float, time_us) -> list[dict]:
+    """A decode kernel's candidate tilings, (rows a program, programs an SM, stages) each: run on
+    weights[0] with block_n, split_k (split_of(block_n, programs an SM)) and num_stages, its
+    calc_diff against the default tiling's output, and, where within bound, its time over every
+    weight copy (time_us). A tiling that fails (shared memory, a tile the compiler refuses) is a
+    row without a calc_diff or time."""
+    default = run(weights[0])
+    rows = []
+    for block_n, ppsm, stages in candidates:
+        split = split_of(block_n, ppsm)
+        tiles = dict(block_n=block_n, split_k=split, num_stages=stages)
+        try:
+            diff = fp8compile.calc_diff(run(weights[0], **tiles), default)
+        except Exception as e:  # noqa: BLE001
+            print(f"    {tiles}: failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            diff = None
+        us = (
+            diff is not None
+            and diff < bound
+            and time_us([lambda q=q: run(q, **tiles) for q in weights])
+            or None
+        )
+        rows.append(dict(block_n=block_n, ppsm=ppsm, stages=stages, split=split, calc_diff=diff, us=us))
+    return rows
 
 
 def _deep_gemm_us(x_q, w8, n: int) -> float | None:

@@ -11,15 +11,14 @@ timed. Rows are written after every shape (tune_depth.json)."""
 
 from __future__ import annotations
 
+import functools
 import json
-import math
 from pathlib import Path
 
 import torch
 
-import fp8compile
 
-from . import harness, read
+from . import harness, read, tune
 
 # (rows a program, programs an SM the split aims for, pipeline stages). The first of each kind is the
 # kernel's default (triton_gemm.SMALL_M_*); then deeper pipelines; then narrow tiles whose programs
@@ -53,7 +52,6 @@ def sweep(
     """Every candidate at every (N, K) of shapes (plain, the `plain` candidates) and gated_shapes
     (gated, the `gated_sweep` ones), M = 1 and 16, on device (default: the current GPU), timed by
     time_us (default: harness.time_us; with the plain read only on a GPU)."""
-    from fp8compile.ops.launch import num_sms
     from fp8compile.ops.linear import triton_gemm
     from fp8compile.ops.quant import reference as quant_reference
 
@@ -61,7 +59,6 @@ def sweep(
     on_gpu = device.type == "cuda"
     time_us = time_us or harness.time_us
     rows: list[dict] = []
-    sms = num_sms(device.index or 0) if on_gpu else 1
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = [(n, k, False) for n, k in shapes] + [(n, k, True) for n, k in gated_shapes]
     with torch.no_grad():
@@ -83,32 +80,13 @@ def sweep(
                 def run(q, **tiles):
                     return triton_gemm.linear_small_m(x, *q, b=b, **tiles)
 
-                default = run(w8[0])
-                for block_n, ppsm, stages in gated_sweep if gated else plain:
-                    split = max(1, min(k // 128, round(ppsm * sms / math.ceil(n / block_n))))
-                    tiles = dict(block_n=block_n, split_k=split, num_stages=stages)
-                    try:
-                        diff = fp8compile.calc_diff(run(w8[0], **tiles), default)
-                    except Exception as e:  # out of shared memory, a tile the compiler refuses
-                        print(f"    {tiles}: failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-                        diff = None
-                    agrees = diff is not None and diff < DIFF_BOUND
-                    us = agrees and time_us([lambda q=q: run(q, **tiles) for q in w8]) or None
+                split_of = functools.partial(triton_gemm.small_m_split, n, k, device)
+                for row in tune.decode_tilings(
+                    run, w8, gated_sweep if gated else plain, split_of, DIFF_BOUND, time_us
+                ):
+                    weight_tbps = row["us"] and n * k / row["us"] / 1e6
                     rows.append(
-                        dict(
-                            n=n,
-                            k=k,
-                            m=m,
-                            gated=gated,
-                            block_n=block_n,
-                            ppsm=ppsm,
-                            stages=stages,
-                            split=split,
-                            calc_diff=diff,
-                            us=us,
-                            weight_tbps=us and n * k / us / 1e6,
-                            read_us=read_us,
-                        )
+                        dict(n=n, k=k, m=m, gated=gated, **row, weight_tbps=weight_tbps, read_us=read_us)
                     )
                 mine = [r for r in rows if (r["n"], r["k"], r["m"], r["gated"]) == (n, k, m, gated)]
                 first, best = mine[0], min((r for r in mine if r["us"]), key=lambda r: r["us"], default=None)
