@@ -28,7 +28,7 @@ FUSIONS = (
 )
 # Every fusion runs by default. all_reduce_norm was opt-in while its kernel made a tensor-parallel
 # step slower; since its 16-byte reads (416ab1c) and barriers that meet every peer at once
-# (8db3f8a) it makes it faster: Llama-3-8B widths, 32 layers, TP2 on two H200s, each variant in a
+# (8db3f8a) it makes the step faster: Llama-3-8B widths, 32 layers, TP2 on two H200s, each variant in a
 # process of its own, 2.61 / 3.37 ms a step at batch 1 / 16 against 2.74 / 3.55 without it
 # (BENCHMARKS.md, "Tensor parallel at 32 layers").
 DEFAULT_FUSIONS = FUSIONS

@@ -6,8 +6,8 @@ mlp.py, moe.py and mqa.py single linears, gated MLPs, MoE layers and indexer log
 anchors; allreduce.py a tensor-parallel step's all-reduce against NCCL; tune.py sweeps
 our kernels' tiles, tune_depth.py the decode kernel's split of K against its pipeline depth.
 harness.py is the kernel benches' timing (CUDA-graph replay, weights past L2); output.py what
-they all write (JSON with its table, plots, host profiles). Vendor libraries and triton are imported by
-the benchmark that uses them, never here.
+they all write (JSON with its table, plots, host profiles). Vendor libraries and triton are
+imported by the benchmark that uses them, never here.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ stored, an atomic arrival, the last split reading them all back); a short stream
 more tiles in flight, trade those against each other. This sweep times the trade at a model's
 shard shapes, M = 1 and 16: plain kernels, and gated ones (act(gate, up) fused: the MLP's down
 projection) where asked. A candidate whose output is not the default's within DIFF_BOUND is not
-timed. Rows are written after every shape (tune_depth.json)."""
+timed. Rows are written after every shape (tune_depth.json). On an H200 at Llama-3-70B's TP4 and
+Llama-3-8B's TP1 and TP2 shard shapes the default tiling was the fastest at 17 of 20 points
+(BENCHMARKS.md, "The decode kernel's split of K against its pipeline depth")."""
 
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ import json
 from pathlib import Path
 
 import torch
-
 
 from . import harness, read, tune
 
