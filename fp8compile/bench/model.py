@@ -303,8 +303,8 @@ def bench_model(
                     collectives = report.collective_lines()
                     for line in collectives:
                         say(f"  {line}")
-                    for row in rows:
-                        if collectives and row["variant"] == name and row["kind"] == "accuracy":
+                    for row in rows if collectives else ():
+                        if row["variant"] == name and row["kind"] == "accuracy":
                             row["collectives"] = collectives
                 if leader:  # a cut-off run (a lease's time limit) keeps its rows and its table so far
                     _write(out_dir, rows)
