@@ -1,15 +1,16 @@
-"""The shared memory a Triton kernel asks for, and the global loads and atomics its PTX makes,
-compiled for a GPU this machine need not have.
+"""The shared memory a Triton kernel asks for, and the global loads, stores and atomics its PTX
+makes, compiled for a GPU this machine need not have.
 
-`python -m tests.sm_compile [shared|loads|atomics]` reads a JSON list of launches on stdin, each
-{"kernel": "module:name", "capability": 90, "pointers": {argument: Triton type, pointer or
-scalar}, "constexprs": {...}, "ones": [integer arguments specialized to 1], "num_warps": 4,
-"num_stages": 3}, compiles each with Triton's compiler for that target (ptxas included, no GPU)
-and prints, for each, the bytes it asks for (shared), its PTX's global load instructions
-(loads) or its atomic instructions (atomics). Every other integer argument is taken as a
-multiple of 16, as a model's sizes and strides are: loads pipelined, the most shared memory. It
-runs in a process of its own: the CPU tests' Triton interpreter (TRITON_INTERPRET=1) patches
-triton.language, and the compiler does not run under it (run() removes that variable).
+`python -m tests.sm_compile [shared|loads|stores|atomics]` reads a JSON list of launches on
+stdin, each {"kernel": "module:name", "capability": 90, "pointers": {argument: Triton type,
+pointer or scalar}, "constexprs": {...}, "ones": [integer arguments specialized to 1],
+"num_warps": 4, "num_stages": 3}, compiles each with Triton's compiler for that target (ptxas
+included, no GPU) and prints, for each, the bytes it asks for (shared), its PTX's global load
+instructions (loads), global store instructions (stores) or atomic instructions (atomics).
+Every other integer argument is taken as a multiple of 16, as a model's sizes and strides are:
+loads pipelined, the most shared memory. It runs in a process of its own: the CPU tests' Triton
+interpreter (TRITON_INTERPRET=1) patches triton.language, and the compiler does not run under it
+(run() removes that variable).
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ def shared_bytes(launches: list[dict]) -> list[int]:
 def global_loads(launches: list[dict]) -> list[list[str]]:
     """Each launch's global load instructions ("ld.global.cg.v4.b32", ...), in PTX order."""
     return _run(launches, "loads")
+
+
+def global_stores(launches: list[dict]) -> list[list[str]]:
+    """Each launch's global store instructions ("st.global.v4.b32", ...), in PTX order."""
+    return _run(launches, "stores")
 
 
 def atomics(launches: list[dict]) -> list[list[str]]:
@@ -81,8 +87,10 @@ def _answer(launch: dict, what: str):
     compiled = _compile(launch)
     if what == "loads":
         return re.findall(r"\bld\.global\.[a-z0-9.]+", compiled.asm["ptx"])
+    if what == "stores":
+        return re.findall(r"\bst\.global\.[a-z0-9.]+", compiled.asm["ptx"])
     if what == "atomics":
-        return re.findall(r"\batom\.[a-z0-9.]+", compiled.asm["ptx"])
+        return re.findall(r"\batom\.[a-z0-9._]+", compiled.asm["ptx"])
     return compiled.metadata.shared
 
 

@@ -259,6 +259,115 @@ def test_on_three_interpreted_ranks_the_kernel_meets_sums_in_rank_order_and_free
     assert not any(p.any() for p in pad_words)
 
 
+def _sentinel_only(buffer: torch.Tensor) -> bool:
+    return bool((buffer.view(torch.int16) == symmetric.SENTINEL_BITS[16]).all())
+
+
+def test_the_push_kernel_on_one_rank_sums_normalizes_and_leaves_its_buffer_holding_the_sentinel():
+    """The push kernel on the CPU (Triton's interpreter, one rank: its buffer a plain tensor
+    filled as symmetric.push_peers fills it). Four calls back to back, past the buffer's three
+    thirds: each sum exact (integers), each norm within two bf16 units, the epoch advanced once a
+    call, and every slot holding the sentinel again. A partial of -0.0, the sentinel's bits,
+    travels as +0.0."""
+    pytest.importorskip("triton")
+    from fp8compile.ops.collectives import triton_push_norm
+
+    gen = torch.Generator().manual_seed(0)
+    x, residual = (torch.randint(-8, 9, (3, 320), generator=gen).to(BF16) for _ in range(2))
+    x[0, :4] = -0.0
+    residual[0, :2] = -0.0
+    weight = (1 + 0.1 * torch.randn(320, generator=gen)).to(BF16)
+    buffer = symmetric.sentinel_fill(torch.empty(3 * 3 * 320 + 5, dtype=BF16))
+    epoch = torch.zeros(2, dtype=torch.int32)
+    for call in range(4):
+        normed, summed = triton_push_norm.all_reduce_rms_norm(
+            x * (call + 1), residual, weight, EPS, (buffer,), epoch, rank=0
+        )
+        expected = reference.add_rms_norm(x * (call + 1), residual, weight, EPS)
+        assert torch.equal(summed[:, 4:], expected[1][:, 4:]), call
+        assert _relative(normed, expected[0]) <= 2**-6, call  # two roundings, each dropping bits here
+        assert epoch.tolist() == [call + 1, 0] and _sentinel_only(buffer), call
+    # -0.0 + -0.0 is -0.0 in the eager model; pushed as +0.0, the sum's zero is +0.0
+    assert summed[0, :2].view(torch.int16).tolist() == [0, 0]
+    assert summed[0, 2:4].view(torch.int16).tolist() == expected[1][0, 2:4].view(torch.int16).tolist()
+
+
+def _interpreted_push_rank(rank, port, out_dir, xs, residual, weight, buffers, epochs, summed, rows):
+    """One rank of the push kernel under Triton's interpreter: the buffers are host memory every
+    rank's process maps (shared tensors), as symmetric memory's ranks map their peers'."""
+    from fp8compile.ops.collectives import triton_push_norm
+
+    for call, m in enumerate(rows):  # back to back, the rows of each call its own
+        ranks.mark(out_dir, rank, f"call {call}")
+        _, out = triton_push_norm.all_reduce_rms_norm(
+            xs[rank][:m] * (call + 1), residual[:m], weight, EPS, tuple(buffers), epochs[rank], rank
+        )
+        summed[rank][call][:m].copy_(out)
+    ranks.mark(out_dir, rank, "done")
+
+
+def test_on_three_interpreted_ranks_the_push_kernel_sums_in_rank_order_through_every_third(tmp_path):
+    """The push protocol across ranks on the CPU: three processes, five calls back to back (past
+    the three thirds, and of 3, 1, 2, 3 and 1 rows). Each rank's sum is the partials added in
+    fp32 and rounded once (integers: exact in bf16), every rank's epoch counts the calls, and the
+    buffers hold nothing but the sentinel after the last."""
+    pytest.importorskip("triton")
+    world, h, rows = 3, 320, (3, 1, 2, 3, 1)
+    m = max(rows)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randint(-8, 9, (m, h), generator=gen).to(BF16).share_memory_() for _ in range(world)]
+    residual = torch.randint(-8, 9, (m, h), generator=gen).to(BF16).share_memory_()
+    weight = (1 + 0.1 * torch.randn(h, generator=gen)).to(BF16).share_memory_()
+    buffers = [symmetric.sentinel_fill(torch.empty(3 * m * world * h, dtype=BF16)).share_memory_()]
+    buffers += [
+        symmetric.sentinel_fill(torch.empty_like(buffers[0])).share_memory_() for _ in range(world - 1)
+    ]
+    epochs = [torch.zeros(2, dtype=torch.int32).share_memory_() for _ in range(world)]
+    summed = [torch.zeros(len(rows), m, h, dtype=BF16).share_memory_() for _ in range(world)]
+    args = (xs, residual, weight, buffers, epochs, summed, rows)
+    ranks.spawn(_interpreted_push_rank, world, tmp_path, 120, *args)
+    for call, n in enumerate(rows):
+        partials = sum(x[:n].float() * (call + 1) for x in xs)
+        expected = (residual[:n].float() + partials.to(BF16).float()).to(BF16)
+        assert all(torch.equal(summed[rank][call][:n], expected) for rank in range(world)), call
+    assert all(e.tolist() == [len(rows), 0] for e in epochs)
+    assert all(_sentinel_only(b) for b in buffers)
+
+
+def _push_launch(world: int) -> dict:
+    """The push kernel at `world` ranks and a width of 4096, bf16, for tests/sm_compile (sm_90)."""
+    triton = pytest.importorskip("triton")
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        pytest.skip("this Triton has no NVIDIA backend")
+    from fp8compile.ops.collectives import triton_push_norm
+
+    pointers = ["x_ptr", "residual_ptr", "weight_ptr", "normed_ptr", "summed_ptr", "own_ptr"]
+    pointers += [f"b{i}" for i in range(triton_push_norm.MAX_WORLD)]
+    return dict(
+        kernel="fp8compile.ops.collectives.triton_push_norm:_all_reduce_rms_norm_push_kernel",
+        capability=90,
+        pointers={**dict.fromkeys(pointers, "*bf16"), "epoch_ptr": "*i32", "rank": "i32", "eps": "fp32"},
+        constexprs=dict(WORLD=world, BITS=16, SENTINEL=symmetric.SENTINEL_BITS[16], BLOCK=4096),
+        num_warps=triton_push_norm.NUM_WARPS,
+        num_stages=1,
+    )
+
+
+def test_the_push_kernel_compiled_for_hopper_pushes_16_bytes_a_store_and_meets_no_peer():
+    """Compiled for sm_90 at two ranks and a width of 4096 (256 threads, 32 bytes a thread a
+    row): two 16-byte stores a peer for the push, two a slot for the sentinel put back, two each
+    for the sum and the normalized row, and the epoch's two words; its only atomic instruction is
+    the count of the call's programs (no compare-and-swap: no barrier, no signal pad)."""
+    from tests import sm_compile
+
+    launch = _push_launch(world=2)
+    (stores,) = sm_compile.global_stores([launch])
+    assert stores.count("st.global.v4.b32") == 2 * 2 + 2 * 2 + 2 + 2, stores
+    assert stores.count("st.global.b32") == 2 and len(stores) == 14, stores
+    (atomics,) = sm_compile.atomics([launch])
+    assert atomics == ["atom.global.gpu.acq_rel.add.u32"], atomics
+
+
 def _hopper_launch(world: int) -> dict:
     """The kernel at `world` ranks and a width of 4096 for tests/sm_compile (sm_90, PTX only);
     skips where this Triton has no NVIDIA backend to compile it with."""
@@ -310,6 +419,8 @@ def test_past_the_buffer_the_pads_or_eight_ranks_the_kernel_refuses_and_says_whi
     def peers_of(world: int, pad_bytes: int = 9216):
         found = symmetric.Peers(None, torch.zeros(world, dtype=torch.int64), 0, world, pad_bytes)
         monkeypatch.setattr(symmetric, "peers", lambda group_name, device: found)
+        pushed = symmetric.PushPeers((), torch.zeros(2, dtype=torch.int32), 0, world)
+        monkeypatch.setattr(symmetric, "push_peers", lambda group_name, device, dtype: pushed)
 
     cuda = torch.device("cuda", 0)
     peers_of(2)
@@ -320,6 +431,8 @@ def test_past_the_buffer_the_pads_or_eight_ranks_the_kernel_refuses_and_says_whi
         256, 4096, BF16, cuda, "0"
     )
     peers_of(2, pad_bytes=64)  # 8 rows x 2 ranks x 4 bytes of signal words
+    assert collectives.fused_norm_refuses(9, 4096, BF16, cuda, "0") is None  # the push kernel has none
+    monkeypatch.setattr(collectives, "PUSH", False)
     assert collectives.fused_norm_refuses(8, 4096, BF16, cuda, "0") is None
     assert "9 rows: more signal words than the 64-byte pad holds" in collectives.fused_norm_refuses(
         9, 4096, BF16, cuda, "0"
@@ -367,7 +480,8 @@ def _two_gpu_worker(rank: int, port: int, out_dir: str) -> None:
                 replayed_normed=_relative(captured[0], doubled[0]),
                 normed_bits=normed.cpu(),
             )
-        results["state"] = symmetric.state(group, rank)
+        push = symmetric.push_peers(group, torch.device("cuda", rank), BF16)
+        results["epoch"] = None if push is None else push.epoch.tolist()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -387,7 +501,8 @@ def test_on_two_gpus_the_kernel_sums_as_nccl_and_normalizes_within_a_bf16_unit(t
     by_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for rank in by_rank:
         assert rank["refuses"] is None
-        assert rank["state"].startswith("symmetric memory")
+        # every call ran the push kernel: at each m one, 200 back to back, and the graph's replay
+        assert rank["epoch"] == [3 * (1 + 200 + 1), 0], rank["epoch"]
         for m in (1, 16, 64):
             # the partials added in fp32 and rounded once, as NCCL at two ranks; the residual added
             assert rank[m]["summed"] and rank[m]["replayed_summed"], (m, rank[m])

@@ -43,21 +43,60 @@ def bench_allreduce(
     }
     rank, rows = dist.get_rank(), []
     for hidden in hiddens:
+        weight = 1 + 0.1 * torch.randn(hidden, device=device, generator=_seeded(100, device))
+        weight = weight.to(torch.bfloat16)
         for m in ms:
             x = torch.randn(m, hidden, dtype=torch.bfloat16, device=device, generator=_seeded(rank, device))
+            residual = torch.randn(
+                m, hidden, dtype=torch.bfloat16, device=device, generator=_seeded(100, device)
+            )
             expected = methods["nccl"](x)
+            expected_normed = reference.add_rms_norm(expected, residual, weight, EPS)[0]
             row = dict(tp=tp, hidden=hidden, m=m, kb=x.numel() * x.element_size() / 1024)
-            for name, fn in methods.items():
+            norms = {name: _norm(name, residual, weight, group) for name in NORMS}
+            for name, fn in {**methods, **norms}.items():
                 got = fn(x)
                 if got is None:
-                    row[name] = None  # past the symmetric buffer
+                    row[name] = None  # past the symmetric buffer, or a kernel that does not serve it
                     continue
-                row[f"{name}_max_diff"] = (got.float() - expected.float()).abs().max().item()
+                want = expected_normed if name in norms else expected
+                row[f"{name}_max_diff"] = (got.float() - want.float()).abs().max().item()
                 row[name] = time_us(fn, x)
             rows.append(row)
     if tp_bench.is_main():
         save(out_dir, "bench_allreduce.json", rows, _table)
     return rows
+
+
+EPS = 1e-5
+# The all-reduce with the residual add and RMSNorm after it (fp8compile::all_reduce_rms_norm's
+# kernels): each rank staging its row and pulling its peers' (triton_norm.py), each pushing its row
+# into every peer's buffer (triton_push_norm.py).
+NORMS = ("norm_pull", "norm_push")
+
+
+def _norm(name: str, residual, weight, group: str):
+    """x -> the normalized row of residual + the sum of x over the group, by the kernel `name`
+    names; None where it does not serve x."""
+    from ..ops.collectives import op, symmetric, triton_norm, triton_push_norm
+
+    def run(x):
+        rows, h = x.shape
+        if op.fused_norm_refuses(rows, h, x.dtype, x.device, group) is not None:
+            return None
+        if name == "norm_push":
+            push = symmetric.push_peers(group, x.device, x.dtype)
+            return triton_push_norm.all_reduce_rms_norm(
+                x, residual, weight, EPS, push.views, push.epoch, push.rank
+            )[0]
+        peers = symmetric.peers(group, x.device)
+        if rows * peers.world * 4 > peers.pad_bytes:
+            return None
+        return triton_norm.all_reduce_rms_norm(
+            x, residual, weight, EPS, peers.views(x.dtype), peers.pads, peers.rank
+        )[0]
+
+    return run
 
 
 def _seeded(rank: int, device) -> torch.Generator:
@@ -92,7 +131,7 @@ def time_us(fn, x) -> float:
 
 
 def _table(rows: list[dict]) -> str:
-    names = ("nccl", "one_shot", "two_shot", "fp8compile")
+    names = ("nccl", "one_shot", "two_shot", "fp8compile", *NORMS)
     lines = [
         "| hidden | M | KB a rank | " + " | ".join(f"{n} us" for n in names) + " | fp8compile / nccl |",
         "|---|---|---|" + "---|" * (len(names) + 1),

@@ -21,7 +21,11 @@ from . import reference, symmetric
 # sum and the weight at this width), and takes the dtypes an RMSNorm's input comes in.
 NORM_MAX_WIDTH = 16384
 NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-NORM_MAX_WORLD = 8  # triton_norm.MAX_WORLD (that module imports Triton)
+NORM_MAX_WORLD = 8  # triton_norm.MAX_WORLD and triton_push_norm's (those modules import Triton)
+# Which kernel all_reduce_rms_norm runs: triton_push_norm.py's (each rank pushes its row into every
+# peer's buffer; no barrier) or triton_norm.py's (each rank stages its row and pulls the peers';
+# two barriers).
+PUSH = True
 
 
 @op
@@ -50,10 +54,24 @@ def all_reduce_rms_norm(
         and residual.dtype == x.dtype == weight.dtype
         and weight.shape == (h,)
         and fused_norm_refuses(rows, h, x.dtype, x.device, group_name) is None
-        and (peers := symmetric.peers(group_name, x.device)) is not None
     ):
+        if PUSH:
+            from . import triton_push_norm  # Triton, imported where a GPU runs the kernel
+
+            push = symmetric.push_peers(group_name, x.device, x.dtype)
+            normed, summed = triton_push_norm.all_reduce_rms_norm(
+                x.reshape(rows, h).contiguous(),
+                residual.reshape(rows, h).contiguous(),
+                weight.contiguous(),
+                eps,
+                push.views,
+                push.epoch,
+                push.rank,
+            )
+            return normed.view(x.shape), summed.view(x.shape)
         from . import triton_norm  # Triton, imported where a GPU runs the kernel
 
+        peers = symmetric.peers(group_name, x.device)
         normed, summed = triton_norm.all_reduce_rms_norm(
             x.reshape(rows, h).contiguous(),
             residual.reshape(rows, h).contiguous(),
@@ -88,7 +106,7 @@ def fused_norm_refuses(
         return f"rows of {width}, past the {NORM_MAX_WIDTH} the kernel holds in registers"
     if rows == 0 or nbytes % symmetric.ALIGN or nbytes > symmetric.BUFFER_BYTES:
         return f"{nbytes} bytes a rank: not a whole number of {symmetric.ALIGN}-byte units in the buffer"
-    peers = symmetric.peers(group_name, device)
+    peers = symmetric.push_peers(group_name, device, dtype) if PUSH else symmetric.peers(group_name, device)
     if peers is None:
         return "no symmetric buffer with its peers known here (the all-reduces' path says why)"
     if peers.world > NORM_MAX_WORLD:
@@ -98,6 +116,6 @@ def fused_norm_refuses(
             f"{peers.world * nbytes} bytes read a rank, past the {symmetric.ONE_SHOT_READ_BYTES} "
             "one-shot bound (the two-shot kernel or NCCL serve it)"
         )
-    if rows * peers.world * 4 > peers.pad_bytes:
+    if not PUSH and rows * peers.world * 4 > peers.pad_bytes:
         return f"{rows} rows: more signal words than the {peers.pad_bytes}-byte pad holds"
     return None

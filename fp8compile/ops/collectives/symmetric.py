@@ -47,10 +47,20 @@ BUFFER_BYTES = 4 * 2**20
 DTYPES = (torch.bfloat16, torch.float32)
 ALIGN = 16
 
-# (group name, device index) -> (the group it was made for, the buffer or why it could not be made)
-_buffers: dict[tuple[str, int], tuple[weakref.ref, Tensor | str]] = {}
+# A push buffer (triton_push_norm.py): three thirds, each as large as the one-shot kernel reads.
+PUSH_THIRD_BYTES = ONE_SHOT_READ_BYTES
+PUSH_BYTES = 3 * PUSH_THIRD_BYTES
+# Where no call has pushed, a push buffer holds -0.0: by the dtype's width, its bits.
+SENTINEL_BITS = {16: -(2**15), 32: -(2**31)}
+_INT_OF_WIDTH = {16: torch.int16, 32: torch.int32}
+
+# (group name, device index, kind) -> (the group it was made for, the buffer or why it could not be
+# made); kind None: the buffer PyTorch's kernels share with triton_norm.py's; a dtype: a push buffer
+_buffers: dict[tuple[str, int, torch.dtype | None], tuple[weakref.ref, Tensor | str]] = {}
 # a buffer's peers, for kernels of ours that read them (triton_norm.py), by the buffer's address
 _peers: dict[int, Peers] = {}
+# a push buffer's peers (triton_push_norm.py), by the buffer's address
+_push_peers: dict[int, PushPeers] = {}
 
 
 @dataclass
@@ -75,6 +85,24 @@ class Peers:
             numel = BUFFER_BYTES // dtype.itemsize
             self._views[dtype] = tuple(self.handle.get_buffer(r, (numel,), dtype) for r in range(self.world))
         return self._views[dtype]
+
+
+@dataclass
+class PushPeers:
+    """A push buffer of one dtype on every rank of a group (triton_push_norm.py): every rank's
+    buffer in rank order as a flat tensor of the dtype this device can write, this rank's epoch
+    (an int32 pair on this device: calls made, programs of the call done), this rank, the world."""
+
+    views: tuple[Tensor, ...]
+    epoch: Tensor
+    rank: int
+    world: int
+
+
+def sentinel_fill(buffer: Tensor) -> Tensor:
+    """buffer filled with the sentinel of its dtype (-0.0's bits), in place."""
+    bits = buffer.element_size() * 8
+    return buffer.view(_INT_OF_WIDTH[bits]).fill_(SENTINEL_BITS[bits]).view(buffer.dtype)
 
 
 def available() -> str | None:
@@ -162,10 +190,11 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _found(group_name: str, index: int) -> Tensor | str | None:
-    """The group's buffer on device `index`, or why there is none; None where nothing was tried
-    for the group of that name that lives now (a buffer of a destroyed group is dropped)."""
-    key = (group_name, index)
+def _found(group_name: str, index: int, kind: torch.dtype | None = None) -> Tensor | str | None:
+    """The group's buffer of that kind on device `index`, or why there is none; None where
+    nothing was tried for the group of that name that lives now (a buffer of a destroyed group
+    is dropped)."""
+    key = (group_name, index, kind)
     entry = _buffers.get(key)
     if entry is None:
         return None
@@ -180,15 +209,15 @@ def _found(group_name: str, index: int) -> Tensor | str | None:
     return found
 
 
-def _buffer(group_name: str, device: torch.device) -> Tensor | None:
+def _buffer(group_name: str, device: torch.device, kind: torch.dtype | None = None) -> Tensor | None:
     index = _index(device)
-    found = _found(group_name, index)
+    found = _found(group_name, index, kind)
     if isinstance(found, Tensor):
         return found
     if found is not None or torch.cuda.is_current_stream_capturing():
         return None  # it could not be made; or a capture is running, where nothing may be allocated
     try:
-        found = _make(group_name, index)
+        found = _make(group_name, index) if kind is None else _make_push(group_name, index, kind)
     except Exception as error:  # noqa: BLE001 - any failure leaves the group's own collective
         found = f"{type(error).__name__}: {error}"
         log.warning(
@@ -196,7 +225,7 @@ def _buffer(group_name: str, device: torch.device) -> Tensor | None:
             group_name,
             found,
         )
-    _buffers[(group_name, index)] = (weakref.ref(_group(group_name)), found)
+    _buffers[(group_name, index, kind)] = (weakref.ref(_group(group_name)), found)
     return found if isinstance(found, Tensor) else None
 
 
@@ -228,6 +257,34 @@ def peers(group_name: str, device: torch.device) -> Peers | None:
     be (as for all_reduce_sum); None where there is none, or its peers are not known."""
     buffer = _buffer(group_name, device) if device.type == "cuda" else None
     return None if buffer is None else _peers.get(buffer.data_ptr())
+
+
+def _make_push(group_name: str, index: int, dtype: torch.dtype) -> Tensor:
+    """A PUSH_BYTES buffer of dtype on device `index` that every rank of the group can write,
+    holding the sentinel everywhere before any peer can push into it (a collective)."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    if dtype.itemsize * 8 not in SENTINEL_BITS:
+        raise ValueError(f"no sentinel for {dtype}")
+    if _needs_enable():
+        symm_mem.enable_symm_mem_for_group(group_name)
+    device = torch.device("cuda", index)
+    numel = PUSH_BYTES // dtype.itemsize
+    buffer = sentinel_fill(symm_mem.empty(numel, dtype=dtype, device=device))
+    # filled on the device before this rank meets the others: a peer may push once they have met
+    torch.cuda.synchronize(device)
+    handle = symm_mem.rendezvous(buffer, group_name)
+    views = tuple(handle.get_buffer(r, (numel,), dtype) for r in range(handle.world_size))
+    epoch = torch.zeros(2, dtype=torch.int32, device=device)
+    _push_peers[buffer.data_ptr()] = PushPeers(views, epoch, handle.rank, handle.world_size)
+    return buffer
+
+
+def push_peers(group_name: str, device: torch.device, dtype: torch.dtype) -> PushPeers | None:
+    """The group's push buffer of dtype on every rank, made now if need be (a collective: every
+    rank asks alike); None where there is none."""
+    buffer = _buffer(group_name, device, dtype) if device.type == "cuda" else None
+    return None if buffer is None else _push_peers.get(buffer.data_ptr())
 
 
 def path() -> str:
