@@ -6,7 +6,9 @@ On the CPU, over a gloo group of one rank: what the pass matches and leaves, the
 and the op's fallback rounding as transformers' RMSNorm does. Symmetric memory serves CUDA
 tensors only, so the CPU tests that rewrite stand in for the kernel's yes (kernel_refuses
 patched): the op then runs its fallback, the group's all-reduce and the same arithmetic. The
-kernel itself, on two GPUs, is the gpu test at the end.
+kernel itself runs on the CPU under Triton's interpreter (one rank, and three in processes of
+their own), is compiled for Hopper to read its PTX, and runs on two GPUs in the gpu test at the
+end.
 """
 
 from __future__ import annotations
@@ -197,80 +199,18 @@ def test_the_kernel_refuses_what_it_cannot_hold_before_looking_for_a_buffer():
     assert "not a whole number" in collectives.fused_norm_refuses(1, 4095, BF16, cuda, "0")
 
 
-def test_the_kernel_on_one_rank_stages_its_row_meets_itself_and_leaves_the_pads_clear():
-    """The Triton kernel itself on the CPU (Triton's interpreter, one rank: its buffer and pad are
-    plain tensors). Integers whose sums bf16 holds exactly, as the interpreter rounds to bf16 by
-    dropping bits: the sum exact, the norm within two bf16 units, the row staged in the buffer, and
-    both barriers leaving the pad as they found it."""
-    pytest.importorskip("triton")
-    from fp8compile.ops.collectives import triton_norm
-
-    gen = torch.Generator().manual_seed(0)
-    x, residual = (torch.randint(-8, 9, (3, 320), generator=gen).to(BF16) for _ in range(2))
-    weight = (1 + 0.1 * torch.randn(320, generator=gen)).to(BF16)
-    buffer, pad = torch.zeros(3, 320, dtype=BF16), torch.zeros(64, dtype=torch.int32)
-    pads = torch.tensor([pad.data_ptr()], dtype=torch.int64)
-    normed, summed = triton_norm.all_reduce_rms_norm(
-        x, residual, weight, EPS, (buffer.view(-1),), pads, rank=0
-    )
-    expected = reference.add_rms_norm(x, residual, weight, EPS)
-    assert torch.equal(summed, expected[1])
-    assert _relative(normed, expected[0]) <= 2**-6  # two roundings, each dropping bits here
-    assert torch.equal(buffer, x) and not pad.any()
-    assert collectives.NORM_MAX_WORLD == triton_norm.MAX_WORLD
-
-
-def _interpreted_rank(rank, port, out_dir, xs, residual, weight, buffers, pad_words, summed):
-    """One rank of the kernel under Triton's interpreter: the buffers and signal pads are host
-    memory every rank's process maps (shared tensors), each rank addressing them at its own
-    addresses, as symmetric memory's ranks do their peers'."""
-    from fp8compile.ops.collectives import triton_norm
-
-    pads = torch.tensor([p.data_ptr() for p in pad_words], dtype=torch.int64)
-    for call in range(summed[rank].shape[0]):  # back to back: each call's barriers free the next
-        ranks.mark(out_dir, rank, f"call {call}")
-        _, out = triton_norm.all_reduce_rms_norm(
-            xs[rank] * (call + 1), residual, weight, EPS, tuple(buffers), pads, rank
-        )
-        summed[rank][call].copy_(out)
-    ranks.mark(out_dir, rank, "done")
-
-
-def test_on_three_interpreted_ranks_the_kernel_meets_sums_in_rank_order_and_frees_the_pads(tmp_path):
-    """The barrier's protocol across ranks on the CPU: three processes (a world that is no power
-    of two: the kernel's fourth lane stands for no rank), three rows, three calls back to back.
-    Each rank's sum is the partials added in fp32 and rounded once (integers: exact in bf16), and
-    the pads are clear after every call."""
-    pytest.importorskip("triton")
-    world, m, h, calls = 3, 3, 320, 3
-    gen = torch.Generator().manual_seed(0)
-    xs = [torch.randint(-8, 9, (m, h), generator=gen).to(BF16).share_memory_() for _ in range(world)]
-    residual = torch.randint(-8, 9, (m, h), generator=gen).to(BF16).share_memory_()
-    weight = (1 + 0.1 * torch.randn(h, generator=gen)).to(BF16).share_memory_()
-    buffers = [torch.zeros(m * h, dtype=BF16).share_memory_() for _ in range(world)]
-    pad_words = [torch.zeros(m * world, dtype=torch.int32).share_memory_() for _ in range(world)]
-    summed = [torch.zeros(calls, m, h, dtype=BF16).share_memory_() for _ in range(world)]
-    args = (xs, residual, weight, buffers, pad_words, summed)
-    ranks.spawn(_interpreted_rank, world, tmp_path, 120, *args)
-    for call in range(calls):
-        partials = sum(x.float() * (call + 1) for x in xs)
-        expected = (residual.float() + partials.to(BF16).float()).to(BF16)
-        assert all(torch.equal(summed[rank][call], expected) for rank in range(world)), call
-    assert not any(p.any() for p in pad_words)
-
-
 def _sentinel_only(buffer: torch.Tensor) -> bool:
     return bool((buffer.view(torch.int16) == symmetric.SENTINEL_BITS[16]).all())
 
 
-def test_the_push_kernel_on_one_rank_sums_normalizes_and_leaves_its_buffer_holding_the_sentinel():
-    """The push kernel on the CPU (Triton's interpreter, one rank: its buffer a plain tensor
-    filled as symmetric.push_peers fills it). Four calls back to back, past the buffer's three
+def test_the_kernel_on_one_rank_sums_normalizes_and_leaves_its_buffer_holding_the_sentinel():
+    """The kernel on the CPU (Triton's interpreter, one rank: its buffer a plain tensor filled
+    as symmetric.push_buffers fills it). Four calls back to back, past the buffer's three
     thirds: each sum exact (integers), each norm within two bf16 units, the epoch advanced once a
     call, and every slot holding the sentinel again. A partial of -0.0, the sentinel's bits,
     travels as +0.0."""
     pytest.importorskip("triton")
-    from fp8compile.ops.collectives import triton_push_norm
+    from fp8compile.ops.collectives import triton_norm
 
     gen = torch.Generator().manual_seed(0)
     x, residual = (torch.randint(-8, 9, (3, 320), generator=gen).to(BF16) for _ in range(2))
@@ -280,7 +220,7 @@ def test_the_push_kernel_on_one_rank_sums_normalizes_and_leaves_its_buffer_holdi
     buffer = symmetric.sentinel_fill(torch.empty(3 * 3 * 320 + 5, dtype=BF16))
     epoch = torch.zeros(2, dtype=torch.int32)
     for call in range(4):
-        normed, summed = triton_push_norm.all_reduce_rms_norm(
+        normed, summed = triton_norm.all_reduce_rms_norm(
             x * (call + 1), residual, weight, EPS, (buffer,), epoch, rank=0
         )
         expected = reference.add_rms_norm(x * (call + 1), residual, weight, EPS)
@@ -292,21 +232,21 @@ def test_the_push_kernel_on_one_rank_sums_normalizes_and_leaves_its_buffer_holdi
     assert summed[0, 2:4].view(torch.int16).tolist() == expected[1][0, 2:4].view(torch.int16).tolist()
 
 
-def _interpreted_push_rank(rank, port, out_dir, xs, residual, weight, buffers, epochs, summed, rows):
-    """One rank of the push kernel under Triton's interpreter: the buffers are host memory every
+def _interpreted_rank(rank, port, out_dir, xs, residual, weight, buffers, epochs, summed, rows):
+    """One rank of the kernel under Triton's interpreter: the buffers are host memory every
     rank's process maps (shared tensors), as symmetric memory's ranks map their peers'."""
-    from fp8compile.ops.collectives import triton_push_norm
+    from fp8compile.ops.collectives import triton_norm
 
     for call, m in enumerate(rows):  # back to back, the rows of each call its own
         ranks.mark(out_dir, rank, f"call {call}")
-        _, out = triton_push_norm.all_reduce_rms_norm(
+        _, out = triton_norm.all_reduce_rms_norm(
             xs[rank][:m] * (call + 1), residual[:m], weight, EPS, tuple(buffers), epochs[rank], rank
         )
         summed[rank][call][:m].copy_(out)
     ranks.mark(out_dir, rank, "done")
 
 
-def test_on_three_interpreted_ranks_the_push_kernel_sums_in_rank_order_through_every_third(tmp_path):
+def test_on_three_interpreted_ranks_the_kernel_sums_in_rank_order_through_every_third(tmp_path):
     """The push protocol across ranks on the CPU: three processes, five calls back to back (past
     the three thirds, and of 3, 1, 2, 3 and 1 rows). Each rank's sum is the partials added in
     fp32 and rounded once (integers: exact in bf16), every rank's epoch counts the calls, and the
@@ -325,7 +265,7 @@ def test_on_three_interpreted_ranks_the_push_kernel_sums_in_rank_order_through_e
     epochs = [torch.zeros(2, dtype=torch.int32).share_memory_() for _ in range(world)]
     summed = [torch.zeros(len(rows), m, h, dtype=BF16).share_memory_() for _ in range(world)]
     args = (xs, residual, weight, buffers, epochs, summed, rows)
-    ranks.spawn(_interpreted_push_rank, world, tmp_path, 120, *args)
+    ranks.spawn(_interpreted_rank, world, tmp_path, 120, *args)
     for call, n in enumerate(rows):
         partials = sum(x[:n].float() * (call + 1) for x in xs)
         expected = (residual[:n].float() + partials.to(BF16).float()).to(BF16)
@@ -334,43 +274,9 @@ def test_on_three_interpreted_ranks_the_push_kernel_sums_in_rank_order_through_e
     assert all(_sentinel_only(b) for b in buffers)
 
 
-def _push_launch(world: int) -> dict:
-    """The push kernel at `world` ranks and a width of 4096, bf16, for tests/sm_compile (sm_90)."""
-    triton = pytest.importorskip("triton")
-    if "nvidia" not in getattr(triton.backends, "backends", {}):
-        pytest.skip("this Triton has no NVIDIA backend")
-    from fp8compile.ops.collectives import triton_push_norm
-
-    pointers = ["x_ptr", "residual_ptr", "weight_ptr", "normed_ptr", "summed_ptr", "own_ptr"]
-    pointers += [f"b{i}" for i in range(triton_push_norm.MAX_WORLD)]
-    return dict(
-        kernel="fp8compile.ops.collectives.triton_push_norm:_all_reduce_rms_norm_push_kernel",
-        capability=90,
-        pointers={**dict.fromkeys(pointers, "*bf16"), "epoch_ptr": "*i32", "rank": "i32", "eps": "fp32"},
-        constexprs=dict(WORLD=world, BITS=16, SENTINEL=symmetric.SENTINEL_BITS[16], BLOCK=4096),
-        num_warps=triton_push_norm.NUM_WARPS,
-        num_stages=1,
-    )
-
-
-def test_the_push_kernel_compiled_for_hopper_pushes_16_bytes_a_store_and_meets_no_peer():
-    """Compiled for sm_90 at two ranks and a width of 4096 (256 threads, 32 bytes a thread a
-    row): two 16-byte stores a peer for the push, two a slot for the sentinel put back, two each
-    for the sum and the normalized row, and the epoch's two words; its only atomic instruction is
-    the count of the call's programs (no compare-and-swap: no barrier, no signal pad)."""
-    from tests import sm_compile
-
-    launch = _push_launch(world=2)
-    (stores,) = sm_compile.global_stores([launch])
-    assert stores.count("st.global.v4.b32") == 2 * 2 + 2 * 2 + 2 + 2, stores
-    assert stores.count("st.global.b32") == 2 and len(stores) == 14, stores
-    (atomics,) = sm_compile.atomics([launch])
-    assert atomics == ["atom.global.gpu.acq_rel.add.u32"], atomics
-
-
 def _hopper_launch(world: int) -> dict:
-    """The kernel at `world` ranks and a width of 4096 for tests/sm_compile (sm_90, PTX only);
-    skips where this Triton has no NVIDIA backend to compile it with."""
+    """The kernel at `world` ranks and a width of 4096, bf16, for tests/sm_compile (sm_90, PTX
+    only); skips where this Triton has no NVIDIA backend to compile it with."""
     triton = pytest.importorskip("triton")
     if "nvidia" not in getattr(triton.backends, "backends", {}):
         pytest.skip("this Triton has no NVIDIA backend")
@@ -381,66 +287,46 @@ def _hopper_launch(world: int) -> dict:
     return dict(
         kernel="fp8compile.ops.collectives.triton_norm:_all_reduce_rms_norm_kernel",
         capability=90,
-        pointers={**dict.fromkeys(pointers, "*bf16"), "pads": "*i64", "rank": "i32", "eps": "fp32"},
-        constexprs=dict(WORLD=world, PEERS=world, BLOCK=4096),
+        pointers={**dict.fromkeys(pointers, "*bf16"), "epoch_ptr": "*i32", "rank": "i32", "eps": "fp32"},
+        constexprs=dict(WORLD=world, BITS=16, SENTINEL=symmetric.SENTINEL_BITS[16], BLOCK=4096),
         num_warps=triton_norm.NUM_WARPS,
         num_stages=1,
     )
 
 
-def test_the_kernel_compiled_for_hopper_reads_each_peers_row_16_bytes_a_load_past_l1():
-    """The property its first GPU run lacked: given the buffers as integers, Triton read a peer's
-    row one bf16 a load (ld.volatile.global.b16; the fused step 1.04x slower than unfused on two
-    H200s). As pointer arguments aligned to 16 bytes (what Triton's launcher sees in a symmetric
-    buffer and a width of 4096) each thread reads a peer 16 bytes a load, through L2 only (.cg:
-    an earlier call's row may sit in this SM's L1). Compiled for sm_90 on the CPU: PTX only
-    (H, taken as a multiple of 16, as 4096 is)."""
+def test_the_kernel_compiled_for_hopper_pushes_16_bytes_a_store_and_meets_no_peer():
+    """Compiled for sm_90 at two ranks and a width of 4096 (256 threads, 32 bytes a thread a
+    row): two 16-byte stores a peer for the push, two a slot for the sentinel put back, two each
+    for the sum and the normalized row, and the epoch's two words; its only atomic instruction is
+    the count of the call's programs (no compare-and-swap: no barrier, no signal pad)."""
     from tests import sm_compile
 
-    (loads,) = sm_compile.global_loads([_hopper_launch(world=2)])
-    # 4096 bf16 over 256 threads: 32 bytes a thread a row, two 16-byte loads, from each of 2 peers
-    assert loads.count("ld.global.cg.v4.b32") == 4, loads
-    assert not [load for load in loads if load.endswith(".b16")], loads
+    launch = _hopper_launch(world=2)
+    (stores,) = sm_compile.global_stores([launch])
+    assert stores.count("st.global.v4.b32") == 2 * 2 + 2 * 2 + 2 + 2, stores
+    assert stores.count("st.global.b32") == 2 and len(stores) == 14, stores
+    (atomics,) = sm_compile.atomics([launch])
+    assert atomics == ["atom.global.gpu.acq_rel.add.u32"], atomics
 
 
-def test_the_kernels_barriers_signal_every_peer_at_once_one_atomic_instruction_a_step():
-    """Each barrier signals every peer, then waits on every peer, one lane a peer: compiled for
-    sm_90 at eight ranks, two barriers make four compare-and-swaps in the PTX (a signal and a wait
-    each, every peer's lane in the one instruction), where a peer after peer made 2 x (8 + 8), each
-    a round trip over NVLink behind the last (the fused step 1.04x and 1.01x slower than unfused on
-    two H200s with those, BENCHMARKS.md)."""
-    from tests import sm_compile
-
-    (atomics,) = sm_compile.atomics([_hopper_launch(world=8)])
-    assert atomics == ["atom.global.release.sys.cas.b32", "atom.global.acquire.sys.cas.b32"] * 2, atomics
-
-
-def test_past_the_buffer_the_pads_or_eight_ranks_the_kernel_refuses_and_says_which(monkeypatch):
-    def peers_of(world: int, pad_bytes: int = 9216):
-        found = symmetric.Peers(None, torch.zeros(world, dtype=torch.int64), 0, world, pad_bytes)
-        monkeypatch.setattr(symmetric, "peers", lambda group_name, device: found)
-        pushed = symmetric.PushPeers((), torch.zeros(2, dtype=torch.int32), 0, world)
-        monkeypatch.setattr(symmetric, "push_peers", lambda group_name, device, dtype: pushed)
+def test_past_a_third_of_its_buffer_or_eight_ranks_the_kernel_refuses_and_says_which(monkeypatch):
+    def world_of(world: int):
+        pushed = symmetric.PushBuffers((), torch.zeros(2, dtype=torch.int32), 0, world)
+        monkeypatch.setattr(symmetric, "push_buffers", lambda group_name, device, dtype: pushed)
 
     cuda = torch.device("cuda", 0)
-    peers_of(2)
+    world_of(2)
     assert collectives.fused_norm_refuses(16, 4096, BF16, cuda, "0") is None
-    # 2 ranks x 128 rows of 8 KB: 2 MiB read a rank, the one-shot bound; 256 rows are past it
+    # 2 ranks x 128 rows of 8 KB: 2 MiB a rank takes in, a third of the buffer; 256 rows are past it
+    assert symmetric.PUSH_BYTES == symmetric.THIRDS * symmetric.ONE_SHOT_READ_BYTES
     assert collectives.fused_norm_refuses(128, 4096, BF16, cuda, "0") is None
-    assert "4194304 bytes read a rank, past the 2097152" in collectives.fused_norm_refuses(
+    assert "4194304 bytes a rank takes in, past the 2097152" in collectives.fused_norm_refuses(
         256, 4096, BF16, cuda, "0"
     )
-    peers_of(2, pad_bytes=64)  # 8 rows x 2 ranks x 4 bytes of signal words
-    assert collectives.fused_norm_refuses(9, 4096, BF16, cuda, "0") is None  # the push kernel has none
-    monkeypatch.setattr(collectives, "PUSH", False)
-    assert collectives.fused_norm_refuses(8, 4096, BF16, cuda, "0") is None
-    assert "9 rows: more signal words than the 64-byte pad holds" in collectives.fused_norm_refuses(
-        9, 4096, BF16, cuda, "0"
-    )
-    peers_of(16)
+    world_of(16)
     assert (
         collectives.fused_norm_refuses(1, 4096, BF16, cuda, "0")
-        == "16 ranks; the kernel reads at most 8 buffers"
+        == "16 ranks; the kernel writes at most 8 buffers"
     )
 
 
@@ -463,7 +349,7 @@ def _two_gpu_worker(rank: int, port: int, out_dir: str) -> None:
             weight = (1 + 0.1 * torch.randn(4096, device="cuda", generator=shared)).to(BF16)
             expected = reference.add_rms_norm(reference.all_reduce_sum(x, group), residual, weight, EPS)
             normed, summed = torch.ops.fp8compile.all_reduce_rms_norm(x, residual, weight, EPS, group)
-            for _ in range(200):  # back to back: each call's barriers leave the pads for the next
+            for _ in range(200):  # back to back, through the buffer's thirds many times over
                 again = torch.ops.fp8compile.all_reduce_rms_norm(x, residual, weight, EPS, group)
             ranks.mark(out_dir, rank, f"the op in a CUDA graph at m={m}")
             graph, static_x = torch.cuda.CUDAGraph(), x.clone()
@@ -480,7 +366,7 @@ def _two_gpu_worker(rank: int, port: int, out_dir: str) -> None:
                 replayed_normed=_relative(captured[0], doubled[0]),
                 normed_bits=normed.cpu(),
             )
-        push = symmetric.push_peers(group, torch.device("cuda", rank), BF16)
+        push = symmetric.push_buffers(group, torch.device("cuda", rank), BF16)
         results["epoch"] = None if push is None else push.epoch.tolist()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
@@ -501,7 +387,7 @@ def test_on_two_gpus_the_kernel_sums_as_nccl_and_normalizes_within_a_bf16_unit(t
     by_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for rank in by_rank:
         assert rank["refuses"] is None
-        # every call ran the push kernel: at each m one, 200 back to back, and the graph's replay
+        # every call ran the kernel: at each m one, 200 back to back, and the graph's replay
         assert rank["epoch"] == [3 * (1 + 200 + 1), 0], rank["epoch"]
         for m in (1, 16, 64):
             # the partials added in fp32 and rounded once, as NCCL at two ranks; the residual added

@@ -1,13 +1,15 @@
 """`bench allreduce --tp N`: the sum all-reduce of an (M, hidden) bf16 activation, the one after
 each row-sharded linear of a tensor-parallel step, on N GPUs of one host, one process each:
 the group's NCCL collective (what a sharded graph holds before the all_reduce pass), symmetric
-memory's one-shot and two-shot kernels, and fp8compile::all_reduce (what the pass puts there,
-its kernel chosen by size).
+memory's one-shot and two-shot kernels, fp8compile::all_reduce (what the pass puts there, its
+kernel chosen by size), and fp8compile::all_reduce_rms_norm (the all-reduce with the residual add
+and RMSNorm after it, what the all_reduce_norm pass puts there), at the sizes its kernel serves.
 
 Each is timed as a decode step runs it: CALLS back to back inside one CUDA graph, replayed
 REPLAYS times between CUDA events, the same count on every rank (collectives meet; a count
-picked from each rank's own timing would not). us per call; the max difference from NCCL's sum,
-which every rank checks before timing.
+picked from each rank's own timing would not). us per call; the max difference from NCCL's sum
+(and for the norm, from NCCL's sum added and normalized as transformers does), which every rank
+checks before timing.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def bench_allreduce(
             expected = methods["nccl"](x)
             expected_normed = reference.add_rms_norm(expected, residual, weight, EPS)[0]
             row = dict(tp=tp, hidden=hidden, m=m, kb=x.numel() * x.element_size() / 1024)
-            norms = {name: _norm(name, residual, weight, group) for name in NORMS}
+            norms = {NORM: _norm(residual, weight, group)}
             for name, fn in {**methods, **norms}.items():
                 got = fn(x)
                 if got is None:
@@ -69,32 +71,21 @@ def bench_allreduce(
 
 
 EPS = 1e-5
-# The all-reduce with the residual add and RMSNorm after it (fp8compile::all_reduce_rms_norm's
-# kernels): each rank staging its row and pulling its peers' (triton_norm.py), each pushing its row
-# into every peer's buffer (triton_push_norm.py).
-NORMS = ("norm_pull", "norm_push")
+# The all-reduce with the residual add and RMSNorm after it, in one kernel where it serves
+# (fp8compile::all_reduce_rms_norm, ops/collectives/triton_norm.py): timed to its normalized row.
+NORM = "fp8compile_norm"
 
 
-def _norm(name: str, residual, weight, group: str):
-    """x -> the normalized row of residual + the sum of x over the group, by the kernel `name`
-    names; None where it does not serve x."""
-    from ..ops.collectives import op, symmetric, triton_norm, triton_push_norm
+def _norm(residual, weight, group: str):
+    """x -> the normalized row of residual + the sum of x over the group, by the fused kernel;
+    None where it does not serve x (the op would take its fallback)."""
+    from ..ops.collectives import op
 
     def run(x):
         rows, h = x.shape
         if op.fused_norm_refuses(rows, h, x.dtype, x.device, group) is not None:
             return None
-        if name == "norm_push":
-            push = symmetric.push_peers(group, x.device, x.dtype)
-            return triton_push_norm.all_reduce_rms_norm(
-                x, residual, weight, EPS, push.views, push.epoch, push.rank
-            )[0]
-        peers = symmetric.peers(group, x.device)
-        if rows * peers.world * 4 > peers.pad_bytes:
-            return None
-        return triton_norm.all_reduce_rms_norm(
-            x, residual, weight, EPS, peers.views(x.dtype), peers.pads, peers.rank
-        )[0]
+        return torch.ops.fp8compile.all_reduce_rms_norm(x, residual, weight, EPS, group)[0]
 
     return run
 
@@ -131,7 +122,7 @@ def time_us(fn, x) -> float:
 
 
 def _table(rows: list[dict]) -> str:
-    names = ("nccl", "one_shot", "two_shot", "fp8compile", *NORMS)
+    names = ("nccl", "one_shot", "two_shot", "fp8compile", NORM)
     lines = [
         "| hidden | M | KB a rank | " + " | ".join(f"{n} us" for n in names) + " | fp8compile / nccl |",
         "|---|---|---|" + "---|" * (len(names) + 1),

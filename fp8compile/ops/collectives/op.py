@@ -21,11 +21,7 @@ from . import reference, symmetric
 # sum and the weight at this width), and takes the dtypes an RMSNorm's input comes in.
 NORM_MAX_WIDTH = 16384
 NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-NORM_MAX_WORLD = 8  # triton_norm.MAX_WORLD and triton_push_norm's (those modules import Triton)
-# Which kernel all_reduce_rms_norm runs: triton_push_norm.py's (each rank pushes its row into every
-# peer's buffer; no barrier) or triton_norm.py's (each rank stages its row and pulls the peers';
-# two barriers).
-PUSH = True
+NORM_MAX_WORLD = 8  # triton_norm.MAX_WORLD (that module imports Triton)
 
 
 @op
@@ -55,31 +51,17 @@ def all_reduce_rms_norm(
         and weight.shape == (h,)
         and fused_norm_refuses(rows, h, x.dtype, x.device, group_name) is None
     ):
-        if PUSH:
-            from . import triton_push_norm  # Triton, imported where a GPU runs the kernel
-
-            push = symmetric.push_peers(group_name, x.device, x.dtype)
-            normed, summed = triton_push_norm.all_reduce_rms_norm(
-                x.reshape(rows, h).contiguous(),
-                residual.reshape(rows, h).contiguous(),
-                weight.contiguous(),
-                eps,
-                push.views,
-                push.epoch,
-                push.rank,
-            )
-            return normed.view(x.shape), summed.view(x.shape)
         from . import triton_norm  # Triton, imported where a GPU runs the kernel
 
-        peers = symmetric.peers(group_name, x.device)
+        push = symmetric.push_buffers(group_name, x.device, x.dtype)
         normed, summed = triton_norm.all_reduce_rms_norm(
             x.reshape(rows, h).contiguous(),
             residual.reshape(rows, h).contiguous(),
             weight.contiguous(),
             eps,
-            peers.views(x.dtype),
-            peers.pads,
-            peers.rank,
+            push.views,
+            push.epoch,
+            push.rank,
         )
         return normed.view(x.shape), summed.view(x.shape)
     return reference.add_rms_norm(all_reduce(x, group_name), residual, weight, eps)
@@ -95,8 +77,8 @@ def fused_norm_refuses(
     rows: int, width: int, dtype: torch.dtype, device: torch.device, group_name: str
 ) -> str | None:
     """None where all_reduce_rms_norm's kernel serves (rows, width) of dtype on this device for
-    the group (its symmetric buffer made now if need be: a collective, as all ranks compile
-    alike), else why not. Every rank decides alike: from sizes, dtype and the buffer."""
+    the group (its push buffers made now if need be: a collective, as all ranks compile alike),
+    else why not. Every rank decides alike: from sizes, dtype and the buffer."""
     nbytes = rows * width * dtype.itemsize
     if device.type != "cuda":
         return f"symmetric memory serves CUDA tensors; these are {device.type}"
@@ -106,16 +88,14 @@ def fused_norm_refuses(
         return f"rows of {width}, past the {NORM_MAX_WIDTH} the kernel holds in registers"
     if rows == 0 or nbytes % symmetric.ALIGN or nbytes > symmetric.BUFFER_BYTES:
         return f"{nbytes} bytes a rank: not a whole number of {symmetric.ALIGN}-byte units in the buffer"
-    peers = symmetric.push_peers(group_name, device, dtype) if PUSH else symmetric.peers(group_name, device)
-    if peers is None:
-        return "no symmetric buffer with its peers known here (the all-reduces' path says why)"
-    if peers.world > NORM_MAX_WORLD:
-        return f"{peers.world} ranks; the kernel reads at most {NORM_MAX_WORLD} buffers"
-    if peers.world * nbytes > symmetric.ONE_SHOT_READ_BYTES:
+    push = symmetric.push_buffers(group_name, device, dtype)
+    if push is None:
+        return "no push buffer for the group here (the all-reduces' path and the log say why)"
+    if push.world > NORM_MAX_WORLD:
+        return f"{push.world} ranks; the kernel writes at most {NORM_MAX_WORLD} buffers"
+    if push.world * nbytes > symmetric.ONE_SHOT_READ_BYTES:
         return (
-            f"{peers.world * nbytes} bytes read a rank, past the {symmetric.ONE_SHOT_READ_BYTES} "
-            "one-shot bound (the two-shot kernel or NCCL serve it)"
+            f"{push.world * nbytes} bytes a rank takes in, past the {symmetric.ONE_SHOT_READ_BYTES} "
+            "of a third of its push buffer (the all-reduce op and Inductor's norm serve it)"
         )
-    if not PUSH and rows * peers.world * 4 > peers.pad_bytes:
-        return f"{rows} rows: more signal words than the {peers.pad_bytes}-byte pad holds"
     return None

@@ -27,13 +27,18 @@ what they share (sizes, dtype, whether the buffer exists, whether a capture is r
 A group destroyed and made again takes the same name ("0" for the default group): the buffers
 are keyed by name, but each remembers the group object it was made for, and a group of the
 same name that is another object gets a buffer (and a world size) of its own.
+
+Beside it, made and kept alike: a push buffer per (group, device, dtype) for the fused all-reduce
+and RMSNorm (triton_norm.py), where each rank writes its row into every peer's buffer. It holds a
+sentinel wherever no value waits to be read, so it is filled, and the fill waited for, before
+its rendezvous lets any peer write into it.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -47,51 +52,26 @@ BUFFER_BYTES = 4 * 2**20
 DTYPES = (torch.bfloat16, torch.float32)
 ALIGN = 16
 
-# A push buffer (triton_push_norm.py): three thirds, each as large as the one-shot kernel reads.
-PUSH_THIRD_BYTES = ONE_SHOT_READ_BYTES
-PUSH_BYTES = 3 * PUSH_THIRD_BYTES
+# The fused all-reduce and RMSNorm's buffers (triton_norm.py), one a dtype: three thirds, each as
+# large as what the one-shot kernel reads.
+THIRDS = 3
+PUSH_BYTES = THIRDS * ONE_SHOT_READ_BYTES
 # Where no call has pushed, a push buffer holds -0.0: by the dtype's width, its bits.
 SENTINEL_BITS = {16: -(2**15), 32: -(2**31)}
 _INT_OF_WIDTH = {16: torch.int16, 32: torch.int32}
 
 # (group name, device index, kind) -> (the group it was made for, the buffer or why it could not be
-# made); kind None: the buffer PyTorch's kernels share with triton_norm.py's; a dtype: a push buffer
+# made); kind None: the buffer of PyTorch's kernels; a dtype: a push buffer of that dtype
 _buffers: dict[tuple[str, int, torch.dtype | None], tuple[weakref.ref, Tensor | str]] = {}
-# a buffer's peers, for kernels of ours that read them (triton_norm.py), by the buffer's address
-_peers: dict[int, Peers] = {}
-# a push buffer's peers (triton_push_norm.py), by the buffer's address
-_push_peers: dict[int, PushPeers] = {}
+# a push buffer's every rank, by the buffer's address
+_push: dict[int, PushBuffers] = {}
 
 
 @dataclass
-class Peers:
-    """Where a group's symmetric buffer lies on every rank, for a kernel of ours that reads the
-    peers' copies itself: every rank's signal pad address (an int64 tensor on this device, made
-    with the buffer, outside any capture), this rank, the world, the pad's bytes, and every
-    rank's buffer as a tensor of this device (views(dtype))."""
-
-    handle: object  # the rendezvous's _SymmetricMemory
-    pads: Tensor
-    rank: int
-    world: int
-    pad_bytes: int
-    _views: dict = field(default_factory=dict)
-
-    def views(self, dtype: torch.dtype) -> tuple[Tensor, ...]:
-        """Every rank's buffer, in rank order, as a flat tensor of dtype this device can read:
-        real tensors, so a kernel gets them as pointers whose alignment Triton knows (16-byte
-        loads), not as integers (one element a load). Made once a dtype, host metadata only."""
-        if dtype not in self._views:
-            numel = BUFFER_BYTES // dtype.itemsize
-            self._views[dtype] = tuple(self.handle.get_buffer(r, (numel,), dtype) for r in range(self.world))
-        return self._views[dtype]
-
-
-@dataclass
-class PushPeers:
-    """A push buffer of one dtype on every rank of a group (triton_push_norm.py): every rank's
-    buffer in rank order as a flat tensor of the dtype this device can write, this rank's epoch
-    (an int32 pair on this device: calls made, programs of the call done), this rank, the world."""
+class PushBuffers:
+    """A group's push buffers of one dtype (triton_norm.py): every rank's, in rank order, as a
+    flat tensor of the dtype this device can write; this rank's epoch (an int32 pair on this
+    device: calls made, programs of the call done); this rank; the world."""
 
     views: tuple[Tensor, ...]
     epoch: Tensor
@@ -237,26 +217,8 @@ def _make(group_name: str, index: int) -> Tensor:
         symm_mem.enable_symm_mem_for_group(group_name)
     device = torch.device("cuda", index)
     buffer = symm_mem.empty(BUFFER_BYTES, dtype=torch.uint8, device=device)
-    handle = symm_mem.rendezvous(buffer, group_name)
-    try:
-        handle.get_buffer  # noqa: B018 - Peers.views needs it
-        _peers[buffer.data_ptr()] = Peers(
-            handle,
-            torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device),
-            handle.rank,
-            handle.world_size,
-            handle.signal_pad_size,
-        )
-    except (AttributeError, RuntimeError) as error:  # a torch whose handle does not say them
-        log.warning("fp8compile: symmetric memory's peers are not known here (%s)", error)
+    symm_mem.rendezvous(buffer, group_name)
     return buffer
-
-
-def peers(group_name: str, device: torch.device) -> Peers | None:
-    """Where the group's buffer on this device lies on every rank, the buffer made now if need
-    be (as for all_reduce_sum); None where there is none, or its peers are not known."""
-    buffer = _buffer(group_name, device) if device.type == "cuda" else None
-    return None if buffer is None else _peers.get(buffer.data_ptr())
 
 
 def _make_push(group_name: str, index: int, dtype: torch.dtype) -> Tensor:
@@ -276,15 +238,15 @@ def _make_push(group_name: str, index: int, dtype: torch.dtype) -> Tensor:
     handle = symm_mem.rendezvous(buffer, group_name)
     views = tuple(handle.get_buffer(r, (numel,), dtype) for r in range(handle.world_size))
     epoch = torch.zeros(2, dtype=torch.int32, device=device)
-    _push_peers[buffer.data_ptr()] = PushPeers(views, epoch, handle.rank, handle.world_size)
+    _push[buffer.data_ptr()] = PushBuffers(views, epoch, handle.rank, handle.world_size)
     return buffer
 
 
-def push_peers(group_name: str, device: torch.device, dtype: torch.dtype) -> PushPeers | None:
-    """The group's push buffer of dtype on every rank, made now if need be (a collective: every
-    rank asks alike); None where there is none."""
+def push_buffers(group_name: str, device: torch.device, dtype: torch.dtype) -> PushBuffers | None:
+    """The group's push buffers of dtype, made now if need be (a collective: every rank asks
+    alike); None where there are none (the reason is logged)."""
     buffer = _buffer(group_name, device, dtype) if device.type == "cuda" else None
-    return None if buffer is None else _push_peers.get(buffer.data_ptr())
+    return None if buffer is None else _push.get(buffer.data_ptr())
 
 
 def path() -> str:

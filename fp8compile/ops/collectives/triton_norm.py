@@ -1,21 +1,36 @@
-"""The all-reduce, the residual add and the RMSNorm after it in one Triton kernel, on symmetric
-memory: what follows a row-sharded linear (o or down projection) in a tensor-parallel decoder.
+"""The all-reduce, the residual add and the RMSNorm after it in one Triton kernel on symmetric
+memory, with no barrier: each rank pushes its row into every peer's buffer and waits on the
+values themselves. What follows a row-sharded linear (o or down projection) in a tensor-parallel
+decoder, where unfused a step runs symmetric memory's one-shot all-reduce, then Inductor's
+kernel for the residual add and the RMSNorm.
 
-Unfused, a decode step runs three things there: symmetric memory's one-shot all-reduce (a kernel
-and its barriers), then Inductor's kernel for the residual add and the RMSNorm, which reads the
-sum back. Here one program a row: it writes its row of this rank's partial into the rank's
-symmetric buffer, meets every peer's program of the same row (a barrier on the signal pads),
-reads the row from every rank's buffer and adds them in rank order (fp32, rounded to the dtype
-once, so every rank gets the same bits, and at two ranks NCCL's), adds the residual, and
-normalizes the row; a second barrier keeps the buffer's row until every peer has read it.
+As in TensorRT-LLM's "Lamport" one-shot all-reduce, a rank writes its row straight into its slot
+of every peer's buffer and reads the rows it needs from its own memory: one crossing of NVLink. A
+kernel that pulled instead (each rank staging its row in its own buffer, meeting every peer on
+the signal pads, reading each peer's row, and meeting them again before the buffer could be
+written anew: three round trips) took 7.2 us for a row of 4096 at two ranks where this one takes
+4.7 (`bench allreduce`), and a TP2 step of Llama-3-8B widths at batch 1 2.61 ms with it against
+2.44-2.45 with this one (2 x H200, BENCHMARKS.md, "Tensor parallel at 32 layers: the all-reduce
+pushed").
 
-The barrier is the one PyTorch's symmetric-memory kernels use on the same signal pads: a program
-sets its word in each peer's pad from 0 to 1 (spinning while a peer has not yet taken the
-previous one) and takes each peer's word in its own pad from 1 back to 0, every peer at once, a
-thread each (one after another, the round trips added up); every barrier leaves
-the pads as it found them, so these kernels and PyTorch's may share one buffer on one stream.
-Rounding follows the eager model: the reduced partials rounded to the dtype, the residual sum
-rounded, the normalized row rounded before the weight multiplies it (transformers' RMSNorm).
+What makes it safe:
+- Every element of a buffer holds either a peer's value or the sentinel, -0.0 (its bits: the
+  sign bit alone; symmetric.SENTINEL_BITS). A rank waits until no element of the slots it reads
+  holds the sentinel. So a value pushed as -0.0 travels as +0.0: the sum of partials changes
+  only where every partial was a zero (then +0.0 where NCCL could give -0.0).
+- Having read its slots, a rank puts the sentinel back in them.
+- A buffer is three thirds, taken in turn by the calls (an epoch: each rank's own count of its
+  calls, in its own memory, advanced by the last of a call's programs to finish). Every rank makes
+  the same calls in the same order, so the counts agree. A peer runs at most one call ahead of
+  this rank (its next call waits on this rank's row of this one), so while this rank reads a
+  third, a peer pushes into the next one at most, which this rank read and cleared two calls
+  before, in a kernel that ended before this one began.
+- The buffers hold the sentinel before any kernel runs: symmetric.push_buffers fills them and
+  waits for the device before the rendezvous lets a peer write.
+
+Rounding follows the eager model: the partials added in fp32 in rank order (the same bits on
+every rank, and at two ranks NCCL's) and rounded to the dtype once, the residual sum rounded, the
+normalized row rounded before the weight multiplies it (transformers' RMSNorm).
 """
 
 from __future__ import annotations
@@ -28,46 +43,13 @@ import triton.language as tl
 from torch import Tensor
 
 from ...numerics import next_pow2
+from .symmetric import SENTINEL_BITS, THIRDS
 
 NUM_WARPS = 8
-# The kernel takes each rank's buffer as a pointer argument of its own (b0 ... b7): Triton then
-# knows their alignment and reads a peer's row 16 bytes a load. Passed as integers from a table,
-# the buffers were read one bf16 a load (ld.volatile.global.b16 in the PTX; 2 x H200, 2026-11-29:
-# the step 1.04x slower fused than not, BENCHMARKS.md, "Tensor parallel at 32 layers").
+# Each rank's buffer is a pointer argument of its own (b0 ... b7): Triton then knows their alignment
+# and writes a peer 16 bytes a store. Passed as integers from a table, a buffer was accessed one
+# bf16 at a time (2 x H200, 2026-11-29: the fused step 1.04x slower than unfused).
 MAX_WORLD = 8
-
-
-# A value no signal word holds: a CAS that compares with it changes nothing (the lanes of _meet
-# that are done, or that stand for no rank).
-_NEVER: tl.constexpr = tl.constexpr(7)
-
-
-@triton.jit
-def _meet(pads, slot, rank, WORLD: tl.constexpr, PEERS: tl.constexpr):
-    """Every rank's program `slot` gets here before any goes on; what each wrote before is
-    visible to every peer after. One lane a peer (PEERS: WORLD rounded up to a power of two), so
-    the signals to all peers, and then the waits on them, go out at once rather than one peer
-    after another: each is a round trip over NVLink."""
-    tl.debug_barrier()  # the program's writes are done before its signals release them
-    lanes = tl.arange(0, PEERS)
-    peer = tl.minimum(lanes, WORLD - 1)  # a lane past the world repeats the last rank, as a no-op
-    theirs = tl.load(pads + peer).to(tl.pointer_type(tl.int32))
-    _swap_each(theirs + slot * WORLD + rank, lanes < WORLD, 0, 1, "release")  # this rank's word in theirs
-    mine = tl.load(pads + rank).to(tl.pointer_type(tl.int32))
-    _swap_each(mine + slot * WORLD + peer, lanes < WORLD, 1, 0, "acquire")  # each peer's word in this pad
-    tl.debug_barrier()
-
-
-@triton.jit
-def _swap_each(words, live, expect, new, SEM: tl.constexpr):
-    """Each live lane's word from `expect` to `new` (sys-scope compare-and-swap, spinning until
-    it holds `expect`); a lane done, or not live, compares with a value no word holds."""
-    done = live == 0
-    while tl.min(done.to(tl.int32), axis=0) == 0:
-        old = tl.atomic_cas(
-            words, tl.where(done, _NEVER, expect), tl.where(done, _NEVER, new), sem=SEM, scope="sys"
-        )
-        done = done | (old == expect)
 
 
 @triton.jit
@@ -107,26 +89,44 @@ def _all_reduce_rms_norm_kernel(
     b5,
     b6,
     b7,
-    pads,
+    epoch_ptr,
     rank,
+    rows,
     H,
+    third_numel,
     eps,
     WORLD: tl.constexpr,
-    PEERS: tl.constexpr,
+    BITS: tl.constexpr,
+    SENTINEL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     offsets = row.to(tl.int64) * H + cols
-    tl.store(own_ptr + offsets, tl.load(x_ptr + offsets, mask=mask), mask=mask)
-    _meet(pads, row, rank, WORLD, PEERS)
+    dtype = x_ptr.dtype.element_ty
+    bits_type = tl.int16 if BITS == 16 else tl.int32
+    epoch = tl.load(epoch_ptr, volatile=True)
+    third = (epoch % 3).to(tl.int64) * third_numel  # symmetric.THIRDS
+    slots = third + row.to(tl.int64) * WORLD * H  # this row's slots, one a rank, in every buffer
+
+    # this rank's row into its slot of every buffer, the sentinel's bits sent as +0.0
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    x = tl.where(x.to(bits_type, bitcast=True) == SENTINEL, tl.zeros_like(x), x)
+    for peer in tl.static_range(WORLD):
+        tl.store(_buffer(b0, b1, b2, b3, b4, b5, b6, b7, peer) + slots + rank * H + cols, x, mask=mask)
+
     total = tl.zeros([BLOCK], tl.float32)
     for peer in tl.static_range(WORLD):  # rank order on every rank: the same bits everywhere
-        theirs = _buffer(b0, b1, b2, b3, b4, b5, b6, b7, peer)
-        # .cg: past this SM's L1, which may hold the row an earlier call read
-        total += tl.load(theirs + offsets, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    dtype = x_ptr.dtype.element_ty
+        theirs = own_ptr + slots + peer * H + cols
+        value = tl.load(theirs, mask=mask, other=0.0, volatile=True)
+        while tl.max(((value.to(bits_type, bitcast=True) == SENTINEL) & mask).to(tl.int32), axis=0) > 0:
+            value = tl.load(theirs, mask=mask, other=0.0, volatile=True)
+        total += value.to(tl.float32)
+    sentinel = tl.full([BLOCK], SENTINEL, bits_type).to(dtype, bitcast=True)
+    for peer in tl.static_range(WORLD):  # read: the slots wait for the call three epochs on
+        tl.store(own_ptr + slots + peer * H + cols, sentinel, mask=mask)
+
     reduced = total.to(dtype).to(tl.float32)
     summed = (tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + reduced).to(dtype)
     tl.store(summed_ptr + offsets, summed, mask=mask)
@@ -134,8 +134,18 @@ def _all_reduce_rms_norm_kernel(
     normalized = (h * tl.rsqrt(tl.sum(h * h, axis=0) / H + eps)).to(dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(normed_ptr + offsets, (weight * normalized.to(tl.float32)).to(dtype), mask=mask)
-    # every peer has read this rank's row: the buffer may be written again
-    _meet(pads, row, rank, WORLD, PEERS)
+
+    # the last program of the call advances the epoch (every program read it before arriving)
+    arrived = tl.atomic_add(epoch_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if arrived == rows - 1:
+        tl.store(epoch_ptr + 1, 0)
+        tl.store(epoch_ptr, epoch + 1)
+
+
+def fits(rows: int, width: int, world: int, buffer_numel: int) -> bool:
+    """Whether a call of (rows, width) at `world` ranks fits a third of a buffer of that many
+    elements."""
+    return rows * world * width <= buffer_numel // THIRDS
 
 
 def all_reduce_rms_norm(
@@ -144,18 +154,22 @@ def all_reduce_rms_norm(
     weight: Tensor,
     eps: float,
     buffers: tuple[Tensor, ...],
-    pads: Tensor,
+    epoch: Tensor,
     rank: int,
 ) -> tuple[Tensor, Tensor]:
     """(weight * rms_norm(residual + sum over ranks of x), residual + that sum) for x and residual
-    (M, H) contiguous. buffers: every rank's symmetric buffer as a tensor of x's dtype on x's
-    device, in rank order (at most MAX_WORLD); pads: every rank's signal pad address (int64, on
-    x's device). Every rank of the group calls it with the same M and H; the caller checks that
-    the rows fit the buffer and the pads (op.py)."""
+    (M, H) contiguous. buffers: every rank's push buffer as a flat tensor of x's dtype on x's
+    device, in rank order (at most MAX_WORLD), holding the sentinel where no call has pushed;
+    epoch: this rank's int32 pair (calls made, programs of this call done), zeros at first.
+    Every rank of the group calls it with the same M and H, in the same order."""
     m, h = x.shape
     world = len(buffers)
     if not 1 <= world <= MAX_WORLD:
         raise ValueError(f"all_reduce_rms_norm takes 1 to {MAX_WORLD} ranks, got {world}")
+    numel = buffers[rank].numel()
+    if not fits(m, h, world, numel):
+        raise ValueError(f"{m} rows of {h} at {world} ranks do not fit a third of {numel} elements")
+    bits = x.element_size() * 8
     normed, summed = torch.empty_like(x), torch.empty_like(x)
     peers = (*buffers, *(buffers[0],) * (MAX_WORLD - world))
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
@@ -167,12 +181,15 @@ def all_reduce_rms_norm(
             summed,
             buffers[rank],
             *peers,
-            pads,
+            epoch,
             rank,
+            m,
             h,
+            numel // THIRDS,
             eps,
             WORLD=world,
-            PEERS=max(2, next_pow2(world)),
+            BITS=bits,
+            SENTINEL=SENTINEL_BITS[bits],
             BLOCK=next_pow2(h),
             num_warps=NUM_WARPS,
         )
