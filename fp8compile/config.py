@@ -27,10 +27,11 @@ FUSIONS = (
     "all_reduce_norm",
 )
 # Every fusion runs by default. all_reduce_norm was opt-in while its kernel made a tensor-parallel
-# step slower; since its 16-byte reads (416ab1c) and barriers that meet every peer at once
-# (8db3f8a) it makes the step faster: Llama-3-8B widths, 32 layers, TP2 on two H200s, each variant in a
-# process of its own, 2.61 / 3.37 ms a step at batch 1 / 16 against 2.74 / 3.55 without it
-# (BENCHMARKS.md, "Tensor parallel at 32 layers").
+# step slower; since its 16-byte accesses (416ab1c) it makes the step faster, and since its kernel
+# pushes each row to the peers with no barrier (35613c0) 1.12x and 1.11x: Llama-3-8B widths, 32
+# layers, TP2 on two H200s, each variant in a process of its own, 2.45 / 3.19 ms a step at batch
+# 1 / 16 against 2.74 / 3.54 without it (BENCHMARKS.md, "Tensor parallel at 32 layers: the
+# all-reduce pushed").
 DEFAULT_FUSIONS = FUSIONS
 
 # Small/large-M threshold for the torch.cond dispatch: M <= SMALL_M takes the decode path.
