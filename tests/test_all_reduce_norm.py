@@ -184,8 +184,9 @@ def test_the_fusion_runs_by_default(one_rank_group, kernel_serves):
     assert report.collectives == {0: {FP8COMPILE_ALL_REDUCE_NORM: 1}}
 
 
-def test_the_kernel_refuses_what_it_cannot_hold_before_looking_for_a_buffer():
+def test_the_kernel_refuses_what_it_cannot_hold_before_looking_for_a_buffer(monkeypatch):
     cuda = torch.device("cuda", 0)  # only its type is read before the buffer
+    monkeypatch.setattr(collectives, "_multiprocessors", lambda device: 132)
     assert collectives.fused_norm_refuses(1, 4096, torch.float8_e4m3fn, cuda, "0").startswith(
         "torch.float8_e4m3fn"
     )
@@ -197,6 +198,10 @@ def test_the_kernel_refuses_what_it_cannot_hold_before_looking_for_a_buffer():
         too_many, 4096, BF16, cuda, "0"
     )
     assert "not a whole number" in collectives.fused_norm_refuses(1, 4095, BF16, cuda, "0")
+    # a program a row, each waiting on its peers' programs of the row: no more rows than SMs
+    assert collectives.fused_norm_refuses(133, 1024, BF16, cuda, "0") == (
+        "133 rows, more than the GPU's 132 multiprocessors (a program a row, each waiting on its peers')"
+    )
 
 
 def _sentinel_only(buffer: torch.Tensor) -> bool:
@@ -310,6 +315,8 @@ def test_the_kernel_compiled_for_hopper_pushes_16_bytes_a_store_and_meets_no_pee
 
 
 def test_past_a_third_of_its_buffer_or_eight_ranks_the_kernel_refuses_and_says_which(monkeypatch):
+    monkeypatch.setattr(collectives, "_multiprocessors", lambda device: 256)
+
     def world_of(world: int):
         pushed = symmetric.PushBuffers((), torch.zeros(2, dtype=torch.int32), 0, world)
         monkeypatch.setattr(symmetric, "push_buffers", lambda group_name, device, dtype: pushed)

@@ -88,6 +88,12 @@ def fused_norm_refuses(
         return f"rows of {width}, past the {NORM_MAX_WIDTH} the kernel holds in registers"
     if rows == 0 or nbytes % symmetric.ALIGN or nbytes > symmetric.BUFFER_BYTES:
         return f"{nbytes} bytes a rank: not a whole number of {symmetric.ALIGN}-byte units in the buffer"
+    if rows > (sms := _multiprocessors(device)):
+        # a row's program waits for the peers' programs of that row: all must be resident at once
+        return (
+            f"{rows} rows, more than the GPU's {sms} multiprocessors "
+            "(a program a row, each waiting on its peers')"
+        )
     push = symmetric.push_buffers(group_name, device, dtype)
     if push is None:
         return "no push buffer for the group here (the all-reduces' path and the log say why)"
@@ -99,3 +105,8 @@ def fused_norm_refuses(
             "of a third of its push buffer (the all-reduce op and Inductor's norm serve it)"
         )
     return None
+
+
+def _multiprocessors(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
