@@ -1,6 +1,6 @@
 """all_reduce_norm pass: fp8compile's all-reduce (passes/all_reduce.py), the residual add that
 reads it and the RMSNorm of that sum -> fp8compile::all_reduce_rms_norm, one kernel on symmetric
-memory (ops/collectives/triton_norm.py).
+memory that pushes each rank's row to its peers (ops/collectives/triton_norm.py).
 
 In a tensor-parallel decoder every o and down projection's partial product is summed over the
 ranks, added to the residual stream, and the sum normalized for the next layer's projections:
@@ -14,9 +14,10 @@ in its place: out is a[0] and s, which the next residual add reads, a[1].
 
 It runs where its kernel serves the graph's sizes, so that no call falls back to running the
 arithmetic eagerly after the all-reduce, slower than Inductor's one kernel: the rows a known
-number (a graph per batch size), the all-reduce one symmetric memory serves with its one-shot
-kernel, and a buffer with its peers known. Elsewhere (a graph of symbolic rows, a prefill past
-the one-shot sizes, CPU tensors, no symmetric memory) the report says why, and the three stay.
+number (a graph per batch size), no more of them than the GPU has multiprocessors, what a rank
+takes in within the one-shot kernel's sizes, and the group's push buffers made. Elsewhere (a
+graph of symbolic rows, a prefill past those sizes, CPU tensors, no symmetric memory) the report
+says why, and the three stay.
 A norm of another form (Gemma's 1 + weight, a bias, a LayerNorm) is not matched.
 """
 
