@@ -20,7 +20,7 @@ from torch import nn
 import fp8compile
 from fp8compile.backend import FP8COMPILE_ALL_REDUCE
 from fp8compile.config import FUSIONS
-from fp8compile.ops.collectives import reference, symmetric
+from fp8compile.ops.collectives import op as collectives, reference, symmetric
 from fp8compile.passes.all_reduce import NO_CUDA_GRAPHS
 from tests import ranks
 from tests.conftest import golden_text
@@ -137,6 +137,27 @@ def test_a_cpu_tensor_takes_the_groups_own_collective_with_the_reason(one_rank_g
     assert symmetric.all_reduce_sum(x, one_rank_group) is None
     out = torch.ops.fp8compile.all_reduce(x, one_rank_group)
     assert torch.equal(out, x) and out.data_ptr() != x.data_ptr()  # a new tensor, as funcol's
+
+
+def test_the_push_kernel_sums_alone_on_one_rank_and_leaves_its_buffer_holding_the_sentinel():
+    """fp8compile::all_reduce's kernel at decode sizes (ops/collectives/triton_push.py, the sum
+    without the norm) on the CPU under Triton's interpreter, one rank: the sum is the input, a
+    -0.0 travels as +0.0 (the sentinel's bits), the epoch counts the calls, and every slot holds
+    the sentinel again. Three ranks, alternating with the norm, are in test_all_reduce_norm.py."""
+    pytest.importorskip("triton")
+    from fp8compile.ops.collectives import triton_push
+
+    x = torch.randint(-8, 9, (3, 320), generator=torch.Generator().manual_seed(0)).to(BF16)
+    x[0, :2] = -0.0
+    buffer = symmetric.sentinel_fill(torch.empty(3 * 3 * 320, dtype=BF16))
+    epoch = torch.zeros(2, dtype=torch.int32)
+    for call in range(4):
+        out = triton_push.all_reduce_sum(x * (call + 1), (buffer,), epoch, rank=0)
+        assert torch.equal(out, x * (call + 1)) and out.data_ptr() != x.data_ptr(), call
+        assert epoch.tolist() == [call + 1, 0], call
+        assert (buffer.view(torch.int16) == symmetric.SENTINEL_BITS[16]).all(), call
+    assert not out[0, :2].signbit().any()
+    assert collectives.PUSH_MAX_WORLD == triton_push.MAX_WORLD  # op.py says it without Triton
 
 
 def test_a_group_made_again_under_the_same_name_gets_a_symmetric_buffer_of_its_own(monkeypatch):

@@ -124,7 +124,7 @@ def test_the_ops_fallback_sums_adds_and_normalizes_as_transformers_rmsnorm(one_r
         )
         assert torch.equal(summed, residual + x)  # one rank's sum is its partial
         assert torch.equal(normed, norm(residual + x))
-    assert collectives.fused_norm_refuses(4, 256, BF16, x.device, one_rank_group).startswith(
+    assert collectives.push_refuses(4, 256, BF16, x.device, one_rank_group).startswith(
         "symmetric memory serves CUDA tensors"
     )
 
@@ -187,19 +187,17 @@ def test_the_fusion_runs_by_default(one_rank_group, kernel_serves):
 def test_the_kernel_refuses_what_it_cannot_hold_before_looking_for_a_buffer(monkeypatch):
     cuda = torch.device("cuda", 0)  # only its type is read before the buffer
     monkeypatch.setattr(collectives, "_multiprocessors", lambda device: 132)
-    assert collectives.fused_norm_refuses(1, 4096, torch.float8_e4m3fn, cuda, "0").startswith(
-        "torch.float8_e4m3fn"
-    )
-    assert collectives.fused_norm_refuses(1, 32768, BF16, cuda, "0") == (
+    assert collectives.push_refuses(1, 4096, torch.float8_e4m3fn, cuda, "0").startswith("torch.float8_e4m3fn")
+    assert collectives.push_refuses(1, 32768, BF16, cuda, "0") == (
         "rows of 32768, past the 16384 the kernel holds in registers"
     )
     too_many = symmetric.BUFFER_BYTES // (2 * 4096) + 1
-    assert "not a whole number of 16-byte units in the buffer" in collectives.fused_norm_refuses(
+    assert "not a whole number of 16-byte units in the buffer" in collectives.push_refuses(
         too_many, 4096, BF16, cuda, "0"
     )
-    assert "not a whole number" in collectives.fused_norm_refuses(1, 4095, BF16, cuda, "0")
+    assert "not a whole number" in collectives.push_refuses(1, 4095, BF16, cuda, "0")
     # a program a row, each waiting on its peers' programs of the row: no more rows than SMs
-    assert collectives.fused_norm_refuses(133, 1024, BF16, cuda, "0") == (
+    assert collectives.push_refuses(133, 1024, BF16, cuda, "0") == (
         "133 rows, more than the GPU's 132 multiprocessors (a program a row, each waiting on its peers')"
     )
 
@@ -218,7 +216,7 @@ def test_the_kernel_on_one_rank_sums_normalizes_and_leaves_its_buffer_holding_th
     bf16 units, the epoch advanced once a call, and every slot holding the sentinel again. A
     partial of -0.0, the sentinel's bits, travels as +0.0."""
     pytest.importorskip("triton")
-    from fp8compile.ops.collectives import triton_norm
+    from fp8compile.ops.collectives import triton_push
 
     gen = torch.Generator().manual_seed(0)
     x, residual = (torch.randint(-8, 9, (3, 320), generator=gen).to(dtype) for _ in range(2))
@@ -228,7 +226,7 @@ def test_the_kernel_on_one_rank_sums_normalizes_and_leaves_its_buffer_holding_th
     buffer = symmetric.sentinel_fill(torch.empty(3 * 3 * 320 + 5, dtype=dtype))
     epoch = torch.zeros(2, dtype=torch.int32)
     for call in range(4):
-        normed, summed = triton_norm.all_reduce_rms_norm(
+        normed, summed = triton_push.all_reduce_rms_norm(
             x * (call + 1), residual, weight, EPS, (buffer,), epoch, rank=0
         )
         expected = reference.add_rms_norm(x * (call + 1), residual, weight, EPS)
@@ -243,22 +241,27 @@ def test_the_kernel_on_one_rank_sums_normalizes_and_leaves_its_buffer_holding_th
 def _interpreted_rank(rank, port, out_dir, xs, residual, weight, buffers, epochs, summed, rows):
     """One rank of the kernel under Triton's interpreter: the buffers are host memory every
     rank's process maps (shared tensors), as symmetric memory's ranks map their peers'."""
-    from fp8compile.ops.collectives import triton_norm
+    from fp8compile.ops.collectives import triton_push
 
     for call, m in enumerate(rows):  # back to back, the rows of each call its own
         ranks.mark(out_dir, rank, f"call {call}")
-        _, out = triton_norm.all_reduce_rms_norm(
-            xs[rank][:m] * (call + 1), residual[:m], weight, EPS, tuple(buffers), epochs[rank], rank
-        )
+        x = xs[rank][:m] * (call + 1)
+        if call % 2:  # every other call the sum alone, as fp8compile::all_reduce runs it
+            out = triton_push.all_reduce_sum(x, tuple(buffers), epochs[rank], rank)
+        else:
+            _, out = triton_push.all_reduce_rms_norm(
+                x, residual[:m], weight, EPS, tuple(buffers), epochs[rank], rank
+            )
         summed[rank][call][:m].copy_(out)
     ranks.mark(out_dir, rank, "done")
 
 
 def test_on_three_interpreted_ranks_the_kernel_sums_in_rank_order_through_every_third(tmp_path):
     """The push protocol across ranks on the CPU: three processes, five calls back to back (past
-    the three thirds, and of 3, 1, 2, 3 and 1 rows). Each rank's sum is the partials added in
-    fp32 and rounded once (integers: exact in bf16), every rank's epoch counts the calls, and the
-    buffers hold nothing but the sentinel after the last."""
+    the three thirds, of 3, 1, 2, 3 and 1 rows, every other one the sum alone). Each rank's sum
+    is the partials added in fp32 and rounded once (integers: exact in bf16), the residual added
+    where the call adds it, every rank's epoch counts the calls, and the buffers hold nothing but
+    the sentinel after the last."""
     pytest.importorskip("triton")
     world, h, rows = 3, 320, (3, 1, 2, 3, 1)
     m = max(rows)
@@ -275,8 +278,8 @@ def test_on_three_interpreted_ranks_the_kernel_sums_in_rank_order_through_every_
     args = (xs, residual, weight, buffers, epochs, summed, rows)
     ranks.spawn(_interpreted_rank, world, tmp_path, 120, *args)
     for call, n in enumerate(rows):
-        partials = sum(x[:n].float() * (call + 1) for x in xs)
-        expected = (residual[:n].float() + partials.to(BF16).float()).to(BF16)
+        partials = sum(x[:n].float() * (call + 1) for x in xs).to(BF16)
+        expected = partials if call % 2 else (residual[:n].float() + partials.float()).to(BF16)
         assert all(torch.equal(summed[rank][call][:n], expected) for rank in range(world)), call
     assert all(e.tolist() == [len(rows), 0] for e in epochs)
     assert all(_sentinel_only(b) for b in buffers)
@@ -288,16 +291,16 @@ def _hopper_launch(world: int) -> dict:
     triton = pytest.importorskip("triton")
     if "nvidia" not in getattr(triton.backends, "backends", {}):
         pytest.skip("this Triton has no NVIDIA backend")
-    from fp8compile.ops.collectives import triton_norm
+    from fp8compile.ops.collectives import triton_push
 
     pointers = ["x_ptr", "residual_ptr", "weight_ptr", "normed_ptr", "summed_ptr", "own_ptr"]
-    pointers += [f"b{i}" for i in range(triton_norm.MAX_WORLD)]
+    pointers += [f"b{i}" for i in range(triton_push.MAX_WORLD)]
     return dict(
-        kernel="fp8compile.ops.collectives.triton_norm:_all_reduce_rms_norm_kernel",
+        kernel="fp8compile.ops.collectives.triton_push:_push_all_reduce_kernel",
         capability=90,
         pointers={**dict.fromkeys(pointers, "*bf16"), "epoch_ptr": "*i32", "rank": "i32", "eps": "fp32"},
-        constexprs=dict(WORLD=world, BITS=16, SENTINEL=symmetric.SENTINEL_BITS[16], BLOCK=4096),
-        num_warps=triton_norm.NUM_WARPS,
+        constexprs=dict(WORLD=world, BITS=16, SENTINEL=symmetric.SENTINEL_BITS[16], NORM=True, BLOCK=4096),
+        num_warps=triton_push.NUM_WARPS,
         num_stages=1,
     )
 
@@ -326,17 +329,16 @@ def test_past_a_third_of_its_buffer_or_eight_ranks_the_kernel_refuses_and_says_w
 
     cuda = torch.device("cuda", 0)
     world_of(2)
-    assert collectives.fused_norm_refuses(16, 4096, BF16, cuda, "0") is None
+    assert collectives.push_refuses(16, 4096, BF16, cuda, "0") is None
     # 2 ranks x 128 rows of 8 KB: 2 MiB a rank takes in, a third of the buffer; 256 rows are past it
     assert symmetric.PUSH_BYTES == symmetric.THIRDS * symmetric.ONE_SHOT_READ_BYTES
-    assert collectives.fused_norm_refuses(128, 4096, BF16, cuda, "0") is None
-    assert "4194304 bytes a rank takes in, past the 2097152" in collectives.fused_norm_refuses(
+    assert collectives.push_refuses(128, 4096, BF16, cuda, "0") is None
+    assert "4194304 bytes a rank takes in, past the 2097152" in collectives.push_refuses(
         256, 4096, BF16, cuda, "0"
     )
     world_of(16)
     assert (
-        collectives.fused_norm_refuses(1, 4096, BF16, cuda, "0")
-        == "16 ranks; the kernel writes at most 8 buffers"
+        collectives.push_refuses(1, 4096, BF16, cuda, "0") == "16 ranks; the kernel writes at most 8 buffers"
     )
 
 
@@ -348,7 +350,7 @@ def _two_gpu_worker(rank: int, port: int, out_dir: str) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=2)
     group = dist.group.WORLD.group_name
-    results = {"refuses": collectives.fused_norm_refuses(1, 4096, BF16, torch.device("cuda", rank), group)}
+    results = {"refuses": collectives.push_refuses(1, 4096, BF16, torch.device("cuda", rank), group)}
     try:
         for m in (1, 16, 64):
             ranks.mark(out_dir, rank, f"the op's eager calls at m={m}")

@@ -72,7 +72,7 @@ def bench_allreduce(
 
 EPS = 1e-5
 # The all-reduce with the residual add and RMSNorm after it, in one kernel where it serves
-# (fp8compile::all_reduce_rms_norm, ops/collectives/triton_norm.py): timed to its normalized row.
+# (fp8compile::all_reduce_rms_norm, ops/collectives/triton_push.py): timed to its normalized row.
 NORM = "fp8compile_norm"
 
 
@@ -83,7 +83,7 @@ def _norm(residual, weight, group: str):
 
     def run(x):
         rows, h = x.shape
-        if op.fused_norm_refuses(rows, h, x.dtype, x.device, group) is not None:
+        if op.push_refuses(rows, h, x.dtype, x.device, group) is not None:
             return None
         return torch.ops.fp8compile.all_reduce_rms_norm(x, residual, weight, EPS, group)[0]
 

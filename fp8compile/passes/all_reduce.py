@@ -1,10 +1,11 @@
 """all_reduce pass: a sharded model's functional sum all-reduce and its wait ->
-fp8compile::all_reduce, which takes symmetric memory's one-shot and two-shot kernels at the sizes
-a decode step moves and the group's own collective (NCCL) above them (ops/collectives/).
+fp8compile::all_reduce, which takes our push kernel at the sizes a decode step moves
+(ops/collectives/triton_push.py), symmetric memory's one-shot and two-shot kernels past them, and
+the group's own collective (NCCL) past its buffer (ops/collectives/).
 
-The rewrite also makes the op's symmetric buffer for the group and device (on every rank: they
+The rewrite also makes the op's symmetric buffers for the group and device (on every rank: they
 compile the same graph together), before the graph's first call: under reduce-overhead that
-call runs inside CUDA-graph trees' memory pool, which must not keep it (ops/collectives/
+call runs inside CUDA-graph trees' memory pool, which must not keep them (ops/collectives/
 symmetric.py). Where symmetric memory is not there (CPU tensors, no NVLink peers, an older
 torch), the op runs the group's own collective; the report says which, and why.
 
@@ -36,7 +37,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ..ops.collectives import symmetric
+from ..ops.collectives import op as collectives, symmetric
 from .context import PassContext
 
 log = logging.getLogger(__name__)
@@ -76,10 +77,13 @@ def all_reduce_pass(ctx: PassContext) -> None:
         wait.replace_all_uses_with(fused)
         graph.erase_node(wait)
         graph.erase_node(node)
-        device = x.meta["val"].device
+        device, dtype = x.meta["val"].device, x.meta["val"].dtype
         if (group_name, device) not in prepared:
             prepared.add((group_name, device))
             ctx.report.all_reduce_paths[f"{group_name} on {device}"] = _prepare(group_name, device)
+        if (group_name, device, dtype) not in prepared:
+            prepared.add((group_name, device, dtype))
+            _prepare_push(group_name, device, dtype)
     if past:
         sizes = ", ".join(str(b) for b in sorted(past))
         ctx.report.all_reduce_paths[f"graph {ctx.graph_index}, past the symmetric buffer"] = (
@@ -107,3 +111,12 @@ def _prepare(group_name: str, device: torch.device) -> str:
         log.warning("fp8compile: group %s's all-reduces take its own collective: %s", group_name, reason)
         return f"the group's own collective ({reason})"
     return symmetric.path()
+
+
+def _prepare_push(group_name: str, device: torch.device, dtype: torch.dtype) -> None:
+    """The group's push buffers of dtype made on this device where the push kernel takes them
+    (a collective, as every rank compiles alike); where they cannot be, the op takes symmetric
+    memory's kernels, and the log says why."""
+    if device.type == "cuda" and dtype in collectives.PUSH_DTYPES and symmetric.available() is None:
+        with unset_fake_temporarily():
+            symmetric.push_buffers(group_name, device, dtype)

@@ -1,6 +1,6 @@
 """all_reduce_norm pass: fp8compile's all-reduce (passes/all_reduce.py), the residual add that
 reads it and the RMSNorm of that sum -> fp8compile::all_reduce_rms_norm, one kernel on symmetric
-memory that pushes each rank's row to its peers (ops/collectives/triton_norm.py).
+memory that pushes each rank's row to its peers (ops/collectives/triton_push.py).
 
 In a tensor-parallel decoder every o and down projection's partial product is summed over the
 ranks, added to the residual stream, and the sum normalized for the next layer's projections:
@@ -131,7 +131,7 @@ def kernel_refuses(site: Site) -> str | None:
     if not isinstance(rows, int) or not isinstance(x.shape[-1], int):
         return "the rows are not a known number (a graph per batch size has them)"
     with unset_fake_temporarily():  # a buffer not made yet is made now, of real memory
-        return collectives.fused_norm_refuses(rows, x.shape[-1], x.dtype, x.device, site.all_reduce.args[1])
+        return collectives.push_refuses(rows, x.shape[-1], x.dtype, x.device, site.all_reduce.args[1])
 
 
 def _rewrite(ctx: PassContext, site: Site) -> None:

@@ -1,12 +1,15 @@
 """fp8compile's collectives (torch.library, ops/library.py), each with its fake below it:
 
-- all_reduce: the sum of x over a process group's ranks, on symmetric memory's kernels where they
-  serve the call (symmetric.py), else on the group's own collective (reference.py); the
-  all_reduce pass puts it where a sharded model's graph held a functional sum all-reduce.
-- all_reduce_rms_norm: that sum added to the residual stream and normalized, in one kernel of
-  ours on symmetric memory (triton_norm.py) where it serves the call, else all_reduce and the
-  same arithmetic (reference.py); the all_reduce_norm pass puts it where a graph's all-reduce
-  fed the residual add and an RMSNorm.
+- all_reduce: the sum of x over a process group's ranks: our push kernel on symmetric memory
+  (triton_push.py) where it serves the call, else symmetric memory's one-shot and two-shot
+  kernels (symmetric.py), else the group's own collective (reference.py); the all_reduce pass
+  puts it where a sharded model's graph held a functional sum all-reduce.
+- all_reduce_rms_norm: that sum added to the residual stream and normalized, in the push kernel
+  where it serves the call, else all_reduce and the same arithmetic (reference.py); the
+  all_reduce_norm pass puts it where a graph's all-reduce fed the residual add and an RMSNorm.
+
+Every rank decides alike which kernel serves a call, from what they share (sizes, dtype, the
+buffers made, whether a capture is running): the ranks of one program make the same calls.
 """
 
 from __future__ import annotations
@@ -17,16 +20,26 @@ from torch import Tensor
 from ..library import fake, op
 from . import reference, symmetric
 
-# The fused kernel holds a row in registers (8 warps: 64 fp32 values a thread for each of the
-# sum and the weight at this width), and takes the dtypes an RMSNorm's input comes in.
-NORM_MAX_WIDTH = 16384
-NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-NORM_MAX_WORLD = 8  # triton_norm.MAX_WORLD (that module imports Triton)
+# The push kernel holds a row in registers (8 warps: 64 fp32 values a thread for each of the sum
+# and the weight at this width), and takes the dtypes an RMSNorm's input comes in.
+PUSH_MAX_WIDTH = 16384
+PUSH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PUSH_MAX_WORLD = 8  # triton_push.MAX_WORLD (that module imports Triton)
 
 
 @op
 def all_reduce(x: Tensor, group_name: str) -> Tensor:
     """x summed over the ranks of the group named group_name; a new tensor of x's shape."""
+    width = x.shape[-1] if x.dim() else 1
+    rows = x.numel() // width if width else 0
+    if push_refuses(rows, width, x.dtype, x.device, group_name) is None:
+        from . import triton_push  # Triton, imported where a GPU runs the kernel
+
+        push = symmetric.push_buffers(group_name, x.device, x.dtype)
+        out = triton_push.all_reduce_sum(
+            x.reshape(rows, width).contiguous(), push.views, push.epoch, push.rank
+        )
+        return out.view(x.shape)
     out = symmetric.all_reduce_sum(x, group_name)
     return out if out is not None else reference.all_reduce_sum(x, group_name).contiguous()
 
@@ -49,12 +62,12 @@ def all_reduce_rms_norm(
         residual.shape == x.shape
         and residual.dtype == x.dtype == weight.dtype
         and weight.shape == (h,)
-        and fused_norm_refuses(rows, h, x.dtype, x.device, group_name) is None
+        and push_refuses(rows, h, x.dtype, x.device, group_name) is None
     ):
-        from . import triton_norm  # Triton, imported where a GPU runs the kernel
+        from . import triton_push  # Triton, imported where a GPU runs the kernel
 
         push = symmetric.push_buffers(group_name, x.device, x.dtype)
-        normed, summed = triton_norm.all_reduce_rms_norm(
+        normed, summed = triton_push.all_reduce_rms_norm(
             x.reshape(rows, h).contiguous(),
             residual.reshape(rows, h).contiguous(),
             weight.contiguous(),
@@ -73,19 +86,19 @@ def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float, group_name: str) 
     return out, torch.empty_like(out)
 
 
-def fused_norm_refuses(
+def push_refuses(
     rows: int, width: int, dtype: torch.dtype, device: torch.device, group_name: str
 ) -> str | None:
-    """None where all_reduce_rms_norm's kernel serves (rows, width) of dtype on this device for
-    the group (its push buffers made now if need be: a collective, as all ranks compile alike),
-    else why not. Every rank decides alike: from sizes, dtype and the buffer."""
+    """None where the push kernel (triton_push.py) serves (rows, width) of dtype on this device
+    for the group (its push buffers made now if need be: a collective, as all ranks compile and
+    call alike), else why not. Every rank decides alike: from sizes, dtype and the buffers."""
     nbytes = rows * width * dtype.itemsize
     if device.type != "cuda":
         return f"symmetric memory serves CUDA tensors; these are {device.type}"
-    if dtype not in NORM_DTYPES:
-        return f"{dtype} (the kernel takes {', '.join(map(str, NORM_DTYPES))})"
-    if width > NORM_MAX_WIDTH:
-        return f"rows of {width}, past the {NORM_MAX_WIDTH} the kernel holds in registers"
+    if dtype not in PUSH_DTYPES:
+        return f"{dtype} (the kernel takes {', '.join(map(str, PUSH_DTYPES))})"
+    if width > PUSH_MAX_WIDTH:
+        return f"rows of {width}, past the {PUSH_MAX_WIDTH} the kernel holds in registers"
     if rows == 0 or nbytes % symmetric.ALIGN or nbytes > symmetric.BUFFER_BYTES:
         return f"{nbytes} bytes a rank: not a whole number of {symmetric.ALIGN}-byte units in the buffer"
     if rows > (sms := _multiprocessors(device)):
@@ -97,12 +110,12 @@ def fused_norm_refuses(
     push = symmetric.push_buffers(group_name, device, dtype)
     if push is None:
         return "no push buffer for the group here (the all-reduces' path and the log say why)"
-    if push.world > NORM_MAX_WORLD:
-        return f"{push.world} ranks; the kernel writes at most {NORM_MAX_WORLD} buffers"
+    if push.world > PUSH_MAX_WORLD:
+        return f"{push.world} ranks; the kernel writes at most {PUSH_MAX_WORLD} buffers"
     if push.world * nbytes > symmetric.ONE_SHOT_READ_BYTES:
         return (
             f"{push.world * nbytes} bytes a rank takes in, past the {symmetric.ONE_SHOT_READ_BYTES} "
-            "of a third of its push buffer (the all-reduce op and Inductor's norm serve it)"
+            "of a third of its push buffer (symmetric memory's two-shot kernel or NCCL serve it)"
         )
     return None
 

@@ -28,10 +28,10 @@ A group destroyed and made again takes the same name ("0" for the default group)
 are keyed by name, but each remembers the group object it was made for, and a group of the
 same name that is another object gets a buffer (and a world size) of its own.
 
-Beside it, made and kept alike: a push buffer per (group, device, dtype) for the fused all-reduce
-and RMSNorm (triton_norm.py), where each rank writes its row into every peer's buffer. It holds a
-sentinel wherever no value waits to be read, so it is filled, and the fill waited for, before
-its rendezvous lets any peer write into it.
+Beside it, made and kept alike: a push buffer per (group, device, dtype) for our push kernel
+(triton_push.py: the all-reduce, alone or with the residual add and RMSNorm after it), where each
+rank writes its row into every peer's buffer. It holds a sentinel wherever no value waits to be
+read, so it is filled, and the fill waited for, before its rendezvous lets any peer write into it.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ BUFFER_BYTES = 4 * 2**20
 DTYPES = (torch.bfloat16, torch.float32)
 ALIGN = 16
 
-# The fused all-reduce and RMSNorm's buffers (triton_norm.py), one a dtype: three thirds, each as
-# large as what the one-shot kernel reads.
+# The push kernel's buffers (triton_push.py), one a dtype: three thirds, each as large as what the
+# one-shot kernel reads.
 THIRDS = 3
 PUSH_BYTES = THIRDS * ONE_SHOT_READ_BYTES
 # Where no call has pushed, a push buffer holds -0.0: by the dtype's width, its bits.
@@ -69,7 +69,7 @@ _push: dict[int, PushBuffers] = {}
 
 @dataclass
 class PushBuffers:
-    """A group's push buffers of one dtype (triton_norm.py): every rank's, in rank order, as a
+    """A group's push buffers of one dtype (triton_push.py): every rank's, in rank order, as a
     flat tensor of the dtype this device can write; this rank's epoch (an int32 pair on this
     device: calls made, programs of the call done); this rank; the world."""
 
@@ -252,8 +252,10 @@ def push_buffers(group_name: str, device: torch.device, dtype: torch.dtype) -> P
 def path() -> str:
     """What the op runs where symmetric memory serves, in words (the report's)."""
     return (
-        f"symmetric memory's one-shot kernel up to {ONE_SHOT_READ_BYTES // 2**20} MiB read a rank "
-        f"(world x bytes), its two-shot kernel up to the {BUFFER_BYTES // 2**20} MiB buffer, NCCL above"
+        f"fp8compile's push kernel up to {ONE_SHOT_READ_BYTES // 2**20} MiB taken in a rank (world x "
+        "bytes) and a row a multiprocessor, else symmetric memory's one-shot kernel up to "
+        f"{ONE_SHOT_READ_BYTES // 2**20} MiB read a rank, its two-shot kernel up to the "
+        f"{BUFFER_BYTES // 2**20} MiB buffer, NCCL above"
     )
 
 

@@ -1,17 +1,20 @@
-"""The all-reduce, the residual add and the RMSNorm after it in one Triton kernel on symmetric
-memory, with no barrier: each rank pushes its row into every peer's buffer and waits on the
-values themselves. What follows a row-sharded linear (o or down projection) in a tensor-parallel
-decoder, where unfused a step runs symmetric memory's one-shot all-reduce, then Inductor's
-kernel for the residual add and the RMSNorm.
+"""The sum all-reduce on symmetric memory with no barrier, alone or with the residual add and the
+RMSNorm after it, in one Triton kernel: each rank pushes its row into every peer's buffer and
+waits on the values themselves. What follows a row-sharded linear (o or down projection) in a
+tensor-parallel decoder, where otherwise a step runs symmetric memory's one-shot all-reduce, then
+Inductor's kernel for the residual add and the RMSNorm.
 
 As in TensorRT-LLM's "Lamport" one-shot all-reduce, a rank writes its row straight into its slot
 of every peer's buffer and reads the rows it needs from its own memory: one crossing of NVLink. A
 kernel that pulled instead (each rank staging its row in its own buffer, meeting every peer on
 the signal pads, reading each peer's row, and meeting them again before the buffer could be
 written anew: three round trips) took 7.2 us for a row of 4096 at two ranks where this one takes
-4.7 (`bench allreduce`), and a TP2 step of Llama-3-8B widths at batch 1 2.61 ms with it against
-2.44-2.45 with this one (2 x H200, BENCHMARKS.md, "Tensor parallel at 32 layers: the all-reduce
-pushed").
+4.7 with the norm (`bench allreduce`), and a TP2 step of Llama-3-8B widths at batch 1 2.61 ms
+with it against 2.44-2.45 with this one (2 x H200, BENCHMARKS.md, "Tensor parallel at 32 layers:
+the all-reduce pushed"). Symmetric memory's one-shot kernel, which reads every peer's buffer
+between two barriers, took 6.6 us for the sum alone there, and more than this kernel with the
+norm at every size measured (up to 128 rows of 4096 and 64 of 8192), so the sum alone runs here
+too.
 
 What makes it safe:
 - Every element of a buffer holds either a peer's value or the sentinel, -0.0 (its bits: the
@@ -74,7 +77,7 @@ def _buffer(b0, b1, b2, b3, b4, b5, b6, b7, RANK: tl.constexpr):
 
 
 @triton.jit
-def _all_reduce_rms_norm_kernel(
+def _push_all_reduce_kernel(
     x_ptr,
     residual_ptr,
     weight_ptr,
@@ -98,8 +101,11 @@ def _all_reduce_rms_norm_kernel(
     WORLD: tl.constexpr,
     BITS: tl.constexpr,
     SENTINEL: tl.constexpr,
+    NORM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """NORM: normed = weight * rms_norm(residual + sum), summed = residual + sum; else summed =
+    the sum alone (residual, weight and normed unread)."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -127,13 +133,16 @@ def _all_reduce_rms_norm_kernel(
     for peer in tl.static_range(WORLD):  # read: the slots wait for the call three epochs on
         tl.store(own_ptr + slots + peer * H + cols, sentinel, mask=mask)
 
-    reduced = total.to(dtype).to(tl.float32)
-    summed = (tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + reduced).to(dtype)
-    tl.store(summed_ptr + offsets, summed, mask=mask)
-    h = summed.to(tl.float32)
-    normalized = (h * tl.rsqrt(tl.sum(h * h, axis=0) / H + eps)).to(dtype)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(normed_ptr + offsets, (weight * normalized.to(tl.float32)).to(dtype), mask=mask)
+    if NORM:
+        reduced = total.to(dtype).to(tl.float32)
+        summed = (tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + reduced).to(dtype)
+        tl.store(summed_ptr + offsets, summed, mask=mask)
+        h = summed.to(tl.float32)
+        normalized = (h * tl.rsqrt(tl.sum(h * h, axis=0) / H + eps)).to(dtype)
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(normed_ptr + offsets, (weight * normalized.to(tl.float32)).to(dtype), mask=mask)
+    else:
+        tl.store(summed_ptr + offsets, total.to(dtype), mask=mask)
 
     # the last program of the call advances the epoch (every program read it before arriving)
     arrived = tl.atomic_add(epoch_ptr + 1, 1, sem="acq_rel", scope="gpu")
@@ -161,19 +170,32 @@ def all_reduce_rms_norm(
     (M, H) contiguous. buffers: every rank's push buffer as a flat tensor of x's dtype on x's
     device, in rank order (at most MAX_WORLD), holding the sentinel where no call has pushed;
     epoch: this rank's int32 pair (calls made, programs of this call done), zeros at first.
-    Every rank of the group calls it with the same M and H, in the same order."""
+    Every rank of the group calls it (or all_reduce_sum) with the same M and H, in the same order."""
+    normed, summed = torch.empty_like(x), torch.empty_like(x)
+    _launch(x, residual, weight, normed, summed, eps, buffers, epoch, rank, norm=True)
+    return normed, summed
+
+
+def all_reduce_sum(x: Tensor, buffers: tuple[Tensor, ...], epoch: Tensor, rank: int) -> Tensor:
+    """The sum over ranks of x (M, H) contiguous, a new tensor; buffers, epoch and the order of
+    calls as all_reduce_rms_norm's, whose calls it shares them with."""
+    out = torch.empty_like(x)
+    _launch(x, x, x[0], out, out, 0.0, buffers, epoch, rank, norm=False)
+    return out
+
+
+def _launch(x, residual, weight, normed, summed, eps, buffers, epoch, rank, norm: bool) -> None:
     m, h = x.shape
     world = len(buffers)
     if not 1 <= world <= MAX_WORLD:
-        raise ValueError(f"all_reduce_rms_norm takes 1 to {MAX_WORLD} ranks, got {world}")
+        raise ValueError(f"the push all-reduce takes 1 to {MAX_WORLD} ranks, got {world}")
     numel = buffers[rank].numel()
     if not fits(m, h, world, numel):
         raise ValueError(f"{m} rows of {h} at {world} ranks do not fit a third of {numel} elements")
     bits = x.element_size() * 8
-    normed, summed = torch.empty_like(x), torch.empty_like(x)
     peers = (*buffers, *(buffers[0],) * (MAX_WORLD - world))
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
-        _all_reduce_rms_norm_kernel[(m,)](
+        _push_all_reduce_kernel[(m,)](
             x,
             residual,
             weight,
@@ -190,7 +212,7 @@ def all_reduce_rms_norm(
             WORLD=world,
             BITS=bits,
             SENTINEL=SENTINEL_BITS[bits],
+            NORM=norm,
             BLOCK=next_pow2(h),
             num_warps=NUM_WARPS,
         )
-    return normed, summed
