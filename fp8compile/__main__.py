@@ -28,10 +28,11 @@ def _shape(text: str) -> tuple[int, int]:
 
 
 def _variant_name(text: str) -> str:
-    from .bench.variants import split_variant
+    from .bench.variants import inductor_options, split_variant
 
     try:
         split_variant(text)
+        inductor_options(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
@@ -277,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         type=_variant_name,
         help=f"`bench model`: variants (default: all): {', '.join(VARIANTS)}; an fp8 one may add "
-        "Fp8Config options, e.g. fp8_ro+large_m=1536 (beside fp8_ro: the option's A/B in one run)",
+        "Fp8Config options, e.g. fp8_ro+large_m=1536 (beside fp8_ro: the option's A/B in one run), and "
+        "any that Inductor compiles Inductor's own, e.g. bf16_inductor_ro+inductor.combo_kernels=true",
     )
     bench.add_argument(
         "--layers", type=int, default=None, help="`bench model`: cut every model to this many layers"

@@ -467,6 +467,64 @@ def test_bench_model_variant_options_run_the_named_variant_with_those_config_opt
     )
 
 
+def test_bench_model_runs_a_variant_under_its_inductor_options_and_puts_the_config_back(
+    tmp_path, monkeypatch
+):
+    """What each variant's prefill and decode see of torch._inductor.config: its own
+    +inductor.KEY=VALUE, then the process's as it was, for the next variant and after the run.
+    (The measurements stand in: nothing compiles here.)"""
+    import torch._inductor.config as inductor_config
+
+    from fp8compile.bench import model as model_bench
+
+    seen = []
+
+    def prefill_and_accuracy(subject, variant, *args):
+        seen.append((variant.name, "prefill", inductor_config.combo_kernel_max_num_nodes))
+        return []
+
+    def decode(subject, variant, batch, *args):
+        seen.append((variant.name, "decode", inductor_config.combo_kernel_max_num_nodes))
+        return dict(kind="decode", batch=batch, tokens_per_s=1.0, ms_per_step=1.0)
+
+    monkeypatch.setattr(model_bench, "prefill_and_accuracy", prefill_and_accuracy)
+    monkeypatch.setattr(model_bench, "decode", decode)
+    before = inductor_config.combo_kernel_max_num_nodes
+    ab = "bf16_inductor+inductor.combo_kernel_max_num_nodes=3"
+    model_bench.bench_model(tmp_path, **TINY_BENCH, variants=[ab, "bf16_inductor"], repeat=1)
+    assert seen == [
+        (ab, "prefill", 3),
+        (ab, "decode", 3),
+        ("bf16_inductor", "prefill", before),
+        ("bf16_inductor", "decode", before),
+    ]
+    assert inductor_config.combo_kernel_max_num_nodes == before
+
+
+def test_bench_model_inductor_options_set_inductors_config_on_either_side():
+    """+inductor.KEY=VALUE: an A/B of Inductor's own config, on bf16 and fp8 variants alike,
+    typed as the entry's default; an entry Inductor lacks, a bad switch, or an eager variant is
+    an error that says so."""
+    from fp8compile.bench.variants import make_variant, split_variant
+
+    for base in ("bf16_inductor_ro_lean", "fp8_ro_lean"):
+        name = f"{base}+inductor.combo_kernels=true+inductor.combo_kernel_max_num_nodes=4"
+        ab, plain = make_variant(name), make_variant(base)
+        assert ab.name == name and ab.mode == plain.mode and ab.lean
+        assert ab.inductor == {"combo_kernels": True, "combo_kernel_max_num_nodes": 4}
+        assert plain.inductor == {}
+        assert split_variant(name) == (base, {})
+    both = make_variant("fp8_ro+split_kv=false+inductor.combo_kernels=false")
+    assert both.inductor == {"combo_kernels": False} and both.backend.config.split_kv is False
+    for bad, says in (
+        ("fp8_ro+inductor.no_such_entry=1", "an entry of torch._inductor.config"),
+        ("fp8_ro+inductor.combo_kernels=maybe", "takes true or false"),
+        ("bf16+inductor.combo_kernels=true", "runs eagerly"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            make_variant(bad)
+
+
 @pytest.mark.parametrize(
     "name, error",
     [

@@ -209,6 +209,8 @@ def bench_model(
                 # memory columns count another's (the copies live as long as the parameters).
                 torch._dynamo.reset()
                 torch._inductor.config.load_config(inductor_config)
+                for key, value in variant.inductor.items():  # +inductor.KEY=VALUE
+                    setattr(torch._inductor.config, key, value)
                 fp8compile.drop_fp8_weights()
                 gc.collect()
                 if device.type == "cuda":
@@ -310,6 +312,7 @@ def bench_model(
                     _write(out_dir, rows)
                     if index + 1 < len(ordered) or model_name != models[-1]:
                         print(model_table(rows))
+            torch._inductor.config.load_config(inductor_config)  # as the process had it
             del model, checkpoint
     if leader:
         print(model_table(rows))

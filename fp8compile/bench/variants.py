@@ -1,6 +1,9 @@
 """What `bench model` compares: each variant a backend and a compile mode (bf16 eager, bf16
-Inductor, fp8 in both modes, rowwise, torchao, the user's own compile), and the generic
-fp8[_ro]+KEY=VALUE form for an option's A/B."""
+Inductor, fp8 in both modes, rowwise, torchao, the user's own compile), the generic
+fp8[_ro]+KEY=VALUE form for an option's A/B, and +inductor.KEY=VALUE on any variant Inductor
+compiles, for an A/B of Inductor's own config on both sides (bf16_inductor_ro_lean and
+fp8_ro_lean +inductor.combo_kernels=true: Inductor's horizontal fusion of a layer's small
+kernels)."""
 
 from __future__ import annotations
 
@@ -63,6 +66,8 @@ class Variant:
     checkpoint: bool = False  # the model saved as a block-FP8 checkpoint and loaded back (fp8_checkpoint.py)
     # torch.compile's dynamic; False when sharded (tp.py: DTensor under automatic dynamic shapes fails)
     dynamic: bool | None = None
+    # torch._inductor.config entries this variant compiles under (+inductor.KEY=VALUE)
+    inductor: dict = dataclasses.field(default_factory=dict)
 
     def compile_config(self, device):
         from transformers.generation.configuration_utils import CompileConfig
@@ -76,11 +81,15 @@ class Variant:
         return config
 
 
+INDUCTOR = "inductor."
+
+
 def split_variant(name: str) -> tuple[str, dict]:
     """ "fp8_ro+large_m=1536+autotune=true" -> ("fp8_ro", {"large_m": 1536, "autotune": True}):
     a named variant and the Fp8Config options it runs with on top of its own (an A/B of an
-    option in one run, on one host). Raises ValueError on an unknown variant or option."""
-    base, *options = name.split("+")
+    option in one run, on one host); +inductor.KEY=VALUE parts are inductor_options'. Raises
+    ValueError on an unknown variant or option."""
+    base, *options = (part for part in name.split("+") if not part.startswith(INDUCTOR))
     if base not in VARIANTS:
         raise ValueError(f"unknown variant {base!r}; valid: {', '.join(VARIANTS)}")
     if options and not base.startswith("fp8"):
@@ -88,6 +97,31 @@ def split_variant(name: str) -> tuple[str, dict]:
             f"{name!r}: +KEY=VALUE options set fp8compile's config; {base!r} is not an fp8 variant"
         )
     return base, dict(parse_option(option) for option in options)
+
+
+def inductor_options(name: str) -> dict:
+    """ "bf16_inductor_ro_lean+inductor.combo_kernels=true" -> {"combo_kernels": True}: the
+    torch._inductor.config entries a variant compiles under, each typed as the entry's default
+    is (true/false, an integer, a number, text). Raises ValueError on an entry Inductor lacks."""
+    import torch._inductor.config as config
+
+    found = {}
+    for part in name.split("+")[1:]:
+        if not part.startswith(INDUCTOR):
+            continue
+        key, sep, text = part.removeprefix(INDUCTOR).partition("=")
+        if not sep or not hasattr(config, key):
+            raise ValueError(f"{part!r}: not inductor.KEY=VALUE with KEY an entry of torch._inductor.config")
+        default = getattr(config, key)
+        if isinstance(default, bool):
+            if text.lower() not in ("true", "false"):
+                raise ValueError(f"{part!r}: {key} takes true or false")
+            found[key] = text.lower() == "true"
+        elif isinstance(default, (int, float)):
+            found[key] = type(default)(text)
+        else:
+            found[key] = text
+    return found
 
 
 def composition_recipes(names, recipe: str) -> list[str]:
@@ -111,6 +145,16 @@ def is_checkpoint_variant(name: str) -> bool:
 def make_variant(name: str, recipe: str = "block"):
     """The Variant for a name (a named variant, with +KEY=VALUE options if an fp8 one), or None
     where it cannot run here (with the reason printed); the fp8 variants in `recipe`."""
+    inductor = inductor_options(name)
+    if inductor:
+        variant = make_variant("+".join(p for p in name.split("+") if not p.startswith(INDUCTOR)), recipe)
+        if variant is None:
+            return None
+        if variant.backend is None:
+            raise ValueError(
+                f"{name!r}: +inductor.KEY=VALUE sets Inductor's config; this variant runs eagerly"
+            )
+        return dataclasses.replace(variant, name=name, inductor=inductor)
     base, options = split_variant(name)
     if options:
         variant = make_variant(base, recipe)
