@@ -29,7 +29,8 @@ def shared_bytes(launches: list[dict]) -> list[int]:
 
 
 def global_loads(launches: list[dict]) -> list[list[str]]:
-    """Each launch's global load instructions ("ld.global.cg.v4.b32", ...), in PTX order."""
+    """Each launch's global load instructions ("ld.global.cg.v4.b32", "ld.volatile.global.b32",
+    ...), in PTX order."""
     return _run(launches, "loads")
 
 
@@ -86,7 +87,7 @@ def _compile(launch: dict):
 def _answer(launch: dict, what: str):
     compiled = _compile(launch)
     if what == "loads":
-        return re.findall(r"\bld\.global\.[a-z0-9.]+", compiled.asm["ptx"])
+        return re.findall(r"\bld\.(?:volatile\.)?global\.[a-z0-9.]+", compiled.asm["ptx"])
     if what == "stores":
         return re.findall(r"\bst\.global\.[a-z0-9.]+", compiled.asm["ptx"])
     if what == "atomics":

@@ -309,10 +309,16 @@ def test_the_kernel_compiled_for_hopper_pushes_16_bytes_a_store_and_meets_no_pee
     """Compiled for sm_90 at two ranks and a width of 4096 (256 threads, 32 bytes a thread a
     row): two 16-byte stores a peer for the push, two a slot for the sentinel put back, two each
     for the sum and the normalized row, and the epoch's two words; its only atomic instruction is
-    the count of the call's programs (no compare-and-swap: no barrier, no signal pad)."""
+    the count of the call's programs (no compare-and-swap: no barrier, no signal pad). The wait
+    reads its slots 16 bytes a load, volatile (past L1, where an earlier read could stand), two
+    a slot before the loop and two in it."""
     from tests import sm_compile
 
     launch = _hopper_launch(world=2)
+    (loads,) = sm_compile.global_loads([launch])
+    assert loads.count("ld.volatile.global.v4.b32") == 2 * 2 * 2, loads
+    assert loads.count("ld.volatile.global.b32") == 1, loads  # the epoch
+    assert not [load for load in loads if load.endswith(".b16")], loads
     (stores,) = sm_compile.global_stores([launch])
     assert stores.count("st.global.v4.b32") == 2 * 2 + 2 * 2 + 2 + 2, stores
     assert stores.count("st.global.b32") == 2 and len(stores) == 14, stores
