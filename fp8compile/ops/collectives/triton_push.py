@@ -102,6 +102,7 @@ def _push_all_reduce_kernel(
     BITS: tl.constexpr,
     SENTINEL: tl.constexpr,
     NORM: tl.constexpr,
+    THIRDS_OF: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """NORM: normed = weight * rms_norm(residual + sum), summed = residual + sum; else summed =
@@ -113,7 +114,7 @@ def _push_all_reduce_kernel(
     dtype = x_ptr.dtype.element_ty
     bits_type = tl.int16 if BITS == 16 else tl.int32
     epoch = tl.load(epoch_ptr, volatile=True)
-    third = (epoch % 3).to(tl.int64) * third_numel  # symmetric.THIRDS
+    third = (epoch % THIRDS_OF).to(tl.int64) * third_numel
     slots = third + row.to(tl.int64) * WORLD * H  # this row's slots, one a rank, in every buffer
 
     # this rank's row into its slot of every buffer, the sentinel's bits sent as +0.0
@@ -213,6 +214,7 @@ def _launch(x, residual, weight, normed, summed, eps, buffers, epoch, rank, norm
             BITS=bits,
             SENTINEL=SENTINEL_BITS[bits],
             NORM=norm,
+            THIRDS_OF=THIRDS,
             BLOCK=next_pow2(h),
             num_warps=NUM_WARPS,
         )
